@@ -1,0 +1,91 @@
+"""Typed field readers shared by the protocol parsers: each failure names the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from protocols.errors import ProtocolError, invalid_type, invalid_value
+
+_INT64 = 2**63
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def opt_bool(body: dict, key: str, param: str | None = None) -> bool | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise invalid_type(param or key, "a boolean")
+    return v
+
+
+def opt_str(body: dict, key: str, param: str | None = None) -> str | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise invalid_type(param or key, "a string")
+    return v
+
+
+def opt_object(body: dict, key: str, param: str | None = None) -> dict | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise invalid_type(param or key, "an object")
+    return v
+
+
+def opt_number(body: dict, key: str, lo: float, hi: float, param: str | None = None) -> float | None:
+    v = body.get(key)
+    name = param or key
+    if v is None:
+        return None
+    if not is_number(v):
+        raise invalid_type(name, "a finite number")
+    if not lo <= v <= hi:
+        raise invalid_value(name, f"{v} is outside [{lo}, {hi}].")
+    return float(v)
+
+
+def opt_int(body: dict, key: str, lo: int | None = None, hi: int | None = None, param: str | None = None) -> int | None:
+    v = body.get(key)
+    name = param or key
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # JSON clients sometimes send 1.0 for an integer
+    if not is_int(v):
+        raise invalid_type(name, "an integer")
+    if lo is not None and v < lo:
+        raise invalid_value(name, f"{v} is below the minimum {lo}.")
+    if hi is not None and v > hi:
+        raise invalid_value(name, f"{v} is above the maximum {hi}.")
+    return v
+
+
+def opt_seed(body: dict, key: str = "seed") -> int | None:
+    """A signed 64-bit integer seed."""
+    return opt_int(body, key, -_INT64, _INT64 - 1)
+
+
+def stop_strings(body: dict, key: str = "stop", limit: int = 4) -> tuple[str, ...]:
+    v = body.get(key)
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise invalid_type(key, "a string or an array of strings")
+    if len(items) > limit:
+        raise invalid_value(key, f"at most {limit} stop strings are supported, got {len(items)}.")
+    if any(s == "" for s in items):
+        raise invalid_value(key, "stop strings must be non-empty.")
+    return tuple(items)
+
+
+def require(cond: bool, code: str, message: str, param: str) -> None:
+    if not cond:
+        raise ProtocolError(code, message, param)
