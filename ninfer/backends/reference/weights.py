@@ -1,0 +1,96 @@
+"""The reference backend's weights: upcast once to float32 and laid out for BLAS.
+
+Source tensors use the canonical names and the ``[out, in]`` orientation of ``ninfer.models.dense``.
+Each projection is stored transposed and contiguous (``[in, out]``) so that ``x @ w`` streams the
+weight row by row, which is what OpenBLAS's small-batch GEMM reads fastest. The tied LM head keeps
+the embedding table and multiplies by its transpose view: no second copy of the largest tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import attrs
+import numpy as np
+
+from ninfer.artifact import bf16
+from ninfer.models.dense import DenseConfig, tensor_names
+
+
+def to_float32(array: np.ndarray) -> np.ndarray:
+    """float32 copy of a weight: uint16 arrays are bf16 bit patterns (the artifact's convention)."""
+    if array.dtype == np.uint16:
+        return bf16.to_float32(array)
+    if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
+        return np.asarray(array, dtype=np.float32)
+    raise ValueError(f"weight dtype {array.dtype} is not a floating-point or bf16 tensor")
+
+
+@attrs.define(slots=True)
+class LayerWeights:
+    attn_norm: np.ndarray  # [h]
+    qkv: np.ndarray  # [h, qkv_size]
+    qkv_bias: np.ndarray | None  # [qkv_size]
+    q_norm: np.ndarray | None  # [head_dim]
+    k_norm: np.ndarray | None  # [head_dim]
+    o: np.ndarray  # [q_size, h]
+    mlp_norm: np.ndarray  # [h]
+    gate_up: np.ndarray  # [h, 2 * intermediate]
+    down: np.ndarray  # [intermediate, h]
+
+
+@attrs.define(slots=True)
+class ModelWeights:
+    embed: np.ndarray  # [vocab, h]
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # [h]
+    lm_head: np.ndarray  # [h, vocab]; a transposed view of ``embed`` when tied
+
+
+def load_weights(config: DenseConfig, get: Callable[[str], np.ndarray]) -> ModelWeights:
+    """Read every canonical tensor through ``get(name)``, check its shape, upcast and lay it out."""
+    shapes = tensor_names(config)
+
+    def vector(name: str) -> np.ndarray:
+        return _checked(name, get(name), shapes[name])
+
+    def transposed(name: str) -> np.ndarray:
+        return np.ascontiguousarray(vector(name).T)
+
+    def optional(name: str) -> np.ndarray | None:
+        return vector(name) if name in shapes else None
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        layers.append(
+            LayerWeights(
+                attn_norm=vector(p + "attn_norm"),
+                qkv=transposed(p + "qkv"),
+                qkv_bias=optional(p + "qkv_bias"),
+                q_norm=optional(p + "q_norm"),
+                k_norm=optional(p + "k_norm"),
+                o=transposed(p + "o"),
+                mlp_norm=vector(p + "mlp_norm"),
+                gate_up=transposed(p + "gate_up"),
+                down=transposed(p + "down"),
+            )
+        )
+    embed = vector("embed")
+    lm_head = embed.T if config.tie_word_embeddings else transposed("lm_head")
+    return ModelWeights(embed=embed, layers=layers, final_norm=vector("final_norm"), lm_head=lm_head)
+
+
+def weights_from_mapping(config: DenseConfig, tensors: Mapping[str, np.ndarray]) -> ModelWeights:
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"weights: canonical tensor {name!r} is missing")
+        return tensors[name]
+
+    return load_weights(config, get)
+
+
+def _checked(name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"weights: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+    return np.ascontiguousarray(to_float32(array))
