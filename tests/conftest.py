@@ -11,9 +11,10 @@ import pytest
 def _gpu_available() -> bool:
     try:
         from cuda.bindings import driver  # type: ignore[import-not-found]
-    except ImportError:
+
+        err, = driver.cuInit(0)
+    except Exception:  # no bindings, or bindings without a driver library (a CPU machine)
         return False
-    err, = driver.cuInit(0)
     if err != driver.CUresult.CUDA_SUCCESS:
         return False
     err, count = driver.cuDeviceGetCount()

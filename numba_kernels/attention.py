@@ -1,0 +1,151 @@
+"""Paged attention over the KV pool for decode rows and prefill rows alike (split-K, GQA).
+
+Each query row ``r`` attends causally to positions ``0..positions[r]`` of the sequence whose page
+table is ``page_tables[row_table[r]]`` (its own K/V are already in the pool: ``rope_kv`` ran first),
+so one kernel serves a decode batch and a prefill chunk.
+
+``attention_g{G}_d{D}``: grid ``(kv_heads, rows, n_splits)``, block 128 (4 warps). A block takes the
+``G`` query heads sharing one KV head and the keys ``[split * split_len, ...)`` of one row; each warp
+walks every 4th key, lanes own ``D / 32`` dims, the ``G`` dot products are warp-reduced and folded
+into an online softmax. The block writes an unnormalised partial (``o``, max ``m``, sum ``l``) per
+(row, head, split). ``G`` and ``D`` are compile-time so the per-lane arrays stay in registers.
+Splits past a row's length write ``l = 0`` so a captured graph can launch a fixed grid.
+
+``attention_combine``: grid ``(n_heads, rows)``, block ``D``: merges the splits of each head.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32, int64
+
+from numba_kernels.common import F32P, I32P, U32P, NEG_BIG, bf16_hi, bf16_lo
+
+WARPS = 4
+VARIANTS = [(g, d) for d in (64, 128) for g in (1, 2, 4, 8)]
+
+
+def make_attention(G, D):
+    E = D // 32  # dims per lane (even: D is a multiple of 64)
+    EW = E // 2  # uint32 words per lane
+
+    def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
+                  part_ml, n_heads, n_kv, page_size, split_len, n_splits, scale):
+        sh_m = cuda.shared.array((WARPS, G), float32)
+        sh_l = cuda.shared.array((WARPS, G), float32)
+        sh_o = cuda.shared.array((WARPS, G, D), float32)
+        kvh = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        length = positions[row] + 1
+        start = split * split_len
+        end = min(start + split_len, length)
+        width = (n_heads + 2 * n_kv) * D
+        q = cuda.local.array((G, E), float32)
+        acc = cuda.local.array((G, E), float32)
+        m = cuda.local.array(G, float32)
+        l = cuda.local.array(G, float32)
+        s = cuda.local.array(G, float32)
+        for g in range(G):
+            m[g] = NEG_BIG
+            l[g] = float32(0.0)
+            for e in range(E):
+                q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e] * scale
+                acc[g, e] = float32(0.0)
+        table = row_table[row] * max_pages
+        head_off = int64(kvh) * page_size * D
+        v_off = int64(n_kv) * page_size * D
+        for t in range(start + warp, end, WARPS):
+            page = int64(page_tables[table + t // page_size])
+            # Offsets in uint32 words (pairs of bf16).
+            kbase = (page * page_stride + head_off + int64(t % page_size) * D + lane * E) // 2
+            vbase = kbase + v_off // 2
+            for g in range(G):
+                s[g] = float32(0.0)
+            for w in range(EW):
+                word = kc[kbase + w]
+                k0 = bf16_lo(word)
+                k1 = bf16_hi(word)
+                for g in range(G):
+                    s[g] += q[g, 2 * w] * k0 + q[g, 2 * w + 1] * k1
+            for g in range(G):
+                v = s[g]
+                for offset in (16, 8, 4, 2, 1):
+                    v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                s[g] = v
+            for g in range(G):
+                m_new = max(m[g], s[g])
+                alpha = math.exp(m[g] - m_new)
+                p = math.exp(s[g] - m_new)
+                l[g] = l[g] * alpha + p
+                m[g] = m_new
+                s[g] = p
+                for e in range(E):
+                    acc[g, e] *= alpha
+            for w in range(EW):
+                word = kc[vbase + w]
+                v0 = bf16_lo(word)
+                v1 = bf16_hi(word)
+                for g in range(G):
+                    acc[g, 2 * w] += s[g] * v0
+                    acc[g, 2 * w + 1] += s[g] * v1
+        if lane == 0:
+            for g in range(G):
+                sh_m[warp, g] = m[g]
+                sh_l[warp, g] = l[g]
+        for g in range(G):
+            for e in range(E):
+                sh_o[warp, g, lane * E + e] = acc[g, e]
+        cuda.syncthreads()
+        # Merge the warps: thread t owns (g, d) pairs t, t + 128, ...
+        for idx in range(cuda.threadIdx.x, G * D, WARPS * 32):
+            g = idx // D
+            d = idx % D
+            mm = NEG_BIG
+            for w in range(WARPS):
+                mm = max(mm, sh_m[w, g])
+            ll = float32(0.0)
+            oo = float32(0.0)
+            for w in range(WARPS):
+                f = math.exp(sh_m[w, g] - mm) if sh_l[w, g] > float32(0.0) else float32(0.0)
+                ll += sh_l[w, g] * f
+                oo += sh_o[w, g, d] * f
+            h = kvh * G + g
+            cell = (row * n_heads + h) * n_splits + split
+            part_o[cell * D + d] = oo
+            if d == 0:
+                part_ml[cell * 2] = mm
+                part_ml[cell * 2 + 1] = ll
+
+    attention.__name__ = f"attention_g{G}_d{D}"
+    return attention
+
+
+def attention_combine(out, part_o, part_ml, n_heads, n_splits, head_dim):
+    h = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    d = cuda.threadIdx.x
+    cell0 = (row * n_heads + h) * n_splits
+    mm = NEG_BIG
+    for sp in range(n_splits):
+        if part_ml[(cell0 + sp) * 2 + 1] > float32(0.0):
+            mm = max(mm, part_ml[(cell0 + sp) * 2])
+    ll = float32(0.0)
+    oo = float32(0.0)
+    for sp in range(n_splits):
+        lsp = part_ml[(cell0 + sp) * 2 + 1]
+        if lsp > float32(0.0):
+            f = math.exp(part_ml[(cell0 + sp) * 2] - mm)
+            ll += lsp * f
+            oo += part_o[(cell0 + sp) * head_dim + d] * f
+    out[(row * n_heads + h) * head_dim + d] = oo / ll
+
+
+ATTN_SIG = (F32P, U32P, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, int32,
+            int32, float32)
+
+KERNELS = {f"attention_g{g}_d{d}": (make_attention(g, d), ATTN_SIG) for g, d in VARIANTS}
+KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, int32, int32, int32))

@@ -1,0 +1,127 @@
+"""Compile the Numba kernels to PTX modules in ``ptx/`` plus ``ptx/manifest.json``.
+
+    python -m numba_kernels.build          # (re)write ptx/*.ptx and ptx/manifest.json
+    python -m numba_kernels.build --check  # rebuild in memory, fail if anything differs
+
+Needs the ``cuda`` extra (numba-cuda, nvidia-nvvm 13.0.*, nvidia-cuda-nvrtc 13.0.*) but no GPU.
+NVVM must be 13.0: the driver on our H200 host (CUDA 13.0) rejects the PTX ISA 9.5 of newer NVVMs.
+Each kernel becomes one module whose entry is renamed ``ninfer_<kernel>`` so the PTX is stable
+across machines (Numba's mangled names embed a hash); the manifest gives the file, symbol and
+parameter types the runtime needs for typed launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+CC = (9, 0)
+PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
+MODULES = ("elementwise", "rope", "attention", "gemm", "sampling")
+REQUIRED_PTX_VERSION = "9.0"
+
+
+def _compile_without_gpu() -> None:
+    """Let device functions compile on a machine with no GPU.
+
+    numba-cuda 0.30 asks the current device for its compute capability when it compiles a
+    ``@cuda.jit(device=True)`` helper (``compile_ptx`` itself takes ``cc``); we answer with ours.
+    """
+    import types as pytypes
+
+    from numba.cuda import dispatcher
+
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC)
+
+
+def kernel_table():
+    """{kernel name: (python function, numba argument types)} over every kernel module."""
+    import importlib
+
+    _compile_without_gpu()
+
+    table = {}
+    for module in MODULES:
+        table.update(importlib.import_module(f"numba_kernels.{module}").KERNELS)
+    return table
+
+
+def compile_one(name: str, func, argtypes) -> tuple[str, list[str]]:
+    from numba import cuda, types
+
+    from numba_kernels.common import TYPE_NAMES
+
+    ptx, _ = cuda.compile_ptx(func, types.void(*argtypes), cc=CC, fastmath=False, lineinfo=False)
+    entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
+    if len(entries) != 1:
+        raise RuntimeError(f"{name}: expected one .entry in the PTX, found {len(entries)}")
+    version = re.search(r"^\.version\s+(\S+)", ptx, re.M).group(1)
+    if version != REQUIRED_PTX_VERSION:
+        raise RuntimeError(f"{name}: PTX ISA {version} (NVVM too new?); the H200 driver needs "
+                           f"{REQUIRED_PTX_VERSION}: install nvidia-nvvm==13.0.*")
+    symbol = f"ninfer_{name}"
+    ptx = ptx.replace(entries[0], symbol)
+    envs = list(dict.fromkeys(re.findall(r"_ZN08NumbaEnv[\w$]*", ptx)))
+    for i, env in enumerate(envs):  # one per jitted function (helpers too); unused but declared
+        ptx = ptx.replace(env, f"{symbol}_env{i}")
+    params = [TYPE_NAMES[t] for t in argtypes]
+    declared = len(re.findall(rf"\.param\s+\.\w+\s+{symbol}_param_\d+", ptx))
+    if declared != len(params):
+        raise RuntimeError(f"{name}: PTX declares {declared} params, signature has {len(params)}")
+    return ptx, params
+
+
+def build_all() -> dict[str, str]:
+    """{relative file name: text} for every PTX module and the manifest."""
+    files: dict[str, str] = {}
+    manifest = {"format": 1, "target": f"sm_{CC[0]}{CC[1]}", "ptx_version": REQUIRED_PTX_VERSION,
+                "kernels": {}}
+    for name, (func, argtypes) in sorted(kernel_table().items()):
+        ptx, params = compile_one(name, func, argtypes)
+        files[f"{name}.ptx"] = ptx
+        manifest["kernels"][name] = {"file": f"{name}.ptx", "symbol": f"ninfer_{name}",
+                                     "params": params}
+    files["manifest.json"] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    return files
+
+
+def check(files: dict[str, str], directory: Path) -> list[str]:
+    problems = []
+    for rel, text in files.items():
+        path = directory / rel
+        if not path.exists():
+            problems.append(f"missing: {path}")
+        elif path.read_text() != text:
+            diff = difflib.unified_diff(path.read_text().splitlines(), text.splitlines(),
+                                        str(path), "rebuilt", lineterm="", n=1)
+            problems.append("\n".join(list(diff)[:20]))
+    stale = {p.name for p in directory.glob("*.ptx")} - set(files)
+    problems += [f"stale (no kernel builds it): {directory / s}" for s in sorted(stale)]
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="rebuild and diff against ptx/")
+    parser.add_argument("--out", type=Path, default=PTX_DIR)
+    args = parser.parse_args(argv)
+    files = build_all()
+    if args.check:
+        problems = check(files, args.out)
+        for p in problems:
+            print(p, file=sys.stderr)
+        print(f"{len(files) - 1} kernels: " + ("OUT OF DATE" if problems else "up to date"))
+        return 1 if problems else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    for rel, text in files.items():
+        (args.out / rel).write_text(text)
+    print(f"wrote {len(files) - 1} PTX modules and manifest.json to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Shared device helpers and type aliases for the Numba kernels.
+
+Kernels take C-style pointers (``types.CPointer``) so that their PTX entries have plain
+``.param .u64`` / ``.u32`` / ``.f32`` parameters that ``cuLaunchKernel`` fills from the manifest.
+bf16 values travel as raw ``uint16`` bit patterns (or packed in ``uint32`` pairs); they widen to
+fp32 by a 16-bit shift and narrow with round-to-nearest-even, exactly like ``ninfer.artifact.bf16``.
+Every arithmetic constant is typed float32/uint64 on purpose: a bare Python float would promote
+the expression to float64 (slow on the GPU and a different rounding than the reference).
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64, types
+from numba.cuda import libdevice
+
+F32P = types.CPointer(float32)
+I32P = types.CPointer(int32)
+U16P = types.CPointer(uint16)
+U32P = types.CPointer(uint32)
+U64P = types.CPointer(uint64)
+
+# Manifest spelling of each parameter type the launcher knows how to pack.
+TYPE_NAMES = {F32P: "ptr", I32P: "ptr", U16P: "ptr", U32P: "ptr", U64P: "ptr",
+              int32: "i32", int64: "i64", uint64: "u64", float32: "f32"}
+
+NEG_BIG = float32(-3.0e38)
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_to_f32(bits):
+    return libdevice.int_as_float(int32(uint32(bits) << uint32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_lo(word):
+    """Low bf16 of a little-endian uint32 pair (the element at the lower address)."""
+    return libdevice.int_as_float(int32(word << uint32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_hi(word):
+    return libdevice.int_as_float(int32(word & uint32(0xFFFF0000)))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16(value):
+    """Round to nearest even, as ninfer.artifact.bf16.from_float32 does."""
+    bits = uint32(libdevice.float_as_int(value))
+    rounding = ((bits >> uint32(16)) & uint32(1)) + uint32(0x7FFF)
+    return uint16((bits + rounding) >> uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(value):
+    for offset in (16, 8, 4, 2, 1):
+        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+    return value
+
+
+@cuda.jit(device=True)
+def block_sum(value, scratch):
+    """Sum over the block; ``scratch`` is a shared float32[32]. Every thread gets the total."""
+    lane = cuda.threadIdx.x & 31
+    warp = cuda.threadIdx.x >> 5
+    value = warp_sum(value)
+    if lane == 0:
+        scratch[warp] = value
+    cuda.syncthreads()
+    nwarps = (cuda.blockDim.x + 31) >> 5
+    total = float32(0.0)
+    for i in range(nwarps):
+        total += scratch[i]
+    cuda.syncthreads()
+    return total

@@ -1,0 +1,79 @@
+"""Row-wise kernels of the decoder: embedding gather, RMSNorm (+ residual add), SiLU-mul, counts.
+
+Activations are fp32 ``[rows, width]`` row-major; weights of norms are fp32 (widened at upload).
+Launch: grid ``(rows,)``, block 256 (any multiple of 32 up to 1024) unless noted.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32
+
+from numba_kernels.common import F32P, I32P, U16P, bf16_to_f32, block_sum
+
+
+def embed(out, table, tokens, hidden):
+    """out[r, :] = bf16 table[tokens[r], :] widened to fp32."""
+    row = cuda.blockIdx.x
+    base = tokens[row] * hidden
+    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
+        out[row * hidden + i] = bf16_to_f32(table[base + i])
+
+
+def rmsnorm(out, x, weight, hidden, eps):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight."""
+    scratch = cuda.shared.array(32, float32)
+    row = cuda.blockIdx.x
+    acc = float32(0.0)
+    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
+        v = x[row * hidden + i]
+        acc += v * v
+    total = block_sum(acc, scratch)
+    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
+    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
+        out[row * hidden + i] = x[row * hidden + i] * inv * weight[i]
+
+
+def add_rmsnorm(x, delta, out, weight, hidden, eps):
+    """Residual stream update then norm: x[r] += delta[r]; out[r] = rmsnorm(x[r]) * weight."""
+    scratch = cuda.shared.array(32, float32)
+    row = cuda.blockIdx.x
+    acc = float32(0.0)
+    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
+        v = x[row * hidden + i] + delta[row * hidden + i]
+        x[row * hidden + i] = v
+        acc += v * v
+    total = block_sum(acc, scratch)
+    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
+    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
+        out[row * hidden + i] = x[row * hidden + i] * inv * weight[i]
+
+
+def silu_mul(out, gate_up, ffn):
+    """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)]."""
+    row = cuda.blockIdx.x
+    for i in range(cuda.threadIdx.x, ffn, cuda.blockDim.x):
+        g = gate_up[row * 2 * ffn + i]
+        u = gate_up[row * 2 * ffn + ffn + i]
+        out[row * ffn + i] = g / (float32(1.0) + math.exp(-g)) * u
+
+
+def count_tokens(counts, lanes, tokens, rows, vocab):
+    """counts[lanes[r], tokens[r]] += 1: a decode input is the lane's previous output token.
+
+    Rows of one batch hold distinct lanes, so no two threads touch one counter.
+    Launch: grid ``(ceil(rows / 32),)``, block 32."""
+    r = cuda.grid(1)
+    if r < rows:
+        index = lanes[r] * vocab + tokens[r]
+        counts[index] = counts[index] + int32(1)
+
+
+KERNELS = {
+    "embed": (embed, (F32P, U16P, I32P, int32)),
+    "rmsnorm": (rmsnorm, (F32P, F32P, F32P, int32, float32)),
+    "add_rmsnorm": (add_rmsnorm, (F32P, F32P, F32P, F32P, int32, float32)),
+    "silu_mul": (silu_mul, (F32P, F32P, int32)),
+    "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
+}

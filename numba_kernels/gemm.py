@@ -1,0 +1,110 @@
+"""Matrix products against bf16 weights ``W [N, K]`` (Hugging Face ``[out, in]``): ``y = x @ W.T``.
+
+``gemv_m{M}``: the decode shape, ``rows <= M`` activation rows (M = 1..8 compile-time, so the
+accumulators stay in registers). One warp per output column; lanes stream the weight row in 64-bit
+words (4 bf16) so the weights are read exactly once per step for all rows, and reduce with
+shuffles. Launch: grid ``(ceil(N / 8),)``, block 256; ``K % 4 == 0``.
+
+``gemm_tiled``: the prefill shape (any ``rows``): 64x64 output tiles, K in steps of 16 through shared
+memory, 256 threads each owning a strided 4x4 block of outputs, fp32 FMA (no tensor cores yet).
+Launch: grid ``(ceil(N / 64), ceil(rows / 64))``, block 256.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32
+
+GEMV_ROWS = tuple(range(1, 9))
+
+
+def make_gemv(M):
+    def gemv(y, x, w, rows, n, k, ldy):
+        col = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
+        lane = cuda.threadIdx.x & 31
+        if col >= n:
+            return
+        acc = cuda.local.array(M, float32)
+        for r in range(M):
+            acc[r] = float32(0.0)
+        words = k >> 2
+        wbase = int64(col) * words
+        for j in range(lane, words, 32):
+            word = w[wbase + j]
+            lo = uint32(word & uint64(0xFFFFFFFF))
+            hi = uint32(word >> uint64(32))
+            w0 = bf16_lo(lo)
+            w1 = bf16_hi(lo)
+            w2 = bf16_lo(hi)
+            w3 = bf16_hi(hi)
+            for r in range(M):
+                if r < rows:
+                    xb = r * k + 4 * j
+                    acc[r] += x[xb] * w0 + x[xb + 1] * w1 + x[xb + 2] * w2 + x[xb + 3] * w3
+        for r in range(M):
+            v = acc[r]
+            for offset in (16, 8, 4, 2, 1):
+                v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+            if lane == 0 and r < rows:
+                y[int64(r) * ldy + col] = v
+
+    gemv.__name__ = f"gemv_m{M}"
+    return gemv
+
+
+TILE = 64
+BK = 16
+TILE_PAD = TILE + 1  # a padded row keeps the transposed tile stores off one bank
+
+
+def gemm_tiled(y, x, w, rows, n, k, ldy):
+    xs = cuda.shared.array((BK, TILE_PAD), float32)
+    ws = cuda.shared.array((BK, TILE_PAD), float32)
+    tid = cuda.threadIdx.x
+    tx = tid & 15
+    ty = tid >> 4
+    col0 = cuda.blockIdx.x * TILE
+    row0 = cuda.blockIdx.y * TILE
+    acc = cuda.local.array((4, 4), float32)
+    for i in range(4):
+        for j in range(4):
+            acc[i, j] = float32(0.0)
+    for k0 in range(0, k, BK):
+        for q in range(4):
+            idx = tid + 256 * q
+            r = idx >> 4
+            kk = idx & 15
+            xv = float32(0.0)
+            if row0 + r < rows and k0 + kk < k:
+                xv = x[int64(row0 + r) * k + k0 + kk]
+            xs[kk, r] = xv
+            wv = float32(0.0)
+            if col0 + r < n and k0 + kk < k:
+                wv = bf16_to_f32(w[int64(col0 + r) * k + k0 + kk])
+            ws[kk, r] = wv
+        cuda.syncthreads()
+        for kk in range(BK):
+            a0 = xs[kk, ty]
+            a1 = xs[kk, ty + 16]
+            a2 = xs[kk, ty + 32]
+            a3 = xs[kk, ty + 48]
+            for j in range(4):
+                b = ws[kk, tx + 16 * j]
+                acc[0, j] += a0 * b
+                acc[1, j] += a1 * b
+                acc[2, j] += a2 * b
+                acc[3, j] += a3 * b
+        cuda.syncthreads()
+    for i in range(4):
+        r = row0 + ty + 16 * i
+        if r < rows:
+            for j in range(4):
+                c = col0 + tx + 16 * j
+                if c < n:
+                    y[int64(r) * ldy + c] = acc[i, j]
+
+
+GEMV_SIG = (F32P, F32P, U64P, int32, int32, int32, int32)
+KERNELS = {f"gemv_m{m}": (make_gemv(m), GEMV_SIG) for m in GEMV_ROWS}
+KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int32))
