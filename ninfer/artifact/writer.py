@@ -107,15 +107,16 @@ def write_artifact(path: str | os.PathLike[str], header_fields: dict[str, Any],
         with open(tmp, "wb") as f:
             f.write(PREAMBLE.pack(MAGIC, VERSION, 0, len(raw)))
             f.write(raw)
-            done = 0
+            done, total = 0, sum(info.nbytes for info in infos)  # payload, without alignment gaps
             for src, info in zip(sources, infos):
                 array = _check_loaded(src, src.load())
                 f.seek(data_start + info.offset)  # the gap reads back as zeros
-                f.write(memoryview(array).cast("B"))
+                if info.nbytes:  # memoryview refuses to cast empty arrays
+                    f.write(memoryview(array.reshape(-1)).cast("B"))
                 done += info.nbytes
                 del array
                 if progress is not None:
-                    progress(done, data_size, src.name)
+                    progress(done, total, src.name)
             f.truncate(data_start + data_size)
         os.replace(tmp, path)
     except BaseException:

@@ -1,4 +1,4 @@
-"""`ninfer convert` (not built yet: it says so instead of pretending)."""
+"""`ninfer convert SRC OUT.ninfer` and `ninfer convert --random CONFIG OUT.ninfer [--seed N]`."""
 
 from __future__ import annotations
 
@@ -7,9 +7,36 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.usage = ("ninfer convert SRC OUT.ninfer\n"
+                    "       ninfer convert --random CONFIG OUT.ninfer [--seed N]")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="SRC (Hugging Face checkpoint directory or .gguf file) and OUT.ninfer")
+    parser.add_argument("--random", metavar="CONFIG",
+                        help="write random weights for a DenseConfig JSON file or a preset "
+                             "(tiny-llama, tiny-qwen3) instead of converting SRC")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (with --random)")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("ninfer convert: not available in this build yet", file=sys.stderr)
-    return 2
+    from ninfer.artifact import ArtifactError
+    from ninfer.convert import ConversionError, convert
+    from ninfer.convert.progress import Progress
+    from ninfer.convert.random_model import make_random_artifact
+
+    want = 1 if args.random else 2
+    if len(args.paths) != want:
+        shape = "--random CONFIG OUT.ninfer" if args.random else "SRC OUT.ninfer"
+        print(f"ninfer convert: expected {shape}, got {len(args.paths)} path(s)", file=sys.stderr)
+        return 2
+    out = args.paths[-1]
+    progress = Progress(f"convert → {out}")
+    try:
+        if args.random:
+            make_random_artifact(out, args.random, seed=args.seed, progress=progress)
+        else:
+            convert(args.paths[0], out, progress=progress)
+    except (ConversionError, ArtifactError, ValueError, OSError) as exc:
+        print(f"ninfer convert: error: {exc}", file=sys.stderr)
+        return 1
+    progress.finish()
+    return 0

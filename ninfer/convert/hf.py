@@ -1,0 +1,151 @@
+"""Convert a Hugging Face Llama / Qwen3 checkpoint directory into a `.ninfer` artifact.
+
+Weights keep (or are narrowed to) bf16 and are renamed to the canonical names of
+``ninfer.models.tensor_names``; q/k/v and gate/up are fused here, once, so the runtime does two
+GEMMs where the checkpoint has five. Everything is checked against the config before the first
+byte is written, and each output tensor is built only when the writer asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ninfer.artifact import TensorSource, write_artifact
+from ninfer.artifact.bf16 import from_float32
+from ninfer.convert.errors import ConversionError
+from ninfer.convert.hf_checkpoint import CheckpointWeights, chat_template, read_json, tokenizer_json
+from ninfer.convert.hf_config import dense_config_from_hf
+from ninfer.convert.special_tokens import special_tokens_record
+from ninfer.models import DenseConfig, tensor_names
+
+# Canonical name suffix → Hugging Face source names (concatenated along rows when several).
+_LAYER_SOURCES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("input_layernorm.weight",),
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
+    "o": ("self_attn.o_proj.weight",),
+    "mlp_norm": ("post_attention_layernorm.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+}
+_GLOBAL_SOURCES = {"embed": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",),
+                   "lm_head": ("lm_head.weight",)}
+# Present in some checkpoints but not weights of the model (recomputed buffers).
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+_FLOAT_SOURCES = ("BF16", "F16", "F32")
+
+# Sampler presets the model publishers recommend (Qwen3 model cards); the engine applies them.
+_PRESETS: dict[str, dict[str, dict[str, float]]] = {
+    "Qwen3ForCausalLM": {
+        "thinking": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
+        "non_thinking": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
+    },
+}
+_GENERATION_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty")
+
+
+def source_names(canonical: str) -> tuple[str, ...]:
+    if canonical.startswith("layers."):
+        _, layer, suffix = canonical.split(".", 2)
+        return tuple(f"model.layers.{layer}.{s}" for s in _LAYER_SOURCES[suffix])
+    return _GLOBAL_SOURCES[canonical]
+
+
+def _to_bf16(array: np.ndarray, st_dtype: str) -> np.ndarray:
+    return array if st_dtype == "BF16" else from_float32(array)
+
+
+def _plan_sources(config: DenseConfig, weights: CheckpointWeights) -> list[TensorSource]:
+    """One lazy TensorSource per canonical tensor, after checking every source's presence and shape."""
+    plan, used = [], set()
+    for canonical, shape in tensor_names(config).items():
+        names = source_names(canonical)
+        rows = 0
+        for name in names:
+            if name not in weights.where:
+                raise ConversionError(f"{weights.directory}: tensor {name!r} missing "
+                                      f"(needed for {canonical!r} of {config.architecture})")
+            info = weights.info(name)
+            if info.dtype not in _FLOAT_SOURCES:
+                raise ConversionError(f"{weights.directory}: tensor {name!r} has dtype {info.dtype}; "
+                                      f"expected one of {', '.join(_FLOAT_SOURCES)}")
+            if info.shape[1:] != shape[1:]:
+                raise ConversionError(f"{weights.directory}: tensor {name!r} has shape {list(info.shape)}, "
+                                      f"incompatible with {canonical!r} {list(shape)}")
+            rows += info.shape[0]
+        if rows != shape[0]:
+            raise ConversionError(f"{weights.directory}: {' + '.join(names)} give {rows} rows, the config "
+                                  f"needs {shape[0]} for {canonical!r}")
+        used.update(names)
+        plan.append(TensorSource(canonical, "text", "bf16", shape, _loader(weights, names)))
+    _refuse_unknown(config, weights, used)
+    return plan
+
+
+def _loader(weights: CheckpointWeights, names: tuple[str, ...]) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        parts = [_to_bf16(weights.get(n), weights.info(n).dtype) for n in names]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return load
+
+
+def _refuse_unknown(config: DenseConfig, weights: CheckpointWeights, used: set[str]) -> None:
+    """A tensor we do not map would be silently dropped; that hides a model we do not run."""
+    for name in weights.names():
+        if name in used or name.endswith(_IGNORABLE_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied checkpoints sometimes store the shared matrix twice
+        raise ConversionError(f"{weights.directory}: unexpected tensor {name!r} in the checkpoint "
+                              f"(not part of {config.architecture} as NInfer describes it)")
+
+
+def _special_tokens(directory: Path, cfg: dict[str, Any], gen: dict[str, Any], tok_json: str) -> dict[str, Any]:
+    def pick(key: str) -> Any:
+        return gen.get(key) if gen.get(key) is not None else cfg.get(key)
+
+    record = special_tokens_record(tok_json, pick("bos_token_id"), pick("eos_token_id"), pick("pad_token_id"))
+    # Chat checkpoints sometimes name their end-of-turn token only in tokenizer_config.json.
+    tok_cfg = read_json(directory / "tokenizer_config.json", required=False) or {}
+    eos = tok_cfg.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str) and eos in record["tokens"] and record["tokens"][eos] not in record["eos_token_ids"]:
+        record["eos_token_ids"].append(record["tokens"][eos])
+    return record
+
+
+def header_fields(directory: Path, cfg: dict[str, Any], config: DenseConfig,
+                  weights: CheckpointWeights) -> dict[str, Any]:
+    gen = read_json(directory / "generation_config.json", required=False) or {}
+    tok_json = tokenizer_json(directory)
+    return {
+        "metadata": {"name": directory.resolve().name, "architecture": config.architecture,
+                     "source": {"kind": "huggingface", "path": str(directory.resolve()),
+                                "shards": weights.shard_names, "torch_dtype": cfg.get("torch_dtype")}},
+        "config": config.to_json(),
+        "tokenizer": {"json": tok_json},
+        "chat_template": chat_template(directory),
+        "special_tokens": _special_tokens(directory, cfg, gen, tok_json),
+        "generation": {"defaults": {k: gen[k] for k in _GENERATION_KEYS if k in gen},
+                       "presets": _PRESETS.get(config.architecture, {})},
+        "components": ["text"],
+    }
+
+
+def convert_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], progress=None) -> dict[str, Any]:
+    """Convert the checkpoint directory ``src`` into ``out``; returns the written header."""
+    directory = Path(src)
+    cfg = read_json(directory / "config.json")
+    config = dense_config_from_hf(cfg)
+    weights = CheckpointWeights(directory)
+    fields = header_fields(directory, cfg, config, weights)
+    sources = _plan_sources(config, weights)
+    return write_artifact(out, fields, sources, progress=progress)

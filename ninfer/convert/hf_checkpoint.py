@@ -1,0 +1,109 @@
+"""The files of a Hugging Face checkpoint directory: weights (lazily, across shards) and text assets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ninfer.convert.errors import ConversionError
+from ninfer.convert.safetensors import SafetensorInfo, SafetensorsFile
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ConversionError(f"{path}: missing (a Hugging Face checkpoint needs it)")
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path}: invalid JSON: {exc}") from None
+
+
+class CheckpointWeights:
+    """Name → tensor over every shard; shards are mapped on first use, tensors viewed on demand."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, str] = {}  # tensor name → shard file name
+        index = read_json(directory / INDEX_NAME, required=False)
+        if index is not None:
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{directory / INDEX_NAME}: no weight_map")
+            self._index_files(sorted(set(weight_map.values())), weight_map)
+        else:
+            shards = sorted(p.name for p in directory.glob("*.safetensors"))
+            if not shards:
+                raise ConversionError(f"{directory}: no *.safetensors weights found")
+            self._index_files(shards, None)
+
+    def _index_files(self, shards: list[str], weight_map: dict[str, str] | None) -> None:
+        for shard in shards:
+            for name in self._file(shard).keys():
+                if name in self.where:
+                    raise ConversionError(f"{self.directory}: tensor {name!r} is in both "
+                                          f"{self.where[name]} and {shard}")
+                self.where[name] = shard
+        if weight_map is not None:
+            lost = sorted(n for n, f in weight_map.items() if self.where.get(n) != f)
+            if lost:
+                raise ConversionError(f"{self.directory / INDEX_NAME}: tensor {lost[0]!r} is not in "
+                                      f"{weight_map[lost[0]]} as the index says")
+
+    def _file(self, shard: str) -> SafetensorsFile:
+        if shard not in self._files:
+            path = self.directory / shard
+            if not path.is_file():
+                raise ConversionError(f"{path}: missing shard named by {INDEX_NAME}")
+            self._files[shard] = SafetensorsFile(path)
+        return self._files[shard]
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def info(self, name: str) -> SafetensorInfo:
+        return self._file(self.where[name]).infos[name]
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file(self.where[name]).get(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.info(n).end - self.info(n).begin for n in self.where)
+
+    @property
+    def shard_names(self) -> list[str]:
+        return sorted(set(self.where.values()))
+
+
+def chat_template(directory: Path) -> str | None:
+    """chat_template.jinja wins (newer transformers save it there), else tokenizer_config.json's."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = read_json(directory / "tokenizer_config.json", required=False) or {}
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def tokenizer_json(directory: Path) -> str:
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ConversionError(f"{path}: missing (NInfer needs the fast-tokenizer JSON; save the "
+                              f"tokenizer with transformers to produce it)")
+    text = path.read_text(encoding="utf-8")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path}: invalid JSON: {exc}") from None
+    return text
