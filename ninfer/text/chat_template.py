@@ -1,0 +1,352 @@
+"""Chat template rendering: messages -> prompt text and token ids (docs/text.md).
+
+Templates run in Jinja's immutable sandbox with what Hugging Face templates expect (trim_blocks,
+lstrip_blocks, loop controls, ``raise_exception``, ``strftime_now``, HF ``tojson``). Each prompt
+is rendered twice: once plainly, giving the prompt text, and once with client strings marked
+(``client_text``), giving which characters came from the client. Control tokens are recognized
+only in the template's own text; every run of text between them, template and client text
+together, is encoded with control tokens off, as Hugging Face would tokenize it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import contextvars
+
+import attrs
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ninfer.text import client_text
+from ninfer.text.client_text import ClientStr, Marks
+from ninfer.text.tokenizer import Tokenizer
+
+# Names a request's template kwargs may not set: the conversation, the generation mode and what
+# the tokenizer provides (spec, chat_template_kwargs).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now",
+    "namespace",
+})
+# Standard options where None means "unspecified": they are dropped so the template default holds.
+STANDARD_OPTIONS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+# Qwen's canonical guidance when a thinking budget runs out: committed to the sequence, then the
+# close marker (spec, --default-thinking-budget).
+QWEN_THINKING_EARLY_CLOSE = ("\n\nConsidering the limited time, I have to give the solution based on "
+                             "the thinking directly now.\n</think>\n\n")
+
+
+class TemplateError(Exception):
+    """The chat template cannot render this conversation; the message says why."""
+
+
+class TemplateKwargError(ValueError):
+    """A template kwarg that a request may not set."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"chat_template_kwargs.{name}: {reason}")
+        self.name = name
+
+
+@attrs.frozen
+class Prompt:
+    token_ids: tuple[int, ...]
+    text: str
+    thinking: bool  # generation starts inside an open <think>
+    # Token count at the end of each message where the prompt of messages[:i+1] (no generation
+    # prompt) is an exact token prefix of this prompt; None where it is not (e.g. the template
+    # dropped that turn's reasoning once a later user turn arrived).
+    message_end_offsets: tuple[int | None, ...]
+    # Token count before the generation prompt (None if the template rewrote earlier text).
+    prefix_before_generation: int | None
+
+
+def _raise_exception(message: Any) -> None:
+    raise TemplateError(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's ``{% generation %}`` marks assistant text for training masks; here it only renders."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False,
+            marks: Marks | None = None) -> str:
+    """HF ``tojson``: plain ``json.dumps`` (non-ASCII kept, member order kept, no HTML escaping).
+
+    Client strings keep their marks: each is swapped for a placeholder before dumping and the
+    placeholder replaced by the marked, JSON-escaped text afterwards.
+    """
+    found: list[str] = []
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, ClientStr):
+            found.append(str.__str__(v))
+            return f"\ue010{len(found) - 1}\ue011"
+        if isinstance(v, Mapping):
+            items = sorted(v.items(), key=lambda kv: str.__str__(kv[0])) if sort_keys else v.items()
+            return {swap(k): swap(x) for k, x in items}
+        if isinstance(v, (list, tuple)):
+            return [swap(x) for x in v]
+        return v
+
+    text = json.dumps(swap(value), ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+    if not found:
+        return text
+    assert marks is not None
+
+    def unswap(m: re.Match) -> str:
+        escaped = json.dumps(found[int(m.group(1))], ensure_ascii=ensure_ascii)[1:-1]
+        return f"{marks.open}{escaped}{marks.close}" if escaped else ""
+
+    return re.sub("\ue010(\\d+)\ue011", unswap, text)
+
+
+# The marks of the marked render in progress (None during a plain render). A context variable,
+# so that renders on different threads or tasks never see each other's marks.
+_MARKS: contextvars.ContextVar[Marks | None] = contextvars.ContextVar("ninfer_marks", default=None)
+
+
+class _Env(ImmutableSandboxedEnvironment):
+    """The sandbox, plus provenance tracking for Python calls while a marked render runs."""
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        result = super().call(__context, __obj, *args, **kwargs)
+        marks = _MARKS.get()
+        # Macros are template code whose output is tracked precisely; methods of a client string
+        # already return client strings.
+        if (marks is None or isinstance(__obj, jinja2.runtime.Macro)
+                or isinstance(getattr(__obj, "__self__", None), ClientStr)):
+            return result
+        return client_text.taint_result(result, args, kwargs, marks)
+
+
+def _tracked_filter(fn):
+    passes_context = hasattr(fn, "jinja_pass_arg")
+
+    def filt(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        marks = _MARKS.get()
+        if marks is None:
+            return result
+        # A context/environment first argument holds the whole template state, not an input.
+        inputs = args[1:] if passes_context else args
+        return client_text.taint_result(result, inputs, kwargs, marks)
+
+    if passes_context:
+        filt.jinja_pass_arg = fn.jinja_pass_arg
+    return filt
+
+
+def _make_env() -> _Env:
+    env = _Env(trim_blocks=True, lstrip_blocks=True,
+               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return _tojson(value, ensure_ascii, indent, separators, sort_keys, _MARKS.get())
+
+    def join(value, d="", attribute=None):
+        items = list(value) if attribute is None else [env.getattr(v, attribute) for v in value]
+        return str(d).join(str(v) for v in items)  # str() keeps each client item's marks
+
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _tracked_filter(fn)
+    env.filters["tojson"] = tojson
+    env.filters["join"] = join
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatFormatter:
+    """Renders conversations with one template over one tokenizer (see the module docstring)."""
+
+    def __init__(self, tokenizer: Tokenizer, template_source: str, special_tokens: Mapping[str, Any]):
+        self.tokenizer = tokenizer
+        self._env = _make_env()
+        try:
+            self._template = self._env.from_string(template_source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"chat template syntax error, line {exc.lineno}: {exc.message}") from exc
+        bos = special_tokens.get("bos_token_id")
+        eos = list(special_tokens.get("eos_token_ids") or [])
+        self._token_vars = {
+            "bos_token": tokenizer.id_to_token(bos) if bos is not None else "",
+            "eos_token": tokenizer.id_to_token(eos[0]) if eos else "",
+        }
+        added = tokenizer.added_tokens
+        # Leftmost-longest match of control spellings in template text.
+        self._control = {s: i for s, i in added.items() if not s.isspace()}
+        spellings = sorted(self._control, key=len, reverse=True)
+        self._control_re = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        self._think_open = added.get(THINK_OPEN)
+        self._think_close = added.get(THINK_CLOSE)
+
+    # -- public -------------------------------------------------------------------------------
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = True, **template_kwargs: Any) -> Prompt:
+        kwargs = self._check_kwargs(template_kwargs)
+        text = self._render_plain(messages, tools, add_generation_prompt, kwargs)
+        spans = self._render_spans(messages, tools, add_generation_prompt, kwargs, text)
+        pieces = self._pieces(spans)
+        ids, starts = self._encode(pieces)
+        return Prompt(
+            token_ids=tuple(ids),
+            text=text,
+            thinking=self._starts_thinking(ids),
+            message_end_offsets=tuple(
+                self._prefix_tokens(messages[:i + 1], tools, False, kwargs, text, pieces, starts)
+                for i in range(len(messages))),
+            prefix_before_generation=(
+                self._prefix_tokens(messages, tools, False, kwargs, text, pieces, starts)
+                if add_generation_prompt else len(ids)),
+        )
+
+    # -- rendering ------------------------------------------------------------------------------
+
+    def _check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for name in kwargs:
+            if name in RESERVED_TEMPLATE_KWARGS:
+                raise TemplateKwargError(name, "is set by the server and cannot be overridden")
+        return {k: v for k, v in kwargs.items() if not (k in STANDARD_OPTIONS and v is None)}
+
+    def _run(self, messages, tools, add_generation_prompt, kwargs) -> str:
+        try:
+            return self._template.render(
+                **kwargs, **self._token_vars, messages=messages, tools=tools,
+                add_generation_prompt=add_generation_prompt)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+    def _render_plain(self, messages, tools, add_generation_prompt, kwargs) -> str:
+        return self._run(list(messages), list(tools) if tools else tools, add_generation_prompt, kwargs)
+
+    def _render_spans(self, messages, tools, add_generation_prompt, kwargs,
+                      plain: str) -> list[tuple[str, bool]]:
+        """The rendering as (text, is_client) spans, checked against the plain rendering."""
+        marks = Marks()
+        token = _MARKS.set(marks)
+        try:
+            marked = self._run(client_text.mark_client(list(messages), marks),
+                               client_text.mark_client(tools, marks) if tools else tools,
+                               add_generation_prompt, client_text.mark_client(kwargs, marks))
+            spans = client_text.split_marked(marked, marks)
+        except client_text.UnbalancedMarks as exc:
+            raise TemplateError(f"chat template cuts through client text ({exc}); cannot tell "
+                                "client text from template markup") from exc
+        finally:
+            _MARKS.reset(token)
+        if "".join(s for s, _ in spans) != plain:
+            raise TemplateError("chat template renders client strings differently when tracking "
+                                "their origin; cannot tell client text from template markup")
+        return spans
+
+    # -- encoding -------------------------------------------------------------------------------
+
+    def _pieces(self, spans: list[tuple[str, bool]]) -> list[str | int]:
+        """Text runs and control ids: controls only from template spans, text runs merged."""
+        pieces: list[str | int] = []
+
+        def add_text(s: str) -> None:
+            if not s:
+                return
+            if pieces and isinstance(pieces[-1], str):
+                pieces[-1] += s
+            else:
+                pieces.append(s)
+
+        for text, is_client in spans:
+            if is_client or self._control_re is None:
+                add_text(text)
+                continue
+            pos = 0
+            for m in self._control_re.finditer(text):
+                add_text(text[pos:m.start()])
+                pieces.append(self._control[m.group()])
+                pos = m.end()
+            add_text(text[pos:])
+        return pieces
+
+    def _encode(self, pieces: list[str | int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids plus (char offset, token index) at the start of each piece."""
+        encoded = iter(self.tokenizer.encode_many([p for p in pieces if isinstance(p, str)]))
+        ids: list[int] = []
+        starts: list[tuple[int, int]] = []
+        char = 0
+        for p in pieces:
+            starts.append((char, len(ids)))
+            if isinstance(p, str):
+                ids.extend(next(encoded))
+                char += len(p)
+            else:
+                ids.append(p)
+                char += len(self.tokenizer.id_to_token(p) or "")
+        starts.append((char, len(ids)))
+        return ids, starts
+
+    def _prefix_tokens(self, messages, tools, add_generation_prompt, kwargs, full_text: str,
+                       pieces: list[str | int], starts: list[tuple[int, int]]) -> int | None:
+        """Token count of a shorter rendering if it is an exact token prefix of the full prompt."""
+        try:
+            prefix = self._render_plain(messages, tools, add_generation_prompt, kwargs)
+        except TemplateError:
+            return None
+        if not full_text.startswith(prefix):
+            return None
+        end = len(prefix)
+        for k, (char, tok) in enumerate(starts):
+            if char == end:
+                return tok
+            if k + 1 < len(starts) and char < end < starts[k + 1][0]:
+                piece = pieces[k]
+                if not isinstance(piece, str):
+                    return None  # the prefix ends inside a control token's spelling
+                head = self.tokenizer.encode(piece[:end - char])
+                whole = self.tokenizer.encode(piece)
+                return tok + len(head) if whole[:len(head)] == head else None
+        return None
+
+    def _starts_thinking(self, ids: Sequence[int]) -> bool:
+        """Whether the last reasoning marker in the prompt opens a block (client text has none)."""
+        if self._think_open is None:
+            return False
+        for token in reversed(ids):
+            if token == self._think_open:
+                return True
+            if token == self._think_close:
+                return False
+        return False
+
+
+def early_close_ids(tokenizer: Tokenizer) -> list[int]:
+    """Token ids of ``QWEN_THINKING_EARLY_CLOSE``: guidance text, the ``</think>`` id, text."""
+    close = tokenizer.added_tokens.get(THINK_CLOSE)
+    if close is None:
+        raise ValueError(f"the tokenizer has no {THINK_CLOSE} token; a thinking budget needs it")
+    before, after = QWEN_THINKING_EARLY_CLOSE.split(THINK_CLOSE)
+    return tokenizer.encode(before) + [close] + tokenizer.encode(after)
