@@ -7,7 +7,11 @@ Run it in a scratch venv that has torch and transformers (they are not product d
     .scratch/torchvenv/bin/python tools/make_parity_fixtures.py [--out tests/fixtures/parity]
 
 For each model below it writes ``<out>/<name>/``:
-- ``config.json`` and ``model.safetensors`` (bf16), exactly as ``save_pretrained`` writes them;
+- ``config.json`` and ``model.safetensors`` (bf16) as ``save_pretrained`` writes them, with two
+  edits: rope settings spelled the classic way (``rope_theta`` + ``rope_scaling``, as published
+  checkpoints have them) and Llama's all-zero ``o_proj.bias`` removed (see ``build_model``);
+- ``tokenizer.json``: a tiny word-level tokenizer (``<pad>``, ``<s>``, ``</s>``, ``t3`` ... ``t255``)
+  so the checkpoint converts like a real one;
 - ``golden.npz``: for prompt ``i`` (fixed random token ids) ``prompt_i`` int32 [n],
   ``prompt_logits_i`` float32 [n, vocab] (every prompt position), ``greedy_i`` int32 [32] (greedy
   continuation) and ``greedy_logits_i`` float32 [32, vocab] (the logits each greedy token was
@@ -105,6 +109,7 @@ def build_model(architecture: str, fields: dict) -> torch.nn.Module:
             elif name.endswith("o_proj.bias"):
                 # Llama's attention_bias also gives o_proj a bias, which our canonical tensors
                 # (ninfer.models.dense: q/k/v biases only, the Qwen2-style layout) do not have.
+                # Zero it here and drop it from the file after the oracle has run.
                 param.zero_()
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
@@ -152,6 +157,29 @@ def write_classic_rope_fields(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 = COMMON's pad, bos, eos
+    vocab = {token: i for i, token in enumerate(specials + [f"t{i}" for i in range(len(specials), vocab_size)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    tokenizer.save(str(path))
+
+
+def drop_zero_o_bias(path: Path) -> None:
+    """Remove ``o_proj.bias`` tensors, which must be all zero (the function stays the same)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    biases = [name for name in tensors if name.endswith("o_proj.bias")]
+    if not biases:
+        return
+    assert all(not tensors[name].any() for name in biases)
+    save_file({k: v for k, v in tensors.items() if k not in biases}, path, metadata={"format": "pt"})
+
+
 class NearTie(Exception):
     pass
 
@@ -174,12 +202,14 @@ def write_fixture(name: str, architecture: str, fields: dict, out_dir: Path, see
     build_model(architecture, fields).to(torch.bfloat16).save_pretrained(target, safe_serialization=True)
     (target / "generation_config.json").unlink(missing_ok=True)
     write_classic_rope_fields(target / "config.json")
+    write_tokenizer(target / "tokenizer.json", COMMON["vocab_size"])
     # The oracle is transformers itself loading the bf16 checkpoint and upcasting to float32.
     model = getattr(transformers, architecture).from_pretrained(
         target, dtype=torch.float32, attn_implementation="eager"
     )
     model.eval()
     np.savez_compressed(target / "golden.npz", **golden(model, COMMON["vocab_size"], rng))
+    drop_zero_o_bias(target / "model.safetensors")
     config = json.loads((target / "config.json").read_text())
     size = sum(f.stat().st_size for f in target.iterdir())
     print(f"{name}: {architecture}, {config.get('num_hidden_layers')} layers, seed {seed}, {size / 1024:.0f} KiB")
