@@ -25,6 +25,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ninfer.convert.errors import ConversionError
+
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -53,7 +55,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 }
 
 
-class GGUFError(ValueError):
+class GGUFError(ConversionError, ValueError):
     """A GGUF file we cannot read or a tensor we cannot dequantize; the message names the problem."""
 
 
