@@ -126,14 +126,25 @@ def _broken(tmp_path, mutate_weights=None, **kw):
      "mlp.down_proj.weight' has shape \\[64, 95\\], incompatible with 'layers.0.down'"),
     (lambda w: w.__setitem__("model.layers.0.mlp.up_proj.weight", np.zeros((90, 64), np.float32)),
      "give 186 rows, the config needs 192 for 'layers.0.gate_up'"),
-    (lambda w: w.__setitem__("model.layers.0.mlp.gate_proj.bias", np.zeros(96, np.float32)),
+    (lambda w: w.__setitem__("model.layers.0.mlp.gate_proj.bias", np.full(96, 0.5, np.float32)),
      "unexpected tensor 'model.layers.0.mlp.gate_proj.bias'"),
+    (lambda w: w.__setitem__("model.layers.0.self_attn.o_proj.bias", np.eye(1, 64, 3, dtype=np.float32)[0]),
+     "unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"),
 ])
 def test_bad_checkpoints_fail_before_writing(tmp_path, mutate, message):
     src = _broken(tmp_path, mutate)
     with pytest.raises(ConversionError, match=message):
         convert(src, tmp_path / "out.ninfer")
     assert not list(tmp_path.glob("out.ninfer*"))
+
+
+def test_all_zero_unmapped_bias_and_rotary_buffers_are_dropped(tmp_path):
+    """transformers writes Llama's o_proj.bias under attention_bias; zeros change nothing."""
+    def add(w):
+        w["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+        w["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+    convert(_broken(tmp_path, add), tmp_path / "out.ninfer")
+    assert "layers.0.o" in open_artifact(tmp_path / "out.ninfer").tensor_names()
 
 
 def test_missing_files(tmp_path):
@@ -204,3 +215,22 @@ def test_safetensors_round_trip_and_malformed(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ConversionError, match="not a safetensors file"):
         SafetensorsFile(tmp_path / "junk.safetensors")
+
+
+def test_progress_redraws_on_a_tty_and_reports_rate():
+    import io
+
+    from ninfer.convert.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream, ticks = Terminal(), iter([10.0, 12.0])
+    progress = Progress("convert", stream=stream, clock=lambda: next(ticks))
+    progress(50_000_000, 100_000_000, "embed")
+    progress(100_000_000, 100_000_000, "lm_head")
+    assert progress.finish() == pytest.approx(50.0)
+    text = stream.getvalue()
+    assert text.count("\r") == 2 and " 50.0%" in text and "100.0%" in text
+    assert text.endswith("\nconvert: wrote 100.0 MB in 2.00 s (50.0 MB/s)\n")

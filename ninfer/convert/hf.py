@@ -98,12 +98,15 @@ def _loader(weights: CheckpointWeights, names: tuple[str, ...]) -> Callable[[], 
 
 
 def _refuse_unknown(config: DenseConfig, weights: CheckpointWeights, used: set[str]) -> None:
-    """A tensor we do not map would be silently dropped; that hides a model we do not run."""
+    """A tensor we do not map would be silently dropped; that hides a model we do not run.
+    Dropping is exact only for buffers and all-zero biases, so only those are let through."""
     for name in weights.names():
         if name in used or name.endswith(_IGNORABLE_SUFFIXES):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied checkpoints sometimes store the shared matrix twice
+        if name.endswith(".bias") and not np.any(weights.get(name)):
+            continue  # e.g. Llama's o_proj.bias under attention_bias: all zeros adds nothing
         raise ConversionError(f"{weights.directory}: unexpected tensor {name!r} in the checkpoint "
                               f"(not part of {config.architecture} as NInfer describes it)")
 
