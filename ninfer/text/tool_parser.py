@@ -237,7 +237,7 @@ class ToolCallParser:
             if end > MAX_TAG_NAME:
                 raise _Fallback(FallbackReason.MALFORMED_STRUCTURE)
             return None
-        if self._buf[end] != ">" or end == 0:
+        if self._buf[end] != ">":
             raise _Fallback(FallbackReason.MALFORMED_STRUCTURE)
         name = self._consume(end)
         self._consume(1)
@@ -300,6 +300,8 @@ class ToolCallParser:
         if name is None:
             return False
         assert self._call is not None
+        if not name:
+            raise _Fallback(FallbackReason.MALFORMED_STRUCTURE)
         if name in self._call.names:
             raise _Fallback(FallbackReason.DUPLICATE_PARAMETER)
         self._call.names.add(name)
