@@ -119,7 +119,9 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
         escaped = json.dumps(found[int(m.group(1))], ensure_ascii=ensure_ascii)[1:-1]
         return f"{marks.open}{escaped}{marks.close}" if escaped else ""
 
-    return re.sub("\ue010(\\d+)\ue011", unswap, text)
+    # the placeholder as json.dumps wrote it (escaped when ensure_ascii)
+    left, right = (json.dumps(c, ensure_ascii=ensure_ascii)[1:-1] for c in ("\ue010", "\ue011"))
+    return re.sub(f"{re.escape(left)}(\\d+){re.escape(right)}", unswap, text)
 
 
 # The marks of the marked render in progress (None during a plain render). A context variable,
@@ -204,7 +206,7 @@ class ChatFormatter:
 
     # -- public -------------------------------------------------------------------------------
 
-    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+    def render(self, messages: Sequence[Mapping[str, Any]], /, tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, **template_kwargs: Any) -> Prompt:
         kwargs = self._check_kwargs(template_kwargs)
         text = self._render_plain(messages, tools, add_generation_prompt, kwargs)
