@@ -4,12 +4,15 @@ fails with one ArtifactError naming its problem."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
 
 from ninfer.artifact import ALIGNMENT, ArtifactError, TensorSource, open_artifact, write_artifact
 from ninfer.artifact.bf16 import from_float32, to_float32
@@ -124,6 +127,29 @@ def test_bf16_round_to_nearest_even_and_specials():
     np.testing.assert_array_equal(to_float32(from_float32(values)), values)  # bf16-exact values, subnormal too
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+@example(0x7F7FFFFF)  # above half-way past the largest bf16: overflows to +inf
+@example(0x7F7F7FFF)  # just below half-way: stays the largest finite bf16
+@example(0x80018000)  # negative subnormal tie
+def test_bf16_rounding_matches_exact_nearest_even(bits):
+    """Against exact arithmetic: the nearest bf16 (ties to the even mantissa) of any finite f32,
+    rounding as if the exponent were unbounded (so past the largest bf16 it becomes infinity)."""
+    value = np.array([bits], np.uint32).view(np.float32)
+    assume(np.isfinite(value[0]))
+    lo = bits >> 16
+
+    def as_float(b):
+        f = float(np.array([b << 16], np.uint32).view(np.float32)[0])
+        return math.copysign(2.0**128, f) if math.isinf(f) else f  # the unbounded next value
+
+    exact = float(value[0])
+    below, above = abs(as_float(lo) - exact), abs(as_float(lo + 1) - exact)
+    want = lo if below < above or (below == above and lo % 2 == 0) else lo + 1
+    got = int(from_float32(value)[0])
+    assert got == want, f"{bits:#010x} -> {got:#06x}, want {want:#06x}"
+
+
 # ----- writer behaviour
 
 
@@ -165,6 +191,12 @@ def test_writer_rejects_load_that_disagrees_with_declaration(tmp_path):
     with pytest.raises(ArtifactError, match="load\\(\\) gave float32, declared bf16"):
         write_artifact(tmp_path / "x.ninfer", _plain_fields(), [wrong])
     assert os.listdir(tmp_path) == []
+
+
+def test_writer_needs_an_existing_output_directory(tmp_path):
+    with pytest.raises(ArtifactError, match="the output directory .*nowhere does not exist"):
+        write_artifact(tmp_path / "nowhere" / "x.ninfer", _plain_fields(),
+                       [TensorSource.from_array("a", "vision", "u8", np.zeros(2, np.uint8))])
 
 
 def test_writer_refuses_incomplete_text_component(tmp_path):

@@ -96,6 +96,9 @@ def write_artifact(path: str | os.PathLike[str], header_fields: dict[str, Any],
     """Write the artifact and return its header. ``header_fields`` holds metadata, config,
     tokenizer, chat_template, special_tokens, generation and optionally components."""
     path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ArtifactError(f"{path}: the output directory {parent} does not exist")
     sources = list(tensors)  # cheap: sources are lazy, only their declarations are held
     infos, data_size = _plan(sources)
     header = build_header(header_fields, infos, data_size)
