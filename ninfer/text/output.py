@@ -40,7 +40,9 @@ __all__ = [
 
 
 class _Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+    """``ninfer.text.Tokenizer``: only its decode is used."""
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str: ...
 
 
 @attrs.frozen
@@ -56,7 +58,9 @@ class OutputDecoder:
     def __init__(self, tokenizer: _Decoder, *, starts_in_thinking: bool = False,
                  tools: Iterable[Any] | None = None, stops: Sequence[str] | None = None,
                  tool_parsing: bool = True) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer.decode)
+        # Special ids (end of turn, a stray <|im_start|>) are not output text; the reasoning and
+        # tool-call markers are ordinary added tokens and decode to their spellings.
+        self._detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids, skip_special=True))
         self._splitter = ReasoningSplitter(starts_in_thinking)
         self._stops = {Channel.REASONING: StopMatcher(stops), Channel.CONTENT: StopMatcher(stops)}
         self._tools = ToolCallParser(tools if tool_parsing else None)
