@@ -316,3 +316,13 @@ def test_quantized_tensor_is_refused(qwen_path):
     header["tensors"][0]["quantization"] = "nvfp4"
     _rewrite(qwen_path, header, data)
     _expect(qwen_path, "quantization 'nvfp4' is not supported by this build")
+
+
+def test_close_keeps_live_views_valid_and_refuses_new_ones(qwen_path):
+    art = open_artifact(qwen_path)
+    view = art.tensor("final_norm")
+    expected = view.copy()
+    art.close()
+    np.testing.assert_array_equal(view, expected)  # the map lives as long as its views
+    with pytest.raises(ArtifactError, match="artifact is closed"):
+        art.tensor("final_norm")

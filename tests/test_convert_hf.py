@@ -147,6 +147,18 @@ def test_all_zero_unmapped_bias_and_rotary_buffers_are_dropped(tmp_path):
     assert "layers.0.o" in open_artifact(tmp_path / "out.ninfer").tensor_names()
 
 
+def test_chat_template_sources_in_order(tmp_path):
+    from ninfer.convert.hf_checkpoint import chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
+    assert chat_template(tmp_path) == "D"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    assert chat_template(tmp_path) == "P"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert chat_template(tmp_path) == "J"
+
+
 def test_missing_files(tmp_path):
     src = _broken(tmp_path, shards=2)
     (src / "tokenizer.json").unlink()

@@ -84,12 +84,14 @@ class CheckpointWeights:
 
 
 def chat_template(directory: Path) -> str | None:
-    """chat_template.jinja wins (newer transformers save it there), else tokenizer_config.json's."""
+    """chat_template.jinja wins (newer transformers save it there), then a processor's
+    chat_template.json (multimodal checkpoints), then tokenizer_config.json's."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
+    processor = read_json(directory / "chat_template.json", required=False) or {}
     config = read_json(directory / "tokenizer_config.json", required=False) or {}
-    template = config.get("chat_template")
+    template = processor.get("chat_template", config.get("chat_template"))
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
