@@ -187,3 +187,65 @@ def tiny_tokenizer_metadata(pre: str = "gpt2") -> dict[str, Any]:
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}",
     }
+
+
+# --- a tiny llama model in GGUF form (the layout llama.cpp's converter writes) ---------------------
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 263
+
+# One type per tensor role, so every supported block format passes through the converter.
+TYPES = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
+         "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q4_0", "output": "F16"}
+
+
+def tiny_llama_metadata(**extra):
+    md = {
+        "general.architecture": "llama", "general.name": "tiny test llama",
+        "llama.block_count": LAYERS, "llama.context_length": 1024, "llama.embedding_length": HIDDEN,
+        "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
+        "llama.attention.head_count_kv": KV_HEADS, "llama.rope.freq_base": 10000.0,
+        "llama.attention.layer_norm_rms_epsilon": 1e-6, "llama.vocab_size": VOCAB,
+        "llama.rope.dimension_count": HEAD_DIM,
+    }
+    md.update(tiny_tokenizer_metadata())
+    md.update(extra)
+    return md
+
+
+def hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights in Hugging Face layout, keyed by GGUF tensor name (before llama.cpp's q/k permutation)."""
+    rng = np.random.default_rng(seed)
+    w = {"token_embd.weight": rng.normal(size=(VOCAB, HIDDEN)), "output_norm.weight": 1 + rng.normal(size=HIDDEN) / 10}
+    if not tied:
+        w["output.weight"] = rng.normal(size=(VOCAB, HIDDEN)) / 8
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        w[b + "attn_norm.weight"] = 1 + rng.normal(size=HIDDEN) / 10
+        w[b + "ffn_norm.weight"] = 1 + rng.normal(size=HIDDEN) / 10
+        w[b + "attn_q.weight"] = rng.normal(size=(HEADS * HEAD_DIM, HIDDEN)) / 8
+        w[b + "attn_k.weight"] = rng.normal(size=(KV_HEADS * HEAD_DIM, HIDDEN)) / 8
+        w[b + "attn_v.weight"] = rng.normal(size=(KV_HEADS * HEAD_DIM, HIDDEN)) / 8
+        w[b + "attn_output.weight"] = rng.normal(size=(HIDDEN, HEADS * HEAD_DIM)) / 8
+        w[b + "ffn_gate.weight"] = rng.normal(size=(FFN, HIDDEN)) / 8
+        w[b + "ffn_up.weight"] = rng.normal(size=(FFN, HIDDEN)) / 8
+        w[b + "ffn_down.weight"] = rng.normal(size=(HIDDEN, FFN)) / 8
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def type_of(name: str) -> str:
+    return TYPES.get(name.split(".")[-2], "F32")
+
+
+def write_tiny_llama(path, *, tied=False, types=type_of, metadata=None, seed=0, extra_tensors=()):
+    """A tiny llama GGUF as llama.cpp's converter would write it; returns the raw bytes per tensor."""
+    hf = hf_weights(tied, seed)
+    raws, tensors = {}, []
+    for name, w in hf.items():
+        if name.endswith("attn_q.weight"):
+            w = permute_rope_rows(w, HEADS)
+        elif name.endswith("attn_k.weight"):
+            w = permute_rope_rows(w, KV_HEADS)
+        raws[name] = quantize(w, types(name))
+        tensors.append((name, types(name), w.shape, raws[name]))
+    write_gguf(path, metadata or tiny_llama_metadata(), tensors + list(extra_tensors))
+    return hf, raws

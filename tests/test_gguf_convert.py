@@ -5,73 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gguf_testing import (Typed, F32, dequantize_reference, permute_rope_rows, quantize,
-                          tiny_tokenizer_metadata, write_gguf)
+from gguf_testing import (F32, FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, Typed,
+                          dequantize_reference, hf_weights, permute_rope_rows, quantize, tiny_llama_metadata,
+                          type_of, write_gguf, write_tiny_llama)
 from ninfer.artifact import open_artifact
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.convert import ConversionError, convert
 from ninfer.convert.gguf import convert_gguf, default_name, unpermute_rope_rows
 from ninfer.models import tensor_names
-
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 263
-
-# One type per tensor role, so every supported block format passes through the converter.
-TYPES = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "F16", "attn_output": "BF16",
-         "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q4_0", "output": "F16"}
-
-
-def _metadata(**extra):
-    md = {
-        "general.architecture": "llama", "general.name": "tiny test llama",
-        "llama.block_count": LAYERS, "llama.context_length": 1024, "llama.embedding_length": HIDDEN,
-        "llama.feed_forward_length": FFN, "llama.attention.head_count": HEADS,
-        "llama.attention.head_count_kv": KV_HEADS, "llama.rope.freq_base": 10000.0,
-        "llama.attention.layer_norm_rms_epsilon": 1e-6, "llama.vocab_size": VOCAB,
-        "llama.rope.dimension_count": HEAD_DIM,
-    }
-    md.update(tiny_tokenizer_metadata())
-    md.update(extra)
-    return md
-
-
-def _hf_weights(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    """Weights in Hugging Face layout, keyed by GGUF tensor name (before llama.cpp's q/k permutation)."""
-    rng = np.random.default_rng(seed)
-    w = {"token_embd.weight": rng.normal(size=(VOCAB, HIDDEN)), "output_norm.weight": 1 + rng.normal(size=HIDDEN) / 10}
-    if not tied:
-        w["output.weight"] = rng.normal(size=(VOCAB, HIDDEN)) / 8
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        w[b + "attn_norm.weight"] = 1 + rng.normal(size=HIDDEN) / 10
-        w[b + "ffn_norm.weight"] = 1 + rng.normal(size=HIDDEN) / 10
-        w[b + "attn_q.weight"] = rng.normal(size=(HEADS * HEAD_DIM, HIDDEN)) / 8
-        w[b + "attn_k.weight"] = rng.normal(size=(KV_HEADS * HEAD_DIM, HIDDEN)) / 8
-        w[b + "attn_v.weight"] = rng.normal(size=(KV_HEADS * HEAD_DIM, HIDDEN)) / 8
-        w[b + "attn_output.weight"] = rng.normal(size=(HIDDEN, HEADS * HEAD_DIM)) / 8
-        w[b + "ffn_gate.weight"] = rng.normal(size=(FFN, HIDDEN)) / 8
-        w[b + "ffn_up.weight"] = rng.normal(size=(FFN, HIDDEN)) / 8
-        w[b + "ffn_down.weight"] = rng.normal(size=(HIDDEN, FFN)) / 8
-    return {k: v.astype(np.float32) for k, v in w.items()}
-
-
-def _type_of(name: str) -> str:
-    return TYPES.get(name.split(".")[-2], "F32")
-
-
-def write_tiny_llama(path, *, tied=False, types=_type_of, metadata=None, seed=0, extra_tensors=()):
-    """A tiny llama GGUF as llama.cpp's converter would write it; returns the raw bytes per tensor."""
-    hf = _hf_weights(tied, seed)
-    raws, tensors = {}, []
-    for name, w in hf.items():
-        if name.endswith("attn_q.weight"):
-            w = permute_rope_rows(w, HEADS)
-        elif name.endswith("attn_k.weight"):
-            w = permute_rope_rows(w, KV_HEADS)
-        raws[name] = quantize(w, types(name))
-        tensors.append((name, types(name), w.shape, raws[name]))
-    write_gguf(path, metadata or _metadata(), tensors + list(extra_tensors))
-    return hf, raws
-
 
 def _hf_order_rows(gguf_rows: np.ndarray, n_heads: int) -> np.ndarray:
     """Per head, HF row i < d/2 is GGUF row 2i and HF row d/2 + i is GGUF row 2i + 1."""
@@ -82,7 +23,7 @@ def _hf_order_rows(gguf_rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _expected(raws: dict[str, bytes], shape_of) -> dict[str, np.ndarray]:
     """Every canonical tensor from the per-element reference dequantization."""
-    deq = {n: dequantize_reference(r, _type_of(n)).reshape(shape_of(n)) for n, r in raws.items()}
+    deq = {n: dequantize_reference(r, type_of(n)).reshape(shape_of(n)) for n, r in raws.items()}
     out = {"embed": deq["token_embd.weight"], "final_norm": deq["output_norm.weight"]}
     if "output.weight" in deq:
         out["lm_head"] = deq["output.weight"]
@@ -201,7 +142,7 @@ def test_config_and_text_assets(tmp_path):
 
 
 def test_yarn_rope_scaling_keys(tmp_path):
-    md = _metadata(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+    md = tiny_llama_metadata(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
                       "llama.rope.scaling.original_context_length": 256,
                       "llama.rope.scaling.yarn_beta_fast": 16.0})
     write_tiny_llama(tmp_path / "y.gguf", metadata=md)
@@ -213,14 +154,14 @@ def test_yarn_rope_scaling_keys(tmp_path):
 
 def test_unsupported_tensor_type_fails_before_writing(tmp_path):
     def types(name):
-        return "Q5_0" if name == "blk.1.ffn_up.weight" else _type_of(name)
+        return "Q5_0" if name == "blk.1.ffn_up.weight" else type_of(name)
 
-    hf = _hf_weights(False)
+    hf = hf_weights(False)
     tensors = []
     for name, w in hf.items():
         raw = bytes(w.size // 32 * 22) if types(name) == "Q5_0" else quantize(w, types(name))
         tensors.append((name, types(name), w.shape, raw))
-    write_gguf(tmp_path / "k.gguf", _metadata(), tensors)
+    write_gguf(tmp_path / "k.gguf", tiny_llama_metadata(), tensors)
     with pytest.raises(ConversionError, match=r"'blk\.1\.ffn_up\.weight' has type Q5_0"):
         convert_gguf(tmp_path / "k.gguf", tmp_path / "k.ninfer")
     assert not (tmp_path / "k.ninfer").exists()
@@ -235,14 +176,14 @@ def test_unsupported_tensor_type_fails_before_writing(tmp_path):
     ({"tokenizer.ggml.model": "llama"}, r"tokenizer.ggml.model 'llama' is not supported"),
 ])
 def test_unsupported_models_are_refused(tmp_path, change, message):
-    write_tiny_llama(tmp_path / "u.gguf", metadata=_metadata(**change))
+    write_tiny_llama(tmp_path / "u.gguf", metadata=tiny_llama_metadata(**change))
     with pytest.raises(ConversionError, match=message):
         convert_gguf(tmp_path / "u.gguf", tmp_path / "u.ninfer")
     assert not (tmp_path / "u.ninfer").exists()
 
 
 def test_missing_metadata_key_is_named(tmp_path):
-    md = _metadata()
+    md = tiny_llama_metadata()
     del md["llama.feed_forward_length"]
     write_tiny_llama(tmp_path / "m.gguf", metadata=md)
     with pytest.raises(ConversionError, match="lacks 'llama.feed_forward_length'"):
@@ -258,7 +199,7 @@ def test_unknown_and_misshaped_tensors_are_refused(tmp_path):
     write_tiny_llama(tmp_path / "x.gguf", extra_tensors=extra)
     with pytest.raises(ConversionError, match=r"no place in a llama model: blk\.0\.attn_q_norm\.weight"):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "x.ninfer")
-    wrong = _metadata(**{"llama.feed_forward_length": FFN + 32})
+    wrong = tiny_llama_metadata(**{"llama.feed_forward_length": FFN + 32})
     write_tiny_llama(tmp_path / "s.gguf", metadata=wrong)
     with pytest.raises(ConversionError, match=r"layers\.0\.gate_up.*the config needs \[256, 64\]"):
         convert_gguf(tmp_path / "s.gguf", tmp_path / "s.ninfer")
@@ -275,7 +216,7 @@ def test_default_name_strips_the_quantization_suffix(tmp_path):
 
 
 def test_metadata_float_rounding_is_shortest(tmp_path):
-    md = _metadata(**{"llama.attention.layer_norm_rms_epsilon": Typed(F32, 1e-5)})
+    md = tiny_llama_metadata(**{"llama.attention.layer_norm_rms_epsilon": Typed(F32, 1e-5)})
     write_tiny_llama(tmp_path / "e.gguf", metadata=md)
     convert_gguf(tmp_path / "e.gguf", tmp_path / "e.ninfer")
     assert open_artifact(tmp_path / "e.ninfer").config["rms_norm_eps"] == 1e-5
