@@ -216,3 +216,15 @@ def test_early_close_guidance_ids(tok):
     assert tok.decode(ids) == QWEN_THINKING_EARLY_CLOSE
     assert ids.count(IDS["</think>"]) == 1
     assert ids[-len(tok.encode("\n\n")):] == tok.encode("\n\n")
+
+
+def test_boundaries_are_computed_for_the_requested_messages(fmt):
+    msgs = [user(f"q{i}") if i % 2 == 0 else assistant(f"a{i}") for i in range(11)]
+    default = fmt.render(msgs, preserve_thinking=True)
+    assert [off is not None for off in default.message_end_offsets] == [False] * 3 + [True] * 8
+    chosen = fmt.render(msgs, preserve_thinking=True, boundary_messages=[0, 4])
+    assert [i for i, off in enumerate(chosen.message_end_offsets) if off is not None] == [0, 4]
+    assert chosen.message_end_offsets[4] == len(
+        fmt.render(msgs[:5], add_generation_prompt=False, preserve_thinking=True).token_ids)
+    with pytest.raises(ValueError, match="boundary_messages: 11 is not a message index"):
+        fmt.render(msgs, boundary_messages=[11])

@@ -10,10 +10,11 @@ together, is encoded with control tokens off, as Hugging Face would tokenize it.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import contextvars
@@ -36,6 +37,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 # Standard options where None means "unspecified": they are dropped so the template default holds.
 STANDARD_OPTIONS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
+
+# Message ends whose token offsets render() computes unless told which (one rendering each).
+DEFAULT_BOUNDARY_MESSAGES = 8
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -206,9 +210,17 @@ class ChatFormatter:
 
     # -- public -------------------------------------------------------------------------------
 
-    def render(self, messages: Sequence[Mapping[str, Any]], /, tools: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = True, **template_kwargs: Any) -> Prompt:
+    def render(self, messages: Sequence[Mapping[str, Any]], /,
+               tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
+               boundary_messages: Iterable[int] | None = None, **template_kwargs: Any) -> Prompt:
+        """Render and encode one conversation.
+
+        ``boundary_messages``: indices of the messages whose end offsets to compute (each costs
+        one more template rendering of the shorter conversation); default: the last
+        ``DEFAULT_BOUNDARY_MESSAGES``. The others are None in ``message_end_offsets``.
+        """
         kwargs = self._check_kwargs(template_kwargs)
+        wanted = _wanted_boundaries(len(messages), boundary_messages)
         text = self._render_plain(messages, tools, add_generation_prompt, kwargs)
         spans = self._render_spans(messages, tools, add_generation_prompt, kwargs, text)
         pieces = self._pieces(spans)
@@ -219,7 +231,7 @@ class ChatFormatter:
             thinking=self._starts_thinking(ids),
             message_end_offsets=tuple(
                 self._prefix_tokens(messages[:i + 1], tools, False, kwargs, text, pieces, starts)
-                for i in range(len(messages))),
+                if i in wanted else None for i in range(len(messages))),
             prefix_before_generation=(
                 self._prefix_tokens(messages, tools, False, kwargs, text, pieces, starts)
                 if add_generation_prompt else len(ids)),
@@ -321,17 +333,16 @@ class ChatFormatter:
         if not full_text.startswith(prefix):
             return None
         end = len(prefix)
-        for k, (char, tok) in enumerate(starts):
-            if char == end:
-                return tok
-            if k + 1 < len(starts) and char < end < starts[k + 1][0]:
-                piece = pieces[k]
-                if not isinstance(piece, str):
-                    return None  # the prefix ends inside a control token's spelling
-                head = self.tokenizer.encode(piece[:end - char])
-                whole = self.tokenizer.encode(piece)
-                return tok + len(head) if whole[:len(head)] == head else None
-        return None
+        k = bisect.bisect_right(starts, (end, float("inf"))) - 1
+        char, tok = starts[k]
+        if char == end:
+            return tok
+        piece = pieces[k]
+        if not isinstance(piece, str):
+            return None  # the prefix ends inside a control token's spelling
+        # inside a text run: a boundary only if encoding the run's head alone agrees
+        head = self.tokenizer.encode(piece[:end - char])
+        return tok + len(head) if self.tokenizer.encode(piece)[:len(head)] == head else None
 
     def _starts_thinking(self, ids: Sequence[int]) -> bool:
         """Whether the last reasoning marker in the prompt opens a block (client text has none)."""
@@ -343,6 +354,16 @@ class ChatFormatter:
             if token == self._think_close:
                 return False
         return False
+
+
+def _wanted_boundaries(count: int, indices: Iterable[int] | None) -> frozenset[int]:
+    if indices is None:
+        return frozenset(range(max(0, count - DEFAULT_BOUNDARY_MESSAGES), count))
+    wanted = frozenset(indices)
+    for i in wanted:
+        if not (isinstance(i, int) and 0 <= i < count):
+            raise ValueError(f"boundary_messages: {i!r} is not a message index (0..{count - 1})")
+    return wanted
 
 
 def early_close_ids(tokenizer: Tokenizer) -> list[int]:
