@@ -1,0 +1,163 @@
+"""The ASGI application: routing and the cross-cutting rules every endpoint shares.
+
+Request ids, authentication, CORS and error envelopes live here once; endpoint handlers (chat,
+models, health, metrics, and later responses/messages) only see an ``Exchange``. A handler raises
+``ProtocolError`` for client-visible failures; anything else is an internal error (500, logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from ninfer.server import sse
+from ninfer.server.http import ClientGone, Receive, Request, Send, dumps, send_response
+from protocols.errors import ProtocolError
+
+log = logging.getLogger("ninfer.server")
+
+Handler = Callable[["Exchange"], Awaitable[None]]
+
+CORS_HEADERS = [(b"access-control-allow-origin", b"*"), (b"access-control-expose-headers", b"*")]
+PREFLIGHT_HEADERS = [
+    (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+    (b"access-control-allow-headers", b"*"),
+    (b"access-control-max-age", b"600"),
+]
+
+
+class Exchange:
+    """One HTTP request/response pair as a handler sees it."""
+
+    def __init__(self, app: "App", request: Request, send: Send, family: str, params: dict[str, str]):
+        self.app = app
+        self.state = app.state
+        self.request = request
+        self.family = family  # "openai" or "anthropic": error envelope and request-id header
+        self.params = params
+        self.request_id = _new_request_id(family)
+        self._send = send
+        self.started = False
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        name = b"request-id" if self.family == "anthropic" else b"x-request-id"
+        out = [(name, self.request_id.encode())]
+        if self.app.cors:
+            out += CORS_HEADERS
+        return out
+
+    async def json_body(self) -> Any:
+        return await self.request.json(self.app.max_request_bytes)
+
+    async def send_json(self, status: int, obj: Any) -> None:
+        self.started = True
+        await send_response(self._send, status, dumps(obj), self.headers())
+
+    async def send_text(self, status: int, body: bytes, content_type: bytes) -> None:
+        self.started = True
+        await send_response(self._send, status, body, self.headers(), content_type)
+
+    async def send_error(self, err: ProtocolError) -> None:
+        if self.family == "anthropic":
+            await self.send_json(err.anthropic_status(), err.anthropic_body(self.request_id))
+        else:
+            await self.send_json(err.status, err.openai_body())
+
+    async def send_sse(self, frames: AsyncIterator[bytes]) -> None:
+        self.started = True
+        await sse.stream(self._send, self.headers(), frames, self.app.keepalive_s)
+
+
+def _new_request_id(family: str) -> str:
+    return ("req_" if family == "anthropic" else "req-") + secrets.token_hex(12)
+
+
+class App:
+    def __init__(self, state: Any, *, api_key: str | None = None, cors: bool = False,
+                 max_request_mib: int = 384, keepalive_s: float = sse.KEEPALIVE_SECONDS):
+        self.state = state
+        self.api_key = api_key
+        self.cors = cors
+        self.max_request_bytes = max_request_mib * 1024 * 1024
+        self.keepalive_s = keepalive_s
+        self._routes: list[tuple[str, re.Pattern[str], Handler, str, bool]] = []
+
+    def route(self, method: str, path: str, handler: Handler, *, family: str = "openai",
+              public: bool = False) -> None:
+        """Register ``handler``; ``{name}`` placeholders become ``exchange.params[name]``."""
+        # `{name}` matches one segment; `{name:path}` the rest of the path (model ids may hold "/").
+        regex = re.sub(r"\{(\w+):path\}", r"(?P<\1>.+)", path)
+        pattern = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", regex) + "$")
+        self._routes.append((method, pattern, handler, family, public))
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        if request.method == "OPTIONS":
+            await self._preflight(send)
+            return
+        handler, family, public, params, allowed = self._match(request)
+        ex = Exchange(self, request, send, family, params)
+        try:
+            if handler is None:
+                if allowed:
+                    raise ProtocolError("method_not_allowed", f"{request.method} is not allowed on {request.path}.")
+                raise ProtocolError("not_found", f"No route for {request.method} {request.path}.")
+            if not public:
+                self._authenticate(request)
+            await handler(ex)
+        except ProtocolError as err:
+            if not ex.started:
+                await ex.send_error(err)
+        except ClientGone:
+            pass
+        except Exception:
+            # Internal invariant failures stay 500s and are logged; the client sees no internals.
+            log.exception("internal error on %s %s (request %s)", request.method, request.path, ex.request_id)
+            if not ex.started:
+                await ex.send_error(ProtocolError("internal_error", "The server failed to process the request."))
+
+    def _match(self, request: Request):
+        allowed = False
+        for method, pattern, handler, family, public in self._routes:
+            m = pattern.match(request.path)
+            if m is None:
+                continue
+            if method != request.method:
+                allowed = True
+                continue
+            return handler, family, public, m.groupdict(), True
+        family = "anthropic" if request.path.startswith("/v1/messages") else "openai"
+        return None, family, True, {}, allowed
+
+    def _authenticate(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        bearer = auth[7:] if auth[:7].lower() == "bearer " else None
+        given = bearer if bearer is not None else request.headers.get("x-api-key")
+        if given is None or not secrets.compare_digest(given.encode(), self.api_key.encode()):
+            raise ProtocolError("invalid_api_key", "Missing or invalid API key (Authorization: Bearer or x-api-key).")
+
+    async def _preflight(self, send: Send) -> None:
+        # Preflight is never authenticated; without --cors it advertises nothing.
+        if self.cors:
+            await send_response(send, 204, b"", CORS_HEADERS + PREFLIGHT_HEADERS, b"text/plain")
+        else:
+            await send_response(send, 405, b"", [], b"text/plain")
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,66 @@
+"""Transport pieces without a model: accepted-socket options, log format, argv redaction."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import socket
+import sys
+
+import pytest
+
+from ninfer.observability import logs
+from ninfer.observability.request_log import redact_argv
+from ninfer.server import listen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_USER_TIMEOUT is Linux-only")
+def test_accepted_sockets_inherit_keepalive_and_user_timeout():
+    server = socket.create_server(("127.0.0.1", 0))
+    listen.configure_socket(server)
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15_000
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == listen.KEEPALIVE_IDLE_S
+    finally:
+        for s in (accepted, client, server):
+            s.close()
+
+
+def test_hypercorn_listener_sockets_are_configured():
+    config = listen.hypercorn_config("127.0.0.1", 0)
+    sockets = config.create_sockets()
+    try:
+        (sock,) = sockets.insecure_sockets
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15_000
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    finally:
+        for s in sockets.insecure_sockets:
+            s.close()
+
+
+def test_pretty_log_format_and_levels():
+    out = io.StringIO()
+    handler = logs.setup("info", out)
+    try:
+        log = logging.getLogger("ninfer.server")
+        log.debug("hidden")
+        log.info("ready: serving %s", "m")
+        log.warning("careful")
+    finally:
+        logging.getLogger("ninfer").removeHandler(handler)
+        logging.getLogger("hypercorn.error").removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    pattern = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (INFO|WARNING) [ -~]+$"  # plain printable, no escapes
+    assert all(re.match(pattern, line) for line in lines), lines
+    assert lines[0].endswith("INFO ready: serving m")
+
+
+def test_argv_redaction():
+    assert redact_argv(["serve", "--api-key", "s3", "--api-key=s4", "--port", "1"]) == [
+        "serve", "--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
