@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ninfer.text.holdback import partial_marker_suffix
 from ninfer.text.stops import StopMatcher, validate_stops
 
 
@@ -79,3 +80,11 @@ def test_any_split_gives_the_reference_result(stops, text, cuts):
     bounds = [0, *sorted(c for c in cuts if c <= len(text)), len(text)]
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     assert _run(stops, chunks) == _reference(stops, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXT, STOPS)
+def test_hold_back_is_the_longest_suffix_that_starts_a_stop(text, stops):
+    expected = max([k for k in range(1, len(text) + 1) for s in stops
+                    if k < len(s) and s.startswith(text[-k:])], default=0)
+    assert partial_marker_suffix(text, stops) == expected

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ninfer.text.events import ContentDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
-from ninfer.text.tool_parser import ToolCallParser, declared_tools
+from ninfer.text.tool_parser import MAX_TAG_NAME, ToolCallParser, declared_tools
 
 WEATHER = {
     "type": "function",
@@ -159,6 +159,19 @@ def test_fallback_returns_the_region_byte_exactly_with_its_reason(reason, text):
 def test_fallback_is_the_same_when_streamed_one_character_at_a_time(reason, text):
     events, parser = run(list(text))
     assert content(events) == text and parser.diagnostics["fallback_reason"] == reason
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_overlong_tag_names_are_not_tags_however_the_text_arrives(split):
+    long_name = "p" * (MAX_TAG_NAME + 1)
+    text = call("get_weather", (long_name, "1"))
+    events, parser = run(list(text) if split else text)
+    assert content(events) == text
+    assert parser.diagnostics["fallback_reason"] == "malformed_structure"
+    nested = f"a <parameter={long_name}> b"  # not an opener, so it needs no closing tag
+    events, _ = run(list(call("write_file", ("content", nested))) if split
+                    else call("write_file", ("content", nested)))
+    assert json.loads(calls(events)[0][1]) == {"content": nested}
 
 
 def test_a_later_region_still_becomes_calls_after_a_fallback():

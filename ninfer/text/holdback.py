@@ -13,9 +13,12 @@ def partial_marker_suffix(text: str, markers: Iterable[str]) -> int:
     """
     best = 0
     for marker in markers:
-        # Only suffixes longer than the best so far can improve it.
-        for length in range(min(len(text), len(marker) - 1), best, -1):
-            if marker.startswith(text[-length:]):
-                best = length
+        # Candidate suffixes start at an occurrence of the marker's first character; scanning
+        # from the left finds the longest one first.
+        at = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+        while at >= 0 and len(text) - at > best:
+            if marker.startswith(text[at:]):
+                best = len(text) - at
                 break
+            at = text.find(marker[0], at + 1)
     return best

@@ -237,7 +237,7 @@ class ToolCallParser:
             if end > MAX_TAG_NAME:
                 raise _Fallback(FallbackReason.MALFORMED_STRUCTURE)
             return None
-        if self._buf[end] != ">":
+        if self._buf[end] != ">" or end > MAX_TAG_NAME:
             raise _Fallback(FallbackReason.MALFORMED_STRUCTURE)
         name = self._consume(end)
         self._consume(1)
@@ -346,7 +346,7 @@ class ToolCallParser:
         end = min((at for at in (tail.find(b) for b in _NAME_BREAKERS) if at >= 0), default=-1)
         if end < 0:
             return None if len(tail) <= MAX_TAG_NAME else ""
-        if tail[end] == ">" and end > 0:
+        if tail[end] == ">" and 0 < end <= MAX_TAG_NAME:
             return rest[:len(PARAMETER_OPEN) + end + 1]
         return ""
 
