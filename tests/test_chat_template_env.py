@@ -53,7 +53,7 @@ def test_tojson_has_hf_semantics(tok):
 
 
 def test_bos_and_eos_token_variables(tok):
-    assert render(tok, "[{{ bos_token }}][{{ eos_token }}]").text == "[][<|im_end|>]"
+    assert render(tok, "[{{ bos_token }}][{{ eos_token }}][{{ pad_token }}]").text == "[][<|im_end|>][<|endoftext|>]"
     ids = render(tok, "{{ eos_token }}").token_ids
     assert list(ids) == [IDS["<|im_end|>"]]  # template variables are markup
 

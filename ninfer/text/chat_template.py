@@ -102,11 +102,12 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     placeholder replaced by the marked, JSON-escaped text afterwards.
     """
     found: list[str] = []
+    tag = marks.nonce if marks is not None else ""
 
     def swap(v: Any) -> Any:
         if isinstance(v, ClientStr):
             found.append(str.__str__(v))
-            return f"\ue010{len(found) - 1}\ue011"
+            return f"\ue010{tag}:{len(found) - 1}\ue011"
         if isinstance(v, Mapping):
             items = sorted(v.items(), key=lambda kv: str.__str__(kv[0])) if sort_keys else v.items()
             return {swap(k): swap(x) for k, x in items}
@@ -125,7 +126,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
     # the placeholder as json.dumps wrote it (escaped when ensure_ascii)
     left, right = (json.dumps(c, ensure_ascii=ensure_ascii)[1:-1] for c in ("\ue010", "\ue011"))
-    return re.sub(f"{re.escape(left)}(\\d+){re.escape(right)}", unswap, text)
+    return re.sub(f"{re.escape(left)}{tag}:(\\d+){re.escape(right)}", unswap, text)
 
 
 # The marks of the marked render in progress (None during a plain render). A context variable,
@@ -196,9 +197,12 @@ class ChatFormatter:
             raise TemplateError(f"chat template syntax error, line {exc.lineno}: {exc.message}") from exc
         bos = special_tokens.get("bos_token_id")
         eos = list(special_tokens.get("eos_token_ids") or [])
+        pad = special_tokens.get("pad_token_id")
+        # HF passes the tokenizer's special-token spellings to every template.
         self._token_vars = {
             "bos_token": tokenizer.id_to_token(bos) if bos is not None else "",
             "eos_token": tokenizer.id_to_token(eos[0]) if eos else "",
+            "pad_token": tokenizer.id_to_token(pad) if pad is not None else "",
         }
         added = tokenizer.added_tokens
         # Leftmost-longest match of control spellings in template text.

@@ -33,7 +33,7 @@ class Marks:
     """The sentinel pair of one render: private-use characters around a random nonce."""
 
     def __init__(self) -> None:
-        nonce = secrets.token_hex(8)
+        self.nonce = nonce = secrets.token_hex(8)
         self.open = f"\ue000{nonce}\ue001"
         self.close = f"\ue002{nonce}\ue003"
         self.pattern = re.compile(f"({re.escape(self.open)}|{re.escape(self.close)})")
