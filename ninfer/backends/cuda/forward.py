@@ -1,0 +1,197 @@
+"""The dense decoder as a sequence of kernel launches over static device buffers.
+
+``StepBuffers`` carves every activation, the KV pool, the RoPE tables, the sampler counts and the
+per-step inputs out of one workspace allocation; addresses never change, so a captured decode graph
+stays valid and the runner only rewrites the inputs (one pinned host-to-device copy per step).
+``Forward`` enqueues the launches of one step on a stream: it is the same code whether it runs
+directly or under CUDA Graph capture.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer.backends.cuda import runtime as rt
+from ninfer.backends.reference.rope import rope_tables
+from ninfer.models.dense import DenseConfig
+
+GEMV_MAX_ROWS = 8
+SPLIT_LEN = 256  # keys per attention split: a 8k context gives 32 splits per (row, kv head)
+KV_DTYPES = {"bf16": 2, "f32": 4}
+HEAD_DIMS = (64, 128)
+GROUPS = (1, 2, 4, 8)
+SAMPLE_THREADS = 1024
+
+
+def check_supported(config: DenseConfig, kv_dtype: str) -> None:
+    """Reject shapes the kernels were not built for, naming the field."""
+    if config.head_dim not in HEAD_DIMS:
+        raise ValueError(f"the CUDA backend supports head_dim {HEAD_DIMS}, the model has {config.head_dim}")
+    if config.num_heads % config.num_kv_heads or config.num_heads // config.num_kv_heads not in GROUPS:
+        raise ValueError(f"the CUDA backend supports num_heads / num_kv_heads in {GROUPS}, the model has "
+                         f"{config.num_heads} / {config.num_kv_heads}")
+    for field in ("hidden_size", "intermediate_size"):
+        if getattr(config, field) % 4:
+            raise ValueError(f"the CUDA backend needs {field} divisible by 4, got {getattr(config, field)}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+
+
+class Inputs:
+    """The per-step inputs: one pinned host block mirrored by one device block."""
+
+    def __init__(self, device: rt.Device, arena: rt.Arena, rows: int, max_batch: int, max_pages: int):
+        fields = [("tokens", np.int32, rows), ("positions", np.int32, rows), ("row_table", np.int32, rows),
+                  ("lanes", np.int32, max_batch), ("page_tables", np.int32, max_batch * max_pages),
+                  ("iparams", np.int32, 2 * max_batch), ("fparams", np.float32, 5 * max_batch),
+                  ("keys", np.uint64, 2 * max_batch)]
+        offsets, size = {}, 0
+        for name, dtype, count in fields:
+            size = -(-size // 8) * 8
+            offsets[name] = (size, dtype, count)
+            size += np.dtype(dtype).itemsize * count
+        self.nbytes = size
+        self.host = device.pinned(size)
+        self.device = arena.take(size, "inputs")
+        for name, (offset, dtype, count) in offsets.items():
+            nbytes = np.dtype(dtype).itemsize * count
+            setattr(self, name, self.host[offset:offset + nbytes].view(dtype))
+            setattr(self, "d_" + name, self.device.at(offset, nbytes))
+        self.page_tables = self.page_tables.reshape(max_batch, max_pages)
+
+    def upload(self, stream) -> None:
+        rt.copy_h2d(self.device, self.host, stream)
+
+
+class StepBuffers:
+    def __init__(self, device: rt.Device, config: DenseConfig, *, page_size: int, num_pages: int,
+                 max_batch: int, max_context: int, max_rows: int, kv_dtype: str):
+        c = config
+        self.rows = max(max_rows, max_batch)
+        self.max_pages = -(-max_context // page_size)
+        self.n_splits = -(-max_context // SPLIT_LEN)
+        self.kv_itemsize = KV_DTYPES[kv_dtype]
+        self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
+        self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
+        self.logit_rows = max_batch
+        f32 = 4
+        R = self.rows
+        plan = {
+            "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
+            "qkv": R * c.qkv_size * f32, "attn": R * c.q_size * f32,
+            "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
+            "part_o": R * c.num_heads * self.n_splits * c.head_dim * f32,
+            "part_ml": R * c.num_heads * self.n_splits * 2 * f32,
+            "logits": self.logit_rows * c.vocab_size * f32,
+            "counts": max_batch * c.vocab_size * 4,
+            "out": max_batch * 4,
+            "cos": max_context * c.head_dim // 2 * f32, "sin": max_context * c.head_dim // 2 * f32,
+            "kv": num_pages * self.page_elems * self.kv_itemsize,
+        }
+        inputs_bytes = 8 * (3 * R + max_batch * (self.max_pages + 12)) + 256
+        self.workspace_bytes = sum(-(-n // 256) * 256 for n in plan.values()) + inputs_bytes + 4096
+        self.arena = rt.Arena(device.alloc(self.workspace_bytes, "workspace"))
+        for name, nbytes in plan.items():
+            setattr(self, name, self.arena.take(nbytes, name))
+        self.inputs = Inputs(device, self.arena, R, max_batch, self.max_pages)
+        cos, sin = rope_tables(config, max_context)
+        self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
+
+    def init(self, stream) -> None:
+        rt.copy_h2d(self.cos, self._tables[0], stream)
+        rt.copy_h2d(self.sin, self._tables[1], stream)
+        rt.memset32(self.counts, 0, self.counts.nbytes // 4, stream)
+        rt.memset32(self.kv, 0, self.kv.nbytes // 4, stream)
+        rt.synchronize(stream)
+        self._tables = None
+
+
+class Forward:
+    """Enqueues the launches of one step; reads inputs and weights only from static addresses."""
+
+    def __init__(self, kernels: rt.Kernels, config: DenseConfig, weights: dict[str, rt.DevicePtr],
+                 buffers: StepBuffers, *, page_size: int, kv_dtype: str):
+        self.k = kernels
+        self.c = config
+        self.w = weights
+        self.b = buffers
+        self.page_size = page_size
+        group = config.num_heads // config.num_kv_heads
+        self.attention_name = f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
+        self.rope_name = f"rope_kv_{kv_dtype}"
+        self.scale = float(np.float32(config.head_dim ** -0.5))
+        self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
+
+    def kernel_names(self) -> list[str]:
+        names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample",
+                 "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
+        return names + [f"gemv_m{m}" for m in range(1, GEMV_MAX_ROWS + 1)]
+
+    def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
+        if rows <= GEMV_MAX_ROWS:
+            self.k[f"gemv_m{rows}"].launch((-(-n // 8),), (256,), (y, x, w, rows, n, k, n), stream)
+        else:
+            self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
+
+    def layers(self, rows: int, stream) -> None:
+        """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``."""
+        c, b, w, k = self.c, self.b, self.w, self.k
+        inp = b.inputs
+        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        eps = float(c.rms_norm_eps)
+        k["embed"].launch((rows,), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size), stream)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            if i == 0:
+                k["rmsnorm"].launch((rows,), (256,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps), stream)
+            else:
+                k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps),
+                                        stream)
+            self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
+            bias = w.get(p + "qkv_bias", b.cos)
+            q_norm, k_norm = w.get(p + "q_norm", b.cos), w.get(p + "k_norm", b.cos)
+            layer_kv = b.kv.at(i * b.layer_elems * b.kv_itemsize)
+            k[self.rope_name].launch(
+                (rows, H + 2 * KV), (D // 2,),
+                (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
+                 b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size,
+                 int(c.attention_bias), int(c.qk_norm), eps), stream)
+            k[self.attention_name].launch(
+                (KV, rows, b.n_splits), (128,),
+                (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
+                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, SPLIT_LEN, b.n_splits,
+                 self.scale), stream)
+            k["attention_combine"].launch((H, rows), (D,), (b.attn, b.part_o, b.part_ml, H, b.n_splits, D), stream)
+            self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+            k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
+            self.matmul(b.gate_up, b.h, w[p + "gate_up"], rows, 2 * c.intermediate_size, c.hidden_size, stream)
+            k["silu_mul"].launch((rows,), (256,), (b.act, b.gate_up, c.intermediate_size), stream)
+            self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
+        k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
+
+    def logits(self, first_row: int, rows: int, stream) -> None:
+        """LM head of ``h[first_row : first_row + rows]`` into ``logits[:rows]``."""
+        x = self.b.h.at(first_row * self.c.hidden_size * 4)
+        self.matmul(self.b.logits, x, self.lm_head, rows, self.c.vocab_size, self.c.hidden_size, stream)
+
+    def sample(self, rows: int, stream) -> None:
+        b, inp = self.b, self.b.inputs
+        self.k["sample"].launch((rows,), (SAMPLE_THREADS,),
+                                (b.out, b.logits, b.counts, inp.d_fparams, inp.d_iparams, inp.d_keys,
+                                 self.c.vocab_size), stream)
+
+    def decode(self, rows: int, stream) -> None:
+        """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""
+        inp = self.b.inputs
+        self.k["count_tokens"].launch((-(-rows // 32),), (32,),
+                                      (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
+        self.layers(rows, stream)
+        self.logits(0, rows, stream)
+        self.sample(rows, stream)
+
+
+def kv_page_bytes(config: DenseConfig, page_size: int, kv_dtype: str) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * page_size * config.head_dim * KV_DTYPES[kv_dtype]
+
+
+__all__ = ["Forward", "StepBuffers", "check_supported", "kv_page_bytes"]

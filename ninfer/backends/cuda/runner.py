@@ -1,0 +1,296 @@
+"""``CudaRunner``: the ModelRunner protocol on one NVIDIA GPU.
+
+Weights live in one device allocation; activations, the KV pool, RoPE tables, sampler counts and
+the per-step inputs in one workspace allocation (``forward.StepBuffers``). A decode step writes its
+inputs into pinned memory, copies them with one host-to-device copy, replays the CUDA Graph captured
+for exactly that batch size (or launches directly with ``cuda_graph=False``), and copies back only the
+sampled token ids. Prefill runs direct launches in sub-chunks of ``max_prefill_rows`` rows.
+
+Requests are validated like the reference backend's: a wrong lane, token, position or page table
+raises ``ValueError`` naming the field before anything reaches the GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ninfer.artifact.bf16 import from_float32, to_float32
+from ninfer.backends.cuda import runtime as rt
+from ninfer.backends.cuda import weights as wt
+from ninfer.backends.cuda.forward import Forward, StepBuffers, check_supported
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
+from ninfer.backends.sampling import TOP_K_CAP
+from ninfer.models.dense import ARCHITECTURES, DenseConfig
+
+_MASK64 = (1 << 64) - 1
+
+
+class CudaRunner:
+    """A dense (Llama / Qwen3) model on the GPU; see the module docstring."""
+
+    def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int, max_batch: int,
+                 max_context: int, device: int | rt.Device = 0, kv_dtype: str = "bf16",
+                 cuda_graph: bool = True, max_prefill_rows: int = 512):
+        """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one."""
+        if isinstance(artifact, (str, Path)):
+            from ninfer.artifact import open_artifact
+
+            artifact = open_artifact(artifact, components=("text",))
+        config = _dense_config(artifact.config)
+        check_supported(config, kv_dtype)
+        dev = device if isinstance(device, rt.Device) else rt.Device(device)
+        stream = dev.stream()
+        weights, report = wt.upload(dev, stream, config, artifact.tensor)
+        self._setup(config, dev, stream, weights, page_size=page_size, num_pages=num_pages,
+                    max_batch=max_batch, max_context=max_context, kv_dtype=kv_dtype,
+                    cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows)
+        self.startup["weights_bytes"] = report.nbytes
+        self.startup["weights_upload_gb_per_s"] = round(report.gb_per_s, 2)
+
+    @classmethod
+    def from_device_weights(cls, config: DenseConfig, weights: Mapping[str, rt.DevicePtr], *,
+                            device: rt.Device, page_size: int = 16, num_pages: int, max_batch: int,
+                            max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
+                            max_prefill_rows: int = 512) -> CudaRunner:
+        """A runner over weights already on ``device`` in the layout of ``weights.device_layout``."""
+        check_supported(config, kv_dtype)
+        wt.check_device_weights(config, weights)
+        runner = cls.__new__(cls)
+        runner._setup(config, device, device.stream(), dict(weights), page_size=page_size,
+                      num_pages=num_pages, max_batch=max_batch, max_context=max_context,
+                      kv_dtype=kv_dtype, cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows)
+        return runner
+
+    def _setup(self, config, device, stream, weights, *, page_size, num_pages, max_batch, max_context,
+               kv_dtype, cuda_graph, max_prefill_rows):
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        for name, value in (("num_pages", num_pages), ("max_batch", max_batch), ("max_context", max_context),
+                            ("max_prefill_rows", max_prefill_rows)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.config = config
+        self.device = device
+        self.stream = stream
+        self.kv_dtype = kv_dtype
+        self.kernels = rt.Kernels(device)
+        self.buffers = StepBuffers(device, config, page_size=page_size, num_pages=num_pages,
+                                   max_batch=max_batch, max_context=max_context,
+                                   max_rows=max_prefill_rows, kv_dtype=kv_dtype)
+        self.buffers.init(stream)
+        self.forward = Forward(self.kernels, config, weights, self.buffers, page_size=page_size, kv_dtype=kv_dtype)
+        for name in self.forward.kernel_names():  # module loads are not allowed during capture
+            self.kernels[name]
+        self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
+                               vocab_size=config.vocab_size, max_context=max_context, backend="cuda")
+        self._out = device.pinned(4 * max_batch).view(np.int32)
+        self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
+        self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
+        self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
+                                        "workspace_bytes": self.buffers.workspace_bytes}
+        self.graphs: dict[int, rt.Graph] = {}
+        if cuda_graph:
+            free_before = device.free_memory()
+            start = time.perf_counter()
+            for rows in range(1, max_batch + 1):
+                self.graphs[rows] = rt.Graph.capture(stream, lambda rows=rows: self.forward.decode(rows, stream))
+            self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
+            self.startup["graph_bytes"] = free_before - device.free_memory()
+            self.startup["graph_nodes"] = self.graphs[1].nodes
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def bind_lane(self, lane: int, generated: Sequence[int]) -> None:
+        self._check_lane(lane, "bind_lane lane")
+        ids = self._check_tokens(np.asarray(generated, dtype=np.int64).reshape(-1), "bind_lane generated")
+        self._count_staging[:] = np.bincount(ids, minlength=self.info.vocab_size)
+        row = self.buffers.counts.at(lane * self.info.vocab_size * 4, self.info.vocab_size * 4)
+        rt.copy_h2d(row, self._count_staging, self.stream)
+        rt.synchronize(self.stream)
+
+    def prefill(self, chunk: PrefillChunk) -> StepResult:
+        self._check_lane(chunk.lane, "prefill lane")
+        tokens = self._check_tokens(np.asarray(chunk.tokens).reshape(-1), "prefill tokens")
+        if tokens.size == 0:
+            raise ValueError("prefill tokens: the chunk is empty")
+        if chunk.start < 0:
+            raise ValueError(f"prefill start must be >= 0, got {chunk.start}")
+        end = chunk.start + tokens.size
+        table = self._check_page_table(np.asarray(chunk.page_table).reshape(1, -1), [end], "prefill page_table")
+        inp, b, stream = self.buffers.inputs, self.buffers, self.stream
+        logits = np.empty((tokens.size, self.info.vocab_size), np.float32) if chunk.return_logits else None
+        for first in range(0, tokens.size, b.rows):
+            n = min(b.rows, tokens.size - first)
+            inp.tokens[:n] = tokens[first:first + n]
+            inp.positions[:n] = np.arange(chunk.start + first, chunk.start + first + n)
+            inp.row_table[:n] = 0
+            self._fill_table(0, table[0])
+            inp.upload(stream)
+            self.forward.layers(n, stream)
+            if logits is not None:
+                for r in range(0, n, b.logit_rows):
+                    m = min(b.logit_rows, n - r)
+                    self.forward.logits(r, m, stream)
+                    rt.copy_d2h(logits[first + r:first + r + m], b.logits, stream)
+            rt.synchronize(stream)  # the pinned inputs are rewritten by the next sub-chunk
+        out = np.empty(0, dtype=np.int32)
+        if chunk.sample is not None:
+            self._fill_sampling(0, chunk.lane, chunk.sample)
+            inp.upload(stream)
+            self.forward.logits(n - 1, 1, stream)
+            self.forward.sample(1, stream)
+            rt.copy_d2h(self._out[:1], b.out, stream)
+            rt.synchronize(stream)
+            out = self._out[:1].copy()
+        return StepResult(tokens=out, logits=logits)
+
+    def decode(self, batch: DecodeBatch) -> StepResult:
+        lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
+        rows = lanes.size
+        if rows == 0:
+            raise ValueError("decode: the batch is empty")
+        if rows > self.info.max_batch:
+            raise ValueError(f"decode: {rows} rows exceed max_batch {self.info.max_batch}")
+        for lane in lanes:
+            self._check_lane(int(lane), "decode lanes")
+        if np.unique(lanes).size != rows:
+            raise ValueError(f"decode lanes must be distinct, got {lanes.tolist()}")
+        tokens = self._check_tokens(np.asarray(batch.tokens).reshape(-1), "decode tokens")
+        positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
+        if tokens.size != rows or positions.size != rows or len(batch.sampling) != rows:
+            raise ValueError(f"decode: lanes ({rows}), tokens ({tokens.size}), positions ({positions.size}) and "
+                             f"sampling ({len(batch.sampling)}) must have one entry per row")
+        if positions.min() < 0:
+            raise ValueError(f"decode positions must be >= 0, got {positions.tolist()}")
+        tables = self._check_page_table(np.asarray(batch.page_tables).reshape(rows, -1),
+                                        (positions + 1).tolist(), "decode page_tables")
+        inp, stream = self.buffers.inputs, self.stream
+        inp.tokens[:rows] = tokens
+        inp.positions[:rows] = positions
+        inp.row_table[:rows] = np.arange(rows)
+        inp.lanes[:rows] = lanes
+        for i in range(rows):
+            self._fill_table(i, tables[i])
+            self._fill_sampling(i, int(lanes[i]), batch.sampling[i])
+        inp.upload(stream)
+        if rows in self.graphs:
+            self.graphs[rows].launch(stream)
+        else:
+            self.forward.decode(rows, stream)
+        rt.copy_d2h(self._out[:rows], self.buffers.out, stream)
+        logits = None
+        if batch.return_logits:
+            logits = np.empty((rows, self.info.vocab_size), np.float32)
+            rt.copy_d2h(logits, self.buffers.logits, stream)
+        rt.synchronize(stream)
+        return StepResult(tokens=self._out[:rows].copy(), logits=logits)
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        src_i, dst_i = self._pages(src), self._pages(dst)
+        if len(src_i) != len(dst_i):
+            raise ValueError(f"copy_pages: {len(src_i)} source pages but {len(dst_i)} destination pages")
+        if set(src_i.tolist()) & set(dst_i.tolist()):
+            # Overlapping lists must read every source before any write, as the reference does.
+            self.write_pages(dst_i, self.read_pages(src_i))
+            return
+        size = self.buffers.page_elems * self.buffers.kv_itemsize
+        for s, d in zip(src_i, dst_i):
+            rt.copy_d2d(self.buffers.kv.at(int(d) * size, size), self.buffers.kv.at(int(s) * size, size), size, self.stream)
+        rt.synchronize(self.stream)
+
+    def read_pages(self, pages: Sequence[int]) -> np.ndarray:
+        """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]`` float32, the reference layout."""
+        idx = self._pages(pages)
+        raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
+        for i, page in enumerate(idx):
+            rt.copy_d2h(self._page_staging, self._page(int(page)), self.stream)
+            rt.synchronize(self.stream)
+            raw[i] = self._page_staging.view(self._pool_dtype())
+        values = to_float32(raw) if self.kv_dtype == "bf16" else raw
+        # Pool order [page][layer][K|V][kv_head][slot][dim] -> [K|V][layer][page][slot][kv_head][dim].
+        c = self.config
+        values = values.reshape(len(idx), c.num_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
+        return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
+
+    def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
+        idx = self._pages(pages)
+        c = self.config
+        expected = (2, c.num_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
+        if data.shape != expected:
+            raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
+        pool = np.ascontiguousarray(np.asarray(data, np.float32).transpose(2, 1, 0, 4, 3, 5))
+        pool = from_float32(pool) if self.kv_dtype == "bf16" else pool
+        pool = pool.reshape(len(idx), -1)
+        for i, page in enumerate(idx):
+            self._page_staging.view(self._pool_dtype())[:] = pool[i]
+            rt.copy_h2d(self._page(int(page)), self._page_staging, self.stream)
+            rt.synchronize(self.stream)
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.destroy()
+        self.graphs = {}
+        self.device.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _pool_dtype(self):
+        return np.uint16 if self.kv_dtype == "bf16" else np.float32
+
+    def _page(self, page: int) -> rt.DevicePtr:
+        size = self.buffers.page_elems * self.buffers.kv_itemsize
+        return self.buffers.kv.at(page * size, size)
+
+    def _fill_table(self, row: int, table: np.ndarray) -> None:
+        width = min(table.size, self.buffers.max_pages)
+        self.buffers.inputs.page_tables[row, :width] = table[:width]
+
+    def _fill_sampling(self, row: int, lane: int, s: SamplingRow) -> None:
+        inp = self.buffers.inputs
+        inp.fparams[5 * row:5 * row + 5] = (s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty)
+        inp.iparams[2 * row:2 * row + 2] = (s.top_k if 1 <= s.top_k <= TOP_K_CAP else 0, lane)
+        inp.keys[2 * row:2 * row + 2] = (s.seed & _MASK64, s.step & _MASK64)
+
+    def _check_lane(self, lane: int, field: str) -> None:
+        if not 0 <= lane < self.info.max_batch:
+            raise ValueError(f"{field} must lie in [0, {self.info.max_batch}), got {lane}")
+
+    def _check_tokens(self, tokens: np.ndarray, field: str) -> np.ndarray:
+        tokens = tokens.astype(np.int64, copy=False)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.info.vocab_size):
+            bad = tokens[(tokens < 0) | (tokens >= self.info.vocab_size)][0]
+            raise ValueError(f"{field}: token id {int(bad)} is outside the vocabulary [0, {self.info.vocab_size})")
+        return tokens
+
+    def _check_page_table(self, tables: np.ndarray, ends: Sequence[int], field: str) -> np.ndarray:
+        tables = tables.astype(np.int64, copy=False)
+        size = self.info.page_size
+        for row, end in enumerate(ends):
+            if end > self.info.max_context:
+                raise ValueError(f"{field}: position {end - 1} exceeds max_context {self.info.max_context}")
+            needed = -(-end // size)
+            used = tables[row, :needed]
+            if used.size < needed:
+                raise ValueError(f"{field}: row {row} has {used.size} pages, position {end - 1} needs {needed}")
+            if used.min() < 0 or used.max() >= self.info.num_pages:
+                raise ValueError(f"{field}: row {row} uses page ids {used.tolist()} outside [0, {self.info.num_pages})")
+        return tables
+
+    def _pages(self, pages: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.info.num_pages):
+            raise ValueError(f"page ids must lie in [0, {self.info.num_pages}), got {idx.tolist()}")
+        return idx
+
+
+def _dense_config(config: Any) -> DenseConfig:
+    if isinstance(config, DenseConfig):
+        return config
+    config = DenseConfig.from_json(config)
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"the CUDA backend runs {', '.join(ARCHITECTURES)}, not {config.architecture!r}")
+    return config

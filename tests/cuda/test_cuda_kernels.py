@@ -1,0 +1,226 @@
+"""Each kernel of ptx/ against NumPy on random inputs, edge sizes included (GPU only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+from ninfer.artifact.bf16 import from_float32, to_float32  # noqa: E402
+from ninfer.backends.reference.forward import attention as ref_attention  # noqa: E402
+from ninfer.backends.reference.forward import rms_norm, silu  # noqa: E402
+from ninfer.backends.runner import SamplingRow  # noqa: E402
+from ninfer.backends.sampling import sample_row  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from cuda_helpers import Gpu
+
+    g = Gpu()
+    yield g
+    g.device.close()
+
+
+def _err(got, want):
+    from cuda_helpers import rel_err
+
+    return rel_err(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(1, 4), (37, 12), (300, 1000), (4096, 256)])
+def test_gemv_matches_numpy(gpu, rows, n, k):
+    rng = np.random.default_rng(rows * 1000 + n)
+    w = from_float32(rng.standard_normal((n, k)))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    y = gpu.empty(rows * n * 4)
+    gpu.launch(f"gemv_m{rows}", (-(-n // 8),), (256,), (y, gpu.put(x), gpu.put(w), rows, n, k, n))
+    want = x.astype(np.float64) @ to_float32(w).T.astype(np.float64)
+    assert _err(gpu.get(y, np.float32, (rows, n)), want) < 1e-6
+
+
+def test_gemv_fewer_rows_than_compiled(gpu):
+    """gemv_m8 with 3 rows must leave rows 3..7 of y untouched."""
+    rng = np.random.default_rng(1)
+    n, k = 50, 64
+    w = from_float32(rng.standard_normal((n, k)))
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    y = gpu.empty(8 * n * 4)
+    gpu.launch("gemv_m8", (-(-n // 8),), (256,), (y, gpu.put(x), gpu.put(w), 3, n, k, n))
+    got = gpu.get(y, np.float32, (8, n))
+    assert _err(got[:3], x[:3] @ to_float32(w).T) < 1e-6
+    assert np.isnan(got[3:]).all()
+
+
+@pytest.mark.parametrize("rows,n,k", [(9, 70, 100), (64, 64, 16), (130, 257, 300)])
+def test_gemm_tiled_matches_numpy(gpu, rows, n, k):
+    rng = np.random.default_rng(rows + n + k)
+    w = from_float32(rng.standard_normal((n, k)))
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    y = gpu.empty(rows * n * 4)
+    gpu.launch("gemm_tiled", (-(-n // 64), -(-rows // 64)), (256,), (y, gpu.put(x), gpu.put(w), rows, n, k, n))
+    want = x.astype(np.float64) @ to_float32(w).T.astype(np.float64)
+    assert _err(gpu.get(y, np.float32, (rows, n)), want) < 1e-6
+
+
+@pytest.mark.parametrize("hidden", [4, 100, 4096])
+def test_norms_embed_silu(gpu, hidden):
+    rng = np.random.default_rng(hidden)
+    rows, vocab, eps = 5, 33, 1e-6
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    d = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    out = gpu.empty(rows * hidden * 4)
+    gpu.launch("rmsnorm", (rows,), (256,), (out, gpu.put(x), gpu.put(w), hidden, eps))
+    assert _err(gpu.get(out, np.float32, (rows, hidden)), rms_norm(x, w, eps)) < 1e-6
+    xd = gpu.put(x)
+    gpu.launch("add_rmsnorm", (rows,), (256,), (xd, gpu.put(d), out, gpu.put(w), hidden, eps))
+    assert _err(gpu.get(xd, np.float32, (rows, hidden)), x + d) < 1e-7
+    assert _err(gpu.get(out, np.float32, (rows, hidden)), rms_norm(x + d, w, eps)) < 1e-6
+    table = from_float32(rng.standard_normal((vocab, hidden)))
+    tokens = rng.integers(0, vocab, rows).astype(np.int32)
+    gpu.launch("embed", (rows,), (256,), (out, gpu.put(table), gpu.put(tokens), hidden))
+    assert np.array_equal(gpu.get(out, np.float32, (rows, hidden)), to_float32(table)[tokens])
+    gu = rng.standard_normal((rows, 2 * hidden)).astype(np.float32) * 4
+    gpu.launch("silu_mul", (rows,), (256,), (out, gpu.put(gu), hidden))
+    want = silu(gu[:, :hidden]) * gu[:, hidden:]
+    assert _err(gpu.get(out, np.float32, (rows, hidden)), want) < 1e-6
+
+
+def _rope_ref(x, cos, sin):
+    half = x.shape[-1] // 2
+    return np.concatenate([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (4, 64), (8, 128)])
+def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
+    """Prefill-style rows of two sequences with shuffled pages, contexts crossing split borders."""
+    rng = np.random.default_rng(group * head_dim)
+    KV, D, ps, layers, layer = 2, head_dim, 16, 2, 1
+    H = KV * group
+    lengths = [700, 37]  # 700 keys = 3 splits of 256
+    max_ctx = 768
+    max_pages = max_ctx // ps
+    num_pages = 2 * max_pages + 3
+    perm = rng.permutation(num_pages)
+    tables = np.stack([perm[:max_pages], perm[max_pages:2 * max_pages]]).astype(np.int32)
+    # Rows: the last 5 positions of sequence 0 and the last 3 of sequence 1.
+    row_table = np.array([0] * 5 + [1] * 3, np.int32)
+    positions = np.array([lengths[0] - 5 + i for i in range(5)] + [lengths[1] - 3 + i for i in range(3)], np.int32)
+    rows = len(row_table)
+    width = (H + 2 * KV) * D
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(width)).astype(np.float32)
+    angles = np.arange(max_ctx)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    itemsize = 4 if kv_dtype == "f32" else 2
+    page_elems = layers * 2 * KV * ps * D
+    # Earlier positions' K/V: random, written straight into the pool.
+    hist_k = rng.standard_normal((2, max_ctx, KV, D)).astype(np.float32)
+    hist_v = rng.standard_normal((2, max_ctx, KV, D)).astype(np.float32)
+    if kv_dtype == "bf16":
+        hist_k, hist_v = to_float32(from_float32(hist_k)), to_float32(from_float32(hist_v))
+    pool = np.zeros((num_pages, layers, 2, KV, ps, D), np.float32)
+    for s in range(2):
+        for t in range(lengths[s]):
+            p, slot = tables[s, t // ps], t % ps
+            pool[p, layer, 0, :, slot] = hist_k[s, t]
+            pool[p, layer, 1, :, slot] = hist_v[s, t]
+    pool_dev = gpu.put(from_float32(pool) if kv_dtype == "bf16" else pool)
+    layer_kv = pool_dev.at(layer * 2 * KV * ps * D * itemsize)
+    qkv_dev = gpu.put(qkv)
+    args = (qkv_dev, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv, page_elems,
+            gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions), H, KV, D, ps, 1, 1, 1e-6)
+    gpu.launch(f"rope_kv_{kv_dtype}", (rows, H + 2 * KV), (D // 2,), args)
+    # Reference for the rope part.
+    x = qkv + bias
+    q = x[:, :H * D].reshape(rows, H, D)
+    k = x[:, H * D:(H + KV) * D].reshape(rows, KV, D)
+    v = x[:, (H + KV) * D:].reshape(rows, KV, D)
+    c, s_ = cos[positions][:, None], sin[positions][:, None]
+    q = _rope_ref(rms_norm(q, qn, 1e-6), c, s_)
+    k = _rope_ref(rms_norm(k, kn, 1e-6), c, s_)
+    got_q = gpu.get(qkv_dev, np.float32, (rows, width))[:, :H * D].reshape(rows, H, D)
+    assert _err(got_q, q) < 1e-5
+    for r in range(rows):
+        sq, t = row_table[r], positions[r]
+        hist_k[sq, t] = k[r]
+        hist_v[sq, t] = v[r]
+    if kv_dtype == "bf16":
+        hist_k, hist_v = to_float32(from_float32(hist_k)), to_float32(from_float32(hist_v))
+    got_pool = gpu.get(pool_dev, np.uint16 if kv_dtype == "bf16" else np.float32, pool.shape)
+    got_pool = to_float32(got_pool) if kv_dtype == "bf16" else got_pool
+    for r in range(rows):
+        sq, t = row_table[r], positions[r]
+        p, slot = tables[sq, t // ps], t % ps
+        assert _err(got_pool[p, layer, 0, :, slot], hist_k[sq, t]) < (1e-6 if kv_dtype == "f32" else 1e-2)
+        assert np.array_equal(got_pool[p, layer, 1, :, slot], hist_v[sq, t])
+    # Attention: split partials, then combine.
+    n_splits = -(-max_ctx // 256)
+    part_o = gpu.empty(rows * H * n_splits * D * 4)
+    part_ml = gpu.empty(rows * H * n_splits * 2 * 4)
+    out = gpu.empty(rows * H * D * 4)
+    scale = float(np.float32(D ** -0.5))
+    gpu.launch(f"attention_g{group}_d{D}_{kv_dtype}", (KV, rows, n_splits), (128,),
+               (qkv_dev, layer_kv, page_elems, gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions),
+                part_o, part_ml, H, KV, ps, 256, n_splits, scale))
+    gpu.launch("attention_combine", (H, rows), (D,), (out, part_o, part_ml, H, n_splits, D))
+    got = gpu.get(out, np.float32, (rows, H * D))
+    for r in range(rows):
+        sq, t = row_table[r], positions[r]
+        want = ref_attention(got_q[r][None, None], hist_k[sq][None, :t + 1], hist_v[sq][None, :t + 1],
+                             np.array([[t]]), scale)
+        assert _err(got[r], want.reshape(-1)) < 1e-5, r
+
+
+def _sample_gpu(gpu, logits, counts, lanes, rows_params):
+    rows, vocab = logits.shape
+    fparams = np.array([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty]
+                        for p in rows_params], np.float32)
+    iparams = np.array([[p.top_k if 1 <= p.top_k <= 20 else 0, lane] for p, lane in zip(rows_params, lanes)], np.int32)
+    keys = np.array([[p.seed & (2**64 - 1), p.step] for p in rows_params], np.uint64)
+    out = gpu.empty(rows * 4)
+    gpu.launch("sample", (rows,), (1024,), (out, gpu.put(logits), gpu.put(counts), gpu.put(fparams),
+                                             gpu.put(iparams), gpu.put(keys), vocab))
+    return gpu.get(out, np.int32, (rows,))
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 151936])
+def test_sampling_matches_the_rule(gpu, vocab):
+    rng = np.random.default_rng(vocab)
+    rows = 8
+    params = [SamplingRow(), SamplingRow(presence_penalty=1.5, frequency_penalty=0.5),
+              SamplingRow(temperature=0.7, seed=-3, step=4), SamplingRow(temperature=1.0, top_k=5, seed=9, step=0),
+              SamplingRow(temperature=1.3, top_p=0.8, seed=2**62, step=11),
+              SamplingRow(temperature=0.9, min_p=0.1, seed=42, step=1),
+              SamplingRow(temperature=1.0, top_p=0.9, min_p=0.05, top_k=20, presence_penalty=0.4, seed=7, step=99),
+              SamplingRow(temperature=2.0, seed=1, step=2)]
+    lanes = np.arange(rows)
+    counts = rng.integers(0, 3, (rows, vocab)).astype(np.int32) * (rng.random((rows, vocab)) < 0.1)
+    counts = counts.astype(np.int32)
+    for trial in range(3):
+        logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+        logits[0, :3] = logits[0].max() + 1  # a tie: the lowest index wins
+        got = _sample_gpu(gpu, logits, counts, lanes, params)
+        want = [sample_row(logits[i], params[i], counts[i]) for i in range(rows)]
+        assert got.tolist() == want, trial
+
+
+def test_typed_launch_rejects_bad_arguments(gpu):
+    from ninfer.backends.cuda import runtime as rt
+
+    kernel = gpu.kernels["silu_mul"]
+    buf = gpu.empty(64)
+    with pytest.raises(TypeError, match="argument 0 must be a DevicePtr"):
+        kernel.launch((1,), (32,), (buf.addr, buf, 4), gpu.stream)
+    with pytest.raises(TypeError, match="argument 2 must be an int"):
+        kernel.launch((1,), (32,), (buf, buf, 4.0), gpu.stream)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        kernel.launch((1,), (32,), (buf, buf), gpu.stream)
+    with pytest.raises(rt.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        kernel.launch((1,), (4096,), (buf, buf, 4), gpu.stream)

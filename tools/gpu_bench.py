@@ -1,0 +1,224 @@
+"""Benchmark of the CUDA backend on a Qwen3-8B-shaped model with random bf16 weights made on the GPU.
+
+    python tools/gpu_bench.py [--json OUT.json] [--steps 32] [--prefill 8192] [--peer eager|none]
+
+Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
+roofline's denominator), decode tok/s at batch 1/4/8 for contexts 512 and 8192 (CUDA Graph replay),
+achieved GB/s and % of roofline (weights + KV bytes read per step / copy bandwidth), host time per
+step, prefill tok/s for one prompt, and the Hugging Face transformers peer on the same shape.
+torch is used only to make the random weights on the GPU and to run the peer; NInfer itself runs
+through cuda.bindings and our PTX. KV contents are whatever the pool holds (zeros at start): our
+kernels' time does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.weights import device_layout  # noqa: E402
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
+from ninfer.models.dense import DenseConfig  # noqa: E402
+
+QWEN3_8B = DenseConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
+                       intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True)
+PAGE = 16
+
+
+def copy_bandwidth(device: rt.Device, stream, nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """bytes read + written per second of a device-to-device copy (median of ``reps``)."""
+    a, b = device.alloc(nbytes, "bw_a"), device.alloc(nbytes, "bw_b")
+    rt.memset32(a, 0x3F800000, nbytes // 4, stream)
+    start, stop = device.event(timing=True), device.event(timing=True)
+    times = []
+    for i in range(reps + 2):
+        rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+        rt.copy_d2d(b, a, nbytes, stream)
+        rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+        rt.synchronize(stream)
+        ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime")
+        if i >= 2:
+            times.append(ms / 1e3)
+    rt.check(rt.cu.cuMemFree(a.addr), "cuMemFree")
+    rt.check(rt.cu.cuMemFree(b.addr), "cuMemFree")
+    device._allocations = [x for x in device._allocations if x not in (a.addr, b.addr)]
+    return 2 * nbytes / float(np.median(times))
+
+
+def random_weights(config: DenseConfig, torch):
+    """Canonical tensors on the GPU: bf16 matrices ~N(0, 1/fan_in), fp32 norms ~1."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {}
+    for name, (shape, kind) in device_layout(config).items():
+        if kind == "bf16":
+            scale = 1.0 if name == "embed" else shape[-1] ** -0.5
+            t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) * scale
+        else:
+            t = 1 + 0.1 * torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+        tensors[name] = t.contiguous()
+    torch.cuda.synchronize()
+    return tensors
+
+
+def weight_bytes_per_step(config: DenseConfig) -> int:
+    """Bytes of weights a decode step reads: every matrix but the embedding table (B rows of it)."""
+    total = 0
+    for name, (shape, kind) in device_layout(config).items():
+        if name != "embed" or config.tie_word_embeddings:
+            total += int(np.prod(shape)) * (2 if kind == "bf16" else 4)
+    return total
+
+
+def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float) -> dict:
+    max_pages = runner.buffers.max_pages
+    tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
+    lanes = np.arange(batch, dtype=np.int32)
+    tokens = np.full(batch, 7, np.int32)
+    greedy = [SamplingRow()] * batch
+    times = []
+    for step in range(steps + 3):
+        positions = np.full(batch, context + step, np.int32)
+        t0 = time.perf_counter()
+        out = runner.decode(DecodeBatch(lanes=lanes, tokens=tokens, positions=positions, page_tables=tables,
+                                        sampling=greedy))
+        times.append(time.perf_counter() - t0)
+        tokens = out.tokens
+    step_s = float(np.median(times[3:]))
+    # Device time alone: replay the graph back to back (inputs unchanged: same positions).
+    graph = runner.graphs[batch]
+    dev, stream = runner.device, runner.stream
+    start, stop = dev.event(timing=True), dev.event(timing=True)
+    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+    for _ in range(steps):
+        graph.launch(stream)
+    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+    rt.synchronize(stream)
+    gpu_s = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / steps
+    kv_bytes = batch * (context + steps // 2) * config.kv_bytes_per_token
+    step_bytes = weight_bytes_per_step(config) + kv_bytes
+    roofline_step = step_bytes / copy_bw
+    return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
+            "host_ms": (step_s - gpu_s) * 1e3, "tok_s": batch / step_s,
+            "achieved_gb_s": step_bytes / gpu_s / 1e9, "roofline_tok_s": batch / roofline_step,
+            "pct_roofline": 100 * roofline_step / step_s}
+
+
+def bench_prefill(runner, tokens: int) -> dict:
+    prompt = (np.arange(tokens) * 7919 % 151936).astype(np.int32)
+    table = np.arange(runner.buffers.max_pages, dtype=np.int32)
+    t0 = time.perf_counter()
+    runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=table, sample=SamplingRow()))
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_tokens: int, prefill: int) -> list[dict]:
+    """transformers eager decode with its dynamic cache, random weights, same shape."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hf = Qwen3Config(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                     num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                     head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+                     tie_word_embeddings=False, max_position_embeddings=40960)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(hf).eval()
+    torch.set_default_dtype(torch.float32)
+    results = []
+    with torch.no_grad():
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, prompt), device="cuda")
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            torch.cuda.synchronize()
+            t_prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            torch.cuda.synchronize()
+            decode_s = (time.perf_counter() - t0 - t_prefill) / (new_tokens - 1)
+            results.append({"peer": "transformers eager", "batch": batch, "context": prompt,
+                            "tok_s": batch / decode_s})
+        ids = torch.randint(0, config.vocab_size, (1, prefill), device="cuda")
+        model(ids[:, :512])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        results.append({"peer": "transformers eager prefill", "tokens": prefill, "tok_s": prefill / seconds})
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prefill", type=int, default=8192)
+    parser.add_argument("--contexts", default="512,8192")
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--peer", choices=("eager", "none"), default="eager")
+    args = parser.parse_args(argv)
+    import torch
+
+    from ninfer.backends.cuda import CudaRunner
+
+    torch.zeros(1, device="cuda")  # torch and NInfer share the device's primary context
+    device = rt.Device(0)
+    stream = device.stream()
+    report: dict = {"device": device.name, "sync": device.sync}
+    report["copy_gb_s"] = copy_bandwidth(device, stream) / 1e9
+    print(f"device {device.name}; copy bandwidth {report['copy_gb_s']:.0f} GB/s", flush=True)
+    config = QWEN3_8B
+    t0 = time.perf_counter()
+    tensors = random_weights(config, torch)
+    ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    max_context = max(max(contexts) + args.steps + 8, args.prefill)
+    max_pages = -(-max_context // PAGE)
+    runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
+                                            num_pages=max(batches) * max_pages, max_batch=max(batches),
+                                            max_context=max_context, max_prefill_rows=512)
+    report["startup"] = runner.startup
+    report["setup_s"] = time.perf_counter() - t0
+    print("startup", json.dumps(runner.startup), flush=True)
+    report["decode"] = []
+    for context in contexts:
+        for batch in batches:
+            r = bench_decode(runner, config, batch, context, args.steps, report["copy_gb_s"] * 1e9)
+            report["decode"].append(r)
+            print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
+                  "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
+                  "({roofline_tok_s:.0f} tok/s)".format(**r), flush=True)
+    if args.prefill:
+        report["prefill"] = bench_prefill(runner, args.prefill)
+        print("prefill {tokens} tokens: {seconds:.2f} s = {tok_s:.0f} tok/s".format(**report["prefill"]), flush=True)
+    runner.close()
+    del tensors
+    torch.cuda.empty_cache()
+    if args.peer == "eager":
+        report["peer"] = bench_peer_eager(torch, config, batches=[1, 8], prompt=512, new_tokens=16,
+                                          prefill=args.prefill or 8192)
+        for r in report["peer"]:
+            print("peer", json.dumps(r), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
