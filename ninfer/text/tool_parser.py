@@ -138,6 +138,7 @@ class ToolCallParser:
         self._depth = 0  # nested <parameter=...> openers inside the current value
         self._out: list[Any] = []
         self._finished = False
+        self._steps = self._step_table()
         self._tail = ""  # last characters passed through, to notice a marker split across feeds
         self.marker_seen = False
         self.structured_calls = 0
@@ -179,7 +180,16 @@ class ToolCallParser:
     # -- driving -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        steps = {
+        steps = self._steps
+        while self._buf:
+            try:
+                if not steps[self._state]():
+                    return  # waiting for more text
+            except _Fallback as fallback:
+                self._fall_back(fallback.reason)
+
+    def _step_table(self) -> dict[_State, Any]:
+        return {
             _State.TEXT: self._scan_text,
             _State.CALL_OPENED: self._after_call_open,
             _State.FUNCTION_NAME: self._function_name,
@@ -189,12 +199,6 @@ class ToolCallParser:
             _State.FUNCTION_CLOSED: self._function_closed,
             _State.CALL_CLOSED: self._call_closed,
         }
-        while self._buf:
-            try:
-                if not steps[self._state]():
-                    return  # waiting for more text
-            except _Fallback as fallback:
-                self._fall_back(fallback.reason)
 
     def _take(self) -> list[Any]:
         out, self._out = self._out, []
