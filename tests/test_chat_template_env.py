@@ -117,6 +117,8 @@ TRANSFORMS = {
     "join-method": "{{ '\\n'.join([c, c]) }}",
     "format": "{{ '%s!' | format(c) }}",
     "str-format": "{{ '<{}>'.format(c) }}",
+    "client-format": "{{ c.format() }}",
+    "client-format-map": "{{ c.format_map({}) }}",
     "wordwrap": "{{ c | wordwrap(40) }}",
     "center": "{{ c | center(60) }}",
     "title": "{{ c | title }}",

@@ -17,8 +17,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import contextvars
-
 import attrs
 import jinja2
 import jinja2.ext
@@ -129,9 +127,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return re.sub(f"{re.escape(left)}{tag}:(\\d+){re.escape(right)}", unswap, text)
 
 
-# The marks of the marked render in progress (None during a plain render). A context variable,
-# so that renders on different threads or tasks never see each other's marks.
-_MARKS: contextvars.ContextVar[Marks | None] = contextvars.ContextVar("ninfer_marks", default=None)
+_MARKS = client_text.CURRENT_MARKS
 
 
 class _Env(ImmutableSandboxedEnvironment):
@@ -140,11 +136,13 @@ class _Env(ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
         result = super().call(__context, __obj, *args, **kwargs)
         marks = _MARKS.get()
-        # Macros are template code whose output is tracked precisely; methods of a client string
-        # already return client strings.
-        if (marks is None or isinstance(__obj, jinja2.runtime.Macro)
-                or isinstance(getattr(__obj, "__self__", None), ClientStr)):
+        # Macros are template code whose output is tracked precisely.
+        if marks is None or isinstance(__obj, jinja2.runtime.Macro):
             return result
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, ClientStr):
+            # a client string's method (the sandbox runs str.format itself): its result is client text
+            return client_text.rewrap(result, owner.marks)
         return client_text.taint_result(result, args, kwargs, marks)
 
 

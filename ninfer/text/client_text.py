@@ -23,6 +23,7 @@ differently fails loudly instead of producing a wrong prompt.
 
 from __future__ import annotations
 
+import contextvars
 import re
 import secrets
 from collections.abc import Mapping
@@ -50,14 +51,20 @@ class Marks:
         return self.pattern.search(text) is not None
 
 
-def _rewrap(value: Any, marks: Marks) -> Any:
+# The marks of the marked render in progress (None during a plain render). A context variable,
+# so that renders on different threads or tasks never see each other's marks.
+CURRENT_MARKS: contextvars.ContextVar[Marks | None] = contextvars.ContextVar("ninfer_marks",
+                                                                            default=None)
+
+
+def rewrap(value: Any, marks: Marks) -> Any:
     """Results of a client string's method stay client text."""
     if type(value) is str:
         return ClientStr(value, marks)
     if isinstance(value, list):
-        return [_rewrap(v, marks) for v in value]
+        return [rewrap(v, marks) for v in value]
     if isinstance(value, tuple):
-        return tuple(_rewrap(v, marks) for v in value)
+        return tuple(rewrap(v, marks) for v in value)
     return value
 
 
@@ -66,7 +73,15 @@ class ClientStr(str):
 
     _marks: Marks
 
-    def __new__(cls, value: str, marks: Marks) -> "ClientStr":
+    @property
+    def marks(self) -> Marks:
+        return self._marks
+
+    def __new__(cls, value: str, marks: Marks | None = None) -> "ClientStr":
+        # Jinja's sandbox rebuilds format results as type(s)(text): take the render's marks.
+        marks = marks if marks is not None else CURRENT_MARKS.get()
+        if marks is None:
+            raise RuntimeError("a client string was created outside a marked render")
         obj = super().__new__(cls, value)
         obj._marks = marks
         return obj
@@ -109,7 +124,7 @@ def _method(name: str):
     base = getattr(str, name)
 
     def method(self: ClientStr, *args: Any, **kwargs: Any) -> Any:
-        return _rewrap(base(str.__str__(self), *args, **kwargs), self._marks)
+        return rewrap(base(str.__str__(self), *args, **kwargs), self._marks)
 
     method.__name__ = name
     return method
