@@ -106,8 +106,6 @@ class OutputDecoder:
 
     def _route(self, pieces: list[tuple[Channel, str]], out: list[OutputEvent]) -> None:
         for channel, text in pieces:
-            if self.stopped is not None:
-                return
             if channel is Channel.CONTENT:
                 # Reasoning is over: its held stop prefix can no longer match.
                 self._emit(Channel.REASONING, self._stops[Channel.REASONING].flush(), out)
