@@ -4,14 +4,22 @@ It checks every request from the engine (lanes, positions, page tables, token id
 a ``ValueError`` naming the field, because the reference backend is also how the engine's own
 tests find their mistakes. Sampling uses ``ninfer.backends.sampling.sample_row`` with per-lane
 generated-token counts, as the protocol defines them.
+
+BLAS threads: OpenBLAS worker threads spin while they wait, so on a small machine shared with
+anything else (the HTTP server's own threads, a second process) two of them can make a step ten
+times slower than one: measured on the 2-core CI machine under load, SmolLM2 decode fell from
+22 tok/s with one thread to 2.3 tok/s with two (docs/benchmarks.md). The runner therefore limits
+OpenBLAS to ``blas_threads`` (default 1) around each of its steps only.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ninfer.backends.reference.forward import DenseForward
 from ninfer.backends.reference.kv_cache import PagedKVCache
@@ -32,14 +40,19 @@ class ReferenceRunner:
         num_pages: int,
         max_batch: int,
         max_context: int,
+        blas_threads: int | None = 1,
     ):
-        """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one."""
+        """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one.
+
+        ``blas_threads``: OpenBLAS threads during a step (None leaves the library's setting).
+        """
         if isinstance(artifact, (str, Path)):
             from ninfer.artifact import open_artifact
 
             artifact = open_artifact(artifact, components=("text",))
         config = _dense_config(artifact.config)
-        self._setup(config, load_weights(config, artifact.tensor), page_size, num_pages, max_batch, max_context)
+        weights = load_weights(config, artifact.tensor)
+        self._setup(config, weights, page_size, num_pages, max_batch, max_context, blas_threads)
 
     @classmethod
     def from_weights(
@@ -51,13 +64,16 @@ class ReferenceRunner:
         num_pages: int,
         max_batch: int,
         max_context: int,
+        blas_threads: int | None = 1,
     ) -> ReferenceRunner:
         """A runner over canonical-name tensors (``ninfer.models.dense.tensor_names``) in memory."""
         runner = cls.__new__(cls)
-        runner._setup(config, weights_from_mapping(config, weights), page_size, num_pages, max_batch, max_context)
+        loaded = weights_from_mapping(config, weights)
+        runner._setup(config, loaded, page_size, num_pages, max_batch, max_context, blas_threads)
         return runner
 
-    def _setup(self, config: DenseConfig, weights: ModelWeights, page_size, num_pages, max_batch, max_context):
+    def _setup(self, config: DenseConfig, weights: ModelWeights, page_size, num_pages, max_batch, max_context,
+               blas_threads):
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if max_context < 1:
@@ -68,6 +84,8 @@ class ReferenceRunner:
         self._cache = cache
         # Generated-token counts per lane, for presence/frequency penalties.
         self._counts = np.zeros((max_batch, config.vocab_size), dtype=np.int32)
+        self._blas_threads = blas_threads
+        self._threadpools = ThreadpoolController() if blas_threads is not None else None
         self.info = RunnerInfo(
             page_size=page_size,
             num_pages=num_pages,
@@ -85,6 +103,19 @@ class ReferenceRunner:
         self._counts[lane] = np.bincount(ids, minlength=self.info.vocab_size)
 
     def prefill(self, chunk: PrefillChunk) -> StepResult:
+        with self._blas_limit():
+            return self._prefill(chunk)
+
+    def decode(self, batch: DecodeBatch) -> StepResult:
+        with self._blas_limit():
+            return self._decode(batch)
+
+    def _blas_limit(self):
+        if self._threadpools is None:
+            return contextlib.nullcontext()
+        return self._threadpools.limit(limits=self._blas_threads, user_api="blas")
+
+    def _prefill(self, chunk: PrefillChunk) -> StepResult:
         self._check_lane(chunk.lane, "prefill lane")
         tokens = self._check_tokens(np.asarray(chunk.tokens).reshape(-1), "prefill tokens")
         if tokens.size == 0:
@@ -106,7 +137,7 @@ class ReferenceRunner:
             out = np.array([sample_row(last, chunk.sample, self._counts[chunk.lane])], dtype=np.int32)
         return StepResult(tokens=out, logits=logits)
 
-    def decode(self, batch: DecodeBatch) -> StepResult:
+    def _decode(self, batch: DecodeBatch) -> StepResult:
         lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
         rows = lanes.size
         if rows == 0:
