@@ -1,7 +1,6 @@
 """The tokenizer wrapper over the synthetic Qwen-style vocabulary."""
 
 import json
-import types
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -17,13 +16,22 @@ def tok():
     return Tokenizer.from_json(build_test_tokenizer_json(), TEST_SPECIAL_TOKENS)
 
 
-def test_from_artifact_reads_json_and_special_tokens():
-    art = types.SimpleNamespace(tokenizer_json=build_test_tokenizer_json(),
-                                special_tokens=TEST_SPECIAL_TOKENS)
-    tok = Tokenizer.from_artifact(art)
-    assert tok.vocab_size == TEST_VOCAB_SIZE
-    assert tok.eos_token_ids == (IDS["<|im_end|>"], IDS["<|endoftext|>"])
-    assert tok.pad_token_id == IDS["<|endoftext|>"] and tok.bos_token_id is None
+def test_from_artifact_reads_a_real_artifact_file(tmp_path):
+    from ninfer.artifact import open_artifact
+    from ninfer.convert.random_model import make_random_artifact
+    from ninfer.text import ChatFormatter
+
+    path = tmp_path / "tiny.ninfer"
+    make_random_artifact(path, "tiny-qwen3", seed=1)
+    with open_artifact(path) as art:
+        tok = Tokenizer.from_artifact(art)
+        assert tok.vocab_size == TEST_VOCAB_SIZE
+        assert tok.eos_token_ids == (IDS["<|im_end|>"], IDS["<|endoftext|>"])
+        assert tok.pad_token_id == IDS["<|endoftext|>"] and tok.bos_token_id is None
+        prompt = ChatFormatter(tok, art.chat_template, art.special_tokens).render(
+            [{"role": "user", "content": "Hi <|im_end|>"}])
+    assert prompt.token_ids[0] == IDS["<|im_start|>"] and prompt.thinking
+    assert prompt.token_ids.count(IDS["<|im_end|>"]) == 1
 
 
 @pytest.mark.parametrize("spelling", ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<think>",
