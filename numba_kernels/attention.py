@@ -4,14 +4,14 @@ Each query row ``r`` attends causally to positions ``0..positions[r]`` of the se
 table is ``page_tables[row_table[r]]`` (its own K/V are already in the pool: ``rope_kv`` ran first),
 so one kernel serves a decode batch and a prefill chunk.
 
-``attention_g{G}_d{D}``: grid ``(kv_heads, rows, n_splits)``, block 128 (4 warps). A block takes the
+``attention_g{G}_d{D}_{bf16|f32}`` (the KV pool's dtype): grid ``(kv_heads, rows, n_splits)``, block 128 (4 warps). A block takes the
 ``G`` query heads sharing one KV head and the keys ``[split * split_len, ...)`` of one row; each warp
 walks every 4th key, lanes own ``D / 32`` dims, the ``G`` dot products are warp-reduced and folded
 into an online softmax. The block writes an unnormalised partial (``o``, max ``m``, sum ``l``) per
 (row, head, split). ``G`` and ``D`` are compile-time so the per-lane arrays stay in registers.
-Splits past a row's length write ``l = 0`` so a captured graph can launch a fixed grid.
+A captured graph launches a fixed grid; blocks of splits past a row's length exit at once.
 
-``attention_combine``: grid ``(n_heads, rows)``, block ``D``: merges the splits of each head.
+``attention_combine``: grid ``(n_heads, rows)``, block ``D``: merges the active splits of each head.
 """
 
 from __future__ import annotations
@@ -26,7 +26,19 @@ WARPS = 4
 VARIANTS = [(g, d) for d in (64, 128) for g in (1, 2, 4, 8)]
 
 
-def make_attention(G, D):
+@cuda.jit(device=True, inline=True)
+def load_pair_bf16(pool, element):
+    """Elements ``element`` and ``element + 1`` (even) of a bf16 pool read as one uint32."""
+    word = pool[element >> 1]
+    return bf16_lo(word), bf16_hi(word)
+
+
+@cuda.jit(device=True, inline=True)
+def load_pair_f32(pool, element):
+    return pool[element], pool[element + 1]
+
+
+def make_attention(G, D, load_pair):
     E = D // 32  # dims per lane (even: D is a multiple of 64)
     EW = E // 2  # uint32 words per lane
 
@@ -42,6 +54,8 @@ def make_attention(G, D):
         lane = cuda.threadIdx.x & 31
         length = positions[row] + 1
         start = split * split_len
+        if start >= length:
+            return  # the combine reads only the splits that hold keys
         end = min(start + split_len, length)
         width = (n_heads + 2 * n_kv) * D
         q = cuda.local.array((G, E), float32)
@@ -53,29 +67,26 @@ def make_attention(G, D):
             m[g] = NEG_BIG
             l[g] = float32(0.0)
             for e in range(E):
-                q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e] * scale
+                q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e]
                 acc[g, e] = float32(0.0)
         table = row_table[row] * max_pages
         head_off = int64(kvh) * page_size * D
         v_off = int64(n_kv) * page_size * D
         for t in range(start + warp, end, WARPS):
             page = int64(page_tables[table + t // page_size])
-            # Offsets in uint32 words (pairs of bf16).
-            kbase = (page * page_stride + head_off + int64(t % page_size) * D + lane * E) // 2
-            vbase = kbase + v_off // 2
+            kbase = page * page_stride + head_off + int64(t % page_size) * D + lane * E
+            vbase = kbase + v_off
             for g in range(G):
                 s[g] = float32(0.0)
             for w in range(EW):
-                word = kc[kbase + w]
-                k0 = bf16_lo(word)
-                k1 = bf16_hi(word)
+                k0, k1 = load_pair(kc, kbase + 2 * w)
                 for g in range(G):
                     s[g] += q[g, 2 * w] * k0 + q[g, 2 * w + 1] * k1
             for g in range(G):
                 v = s[g]
                 for offset in (16, 8, 4, 2, 1):
                     v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
-                s[g] = v
+                s[g] = v * scale  # the reference scales the scores, not q
             for g in range(G):
                 m_new = max(m[g], s[g])
                 alpha = math.exp(m[g] - m_new)
@@ -86,9 +97,7 @@ def make_attention(G, D):
                 for e in range(E):
                     acc[g, e] *= alpha
             for w in range(EW):
-                word = kc[vbase + w]
-                v0 = bf16_lo(word)
-                v1 = bf16_hi(word)
+                v0, v1 = load_pair(kc, vbase + 2 * w)
                 for g in range(G):
                     acc[g, 2 * w] += s[g] * v0
                     acc[g, 2 * w + 1] += s[g] * v1
@@ -120,22 +129,23 @@ def make_attention(G, D):
                 part_ml[cell * 2] = mm
                 part_ml[cell * 2 + 1] = ll
 
-    attention.__name__ = f"attention_g{G}_d{D}"
     return attention
 
 
-def attention_combine(out, part_o, part_ml, n_heads, n_splits, head_dim):
+def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_len):
     h = cuda.blockIdx.x
     row = cuda.blockIdx.y
     d = cuda.threadIdx.x
     cell0 = (row * n_heads + h) * n_splits
+    # Only the splits that hold keys of this row were written with data.
+    active = min(n_splits, (positions[row] + split_len) // split_len)
     mm = NEG_BIG
-    for sp in range(n_splits):
+    for sp in range(active):
         if part_ml[(cell0 + sp) * 2 + 1] > float32(0.0):
             mm = max(mm, part_ml[(cell0 + sp) * 2])
     ll = float32(0.0)
     oo = float32(0.0)
-    for sp in range(n_splits):
+    for sp in range(active):
         lsp = part_ml[(cell0 + sp) * 2 + 1]
         if lsp > float32(0.0):
             f = math.exp(part_ml[(cell0 + sp) * 2] - mm)
@@ -144,8 +154,13 @@ def attention_combine(out, part_o, part_ml, n_heads, n_splits, head_dim):
     out[(row * n_heads + h) * head_dim + d] = oo / ll
 
 
-ATTN_SIG = (F32P, U32P, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, int32,
+def _signature(pool):
+    return (F32P, pool, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, int32,
             int32, float32)
 
-KERNELS = {f"attention_g{g}_d{d}": (make_attention(g, d), ATTN_SIG) for g, d in VARIANTS}
-KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, int32, int32, int32))
+
+KERNELS = {}
+for _g, _d in VARIANTS:
+    KERNELS[f"attention_g{_g}_d{_d}_bf16"] = (make_attention(_g, _d, load_pair_bf16), _signature(U32P))
+    KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32), _signature(F32P))
+KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, int32))

@@ -56,7 +56,9 @@ def silu_mul(out, gate_up, ffn):
     for i in range(cuda.threadIdx.x, ffn, cuda.blockDim.x):
         g = gate_up[row * 2 * ffn + i]
         u = gate_up[row * 2 * ffn + ffn + i]
-        out[row * ffn + i] = g / (float32(1.0) + math.exp(-g)) * u
+        # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
+        sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)
+        out[row * ffn + i] = g * sig * u
 
 
 def count_tokens(counts, lanes, tokens, rows, vocab):

@@ -1,9 +1,10 @@
 """Matrix products against bf16 weights ``W [N, K]`` (Hugging Face ``[out, in]``): ``y = x @ W.T``.
 
 ``gemv_m{M}``: the decode shape, ``rows <= M`` activation rows (M = 1..8 compile-time, so the
-accumulators stay in registers). One warp per output column; lanes stream the weight row in 64-bit
-words (4 bf16) so the weights are read exactly once per step for all rows, and reduce with
-shuffles. Launch: grid ``(ceil(N / 8),)``, block 256; ``K % 4 == 0``.
+accumulators stay in registers). One warp per ``COLS`` output columns; lanes stream the weight rows
+in 64-bit words (4 bf16) so the weights are read exactly once per step for all rows, each x value
+loaded once serves ``COLS`` columns, and sums reduce with shuffles.
+Launch: grid ``(ceil(N / (8 * COLS)),)``, block 256; ``K % 4 == 0``.
 
 ``gemm_tiled``: the prefill shape (any ``rows``): 64x64 output tiles, K in steps of 16 through shared
 memory, 256 threads each owning a strided 4x4 block of outputs, fp32 FMA (no tensor cores yet).
@@ -19,37 +20,52 @@ from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32
 GEMV_ROWS = tuple(range(1, 9))
 
 
+COLS = 4  # output columns per warp: each x load is reused COLS times, COLS weight loads in flight
+
+
 def make_gemv(M):
     def gemv(y, x, w, rows, n, k, ldy):
-        col = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
+        warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
         lane = cuda.threadIdx.x & 31
-        if col >= n:
+        col0 = warp * COLS
+        if col0 >= n:
             return
-        acc = cuda.local.array(M, float32)
+        acc = cuda.local.array((M, COLS), float32)
         for r in range(M):
-            acc[r] = float32(0.0)
+            for c in range(COLS):
+                acc[r, c] = float32(0.0)
+        wv = cuda.local.array((COLS, 4), float32)
         words = k >> 2
-        wbase = int64(col) * words
         for j in range(lane, words, 32):
-            word = w[wbase + j]
-            lo = uint32(word & uint64(0xFFFFFFFF))
-            hi = uint32(word >> uint64(32))
-            w0 = bf16_lo(lo)
-            w1 = bf16_hi(lo)
-            w2 = bf16_lo(hi)
-            w3 = bf16_hi(hi)
+            for c in range(COLS):
+                if col0 + c < n:
+                    word = w[int64(col0 + c) * words + j]
+                    lo = uint32(word & uint64(0xFFFFFFFF))
+                    hi = uint32(word >> uint64(32))
+                    wv[c, 0] = bf16_lo(lo)
+                    wv[c, 1] = bf16_hi(lo)
+                    wv[c, 2] = bf16_lo(hi)
+                    wv[c, 3] = bf16_hi(hi)
+                else:
+                    for e in range(4):
+                        wv[c, e] = float32(0.0)
             for r in range(M):
                 if r < rows:
                     xb = r * k + 4 * j
-                    acc[r] += x[xb] * w0 + x[xb + 1] * w1 + x[xb + 2] * w2 + x[xb + 3] * w3
+                    x0 = x[xb]
+                    x1 = x[xb + 1]
+                    x2 = x[xb + 2]
+                    x3 = x[xb + 3]
+                    for c in range(COLS):
+                        acc[r, c] += x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
         for r in range(M):
-            v = acc[r]
-            for offset in (16, 8, 4, 2, 1):
-                v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
-            if lane == 0 and r < rows:
-                y[int64(r) * ldy + col] = v
+            for c in range(COLS):
+                v = acc[r, c]
+                for offset in (16, 8, 4, 2, 1):
+                    v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                if lane == 0 and r < rows and col0 + c < n:
+                    y[int64(r) * ldy + col0 + c] = v
 
-    gemv.__name__ = f"gemv_m{M}"
     return gemv
 
 

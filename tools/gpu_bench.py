@@ -112,6 +112,32 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
             "pct_roofline": 100 * roofline_step / step_s}
 
 
+def profile_decode(runner, batch: int) -> dict[str, float]:
+    """Device microseconds per kernel name for one eager decode step (events around each launch)."""
+    dev, stream = runner.device, runner.stream
+    marks = []
+    original = rt.Kernel.launch
+
+    def timed(self, grid, block, args, stream_, shared=0):
+        start, stop = dev.event(timing=True), dev.event(timing=True)
+        rt.check(rt.cu.cuEventRecord(start, stream_), "cuEventRecord")
+        original(self, grid, block, args, stream_, shared)
+        rt.check(rt.cu.cuEventRecord(stop, stream_), "cuEventRecord")
+        marks.append((self.name, start, stop))
+
+    rt.Kernel.launch = timed
+    try:
+        runner.forward.decode(batch, stream)
+    finally:
+        rt.Kernel.launch = original
+    rt.synchronize(stream)
+    totals: dict[str, float] = {}
+    for name, start, stop in marks:
+        ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime")
+        totals[name] = totals.get(name, 0.0) + ms * 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def bench_prefill(runner, tokens: int) -> dict:
     prompt = (np.arange(tokens) * 7919 % 151936).astype(np.int32)
     table = np.arange(runner.buffers.max_pages, dtype=np.int32)
@@ -204,6 +230,10 @@ def main(argv=None) -> int:
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
                   "({roofline_tok_s:.0f} tok/s)".format(**r), flush=True)
+    report["profile_b1"] = profile_decode(runner, 1)
+    report["profile_b8"] = profile_decode(runner, max(batches))
+    for key in ("profile_b1", "profile_b8"):
+        print(key, "us per step:", ", ".join(f"{k} {v:.0f}" for k, v in report[key].items()), flush=True)
     if args.prefill:
         report["prefill"] = bench_prefill(runner, args.prefill)
         print("prefill {tokens} tokens: {seconds:.2f} s = {tok_s:.0f} tok/s".format(**report["prefill"]), flush=True)

@@ -7,6 +7,7 @@ agree to 2e-2 relative (bf16 keeps 8 mantissa bits of K and V).
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -18,13 +19,15 @@ from ninfer.convert.random_model import make_random_artifact  # noqa: E402
 from ninfer.models.dense import DenseConfig  # noqa: E402
 
 CONFIGS = {
-    "llama": DenseConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
+    "llama": DenseConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=256, intermediate_size=512,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
                          rope_theta=10000.0, attention_bias=True),
-    "qwen3": DenseConfig(architecture="Qwen3ForCausalLM", vocab_size=1000, hidden_size=256, intermediate_size=384,
+    "qwen3": DenseConfig(architecture="Qwen3ForCausalLM", vocab_size=2048, hidden_size=256, intermediate_size=384,
                          num_layers=3, num_heads=8, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6,
-                         rope_theta=1000000.0, tie_word_embeddings=True, qk_norm=True),
+                         rope_theta=1000000.0, qk_norm=True),
 }
+# Tied embeddings make random models repeat one token, so the tied LM head only gets a logits test.
+TIED = attrs.evolve(CONFIGS["qwen3"], tie_word_embeddings=True)
 PAGE, MAX_CTX, BATCH = 16, 512, 8
 PAGES_PER_LANE = MAX_CTX // PAGE
 
@@ -69,6 +72,19 @@ def test_prefill_logits_match_reference(artifact, kv_dtype, tol):
             assert _rel(got, want) < tol
         pages = _table(1)[:3]
         assert _rel(gpu.read_pages(pages), ref.read_pages(pages)) < tol
+    finally:
+        gpu.close()
+
+
+def test_tied_lm_head_logits(tmp_path):
+    from ninfer.artifact import open_artifact
+
+    make_random_artifact(tmp_path / "tied.ninfer", TIED, seed=4)
+    ref, gpu = _runners(open_artifact(tmp_path / "tied.ninfer"))
+    try:
+        chunk = PrefillChunk(lane=0, tokens=np.arange(70, dtype=np.int32), start=0, page_table=_table(0),
+                             return_logits=True)
+        assert _rel(gpu.prefill(chunk).logits, ref.prefill(chunk).logits) < 1e-4
     finally:
         gpu.close()
 

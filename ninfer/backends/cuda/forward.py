@@ -16,7 +16,11 @@ from ninfer.backends.reference.rope import rope_tables
 from ninfer.models.dense import DenseConfig
 
 GEMV_MAX_ROWS = 8
-SPLIT_LEN = 256  # keys per attention split: a 8k context gives 32 splits per (row, kv head)
+GEMV_COLS = 4  # numba_kernels.gemm.COLS: output columns per warp
+# Keys per attention split. Decode has few rows, so short splits give the GPU enough blocks and
+# short serial chains per warp; prefill has many rows and bounds its partials with long splits.
+DECODE_SPLIT = 32
+PREFILL_SPLIT = 256
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -69,7 +73,7 @@ class StepBuffers:
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
-        self.n_splits = -(-max_context // SPLIT_LEN)
+        self.splits = {DECODE_SPLIT: -(-max_context // DECODE_SPLIT), PREFILL_SPLIT: -(-max_context // PREFILL_SPLIT)}
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
         self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
@@ -80,8 +84,8 @@ class StepBuffers:
             "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
             "qkv": R * c.qkv_size * f32, "attn": R * c.q_size * f32,
             "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
-            "part_o": R * c.num_heads * self.n_splits * c.head_dim * f32,
-            "part_ml": R * c.num_heads * self.n_splits * 2 * f32,
+            "part_o": self._cells(c, R, max_batch) * c.head_dim * f32,
+            "part_ml": self._cells(c, R, max_batch) * 2 * f32,
             "logits": self.logit_rows * c.vocab_size * f32,
             "counts": max_batch * c.vocab_size * 4,
             "out": max_batch * 4,
@@ -96,6 +100,10 @@ class StepBuffers:
         self.inputs = Inputs(device, self.arena, R, max_batch, self.max_pages)
         cos, sin = rope_tables(config, max_context)
         self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
+
+    def _cells(self, c: DenseConfig, rows: int, max_batch: int) -> int:
+        """(row, head, split) cells of the attention partials, the larger of decode and prefill."""
+        return c.num_heads * max(max_batch * self.splits[DECODE_SPLIT], rows * self.splits[PREFILL_SPLIT])
 
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
@@ -129,7 +137,7 @@ class Forward:
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
         if rows <= GEMV_MAX_ROWS:
-            self.k[f"gemv_m{rows}"].launch((-(-n // 8),), (256,), (y, x, w, rows, n, k, n), stream)
+            self.k[f"gemv_m{rows}"].launch((-(-n // (8 * GEMV_COLS)),), (256,), (y, x, w, rows, n, k, n), stream)
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
 
@@ -138,6 +146,8 @@ class Forward:
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        split = DECODE_SPLIT if rows <= b.inputs.lanes.size else PREFILL_SPLIT
+        n_splits = b.splits[split]
         eps = float(c.rms_norm_eps)
         k["embed"].launch((rows,), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
@@ -157,11 +167,12 @@ class Forward:
                  b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size,
                  int(c.attention_bias), int(c.qk_norm), eps), stream)
             k[self.attention_name].launch(
-                (KV, rows, b.n_splits), (128,),
+                (KV, rows, n_splits), (128,),
                 (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
-                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, SPLIT_LEN, b.n_splits,
+                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, split, n_splits,
                  self.scale), stream)
-            k["attention_combine"].launch((H, rows), (D,), (b.attn, b.part_o, b.part_ml, H, b.n_splits, D), stream)
+            k["attention_combine"].launch((H, rows), (D,), (b.attn, b.part_o, b.part_ml, inp.d_positions, H,
+                                                             n_splits, D, split), stream)
             self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
             k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
             self.matmul(b.gate_up, b.h, w[p + "gate_up"], rows, 2 * c.intermediate_size, c.hidden_size, stream)
