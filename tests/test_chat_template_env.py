@@ -70,7 +70,7 @@ def test_arbitrary_kwargs_reach_the_template_and_none_standard_options_are_dropp
 
 
 @pytest.mark.parametrize("name", ["messages", "documents", "bos_token", "eos_token",
-                                  "raise_exception", "continue_final_message"])
+                                  "raise_exception", "pad_token", "namespace"])
 def test_reserved_kwargs_are_rejected(tok, name):
     fmt = ChatFormatter(tok, "x", TEST_SPECIAL_TOKENS)
     with pytest.raises(TemplateKwargError, match=f"chat_template_kwargs.{name}: is set by the server"):

@@ -49,7 +49,8 @@ def formatter(tok, template):
 def test_rendering_matches_transformers(tok, case):
     fmt = formatter(tok, case["template"])
     prompt = fmt.render(case["messages"], tools=case["tools"],
-                        add_generation_prompt=case["add_generation_prompt"], **case["kwargs"])
+                        add_generation_prompt=case["add_generation_prompt"],
+                        continue_final_message=case["continue_final_message"], **case["kwargs"])
     assert prompt.text == case["text"]
 
 

@@ -228,3 +228,33 @@ def test_boundaries_are_computed_for_the_requested_messages(fmt):
         fmt.render(msgs[:5], add_generation_prompt=False, preserve_thinking=True).token_ids)
     with pytest.raises(ValueError, match="boundary_messages: 11 is not a message index"):
         fmt.render(msgs, boundary_messages=[11])
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(fmt):
+    msgs = [user("Name a colour."), assistant("Sure, <|im_end|> the colour is ")]
+    p = fmt.render(msgs, add_generation_prompt=False, continue_final_message=True, enable_thinking=False)
+    assert p.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nSure, <|im_end|> the colour is ")
+    assert p.token_ids[-1] != IDS["<|im_end|>"]
+    assert control_tokens(p.token_ids)[-3:] == ["<|im_start|>", "<think>", "</think>"]
+    assert p.thinking is False
+    assert p.prefix_before_generation == len(fmt.render(msgs[:1], add_generation_prompt=False).token_ids)
+    assert p.message_end_offsets[-1] is None
+
+
+def test_continuing_an_empty_prefill_ends_after_the_turn_prologue(fmt):
+    p = fmt.render([user("q"), assistant("")], add_generation_prompt=False, continue_final_message=True)
+    assert p.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_continue_final_message_needs_content_and_no_generation_prompt(fmt):
+    with pytest.raises(TemplateError, match="needs a final message with string content"):
+        fmt.render([user("q"), assistant(None)], add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="exclusive"):
+        fmt.render([user("q"), assistant("a")], continue_final_message=True)
+
+
+def test_reasoning_aliases_reach_the_template(fmt):
+    for field in ("reasoning", "thinking"):
+        msg = {"role": "assistant", "content": "a", field: "why"}
+        text = fmt.render([user("q"), msg], add_generation_prompt=False).text
+        assert "<think>\nwhy\n</think>\n\na<|im_end|>" in text

@@ -106,6 +106,8 @@ def qwen3_cases():
          None, True, {"preserve_thinking": True}),
         ("control-spellings-as-text", [user("say <|im_end|> and <think>"),
                                        assistant("ok </think> done")], None, False, {}),
+        ("continue-prefill", [user("Name a colour."), assistant("Sure, the colour is  ")], None,
+         "continue", {"enable_thinking": False}),
     ]
 
 
@@ -115,6 +117,7 @@ def smollm2_cases():
         ("own-system", [{"role": "system", "content": "Be brief."}, user("Hi"), assistant("Hello!"),
                         user("Bye")], None, True, {}),
         ("history", [user("Hi"), assistant("Hello!")], None, False, {}),
+        ("continue", [user("Hi"), assistant("Hello! I am")], None, "continue", {}),
     ]
 
 
@@ -128,10 +131,11 @@ def features_cases():
     ]
 
 
-def render(source, messages, tools, add_generation_prompt, kwargs, tokens):
+def render(source, messages, tools, gen, kwargs, tokens):
+    """``gen``: True/False add_generation_prompt, or "continue" for continue_final_message."""
     rendered, _ = render_jinja_template(
         conversations=[messages], tools=tools, chat_template=source,
-        add_generation_prompt=add_generation_prompt, **tokens, **kwargs)
+        add_generation_prompt=gen is True, continue_final_message=gen == "continue", **tokens, **kwargs)
     return rendered[0]
 
 
@@ -156,7 +160,8 @@ def main() -> None:
         for name, messages, tools, gen, kwargs in group:
             cases.append({
                 "template": template, "name": name, "messages": messages, "tools": tools,
-                "add_generation_prompt": gen, "kwargs": kwargs,
+                "add_generation_prompt": gen is True, "continue_final_message": gen == "continue",
+                "kwargs": kwargs,
                 "text": render(source, messages, tools, gen, kwargs, tokens),
             })
     fixture = {"generator": "tools/make_chat_template_fixtures.py (transformers render_jinja_template)",

@@ -30,6 +30,7 @@ from ninfer.text.tokenizer import Tokenizer
 # the tokenizer provides (spec, chat_template_kwargs).
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "boundary_messages",
     "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now",
     "namespace",
 })
@@ -214,29 +215,47 @@ class ChatFormatter:
 
     def render(self, messages: Sequence[Mapping[str, Any]], /,
                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-               boundary_messages: Iterable[int] | None = None, **template_kwargs: Any) -> Prompt:
+               boundary_messages: Iterable[int] | None = None, continue_final_message: bool = False,
+               **template_kwargs: Any) -> Prompt:
         """Render and encode one conversation.
 
         ``boundary_messages``: indices of the messages whose end offsets to compute (each costs
         one more template rendering of the shorter conversation); default: the last
         ``DEFAULT_BOUNDARY_MESSAGES``. The others are None in ``message_end_offsets``.
+        ``continue_final_message``: the prompt ends right after the final message's content so
+        that generation continues it (assistant prefill), cut as Hugging Face does.
         """
         kwargs = self._check_kwargs(template_kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are exclusive")
         wanted = _wanted_boundaries(len(messages), boundary_messages)
+        messages = _alias_reasoning(messages)
+        if continue_final_message:
+            messages = _tag_final_message(messages)
         text = self._render_plain(messages, tools, add_generation_prompt, kwargs)
         spans = self._render_spans(messages, tools, add_generation_prompt, kwargs, text)
+        if continue_final_message:
+            text = text[:_continuation_end(messages, text)]
+            spans = _cut_spans(spans, len(text))
         pieces = self._pieces(spans)
         ids, starts = self._encode(pieces)
+
+        def prefix(msgs: Sequence[Mapping[str, Any]]) -> int | None:
+            return self._prefix_tokens(msgs, tools, False, kwargs, text, pieces, starts)
+
+        if continue_final_message:
+            before_generation = prefix(messages[:-1])  # the continued turn is the response
+        elif add_generation_prompt:
+            before_generation = prefix(messages)
+        else:
+            before_generation = len(ids)
         return Prompt(
             token_ids=tuple(ids),
             text=text,
             thinking=self._starts_thinking(ids),
-            message_end_offsets=tuple(
-                self._prefix_tokens(messages[:i + 1], tools, False, kwargs, text, pieces, starts)
-                if i in wanted else None for i in range(len(messages))),
-            prefix_before_generation=(
-                self._prefix_tokens(messages, tools, False, kwargs, text, pieces, starts)
-                if add_generation_prompt else len(ids)),
+            message_end_offsets=tuple(prefix(messages[:i + 1]) if i in wanted else None
+                                      for i in range(len(messages))),
+            prefix_before_generation=before_generation,
         )
 
     # -- rendering ------------------------------------------------------------------------------
@@ -356,6 +375,49 @@ class ChatFormatter:
             if token == self._think_close:
                 return False
         return False
+
+
+# HF's reasoning field names: a message carrying any of them gets all of `reasoning_content` and
+# `thinking`, so templates reading either see it.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Appended to the content of a message to continue; the prompt is cut where it lands (HF's rule).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _alias_reasoning(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
+
+
+def _tag_final_message(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str):
+        raise TemplateError("continue_final_message needs a final message with string content")
+    return messages[:-1] + [{**messages[-1], "content": content + _CONTINUE_TAG}]
+
+
+def _continuation_end(messages: list[Mapping[str, Any]], text: str) -> int:
+    """Where the continued message's own text ends: at the tag, or before trimmed spacing."""
+    content = messages[-1]["content"][:-len(_CONTINUE_TAG)]
+    tag = _CONTINUE_TAG.strip()
+    if content.strip() not in text or tag not in text:
+        raise TemplateError("the chat template does not render the final message's content "
+                            "verbatim, so it cannot be continued")
+    at = text.rindex(tag)
+    return at if text.startswith(_CONTINUE_TAG, at) else len(text[:at].rstrip())
+
+
+def _cut_spans(spans: list[tuple[str, bool]], end: int) -> list[tuple[str, bool]]:
+    out, pos = [], 0
+    for text, is_client in spans:
+        if pos >= end:
+            break
+        out.append((text[:end - pos], is_client))
+        pos += len(text)
+    return out
 
 
 def _wanted_boundaries(count: int, indices: Iterable[int] | None) -> frozenset[int]:
