@@ -9,6 +9,7 @@ decode batch with sequences of different lengths.
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from ninfer.backends.reference.kv_cache import PagedKVCache
@@ -32,33 +33,38 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x))
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_pos: np.ndarray, scale: float) -> np.ndarray:
+def causal_mask(query_pos: np.ndarray, length: int) -> np.ndarray:
+    """Additive mask [S, 1, Q, 1, length]: 0 where key ``t <= query_pos[s, i]``, else -inf."""
+    hidden = np.arange(length)[None, None, :] > query_pos[:, :, None]
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None, :, None, :]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """Grouped-query attention of ``q`` [S, Q, H, D] over ``k``/``v`` [S, T, Hkv, D].
 
-    Query ``(s, i)`` sees keys ``t <= query_pos[s, i]`` of sequence ``s``. Returns [S, Q, H * D].
+    ``mask`` is ``causal_mask``'s [S, 1, Q, 1, T]. Returns [S, Q, H * D].
     """
     s_count, q_count, heads, dim = q.shape
     if q_count > QUERY_BLOCK:
         blocks = [
-            attention(q[:, i : i + QUERY_BLOCK], k, v, query_pos[:, i : i + QUERY_BLOCK], scale)
+            attention(q[:, i : i + QUERY_BLOCK], k, v, mask[:, :, i : i + QUERY_BLOCK], scale)
             for i in range(0, q_count, QUERY_BLOCK)
         ]
         return np.concatenate(blocks, axis=1)
     kv_heads = k.shape[2]
     group = heads // kv_heads
-    # [S, Q, Hkv, G, D] -> [S, Hkv, G * Q, D]: each KV head serves its G query heads in one matmul.
-    qg = q.reshape(s_count, q_count, kv_heads, group, dim).transpose(0, 2, 3, 1, 4)
-    qg = qg.reshape(s_count, kv_heads, group * q_count, dim)
-    scores = np.matmul(qg, k.transpose(0, 2, 3, 1)) * np.float32(scale)  # [S, Hkv, G*Q, T]
-    key_pos = np.arange(k.shape[1], dtype=np.int64)
-    row_pos = np.tile(query_pos, (1, group))  # G-major, Q-minor: the order of qg's rows
-    masked = key_pos[None, None, :] > row_pos[:, :, None]  # [S, G*Q, T]
-    scores = np.where(masked[:, None], np.float32(-np.inf), scores)
+    # [S, Q, Hkv, G, D] -> [S, Hkv, Q * G, D]: each KV head serves its G query heads in one matmul.
+    qg = q.reshape(s_count, q_count, kv_heads, group, dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(s_count, kv_heads, q_count * group, dim)
+    scores = np.matmul(qg, k.transpose(0, 2, 3, 1))  # [S, Hkv, Q*G, T]
+    scores *= np.float32(scale)
+    scores = scores.reshape(s_count, kv_heads, q_count, group, -1)
+    scores += mask
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+    probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    out = np.matmul(probs, v.transpose(0, 2, 1, 3))  # [S, Hkv, G*Q, D]
-    out = out.reshape(s_count, kv_heads, group, q_count, dim).transpose(0, 3, 1, 2, 4)
+    out = np.matmul(probs.reshape(s_count, kv_heads, q_count * group, -1), v.transpose(0, 2, 1, 3))
+    out = out.reshape(s_count, kv_heads, q_count, group, dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(s_count, q_count, heads * dim)
 
 
@@ -80,20 +86,25 @@ class DenseForward:
         """
         rows = tokens.shape[0]
         query_pos = positions.reshape(seqs, rows // seqs)
-        seq_of_row = np.repeat(np.arange(seqs), rows // seqs)
-        pages = page_tables[seq_of_row, positions // self.cache.page_size]
-        slots = positions % self.cache.page_size
         length = int(positions.max()) + 1
-        cos, sin = self.cos[positions], self.sin[positions]
+        # Everything that is the same for every layer is worked out once per step.
+        step = _Step(
+            slots=self.cache.token_slots(page_tables, positions, np.repeat(np.arange(seqs), rows // seqs)),
+            context=self.cache.context_index(page_tables, length),
+            mask=causal_mask(query_pos, length),
+            cos=self.cos[positions],
+            sin=self.sin[positions],
+            seqs=seqs,
+        )
         x = self.weights.embed[tokens]
         for index, layer in enumerate(self.weights.layers):
-            x = self._layer(index, layer, x, cos, sin, pages, slots, page_tables, query_pos, length)
+            x = self._layer(index, layer, x, step)
         return rms_norm(x, self.weights.final_norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return np.matmul(hidden, self.weights.lm_head)
 
-    def _layer(self, index, w: LayerWeights, x, cos, sin, pages, slots, page_tables, query_pos, length):
+    def _layer(self, index: int, w: LayerWeights, x: np.ndarray, step: _Step) -> np.ndarray:
         c = self.config
         rows = x.shape[0]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
@@ -106,14 +117,26 @@ class DenseForward:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, c.rms_norm_eps)
             k = rms_norm(k, w.k_norm, c.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        self.cache.write(index, pages, slots, k, v)
-        keys, values = self.cache.gather(index, page_tables, length)
-        seqs, per_seq = query_pos.shape
-        attn = attention(q.reshape(seqs, per_seq, c.num_heads, c.head_dim), keys, values, query_pos, self.scale)
+        q = apply_rope(q, step.cos, step.sin)
+        k = apply_rope(k, step.cos, step.sin)
+        self.cache.write(index, step.slots, k, v)
+        keys, values = self.cache.gather(index, step.context)
+        q = q.reshape(step.seqs, rows // step.seqs, c.num_heads, c.head_dim)
+        attn = attention(q, keys, values, step.mask, self.scale)
         x = x + attn.reshape(rows, c.q_size) @ w.o
         h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
         gate_up = h @ w.gate_up
         act = silu(gate_up[:, : c.intermediate_size]) * gate_up[:, c.intermediate_size :]
         return x + act @ w.down
+
+
+@attrs.define(slots=True)
+class _Step:
+    """Per-step values shared by every layer."""
+
+    slots: np.ndarray  # flat KV slot of each row's token
+    context: np.ndarray | slice  # where each sequence's keys live (PagedKVCache.context_index)
+    mask: np.ndarray  # causal_mask
+    cos: np.ndarray
+    sin: np.ndarray
+    seqs: int

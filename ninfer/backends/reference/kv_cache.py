@@ -1,7 +1,7 @@
 """The paged KV pool of the reference backend.
 
 K and V are float32 ``[num_layers, num_pages, page_size, kv_heads, head_dim]``. Token ``t`` of a
-sequence lives in page ``page_table[t // page_size]`` at slot ``t % page_size``. The engine decides
+sequence lives in page ``page_table[t // page_size]`` at offset ``t % page_size``. The engine decides
 which pages a sequence owns; this pool only writes and gathers the slots it is told to.
 """
 
@@ -23,35 +23,41 @@ class PagedKVCache:
         self.v = np.zeros(shape, dtype=np.float32)
         self.page_size = page_size
         self.num_pages = num_pages
+        # The same memory seen as [layers, num_pages * page_size, kv_heads, head_dim]: one flat
+        # slot index per token makes writes and gathers a single indexing operation.
+        self._k_flat = self.k.reshape(num_layers, num_pages * page_size, kv_heads, head_dim)
+        self._v_flat = self.v.reshape(num_layers, num_pages * page_size, kv_heads, head_dim)
 
-    def slots(self, page_table: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(page, slot) of each position of one sequence."""
-        return page_table[positions // self.page_size], positions % self.page_size
+    def token_slots(self, page_tables: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Flat slot (``page * page_size + offset``) of ``positions[i]`` in sequence ``rows[i]``."""
+        return page_tables[rows, positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def write(self, layer: int, pages: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Store ``k``/``v`` [rows, kv_heads, head_dim] at ``(pages[i], slots[i])``."""
-        self.k[layer, pages, slots] = k
-        self.v[layer, pages, slots] = v
+    def context_index(self, page_tables: np.ndarray, length: int) -> np.ndarray | slice:
+        """Where positions ``[0, length)`` of each sequence live: flat slots [S, length], or a
+        slice when there is one sequence on ascending pages (the usual single-request case), which
+        reads the pool as a view instead of a copy.
 
-    def gather(self, layer: int, page_tables: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of positions ``[0, length)`` for each row of ``page_tables`` [rows, pages].
-
-        Returns ``[rows, length, kv_heads, head_dim]``. Rows shorter than ``length`` must mask the
-        tail themselves: unused page-table entries (-1) read page 0, whatever it holds.
+        Sequences shorter than ``length`` must mask their tail: unused page-table entries (-1)
+        read page 0, whatever it holds.
         """
         n_pages = -(-length // self.page_size)
         table = page_tables[:, :n_pages]
-        rows = table.shape[0]
-        if rows == 1 and _is_consecutive(table[0]):
-            # One sequence on ascending pages (the usual single-request case): a view, no copy.
-            first = int(table[0, 0])
-            k = self.k[layer, first : first + n_pages].reshape(1, -1, *self.k.shape[3:])
-            v = self.v[layer, first : first + n_pages].reshape(1, -1, *self.v.shape[3:])
-            return k[:, :length], v[:, :length]
-        table = np.maximum(table, 0)
-        k = self.k[layer][table].reshape(rows, -1, *self.k.shape[3:])
-        v = self.v[layer][table].reshape(rows, -1, *self.v.shape[3:])
-        return k[:, :length], v[:, :length]
+        if table.shape[0] == 1 and table[0, 0] >= 0 and (n_pages == 1 or bool(np.all(np.diff(table[0]) == 1))):
+            first = int(table[0, 0]) * self.page_size
+            return slice(first, first + length)
+        offsets = np.arange(length)
+        return np.maximum(table, 0)[:, offsets // self.page_size] * self.page_size + offsets % self.page_size
+
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k``/``v`` [rows, kv_heads, head_dim] at flat ``slots`` [rows]."""
+        self._k_flat[layer, slots] = k
+        self._v_flat[layer, slots] = v
+
+    def gather(self, layer: int, index: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [S, length, kv_heads, head_dim] at a ``context_index``."""
+        if isinstance(index, slice):
+            return self._k_flat[layer, None, index], self._v_flat[layer, None, index]
+        return self._k_flat[layer][index], self._v_flat[layer][index]
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         src_i, dst_i = self._pages(src), self._pages(dst)
@@ -79,7 +85,3 @@ class PagedKVCache:
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_pages):
             raise ValueError(f"page ids must lie in [0, {self.num_pages}), got {idx.tolist()}")
         return idx
-
-
-def _is_consecutive(pages: np.ndarray) -> bool:
-    return pages.size > 0 and pages[0] >= 0 and bool(np.all(np.diff(pages) == 1))
