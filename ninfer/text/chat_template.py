@@ -1,7 +1,6 @@
 """Chat template rendering: messages -> prompt text and token ids (docs/text.md).
 
-Templates run in Jinja's immutable sandbox with what Hugging Face templates expect (trim_blocks,
-lstrip_blocks, loop controls, ``raise_exception``, ``strftime_now``, HF ``tojson``). Each prompt
+Templates run in Hugging Face's sandboxed environment (``template_env``). Each prompt
 is rendered twice: once plainly, giving the prompt text, and once with client strings marked
 (``client_text``), giving which characters came from the client. Control tokens are recognized
 only in the template's own text; every run of text between them, template and client text
@@ -11,20 +10,20 @@ together, is encoded with control tokens off, as Hugging Face would tokenize it.
 from __future__ import annotations
 
 import bisect
-import datetime
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ninfer.text import client_text
-from ninfer.text.client_text import ClientStr, Marks
+from ninfer.text.client_text import Marks
+from ninfer.text.template_env import TemplateError, make_environment
 from ninfer.text.tokenizer import Tokenizer
+
+__all__ = ["ChatFormatter", "Prompt", "TemplateError", "TemplateKwargError", "early_close_ids",
+           "QWEN_THINKING_EARLY_CLOSE", "RESERVED_TEMPLATE_KWARGS"]
 
 # Names a request's template kwargs may not set: the conversation, the generation mode and what
 # the tokenizer provides (spec, chat_template_kwargs).
@@ -48,10 +47,6 @@ QWEN_THINKING_EARLY_CLOSE = ("\n\nConsidering the limited time, I have to give t
                              "the thinking directly now.\n</think>\n\n")
 
 
-class TemplateError(Exception):
-    """The chat template cannot render this conversation; the message says why."""
-
-
 class TemplateKwargError(ValueError):
     """A template kwarg that a request may not set."""
 
@@ -73,123 +68,12 @@ class Prompt:
     prefix_before_generation: int | None
 
 
-def _raise_exception(message: Any) -> None:
-    raise TemplateError(str(message))
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """HF's ``{% generation %}`` marks assistant text for training masks; here it only renders."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False,
-            marks: Marks | None = None) -> str:
-    """HF ``tojson``: plain ``json.dumps`` (non-ASCII kept, member order kept, no HTML escaping).
-
-    Client strings keep their marks: each is swapped for a placeholder before dumping and the
-    placeholder replaced by the marked, JSON-escaped text afterwards.
-    """
-    found: list[str] = []
-    tag = marks.nonce if marks is not None else ""
-
-    def swap(v: Any) -> Any:
-        if isinstance(v, ClientStr):
-            found.append(str.__str__(v))
-            return f"\ue010{tag}:{len(found) - 1}\ue011"
-        if isinstance(v, Mapping):
-            items = sorted(v.items(), key=lambda kv: str.__str__(kv[0])) if sort_keys else v.items()
-            return {swap(k): swap(x) for k, x in items}
-        if isinstance(v, (list, tuple)):
-            return [swap(x) for x in v]
-        return v
-
-    text = json.dumps(swap(value), ensure_ascii=ensure_ascii, indent=indent, separators=separators)
-    if not found:
-        return text
-    assert marks is not None
-
-    def unswap(m: re.Match) -> str:
-        escaped = json.dumps(found[int(m.group(1))], ensure_ascii=ensure_ascii)[1:-1]
-        return f"{marks.open}{escaped}{marks.close}" if escaped else ""
-
-    # the placeholder as json.dumps wrote it (escaped when ensure_ascii)
-    left, right = (json.dumps(c, ensure_ascii=ensure_ascii)[1:-1] for c in ("\ue010", "\ue011"))
-    return re.sub(f"{re.escape(left)}{tag}:(\\d+){re.escape(right)}", unswap, text)
-
-
-_MARKS = client_text.CURRENT_MARKS
-
-
-class _Env(ImmutableSandboxedEnvironment):
-    """The sandbox, plus provenance tracking for Python calls while a marked render runs."""
-
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-        result = super().call(__context, __obj, *args, **kwargs)
-        marks = _MARKS.get()
-        # Macros are template code whose output is tracked precisely.
-        if marks is None or isinstance(__obj, jinja2.runtime.Macro):
-            return result
-        owner = getattr(__obj, "__self__", None)
-        if isinstance(owner, ClientStr):
-            # a client string's method (the sandbox runs str.format itself): its result is client text
-            return client_text.rewrap(result, owner.marks)
-        return client_text.taint_result(result, args, kwargs, marks)
-
-
-def _tracked_filter(fn):
-    passes_context = hasattr(fn, "jinja_pass_arg")
-
-    def filt(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        marks = _MARKS.get()
-        if marks is None:
-            return result
-        # A context/environment first argument holds the whole template state, not an input.
-        inputs = args[1:] if passes_context else args
-        return client_text.taint_result(result, inputs, kwargs, marks)
-
-    if passes_context:
-        filt.jinja_pass_arg = fn.jinja_pass_arg
-    return filt
-
-
-def _make_env() -> _Env:
-    env = _Env(trim_blocks=True, lstrip_blocks=True,
-               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return _tojson(value, ensure_ascii, indent, separators, sort_keys, _MARKS.get())
-
-    def join(value, d="", attribute=None):
-        items = list(value) if attribute is None else [env.getattr(v, attribute) for v in value]
-        return str(d).join(str(v) for v in items)  # str() keeps each client item's marks
-
-    for name, fn in list(env.filters.items()):
-        env.filters[name] = _tracked_filter(fn)
-    env.filters["tojson"] = tojson
-    env.filters["join"] = join
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 class ChatFormatter:
     """Renders conversations with one template over one tokenizer (see the module docstring)."""
 
     def __init__(self, tokenizer: Tokenizer, template_source: str, special_tokens: Mapping[str, Any]):
         self.tokenizer = tokenizer
-        self._env = _make_env()
+        self._env = make_environment()
         try:
             self._template = self._env.from_string(template_source)
         except jinja2.TemplateSyntaxError as exc:
@@ -285,7 +169,7 @@ class ChatFormatter:
                       plain: str) -> list[tuple[str, bool]]:
         """The rendering as (text, is_client) spans, checked against the plain rendering."""
         marks = Marks()
-        token = _MARKS.set(marks)
+        token = client_text.CURRENT_MARKS.set(marks)
         try:
             marked = self._run(client_text.mark_client(list(messages), marks),
                                client_text.mark_client(tools, marks) if tools else tools,
@@ -295,7 +179,7 @@ class ChatFormatter:
             raise TemplateError(f"chat template cuts through client text ({exc}); cannot tell "
                                 "client text from template markup") from exc
         finally:
-            _MARKS.reset(token)
+            client_text.CURRENT_MARKS.reset(token)
         if "".join(s for s, _ in spans) != plain:
             raise TemplateError("chat template renders client strings differently when tracking "
                                 "their origin; cannot tell client text from template markup")
