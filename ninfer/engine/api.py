@@ -1,0 +1,290 @@
+"""``ninfer.Engine``: the trio facade over the engine worker.
+
+::
+
+    async with Engine.open(runner_or_artifact_path, EngineConfig(...)) as engine:
+        with engine.reserve() as ticket:              # may raise Overloaded
+            handle = ticket.submit(GenerationRequest(prompt=ids, max_tokens=64))
+            async for event in handle:                 # PromptProgress*, TokenDelta*, one Finished
+                ...
+
+Everything here runs on the trio thread and never blocks on the worker: commands go through the
+worker's inbox, events come back through each request's outbox and a trio wake-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Iterable, Mapping
+
+import trio
+
+from ninfer.backends.runner import ModelRunner
+from ninfer.engine import sampling
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.context_cost import load as load_context_cost
+from ninfer.engine.core import EngineCore
+from ninfer.engine.errors import (ContextLengthExceeded, EngineUnavailable, Overloaded,
+                                  ThinkingBudgetCapacityInsufficient)
+from ninfer.engine.events import Finished, PromptProgress, TokenDelta
+from ninfer.engine.request import MAX_CACHE_HINTS, GenerationRequest
+from ninfer.engine.sequence import Sequence
+from ninfer.engine.stats import StatsSnapshot
+from ninfer.engine.worker import Worker
+
+
+class Engine:
+    """One resident model and its worker. Create it with :meth:`open`."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, owns_runner: bool,
+                 eos_token_ids: Iterable[int] = (), generation: Mapping[str, Any] | None = None,
+                 hardware: str | None = None, model_signature: str = "") -> None:
+        self.config = config
+        self.info = runner.info
+        self._generation = generation
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        cost = load_context_cost(config.context_cost_presets, hardware or runner.info.backend, model_signature)
+        self._core = EngineCore(runner, config, cost)
+        self._token = trio.lowlevel.current_trio_token()
+        self._worker = Worker(self._core, self._wake_from_worker, close_runner=owns_runner)
+        self._rids = itertools.count()
+        self._outstanding = 0
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, source: ModelRunner | str | os.PathLike, config: EngineConfig | None = None, *,
+                   eos_token_ids: Iterable[int] | None = None,
+                   generation: Mapping[str, Any] | None = None) -> AsyncIterator["Engine"]:
+        """Start an engine over a runner (the caller keeps ownership) or a ``.ninfer`` path
+        (loaded on the reference backend; the engine owns and closes it)."""
+        config = config or EngineConfig()
+        owns = isinstance(source, (str, os.PathLike))
+        if owns:
+            runner, eos, generation = await trio.to_thread.run_sync(_load_reference, os.fspath(source), config)
+            eos_token_ids = eos if eos_token_ids is None else eos_token_ids
+        else:
+            runner = source
+        engine = cls(runner, config, owns_runner=owns, eos_token_ids=eos_token_ids or (),
+                     generation=generation)
+        engine._worker.start()
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._worker.post("close")
+            await trio.to_thread.run_sync(self._worker.join)
+
+    # -- public surface -------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._worker.ready and not self._closed
+
+    @property
+    def max_context(self) -> int:
+        return self._core.limit
+
+    def stats(self) -> StatsSnapshot:
+        """The latest published snapshot (never touches the worker)."""
+        return self._worker.snapshot
+
+    def reserve(self) -> "Ticket":
+        """Take one lifetime-capacity slot before preparation; raise Overloaded when full."""
+        if not self.ready:
+            raise EngineUnavailable("the engine is not available")
+        capacity = self.config.lifetime_capacity
+        if self._outstanding >= capacity:
+            raise Overloaded(capacity)
+        self._outstanding += 1
+        return Ticket(self, self._core.clock() + self.config.pending_timeout_ms / 1000.0)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _release_slot(self) -> None:
+        self._outstanding -= 1
+
+    def _prepare(self, request: GenerationRequest, deadline: float) -> Sequence:
+        limit = self._core.limit
+        _validate(request, self.info.vocab_size, limit)
+        preset = sampling.preset_for(self._generation, request.thinking.starts_in_thinking)
+        row = sampling.resolve(preset, self.config, request.sampling)
+        return Sequence(next(self._rids), request, row, self._eos | frozenset(request.stop_token_ids),
+                        limit, deadline, self._core.clock())
+
+    def _wake_from_worker(self, seqs: list[Sequence]) -> None:
+        try:
+            self._token.run_sync_soon(_wake_handles, seqs)
+        except trio.RunFinishedError:
+            pass  # the trio run is over: nobody is waiting
+
+
+def _wake_handles(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        handle = seq.handle
+        if handle is not None and handle._event is not None:
+            handle._event.set()
+
+
+class Ticket:
+    """One lifetime-capacity slot, held from before preparation until the result is released."""
+
+    def __init__(self, engine: Engine, deadline: float) -> None:
+        self._engine = engine
+        self.deadline = deadline
+        self._released = False
+        self._entered = False
+        self.handle: Handle | None = None
+
+    def submit(self, request: GenerationRequest) -> "Handle":
+        """Validate and queue ``request``. Raises ValueError (bad field), ContextLengthExceeded or
+        ThinkingBudgetCapacityInsufficient at preparation; admission errors come from the handle."""
+        if self._released or self.handle is not None:
+            raise RuntimeError("a ticket submits exactly one request while it is held")
+        engine = self._engine
+        if not engine.ready:
+            raise EngineUnavailable("the engine is not available")
+        try:
+            seq = engine._prepare(request, self.deadline)
+        except (ValueError, ContextLengthExceeded, ThinkingBudgetCapacityInsufficient):
+            engine._worker.post("count", "rejected")
+            raise
+        self.handle = Handle(self, seq)
+        seq.handle = self.handle
+        engine._worker.post("submit", seq)
+        return self.handle
+
+    def release(self) -> None:
+        """Give the slot back; an unfinished request is cancelled first."""
+        if self._released:
+            return
+        if self.handle is not None:
+            self.handle._cancel()
+        self._released = True
+        self._engine._release_slot()
+
+    def __enter__(self) -> "Ticket":
+        self._entered = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Handle:
+    """The event stream of one request. Iterate it; ``stop()`` ends it early with "stop"."""
+
+    def __init__(self, ticket: Ticket, seq: Sequence) -> None:
+        self._ticket = ticket
+        self._seq = seq
+        self._event: trio.Event | None = None
+        self._done = False  # the terminal item was consumed (or the request was cancelled)
+
+    def __aiter__(self) -> "Handle":
+        return self
+
+    async def __anext__(self) -> PromptProgress | TokenDelta | Finished:
+        if self._done:
+            self._end()
+            raise StopAsyncIteration
+        outbox = self._seq.outbox
+        while not outbox:
+            self._event = trio.Event()
+            try:
+                await self._event.wait()
+            except BaseException:
+                self._cancel()
+                raise
+            finally:
+                self._event = None
+        item = outbox.popleft()
+        # Coalesce: a slow consumer sees the latest progress and all pending tokens at once.
+        if isinstance(item, PromptProgress):
+            while outbox and isinstance(outbox[0], PromptProgress):
+                item = outbox.popleft()
+        elif isinstance(item, TokenDelta) and outbox and isinstance(outbox[0], TokenDelta):
+            ids = list(item.token_ids)
+            while outbox and isinstance(outbox[0], TokenDelta):
+                ids.extend(outbox.popleft().token_ids)
+            item = TokenDelta(tuple(ids))
+        if isinstance(item, BaseException):
+            self._done = True
+            self._end()
+            raise item
+        if isinstance(item, Finished):
+            self._done = True
+        return item
+
+    def stop(self) -> None:
+        """A stop string matched in the text layer: finish "stop" at the next boundary."""
+        if not self._done:
+            self._ticket._engine._worker.post("stop", self._seq)
+
+    async def aclose(self) -> None:
+        self._cancel()
+        self._end()
+
+    async def __aenter__(self) -> "Handle":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def _cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._ticket._engine._worker.post("cancel", self._seq)
+
+    def _end(self) -> None:
+        # Without `with ticket:` the slot is released as soon as the stream ends.
+        if not self._ticket._entered:
+            self._ticket.release()
+
+
+def _validate(request: GenerationRequest, vocab: int, limit: int) -> None:
+    n = len(request.prompt)
+    if n == 0:
+        raise ValueError("prompt must contain at least one token")
+    if min(request.prompt) < 0 or max(request.prompt) >= vocab:
+        raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+    if request.max_tokens < 0:
+        raise ValueError(f"max_tokens must be non-negative, got {request.max_tokens}")
+    if n + (1 if request.max_tokens > 0 else 0) > limit:
+        raise ContextLengthExceeded(n, limit)
+    if len(request.cache_boundaries) > MAX_CACHE_HINTS:
+        raise ValueError(f"cache_boundaries holds at most {MAX_CACHE_HINTS} boundaries")
+    for b in request.cache_boundaries:
+        if not 0 < b <= n:
+            raise ValueError(f"cache_boundaries entry {b} is outside the prompt (1..{n})")
+    if request.input_checkpoint is not None and not 0 <= request.input_checkpoint <= n:
+        raise ValueError(f"input_checkpoint {request.input_checkpoint} is outside the prompt (0..{n})")
+    sampling.validate_overrides(request.sampling)
+    thinking = request.thinking
+    if thinking.budget is not None:
+        if thinking.budget < 1:
+            raise ValueError(f"thinking.budget must be positive, got {thinking.budget}")
+        if thinking.starts_in_thinking:
+            if not thinking.close_ids:
+                raise ValueError("thinking.close_ids is required when a thinking budget is set")
+            capacity = min(request.max_tokens, limit - n)
+            suffix = len(thinking.close_ids)
+            if thinking.budget < capacity < thinking.budget + suffix + 1:
+                raise ThinkingBudgetCapacityInsufficient(thinking.budget, capacity, suffix)
+
+
+def _load_reference(path: str, config: EngineConfig):
+    """Open an artifact on the reference backend (worker-thread-free: called before start)."""
+    from ninfer.artifact import open_artifact
+    from ninfer.backends.reference import ReferenceRunner
+
+    art = open_artifact(path, components=("text",))
+    runner = ReferenceRunner(art, page_size=config.page_size, num_pages=config.kv_pages,
+                             max_batch=config.max_concurrency, max_context=config.max_context)
+    eos = art.special_tokens.get("eos_token_ids") or []
+    return runner, eos, art.generation

@@ -1,0 +1,88 @@
+"""Context-cost model: snapshot (copy KV to Host and back) or replay (recompute) a paused request.
+
+Snapshot cost = 2 × bytes × transfer seconds-per-byte (out and back in); replay cost =
+tokens × prefill seconds-per-token. Coefficients resolve once at startup: generic defaults, then
+matching entries of the ``--context-cost-presets`` JSON file::
+
+    {"transfer": [{"hardware": "cuda", "seconds_per_byte": 4e-11}],
+     "prefill":  [{"hardware": "cuda", "model": "<signature>", "seconds_per_token": 2e-5}]}
+
+``hardware`` and ``model`` may be "*" (or omitted) to match anything; the most specific match
+wins. A malformed file raises ContextCostPresetsError, which aborts startup.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import attrs
+
+from ninfer.engine.errors import ContextCostPresetsError
+
+# Generic defaults: ~12 GB/s host link, ~20k tokens/s prefill. Conservative on both sides.
+GENERIC_TRANSFER_SECONDS_PER_BYTE = 1.0 / 12e9
+GENERIC_PREFILL_SECONDS_PER_TOKEN = 1.0 / 20e3
+
+
+@attrs.frozen
+class ContextCost:
+    transfer_seconds_per_byte: float
+    prefill_seconds_per_token: float
+    source: str  # "generic" or "<file>: <entries used>"
+
+    def snapshot_seconds(self, nbytes: int) -> float:
+        return 2.0 * nbytes * self.transfer_seconds_per_byte
+
+    def replay_seconds(self, tokens: int) -> float:
+        return tokens * self.prefill_seconds_per_token
+
+    def prefer_snapshot(self, nbytes: int, tokens: int) -> bool:
+        return self.snapshot_seconds(nbytes) <= self.replay_seconds(tokens)
+
+
+def load(path: str | None, hardware: str, model: str) -> ContextCost:
+    transfer, prefill = GENERIC_TRANSFER_SECONDS_PER_BYTE, GENERIC_PREFILL_SECONDS_PER_TOKEN
+    if path is None:
+        return ContextCost(transfer, prefill, "generic")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ContextCostPresetsError(f"--context-cost-presets {path}: {exc}") from exc
+    if not isinstance(data, dict) or set(data) - {"transfer", "prefill"}:
+        raise ContextCostPresetsError(
+            f"--context-cost-presets {path}: expected an object with only 'transfer' and 'prefill' lists")
+    used = []
+    t = _pick(data.get("transfer", []), "transfer", "seconds_per_byte", path, hardware, model)
+    if t is not None:
+        transfer = t[0]
+        used.append(f"transfer[{t[1]}]")
+    p = _pick(data.get("prefill", []), "prefill", "seconds_per_token", path, hardware, model)
+    if p is not None:
+        prefill = p[0]
+        used.append(f"prefill[{p[1]}]")
+    return ContextCost(transfer, prefill, f"{path}: {', '.join(used) or 'no matching entry (generic)'}")
+
+
+def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: str):
+    if not isinstance(entries, list):
+        raise ContextCostPresetsError(f"--context-cost-presets {path}: '{kind}' must be a list")
+    best = None
+    for i, entry in enumerate(entries):
+        where = f"--context-cost-presets {path}: {kind}[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"hardware", "model", key}:
+            raise ContextCostPresetsError(f"{where}: expected an object with hardware, model, {key}")
+        value = entry.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ContextCostPresetsError(f"{where}: {key} must be a positive finite number")
+        hw, md = entry.get("hardware", "*"), entry.get("model", "*")
+        if not isinstance(hw, str) or not isinstance(md, str):
+            raise ContextCostPresetsError(f"{where}: hardware and model must be strings")
+        if hw not in ("*", hardware) or md not in ("*", model):
+            continue
+        score = (hw != "*") * 2 + (md != "*")
+        if best is None or score > best[2]:
+            best = (float(value), i, score)
+    return None if best is None else best[:2]

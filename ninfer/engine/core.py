@@ -1,0 +1,372 @@
+"""The engine step: schedule → run → postprocess, on whichever single thread owns the runner.
+
+:class:`EngineCore` is synchronous and has no trio or threading: the worker thread drives it in
+production, and tests drive it directly with a simulated runner. Events go to each sequence's
+``outbox``; ``touched`` lists the sequences that received some since the last ``take_touched()``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from ninfer.backends.runner import DecodeBatch, ModelRunner, PrefillChunk, SamplingRow
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.context_cost import ContextCost
+from ninfer.engine.events import (EngineTiming, Finished, PromptProgress, SchedulingCounters, Timings,
+                                  TokenDelta, Usage)
+from ninfer.engine.pools import HostBudget, KVPool, StateSlots
+from ninfer.engine.prefix_cache import PrefixCache
+from ninfer.engine.scheduler import Plan, Scheduler
+from ninfer.engine.sequence import Phase, Sequence
+from ninfer.engine.stats import Counters, StatsSnapshot
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, cost: ContextCost,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        info = runner.info
+        if info.page_size != config.page_size:
+            raise ValueError(f"runner page_size {info.page_size} differs from config page_size {config.page_size}")
+        if info.max_batch < config.max_concurrency:
+            raise ValueError(f"runner has {info.max_batch} lanes; max_concurrency is {config.max_concurrency}")
+        if info.num_pages < config.kv_pages:
+            raise ValueError(f"runner KV pool has {info.num_pages} pages; kv_capacity needs {config.kv_pages}")
+        self.runner = runner
+        self.config = config
+        self.clock = clock
+        self.cost = cost
+        self.limit = min(config.sequence_limit, info.max_context)
+        self.pool = KVPool(config.kv_pages)
+        self.slots = StateSlots(config.state_slots)
+        self.host = HostBudget(config.host_context_bytes)
+        self.cache = PrefixCache(self.pool, config.page_size) if config.prefix_reuse else None
+        # Bytes one KV page occupies on the Host: read one page once (its content is irrelevant).
+        self.page_bytes = int(runner.read_pages([0]).nbytes)
+        self.scheduler = Scheduler(config, self.pool, self.slots, self.host, self.cache, cost,
+                                   self.page_bytes, clock)
+        self.counters = Counters()
+        self.touched: list[Sequence] = []
+        self._max_pages = -(-self.limit // config.page_size)
+        # Persistent page tables, one row per lane; rows are synced incrementally.
+        self._tables = np.full((config.max_concurrency, self._max_pages), -1, dtype=np.int32)
+        self._synced = [0] * config.max_concurrency
+        self._row_cache: dict[int, tuple[int, SamplingRow]] = {}
+        self.last_step_seconds = 0.0
+        self.last_runner_seconds = 0.0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        boundaries = [seq.request.input_checkpoint or 0, *seq.request.cache_boundaries]
+        seq.pending_captures = sorted({b for b in boundaries if 0 < b <= seq.prompt_len})
+        self.scheduler.add(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        if seq.phase is not Phase.DONE:
+            self._finish(seq, "cancelled", "cancelled")
+
+    def stop(self, seq: Sequence) -> None:
+        """A stop string matched in the text layer: finish "stop" now, publish nothing more."""
+        if seq.phase is not Phase.DONE:
+            seq.stop_requested = True
+            self._finish(seq, "stop", "stop_string")
+
+    def fail(self, seq: Sequence, error: BaseException, outcome: str) -> None:
+        """End ``seq`` with an error instead of a Finished event (queue timeout, engine failure)."""
+        if seq.phase is not Phase.DONE:
+            self.scheduler.release(seq)
+            seq.error = error
+            self._emit(seq, error)
+            self.counters.outcome(outcome)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def take_touched(self) -> list[Sequence]:
+        touched, self.touched = self.touched, []
+        return touched
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> None:
+        c = self.counters
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        device = self._execute(plan)
+        t2 = time.perf_counter()
+        self._postprocess(plan)
+        t3 = time.perf_counter()
+        c.host_work["engine_boundary"] += t1 - t0
+        c.host_work["program_submit"] += (t2 - t1) - device
+        c.host_work["program_post"] += t3 - t2
+        c.device_wait += device
+        self.last_step_seconds = t3 - t0
+        self.last_runner_seconds = device
+        host = (t3 - t0) - device
+        for seq in plan.decode:
+            seq.host_seconds += host
+            seq.device_seconds += device
+        if plan.prompt is not None:
+            plan.prompt.seq.host_seconds += host
+            plan.prompt.seq.device_seconds += device
+
+    def _execute(self, plan: Plan) -> float:
+        """Run the plan's mechanism on the runner; return seconds spent inside runner calls."""
+        runner, device = self.runner, 0.0
+        pc = time.perf_counter
+        for pause in plan.pauses:
+            if pause.route == "snapshot":
+                t = pc()
+                pause.seq.snapshot = runner.read_pages(pause.pages)
+                device += pc() - t
+        if plan.copies:
+            t = pc()
+            runner.copy_pages([s for s, _ in plan.copies], [d for _, d in plan.copies])
+            device += pc() - t
+        for restore in plan.restores:
+            t = pc()
+            runner.write_pages(restore.pages, restore.data)
+            device += pc() - t
+        for lane, generated in plan.binds:
+            self._synced[lane] = 0
+            self._tables[lane, :] = -1
+            t = pc()
+            runner.bind_lane(lane, generated)
+            device += pc() - t
+        unit = plan.prompt
+        if unit is not None:
+            seq = unit.seq
+            chunk = PrefillChunk(
+                lane=seq.lane, tokens=np.asarray(seq.tokens[unit.start : unit.end], dtype=np.int32),
+                start=unit.start, page_table=np.asarray(seq.pages, dtype=np.int32),
+                sample=self._row(seq) if unit.sample else None)
+            t = pc()
+            result = runner.prefill(chunk)
+            device += pc() - t
+            unit.result = result.tokens
+        if plan.decode:
+            batch = self._decode_batch(plan.decode)
+            t = pc()
+            result = runner.decode(batch)
+            device += pc() - t
+            plan.decode_result = result.tokens
+        return device
+
+    def _decode_batch(self, rows: list[Sequence]) -> DecodeBatch:
+        tables, synced = self._tables, self._synced
+        lanes = []
+        for seq in rows:
+            lane = seq.lane
+            n = len(seq.pages)
+            if synced[lane] != n:
+                tables[lane, synced[lane] : n] = seq.pages[synced[lane] :]
+                synced[lane] = n
+            lanes.append(lane)
+        lane_arr = np.array(lanes, dtype=np.int32)
+        return DecodeBatch(
+            lanes=lane_arr,
+            tokens=np.array([s.tokens[-1] for s in rows], dtype=np.int32),
+            positions=np.array([s.computed for s in rows], dtype=np.int32),
+            page_tables=tables[lane_arr],
+            sampling=[self._row(s) for s in rows],
+        )
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        step = seq.n_output
+        r = seq.row
+        return SamplingRow(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                           presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                           seed=r.seed, step=step)
+
+    # -- postprocess ----------------------------------------------------------------------
+
+    def _postprocess(self, plan: Plan) -> None:
+        c = self.counters
+        now = self.clock()
+        for pause in plan.pauses:
+            c.preemptions += 1
+            if pause.route == "snapshot":
+                nbytes = pause.seq.snapshot_bytes
+                pause.seq.transfer_bytes += nbytes
+                c.transfer_bytes[("main_kv", "device_to_host")] += nbytes
+        for restore in plan.restores:
+            c.snapshot_restores += 1
+            c.transfer_bytes[("main_kv", "host_to_device")] += int(restore.data.nbytes)
+        if plan.copies:
+            c.cow_copies += len(plan.copies)
+            c.transfer_bytes[("main_kv", "device_to_device")] += len(plan.copies) * self.page_bytes
+        c.replay_restores += len(plan.replays)
+        for seq in plan.admitted:
+            if not seq.cached_reported:
+                self._on_first_binding(seq, now)
+        unit = plan.prompt
+        if unit is not None and unit.seq.phase is Phase.RESIDENT:
+            self._post_prompt(unit, now)
+        if plan.decode:
+            c.decode_rounds += 1
+            c.decode_row_rounds += len(plan.decode)
+            for seq, token in zip(plan.decode, plan.decode_result.tolist()):
+                seq.decode_rounds += 1
+                seq.computed += 1
+                c.decode_tokens += 1
+                self._commit(seq, token, now)
+
+    def _on_first_binding(self, seq: Sequence, now: float) -> None:
+        c = self.counters
+        seq.cached_reported = True
+        c.prompt_tokens += seq.prompt_len
+        c.prompt_tokens_cached += seq.cached
+        if seq.cached:
+            c.prefix_hits += 1
+        c.queue.observe(seq.t_admit - seq.t_submit)
+        seq.pending_captures = [b for b in seq.pending_captures if b > seq.cached]
+        self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, 0.0))
+
+    def _post_prompt(self, unit, now: float) -> None:
+        c, seq = self.counters, unit.seq
+        seq.computed = unit.end
+        seq.prefill_units += 1
+        c.prefill_units += 1
+        fresh_from = max(unit.start, seq.prompt_high)
+        if unit.replay or fresh_from > unit.start:
+            replayed = (unit.end - unit.start) if unit.replay else min(unit.end, seq.prompt_high) - unit.start
+            seq.replayed_tokens += replayed
+            c.replayed_tokens += replayed
+        if not unit.replay and unit.end > seq.prompt_high:
+            c.prefill_tokens += unit.end - fresh_from
+            seq.prompt_high = unit.end
+            self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, unit.end,
+                                           (now - seq.t_admit) * 1000.0))
+        while seq.pending_captures and seq.pending_captures[0] <= seq.computed:
+            self.scheduler.capture(seq, seq.pending_captures.pop(0))
+            c.prefix_captures += 1
+        if unit.replay and not seq.needs_prompt_work:
+            seq.transitions.append(("replay_complete", seq.preemptions, "replay", now))
+        if unit.sample:
+            self._commit(seq, int(unit.result[0]), now)
+        elif seq.n_output == 0 and seq.computed == seq.prompt_len and seq.request.max_tokens == 0:
+            seq.t_prompt_done = now
+            self._finish(seq, "length", "max_tokens")
+
+    def _commit(self, seq: Sequence, token: int, now: float) -> None:
+        if seq.phase is not Phase.RESIDENT:
+            return
+        c = self.counters
+        forced = bool(seq.forced)
+        if forced:
+            token = seq.forced.popleft()
+            seq.forced_total += 1
+            c.forced_tokens += 1
+        seq.tokens.append(token)
+        c.generation_tokens += 1
+        if seq.t_first is None:
+            seq.t_first = now
+            c.ttft.observe(now - seq.t_submit)
+        seq.t_last = now
+        self._emit(seq, TokenDelta((token,)))
+        thinking = seq.request.thinking
+        if seq.in_thinking:
+            if forced:
+                if not seq.forced:
+                    seq.in_thinking = False  # the close marker is committed
+            else:
+                seq.thinking_count += 1
+                if token == thinking.end_think_id:
+                    seq.in_thinking = False
+        if not forced and token in seq.stop_ids:
+            self._finish(seq, "stop", "eos")
+        elif seq.n_output >= seq.request.max_tokens:
+            self._finish(seq, "length", "max_tokens")
+        elif len(seq.tokens) >= seq.limit:
+            self._finish(seq, "length", "context")
+        elif (seq.in_thinking and not seq.forced and thinking.budget is not None
+              and seq.thinking_count >= thinking.budget):
+            seq.forced.extend(thinking.close_ids)
+            seq.budget_applied += 1
+            c.thinking_budget_applied += 1
+
+    def _emit(self, seq: Sequence, event) -> None:
+        # Always mark: the consumer may drain the outbox concurrently, so "was empty" is unsound.
+        self.touched.append(seq)
+        seq.outbox.append(event)
+
+    def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
+        now = self.clock()
+        if reason != "cancelled" and seq.request.capture_endpoint and seq.phase is Phase.RESIDENT:
+            if seq.computed > seq.cached:
+                self.scheduler.capture(seq, seq.computed, session=True)
+                self.counters.prefix_captures += 1
+        self.scheduler.release(seq)
+        seq.finish = (reason, detail)
+        self.counters.outcome(reason)
+        self.counters.duration.observe(now - seq.t_submit)
+        self._emit(seq, self._finished_event(seq, reason, detail, now))
+
+    def _finished_event(self, seq: Sequence, reason: str, detail: str, now: float) -> Finished:
+        admit = seq.t_admit if seq.t_admit is not None else now
+        first = seq.t_first
+        prompt_end = first if first is not None else (seq.t_prompt_done or now)
+        return Finished(
+            reason=reason,
+            detail=detail,
+            usage=Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached,
+                        completion_tokens=seq.n_output),
+            timings=Timings(queue=admit - seq.t_submit, prompt=max(0.0, prompt_end - admit),
+                            generation=(seq.t_last - first) if first is not None else 0.0,
+                            total=now - seq.t_submit,
+                            ttft=(first - seq.t_submit) if first is not None else None),
+            scheduling=SchedulingCounters(
+                preemptions=seq.preemptions, snapshot_restores=seq.snapshot_restores,
+                replay_restores=seq.replay_restores, replayed_tokens=seq.replayed_tokens,
+                paused_seconds=seq.paused_seconds, transfer_bytes=seq.transfer_bytes,
+                thinking_budget_applied=seq.budget_applied, forced_tokens=seq.forced_total,
+                transitions=tuple(seq.transitions)),
+            engine_timing=EngineTiming(
+                queue_wait_seconds=admit - seq.t_submit, host_exposed_seconds=seq.host_seconds,
+                device_wait_exposed_seconds=seq.device_seconds, decode_rounds=seq.decode_rounds,
+                prefill_units=seq.prefill_units, control_units=seq.control_units),
+            prefix_reuse_path="checkpoint" if seq.cached else "root",
+            generated_token_ids=tuple(seq.output),
+            seed=seq.row.seed,
+        )
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def snapshot(self, ready: bool) -> StatsSnapshot:
+        c, s = self.counters, self.scheduler
+        residents = [q for q in s.lanes if q is not None]
+        replaying = sum(1 for q in residents if q.replaying)
+        prefilling = sum(1 for q in residents if q.needs_prompt_work and not q.replaying)
+        return StatsSnapshot(
+            backend=self.runner.info.backend, max_concurrency=self.config.max_concurrency,
+            max_context_tokens=self.limit, page_size=self.config.page_size,
+            context_cost_source=self.cost.source, ready=ready,
+            requests_running=len(residents), requests_waiting=len(s.waiting),
+            requests_paused=len(s.paused), requests_prefilling=prefilling,
+            requests_decode_ready=len(residents) - prefilling - replaying,
+            requests_replaying=replaying, requests_materializing=0,
+            device_kv_used_pages=self.pool.used_count, device_kv_capacity_pages=self.pool.capacity,
+            device_state_used_slots=self.slots.used, device_state_capacity_slots=self.slots.capacity,
+            host_context_used_bytes=self.host.used, host_context_reserved_bytes=0,
+            host_context_capacity_bytes=self.host.capacity, host_context_peak_bytes=self.host.peak,
+            prefix_cache_nodes=self.cache.nodes if self.cache else 0,
+            prefix_cache_evictions=self.cache.evictions if self.cache else 0,
+            prompt_tokens_total=c.prompt_tokens, prompt_tokens_cached_total=c.prompt_tokens_cached,
+            prefill_tokens_total=c.prefill_tokens, replayed_tokens_total=c.replayed_tokens,
+            generation_tokens_total=c.generation_tokens, decode_tokens_total=c.decode_tokens,
+            forced_tokens_total=c.forced_tokens, preemptions_total=c.preemptions,
+            snapshot_restores_total=c.snapshot_restores, replay_restores_total=c.replay_restores,
+            decode_rounds_total=c.decode_rounds, decode_row_rounds_total=c.decode_row_rounds,
+            prefill_units_total=c.prefill_units, prefix_hits_total=c.prefix_hits,
+            prefix_captures_total=c.prefix_captures, cow_copies_total=c.cow_copies,
+            thinking_budget_applied_total=c.thinking_budget_applied,
+            context_transfer_bytes_total=dict(c.transfer_bytes),
+            host_work_seconds_total=dict(c.host_work), device_wait_seconds_total=c.device_wait,
+            requests_total=dict(c.requests), time_to_first_token_seconds=c.ttft.freeze(),
+            request_duration_seconds=c.duration.freeze(), request_queue_seconds=c.queue.freeze(),
+            monotonic=time.monotonic(),
+        )

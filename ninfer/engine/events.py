@@ -1,0 +1,91 @@
+"""What a request's handle yields: prompt progress, committed token deltas, one Finished."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class PromptProgress:
+    """Cumulative prompt processing (spec ``prompt_progress``); never moves backwards."""
+
+    total: int  # prompt tokens
+    cache: int  # reused prefix tokens
+    processed: int  # cache + prefill tokens committed so far
+    time_ms: float  # since committed admission
+
+
+@attrs.frozen
+class TokenDelta:
+    """Newly committed output token ids, in order (including forced thinking-close tokens)."""
+
+    token_ids: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int  # exact reused prefix; prompt_tokens - cached_tokens were prefilled
+    completion_tokens: int  # committed output ids, including a stop token and forced ids
+
+
+@attrs.frozen(kw_only=True)
+class Timings:
+    """Request stage seconds (spec request_done.timings_seconds, llama.cpp ``timings``)."""
+
+    queue: float  # submit → admission (initial binding)
+    prompt: float  # admission → first committed output token (or prompt done when none)
+    generation: float  # first → last committed output token
+    total: float  # submit → finish
+    ttft: float | None  # submit → first committed output token
+
+
+@attrs.frozen(kw_only=True)
+class SchedulingCounters:
+    """Pressure history of one request (spec generation.scheduling)."""
+
+    preemptions: int = 0
+    snapshot_restores: int = 0
+    replay_restores: int = 0
+    replayed_tokens: int = 0
+    paused_seconds: float = 0.0
+    transfer_bytes: int = 0
+    thinking_budget_applied: int = 0  # times the close suffix was forced (0 or 1)
+    forced_tokens: int = 0
+    # (kind, preemption index, route, monotonic seconds) for paused / restored / replay_complete.
+    transitions: tuple[tuple[str, int, str | None, float], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class EngineTiming:
+    """Worker time while this request was resident (spec request_done.engine_timing).
+
+    In a compact batch every row waits for the whole round, so these explain one request's
+    latency and must not be summed across concurrent requests.
+    """
+
+    queue_wait_seconds: float
+    host_exposed_seconds: float
+    device_wait_exposed_seconds: float
+    decode_rounds: int
+    prefill_units: int
+    control_units: int
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    """The one terminal event. ``reason`` is "stop", "length" or "cancelled".
+
+    ``detail`` says why: "eos" (a stop token id), "stop_string" (``handle.stop()``),
+    "max_tokens", "context" (the sequence reached the context ceiling), "cancelled".
+    """
+
+    reason: str
+    detail: str
+    usage: Usage
+    timings: Timings
+    scheduling: SchedulingCounters
+    engine_timing: EngineTiming
+    prefix_reuse_path: str  # "root" (no reuse) or "checkpoint"
+    generated_token_ids: tuple[int, ...]
+    seed: int  # the seed actually used (request, process flag, or fresh random)

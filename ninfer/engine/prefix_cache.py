@@ -1,0 +1,183 @@
+"""Exact-prefix reuse: a trie over token ids whose nodes own KV page ids.
+
+Each node below the root stands for one KV page: a full node holds ``page_size`` tokens, a tail
+node (always a leaf) holds fewer — an exact boundary that ends inside a page. A node owns one
+reference on its page in :class:`~ninfer.engine.pools.KVPool`; sequences that use or produced a
+node lock it, so reclamation (LRU over unlocked leaves) never drops a prefix that frees nothing.
+
+KV at position ``i`` depends only on tokens ``0..i``, so any prefix of a retained path is valid
+dense-attention context: a match may end inside a node, and the caller then copies that page
+(copy-on-write) before writing past the match.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Sequence
+
+import attrs
+
+from ninfer.engine.pools import KVPool
+
+
+class Node:
+    __slots__ = ("tokens", "page", "parent", "children", "locks", "last_use", "sessions")
+
+    def __init__(self, tokens: tuple[int, ...], page: int, parent: "Node | None") -> None:
+        self.tokens = tokens
+        self.page = page
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.locks = 0
+        self.last_use = 0
+        self.sessions = 0  # session keys whose latest endpoint is this node
+
+
+@attrs.frozen
+class Match:
+    length: int  # reused tokens
+    pages: tuple[int, ...]  # pages covering positions 0..length-1
+    nodes: tuple[Node, ...]  # to lock while the sequence uses them
+
+
+EMPTY_MATCH = Match(0, (), ())
+
+
+class PrefixCache:
+    def __init__(self, pool: KVPool, page_size: int, max_sessions: int = 1024) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.root = Node((), -1, None)
+        self._clock = itertools.count(1)
+        self._sessions: dict[str, Node] = {}
+        self._max_sessions = max_sessions
+        self.nodes = 0
+        self.evictions = 0
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], limit: int) -> Match:
+        """Longest retained prefix of ``tokens[:limit]``."""
+        ps = self.page_size
+        node, pos, path = self.root, 0, []
+        while limit - pos >= ps:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            path.append(child)
+            node, pos = child, pos + ps
+        best, best_len = None, 0
+        rest = tokens[pos : min(limit, pos + ps)]
+        for child in node.children.values():
+            n = _common(child.tokens, rest)
+            if n > best_len:
+                best, best_len = child, n
+        if best is not None:
+            path.append(best)
+            pos += best_len
+        now = next(self._clock)
+        for n in path:
+            n.last_use = now
+        return Match(pos, tuple(n.page for n in path), tuple(path))
+
+    # -- capture --------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], length: int) -> list[Node]:
+        """Retain ``tokens[:length]`` whose KV lives in ``pages``; return the path (to lock)."""
+        ps = self.page_size
+        node, path, now = self.root, [], next(self._clock)
+        full, rem = divmod(length, ps)
+        for i in range(full):
+            node = self._child(node, tuple(tokens[i * ps : (i + 1) * ps]), pages[i])
+            node.last_use = now
+            path.append(node)
+        if rem:
+            node = self._child(node, tuple(tokens[full * ps : length]), pages[full])
+            node.last_use = now
+            path.append(node)
+        return path
+
+    def _child(self, node: Node, key: tuple[int, ...], page: int) -> Node:
+        child = node.children.get(key)
+        if child is None:
+            child = Node(key, page, node)
+            node.children[key] = child
+            self.pool.incref([page])
+            self.nodes += 1
+        return child
+
+    def set_session(self, key: str, node: Node) -> None:
+        """Make ``node`` the latest endpoint of session ``key`` (reclaimed after other prefixes)."""
+        old = self._sessions.pop(key, None)
+        if old is not None:
+            old.sessions -= 1
+        elif len(self._sessions) >= self._max_sessions:
+            oldest = next(iter(self._sessions))
+            self._sessions.pop(oldest).sessions -= 1
+        self._sessions[key] = node
+        node.sessions += 1
+
+    @staticmethod
+    def lock(nodes: Sequence[Node]) -> None:
+        for n in nodes:
+            n.locks += 1
+
+    @staticmethod
+    def unlock(nodes: Sequence[Node]) -> None:
+        for n in nodes:
+            assert n.locks > 0, "prefix node unlocked twice"
+            n.locks -= 1
+
+    # -- reclamation ----------------------------------------------------------------------
+
+    def reclaim(self, pages_needed: int) -> int:
+        """Evict unlocked leaves, least recently used first (session endpoints last), until
+        ``pages_needed`` pages became free or nothing is evictable; return pages freed."""
+        if pages_needed <= 0:
+            return 0
+        heap = [(_priority(n), id(n), n) for n in self._leaves() if n.locks == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < pages_needed:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += self._evict(node)
+            if parent is not self.root and not parent.children and parent.locks == 0:
+                heapq.heappush(heap, (_priority(parent), id(parent), parent))
+        return freed
+
+    def clear(self) -> None:
+        self.reclaim(self.pool.capacity + 1)
+
+    def _evict(self, node: Node) -> int:
+        assert not node.children and node.locks == 0
+        del node.parent.children[node.tokens]
+        if node.sessions:
+            for key in [k for k, v in self._sessions.items() if v is node]:
+                del self._sessions[key]
+        self.nodes -= 1
+        self.evictions += 1
+        return self.pool.decref([node.page])
+
+    def _leaves(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            else:
+                yield n
+
+
+def _priority(node: Node) -> tuple[int, int]:
+    return (1 if node.sessions else 0, node.last_use)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

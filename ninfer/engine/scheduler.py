@@ -1,0 +1,326 @@
+"""The scheduling policy: given sequences and pool occupancy, the plan of the next step.
+
+Synchronous and deterministic, no device, trio or HTTP imports. Each step is one compact decode
+batch of every decode-ready resident plus at most one prompt unit (a prefill or replay chunk of
+the single prompt-work owner). Before the step, the pages its units need are reserved: first from
+free pages, then by reclaiming unlocked retained prefixes, then by pausing the youngest residents —
+never the oldest, so it always progresses. Freed lanes go to paused and waiting requests in
+arrival order; a later request may pass one that does not fit at most ``MAX_BYPASS`` times.
+
+The plan lists runner mechanism in execution order: snapshot reads of paused pages, page copies
+(copy-on-write of a reused partial page), snapshot writes, lane binds, the prompt unit, decode.
+Pages freed by a pause may be reused in the same plan because their reads come first.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import attrs
+import numpy as np
+
+from ninfer.engine.config import EngineConfig
+from ninfer.engine.context_cost import ContextCost
+from ninfer.engine.pools import HostBudget, KVPool, StateSlots
+from ninfer.engine.prefix_cache import EMPTY_MATCH, PrefixCache
+from ninfer.engine.sequence import Phase, Sequence
+
+MAX_BYPASS = 4
+
+
+@attrs.define(slots=True)
+class Pause:
+    seq: Sequence
+    route: str  # "snapshot" or "replay"
+    pages: list[int]  # pages to read into the snapshot (snapshot route)
+
+
+@attrs.define(slots=True)
+class Restore:
+    seq: Sequence
+    pages: list[int]
+    data: np.ndarray
+
+
+@attrs.define(slots=True)
+class PromptUnit:
+    seq: Sequence
+    start: int
+    end: int
+    sample: bool
+    replay: bool
+    result: np.ndarray | None = None  # sampled token (when ``sample``), set by execution
+
+
+@attrs.define(slots=True)
+class Plan:
+    pauses: list[Pause] = attrs.Factory(list)
+    copies: list[tuple[int, int]] = attrs.Factory(list)
+    restores: list[Restore] = attrs.Factory(list)
+    binds: list[tuple[int, list[int]]] = attrs.Factory(list)  # (lane, generated so far)
+    admitted: list[Sequence] = attrs.Factory(list)  # bound this step (fresh or restored)
+    prompt: PromptUnit | None = None
+    decode: list[Sequence] = attrs.Factory(list)
+    replays: list[Sequence] = attrs.Factory(list)  # restored by replay this step
+    decode_result: np.ndarray | None = None  # one token per decode row, set by execution
+
+    @property
+    def empty(self) -> bool:
+        return self.prompt is None and not self.decode and not self.restores and not self.pauses
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: KVPool, slots: StateSlots, host: HostBudget,
+                 cache: PrefixCache | None, cost: ContextCost, page_bytes: int,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.ps = config.page_size
+        self.pool, self.slots, self.host, self.cache = pool, slots, host, cache
+        self.cost = cost
+        self.page_bytes = page_bytes
+        self.clock = clock
+        self.lanes: list[Sequence | None] = [None] * config.max_concurrency
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.paused: list[Sequence] = []  # ordered by rid
+        self.owner: Sequence | None = None  # the one sequence doing prompt work
+
+    # -- queues ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def residents(self) -> list[Sequence]:
+        return sorted((s for s in self.lanes if s is not None), key=_rid)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.paused or any(s is not None for s in self.lanes))
+
+    def release(self, seq: Sequence) -> None:
+        """Return everything ``seq`` holds (it finished, failed or was cancelled)."""
+        if seq.phase is Phase.WAITING:
+            if seq in self.waiting:  # a submission the worker never took is not queued
+                self.waiting.remove(seq)
+        elif seq.phase is Phase.PAUSED:
+            self.paused.remove(seq)
+            self._drop_snapshot(seq)
+        elif seq.phase is Phase.RESIDENT:
+            self._unbind(seq)
+            self.pool.decref(seq.pages)
+            seq.pages = []
+        seq.phase = Phase.DONE
+
+    def capture(self, seq: Sequence, length: int, session: bool = False) -> None:
+        """Retain ``seq``'s first ``length`` tokens (their KV is computed) in the prefix cache."""
+        if self.cache is None or length <= 0:
+            return
+        assert length <= seq.computed
+        path = self.cache.insert(seq.tokens, seq.pages, length)
+        self.cache.lock(path)
+        seq.locked.extend(path)
+        if session and seq.request.session_key is not None:
+            self.cache.set_session(seq.request.session_key, path[-1])
+
+    # -- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        if self.owner is not None and not self.owner.needs_prompt_work:
+            self.owner = None  # its prompt (or replay) finished last step: it decodes now
+        self._reserve_residents(plan)
+        if self.waiting or self.paused:
+            self._admit(plan)
+        owner = self.owner
+        if owner is not None:
+            end = min(owner.computed + self.config.prefill_chunk, owner.frontier)
+            self._ensure_pages(owner, end)
+            sample = owner.n_output == 0 and end == owner.prompt_len and owner.request.max_tokens > 0
+            plan.prompt = PromptUnit(owner, owner.computed, end, sample, owner.n_output > 0)
+        for seq in self.residents():
+            if seq is not owner and not seq.needs_prompt_work:
+                self._ensure_pages(seq, seq.computed + 1)
+                plan.decode.append(seq)
+        return plan
+
+    def _unit_end(self, seq: Sequence) -> int:
+        """Positions covered once ``seq``'s next unit ran."""
+        if seq.needs_prompt_work:
+            return min(seq.computed + self.config.prefill_chunk, seq.frontier)
+        return seq.computed + 1
+
+    def _deficit(self, seq: Sequence, end: int, have: int | None = None) -> int:
+        have = len(seq.pages) if have is None else have
+        return max(0, -(-end // self.ps) - have)
+
+    def _ensure_pages(self, seq: Sequence, end: int) -> None:
+        n = self._deficit(seq, end)
+        if n:
+            seq.pages.extend(self.pool.alloc(n))
+
+    def _make_room(self, need: int) -> bool:
+        if need > self.pool.free_count and self.cache is not None:
+            self.cache.reclaim(need - self.pool.free_count)
+        return need <= self.pool.free_count
+
+    def _reserve_residents(self, plan: Plan) -> None:
+        residents = self.residents()
+        if not residents:
+            return
+        need = {s.rid: self._deficit(s, self._unit_end(s)) for s in residents}
+        total = sum(need.values())
+        if total == 0 or self._make_room(total):
+            return
+        # Residents cannot advance together: pause the youngest until the rest fit.
+        oldest = residents[0]
+        for victim in reversed(residents[1:]):
+            total -= need.pop(victim.rid)
+            self._pause(victim, plan)
+            if self._make_room(total):
+                return
+        assert self._make_room(total), "the oldest resident cannot advance: KV pool smaller than one sequence"
+
+    # -- pause and restore ----------------------------------------------------------------
+
+    def _pause(self, seq: Sequence, plan: Plan) -> None:
+        nbytes = len(seq.pages) * self.page_bytes
+        route = "replay"
+        if (seq.computed > 0 and self.cost.prefer_snapshot(nbytes, seq.computed)
+                and self.host.try_reserve(nbytes)):
+            route = "snapshot"
+            seq.snapshot_bytes = nbytes
+            plan.pauses.append(Pause(seq, route, list(seq.pages)))
+        else:
+            plan.pauses.append(Pause(seq, route, []))
+            seq.computed = 0
+        seq.route = route
+        self._unbind(seq)
+        self.pool.decref(seq.pages)
+        seq.pages = []
+        seq.phase = Phase.PAUSED
+        seq.preemptions += 1
+        seq.paused_at = self.clock()
+        seq.transitions.append(("paused", seq.preemptions, route, seq.paused_at))
+        self._insert_paused(seq)
+
+    def _insert_paused(self, seq: Sequence) -> None:
+        i = len(self.paused)
+        while i > 0 and self.paused[i - 1].rid > seq.rid:
+            i -= 1
+        self.paused.insert(i, seq)
+
+    def _drop_snapshot(self, seq: Sequence) -> None:
+        if seq.snapshot_bytes:
+            self.host.release(seq.snapshot_bytes)
+        seq.snapshot, seq.snapshot_bytes = None, 0
+
+    def _unbind(self, seq: Sequence) -> None:
+        if seq.lane is not None:
+            self.lanes[seq.lane] = None
+            seq.lane = None
+            self.slots.release()
+        if self.owner is seq:
+            self.owner = None
+        if seq.locked and self.cache is not None:
+            self.cache.unlock(seq.locked)
+        seq.locked = []
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _admit(self, plan: Plan) -> None:
+        # A request paused by this very plan waits at least one step: its snapshot is read by
+        # this plan's execution, and re-admitting it now would undo the room just made.
+        just_paused = {p.seq.rid for p in plan.pauses}
+        candidates = sorted([*self.paused, *self.waiting], key=_rid)
+        passed: list[Sequence] = []
+        for seq in candidates:
+            if seq.rid in just_paused:
+                continue
+            if None not in self.lanes:
+                return
+            if self._try_bind(seq, plan):
+                for earlier in passed:
+                    earlier.bypassed += 1
+                continue
+            if seq.bypassed >= MAX_BYPASS:
+                return  # nobody may pass it any more
+            passed.append(seq)
+
+    def _try_bind(self, seq: Sequence, plan: Plan) -> bool:
+        if seq.phase is Phase.PAUSED and seq.route == "snapshot" and seq.snapshot is not None:
+            return self._restore_snapshot(seq, plan)
+        if self.owner is not None:
+            return False  # one prompt-work owner at a time
+        fresh = seq.phase is Phase.WAITING
+        match = EMPTY_MATCH
+        if self.cache is not None:
+            limit = seq.prompt_len - 1 if fresh else seq.frontier
+            match = self.cache.match(seq.tokens, limit)
+            self.cache.lock(match.nodes)
+        shared = match.length // self.ps
+        end = min(match.length + self.config.prefill_chunk, seq.frontier) if fresh else seq.frontier + 1
+        need = -(-end // self.ps) - shared
+        if not self._make_room(need):
+            if self.cache is not None:
+                self.cache.unlock(match.nodes)
+            return False
+        seq.pages = list(match.pages[:shared])
+        self.pool.incref(seq.pages)
+        if match.length % self.ps:
+            # The match ends inside a retained page: write past it in a private copy.
+            cow = self.pool.alloc(1)[0]
+            plan.copies.append((match.pages[shared], cow))
+            seq.pages.append(cow)
+        seq.locked = list(match.nodes)
+        seq.computed = match.length
+        self._ensure_pages(seq, end)
+        if fresh:
+            self.waiting.remove(seq)
+            seq.cached = match.length
+            seq.t_admit = self.clock()
+            seq.admitted_once = True
+        else:
+            self.paused.remove(seq)
+            seq.replay_restores += 1
+            plan.replays.append(seq)
+            seq.paused_seconds += self.clock() - seq.paused_at
+        self._bind(seq, plan)
+        if seq.needs_prompt_work:
+            self.owner = seq
+        return True
+
+    def _restore_snapshot(self, seq: Sequence, plan: Plan) -> bool:
+        n_snap = seq.snapshot_bytes // self.page_bytes
+        if seq.needs_prompt_work and self.owner is not None:
+            return False
+        end = self._unit_end(seq)
+        if not self._make_room(max(n_snap, -(-end // self.ps))):
+            return False
+        seq.pages = self.pool.alloc(n_snap)
+        plan.restores.append(Restore(seq, list(seq.pages), seq.snapshot))
+        self._ensure_pages(seq, end)
+        seq.transfer_bytes += seq.snapshot_bytes
+        self._drop_snapshot(seq)
+        self.paused.remove(seq)
+        seq.snapshot_restores += 1
+        seq.paused_seconds += self.clock() - seq.paused_at
+        self._bind(seq, plan)
+        if seq.needs_prompt_work:
+            self.owner = seq
+        return True
+
+    def _bind(self, seq: Sequence, plan: Plan) -> None:
+        lane = self.lanes.index(None)
+        self.lanes[lane] = seq
+        seq.lane = lane
+        self.slots.acquire()
+        if seq.preemptions:
+            seq.transitions.append(("restored", seq.preemptions, seq.route, self.clock()))
+        seq.phase = Phase.RESIDENT
+        seq.route = None
+        # The last committed token is the next decode input, which the runner counts itself.
+        plan.binds.append((lane, seq.output[:-1]))
+        plan.admitted.append(seq)
+
+
+def _rid(seq: Sequence) -> int:
+    return seq.rid

@@ -1,0 +1,112 @@
+"""One request's state inside the Engine: tokens, pages, lane, budgets and its outbox.
+
+Only the engine worker mutates a Sequence (the trio side reads ``outbox`` through the handle).
+A sequence's known tokens are ``prompt + output``; ``computed`` positions have KV in ``pages``.
+It needs prompt work while ``computed < frontier`` and decodes once that catches up.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Any
+
+from ninfer.backends.runner import SamplingRow
+from ninfer.engine.request import GenerationRequest
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # submitted, not admitted yet
+    RESIDENT = "resident"  # holds a lane (prefilling, replaying or decoding)
+    PAUSED = "paused"  # pushed out by KV pressure; keeps its committed output
+    DONE = "done"
+
+
+class Sequence:
+    def __init__(self, rid: int, request: GenerationRequest, row: SamplingRow, stop_ids: frozenset[int],
+                 limit: int, deadline: float, submitted: float) -> None:
+        self.rid = rid  # arrival order: older requests have smaller ids
+        self.request = request
+        self.row = row
+        self.stop_ids = stop_ids
+        self.limit = limit  # longest sequence (prompt + output) this request may reach
+        self.deadline = deadline  # admission deadline (monotonic seconds)
+        self.phase = Phase.WAITING
+        self.tokens: list[int] = list(request.prompt)
+        self.prompt_len = len(request.prompt)
+        self.computed = 0
+        self.pages: list[int] = []
+        self.lane: int | None = None
+        self.locked: list[Any] = []  # prefix-cache nodes this sequence pins
+        self.cached = 0  # reused prefix tokens at initial binding
+        self.admitted_once = False
+        self.cached_reported = False
+        self.prompt_high = 0  # furthest prompt position ever computed (beyond it: fresh prefill)
+        self.t_prompt_done: float | None = None
+        # (kind, preemption index, route, monotonic seconds): paused / restored / replay_complete.
+        self.transitions: list[tuple[str, int, str | None, float]] = []
+        self.bypassed = 0  # later requests admitted ahead of this one
+        # Thinking budget.
+        self.in_thinking = request.thinking.starts_in_thinking
+        self.thinking_count = 0
+        self.forced: collections.deque[int] = collections.deque()
+        self.budget_applied = 0
+        self.forced_total = 0
+        # Pause state.
+        self.snapshot: Any = None  # host copy of pages when paused by snapshot
+        self.snapshot_bytes = 0
+        self.route: str | None = None
+        self.paused_at = 0.0
+        # Captures still due: prompt boundaries (sorted) retained once computed reaches them.
+        self.pending_captures: list[int] = []
+        # Control from the request's task.
+        self.cancel_requested = False
+        self.stop_requested = False
+        # Outcome and events.
+        self.finish: tuple[str, str] | None = None
+        self.outbox: collections.deque = collections.deque()
+        self.handle: Any = None  # the trio-side Handle (woken by the worker)
+        self.error: BaseException | None = None
+        # Observations (monotonic seconds) and counters.
+        self.t_submit = submitted
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.preemptions = 0
+        self.snapshot_restores = 0
+        self.replay_restores = 0
+        self.replayed_tokens = 0
+        self.paused_seconds = 0.0
+        self.transfer_bytes = 0
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
+        self.decode_rounds = 0
+        self.prefill_units = 0
+        self.control_units = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def n_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def frontier(self) -> int:
+        """Positions that must hold KV before the next decode (or before the first sample)."""
+        return len(self.tokens) - 1 if self.n_output else self.prompt_len
+
+    @property
+    def needs_prompt_work(self) -> bool:
+        return self.computed < self.frontier
+
+    @property
+    def replaying(self) -> bool:
+        return self.needs_prompt_work and self.n_output > 0
+
+    def decode_position(self) -> int:
+        return len(self.tokens) - 1
+
+    def __repr__(self) -> str:
+        return f"<Sequence {self.rid} {self.phase.value} lane={self.lane} computed={self.computed}/{len(self.tokens)}>"

@@ -1,0 +1,102 @@
+"""A simulated ModelRunner: deterministic fake logits, for scheduler tests and the engine bench.
+
+``verify=True`` keeps token ids in its KV "pages" and derives each next token from the context
+it reads back through the page table (and from the lane's penalty counts when penalties are on),
+so a wrong page table, a bad copy-on-write, a lost snapshot or a stale ``bind_lane`` changes the
+output exactly as it would on a real model. ``verify=False`` is the zero-cost runner of
+``ninfer bench engine``: it does no per-token work at all, so the bench measures the Engine only.
+"""
+
+from __future__ import annotations
+
+import collections
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
+from ninfer.backends.sampling import uniform
+
+
+class SimulatedRunner:
+    def __init__(self, *, page_size: int = 16, num_pages: int = 64, max_batch: int = 8,
+                 max_context: int = 1024, vocab_size: int = 64, verify: bool = True) -> None:
+        self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
+                               vocab_size=vocab_size, max_context=max_context, backend="simulated")
+        self.verify = verify
+        self.kv = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.counts: list[collections.Counter] = [collections.Counter() for _ in range(max_batch)]
+        self.calls = collections.Counter()
+        self.closed = False
+
+    def bind_lane(self, lane: int, generated: Sequence[int]) -> None:
+        self.calls["bind_lane"] += 1
+        self.counts[lane] = collections.Counter(int(t) for t in generated)
+
+    def prefill(self, chunk: PrefillChunk) -> StepResult:
+        self.calls["prefill"] += 1
+        if not self.verify:
+            tokens = np.array([1], np.int32) if chunk.sample else np.empty(0, np.int32)
+            return StepResult(tokens=tokens)
+        end = chunk.start + len(chunk.tokens)
+        self._write(chunk.page_table, chunk.start, chunk.tokens)
+        if chunk.sample is None:
+            return StepResult(tokens=np.empty(0, np.int32))
+        token = self._next(chunk.page_table, end, chunk.sample, self.counts[chunk.lane])
+        return StepResult(tokens=np.array([token], np.int32))
+
+    def decode(self, batch: DecodeBatch) -> StepResult:
+        self.calls["decode"] += 1
+        if not self.verify:
+            return StepResult(tokens=(batch.tokens + 1) % self.info.vocab_size)
+        out = np.empty(len(batch.lanes), np.int32)
+        for i, lane in enumerate(batch.lanes.tolist()):
+            table = batch.page_tables[i]
+            pos = int(batch.positions[i])
+            token = int(batch.tokens[i])
+            self.counts[lane][token] += 1  # a decode input is the previous committed output
+            self._write(table, pos, [token])
+            out[i] = self._next(table, pos + 1, batch.sampling[i], self.counts[lane])
+        return StepResult(tokens=out)
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.calls["copy_pages"] += 1
+        self.kv[list(dst)] = self.kv[list(src)]
+
+    def read_pages(self, pages: Sequence[int]) -> np.ndarray:
+        self.calls["read_pages"] += 1
+        return self.kv[list(pages)].copy()
+
+    def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
+        self.calls["write_pages"] += 1
+        self.kv[list(pages)] = data
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- fake model -----------------------------------------------------------------------
+
+    def _write(self, table: np.ndarray, start: int, tokens) -> None:
+        ps = self.info.page_size
+        for i, t in enumerate(np.asarray(tokens).tolist()):
+            pos = start + i
+            page = int(table[pos // ps])
+            assert page >= 0, f"write at position {pos} without a page"
+            self.kv[page, pos % ps] = t
+
+    def _context(self, table: np.ndarray, n: int) -> np.ndarray:
+        ps = self.info.page_size
+        pages = [int(p) for p in table[: -(-n // ps)]]
+        assert all(p >= 0 for p in pages), "page table does not cover the context"
+        ctx = self.kv[pages].reshape(-1)[:n]
+        assert (ctx >= 0).all(), "context position read before it was written"
+        return ctx
+
+    def _next(self, table: np.ndarray, n: int, row: SamplingRow, counts: collections.Counter) -> int:
+        h = zlib.crc32(self._context(table, n).tobytes())
+        if row.temperature > 0:
+            h = zlib.crc32(np.float64(uniform(row.seed, row.step)).tobytes(), h)
+        if row.presence_penalty or row.frequency_penalty:
+            h = zlib.crc32(repr(sorted(counts.items())).encode(), h)
+        return h % self.info.vocab_size

@@ -1,0 +1,176 @@
+"""Engine counters, gauges and histogram inputs, published as immutable snapshots.
+
+The worker mutates :class:`Counters`; every publication copies them into a frozen
+:class:`StatsSnapshot` and swaps one reference, so any thread reads a consistent view without
+touching the worker (spec: Live metrics, throughput record).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Mapping
+
+import attrs
+
+HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
+# Prometheus-style upper bounds in seconds (the +Inf bucket is implied by ``count``).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@attrs.frozen
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: tuple[int, ...]  # cumulative count per upper bound
+    sum: float
+    count: int
+
+
+class HistogramInput:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def freeze(self) -> Histogram:
+        cumulative, total = [], 0
+        for c in self.counts:
+            total += c
+            cumulative.append(total)
+        return Histogram(self.buckets, tuple(cumulative), self.sum, self.count)
+
+
+class Counters:
+    """Monotonic totals since startup (mutated on the worker only)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
+        self.prefill_tokens = 0
+        self.replayed_tokens = 0
+        self.generation_tokens = 0
+        self.decode_tokens = 0
+        self.forced_tokens = 0
+        self.preemptions = 0
+        self.snapshot_restores = 0
+        self.replay_restores = 0
+        self.decode_rounds = 0
+        self.decode_row_rounds = 0
+        self.prefill_units = 0
+        self.prefix_hits = 0
+        self.prefix_captures = 0
+        self.cow_copies = 0
+        self.thinking_budget_applied = 0
+        self.transfer_bytes = {("main_kv", "device_to_host"): 0, ("main_kv", "host_to_device"): 0,
+                               ("main_kv", "device_to_device"): 0}
+        self.host_work = dict.fromkeys(HOST_PHASES, 0.0)
+        self.device_wait = 0.0
+        self.requests = {}  # outcome -> count
+        self.ttft = HistogramInput()
+        self.duration = HistogramInput()
+        self.queue = HistogramInput()
+
+    def outcome(self, name: str) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+
+@attrs.frozen(kw_only=True)
+class StatsSnapshot:
+    # Identity and startup limits.
+    backend: str
+    max_concurrency: int
+    max_context_tokens: int
+    page_size: int
+    context_cost_source: str
+    ready: bool
+    # Gauges (scheduler state at publication).
+    requests_running: int
+    requests_waiting: int
+    requests_paused: int
+    requests_prefilling: int
+    requests_decode_ready: int
+    requests_replaying: int
+    requests_materializing: int  # snapshot restores run synchronously on the worker: always 0
+    device_kv_used_pages: int
+    device_kv_capacity_pages: int
+    device_state_used_slots: int
+    device_state_capacity_slots: int
+    host_context_used_bytes: int
+    host_context_reserved_bytes: int
+    host_context_capacity_bytes: int
+    host_context_peak_bytes: int
+    prefix_cache_nodes: int
+    prefix_cache_evictions: int
+    # Counters.
+    prompt_tokens_total: int
+    prompt_tokens_cached_total: int
+    prefill_tokens_total: int
+    replayed_tokens_total: int
+    generation_tokens_total: int
+    decode_tokens_total: int
+    forced_tokens_total: int
+    preemptions_total: int
+    snapshot_restores_total: int
+    replay_restores_total: int
+    decode_rounds_total: int
+    decode_row_rounds_total: int
+    prefill_units_total: int
+    prefix_hits_total: int
+    prefix_captures_total: int
+    cow_copies_total: int
+    thinking_budget_applied_total: int
+    spec_decode_rounds_total: int = 0  # no speculative backend in this build
+    spec_decode_draft_tokens_total: int = 0
+    spec_decode_accepted_tokens_total: int = 0
+    spec_decode_fallback_steps_total: int = 0
+    context_transfer_bytes_total: Mapping[tuple[str, str], int]
+    host_work_seconds_total: Mapping[str, float]
+    device_wait_seconds_total: float
+    requests_total: Mapping[str, int]
+    time_to_first_token_seconds: Histogram
+    request_duration_seconds: Histogram
+    request_queue_seconds: Histogram
+    monotonic: float  # when it was published (time.monotonic)
+
+
+def throughput(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
+    """Interval figures of the periodic throughput record between two snapshots."""
+    seconds = max(cur.monotonic - prev.monotonic, 1e-9)
+    rounds = cur.decode_rounds_total - prev.decode_rounds_total
+    rows = cur.decode_row_rounds_total - prev.decode_row_rounds_total
+    host = {k: cur.host_work_seconds_total[k] - prev.host_work_seconds_total[k] for k in HOST_PHASES}
+    host_total = sum(host.values())
+    prefill = cur.prefill_tokens_total - prev.prefill_tokens_total
+    decode = cur.decode_tokens_total - prev.decode_tokens_total
+    return {
+        "interval_seconds": seconds,
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+        "generation_tokens": cur.generation_tokens_total - prev.generation_tokens_total,
+        "replayed_tokens": cur.replayed_tokens_total - prev.replayed_tokens_total,
+        "prefill_tokens_per_second": prefill / seconds,
+        "decode_tokens_per_second": decode / seconds,
+        "decode_rounds": rounds,
+        "average_batch": rows / rounds if rounds else None,
+        "preemptions": cur.preemptions_total - prev.preemptions_total,
+        "snapshot_restores": cur.snapshot_restores_total - prev.snapshot_restores_total,
+        "replay_restores": cur.replay_restores_total - prev.replay_restores_total,
+        "host_work_seconds": {**host, "total": host_total},
+        "device_wait_seconds": cur.device_wait_seconds_total - prev.device_wait_seconds_total,
+        "host_active_fraction": host_total / seconds,
+        "host_seconds_per_round": host_total / rounds if rounds else None,
+        "host_seconds_per_row_round": host_total / rows if rows else None,
+        "running": cur.requests_running,
+        "prefilling": cur.requests_prefilling,
+        "decode_ready": cur.requests_decode_ready,
+        "waiting": cur.requests_waiting,
+        "paused": cur.requests_paused,
+        "replaying": cur.requests_replaying,
+    }

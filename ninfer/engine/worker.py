@@ -1,0 +1,142 @@
+"""The engine worker thread: the only thread that calls the runner.
+
+Trio tasks post commands (submit, cancel, stop, close) to a locked inbox and never wait for the
+worker. The worker wakes consumers with ``TrioToken.run_sync_soon``, which only enqueues a
+callback on the trio loop, so a slow consumer never stalls the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+from ninfer.engine.core import EngineCore
+from ninfer.engine.errors import EngineUnavailable, QueueTimeout
+from ninfer.engine.sequence import Phase, Sequence
+from ninfer.engine.stats import StatsSnapshot
+
+PUBLISH_INTERVAL = 0.02  # seconds between stats snapshots while busy
+
+
+class Worker:
+    def __init__(self, core: EngineCore, wake: Callable[[list[Sequence]], None], close_runner: bool) -> None:
+        self.core = core
+        self._wake = wake
+        self._close_runner = close_runner
+        self._cond = threading.Condition()
+        self._inbox: collections.deque = collections.deque()
+        self._live: dict[int, Sequence] = {}
+        self.ready = True
+        self.failure: BaseException | None = None
+        self.snapshot: StatsSnapshot = core.snapshot(ready=True)
+        self._published_at = time.monotonic()
+        self._outcomes = 0
+        self._thread = threading.Thread(target=self._main, name="ninfer-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def post(self, command: str, arg=None) -> None:
+        with self._cond:
+            self._inbox.append((command, arg))
+            self._cond.notify()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        core = self.core
+        work = core.counters.host_work
+        try:
+            while True:
+                t0 = time.perf_counter()
+                commands = self._take(block=not core.has_work())
+                for command, arg in commands:
+                    if command == "close":
+                        self._shutdown(EngineUnavailable("the engine is closed"))
+                        return
+                    self._apply(command, arg)
+                self._expire(core.clock())
+                work["engine_maintenance"] += time.perf_counter() - t0
+                if core.has_work():
+                    core.step()
+                self._deliver()
+        except BaseException as exc:  # an engine-wide failure: every live request learns of it
+            self.failure = exc
+            self._shutdown(EngineUnavailable(f"engine failed: {type(exc).__name__}: {exc}"))
+
+    def _take(self, block: bool) -> list:
+        with self._cond:
+            if block and not self._inbox:
+                self._publish(force=True)
+                self._cond.wait(timeout=self._idle_timeout())
+            commands = list(self._inbox)
+            self._inbox.clear()
+        return commands
+
+    def _idle_timeout(self) -> float | None:
+        waiting = self.core.scheduler.waiting
+        if not waiting:
+            return None
+        return max(0.0, min(s.deadline for s in waiting) - self.core.clock())
+
+    def _apply(self, command: str, arg) -> None:
+        core = self.core
+        if command == "submit":
+            self._live[arg.rid] = arg
+            core.add(arg)
+        elif command == "cancel":
+            core.cancel(arg)
+        elif command == "stop":
+            core.stop(arg)
+        elif command == "count":
+            core.counters.outcome(arg)
+
+    def _expire(self, now: float) -> None:
+        for seq in [s for s in self.core.scheduler.waiting if s.deadline <= now]:
+            self.core.fail(seq, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")
+
+    def _deliver(self) -> None:
+        t0 = time.perf_counter()
+        touched = self.core.take_touched()
+        if touched:
+            unique = list({id(s): s for s in touched}.values())
+            finished = False
+            for seq in unique:
+                if seq.phase is Phase.DONE:
+                    self._live.pop(seq.rid, None)
+                    finished = True
+            self._publish(force=finished)
+            self._wake(unique)
+        else:
+            self._publish(force=False)
+        self.core.counters.host_work["engine_commit_output"] += time.perf_counter() - t0
+
+    def _publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._published_at >= PUBLISH_INTERVAL:
+            self.snapshot = self.core.snapshot(ready=self.ready)
+            self._published_at = now
+
+    def _shutdown(self, error: EngineUnavailable) -> None:
+        self.ready = False
+        for seq in list(self._live.values()):
+            self.core.fail(seq, error, "error")
+        with self._cond:
+            for command, arg in self._inbox:
+                if command == "submit":
+                    self.core.fail(arg, error, "error")
+            self._inbox.clear()
+        try:
+            if self._close_runner:
+                self.core.runner.close()
+        finally:
+            self._live.clear()
+            self._publish(force=True)
+            touched = self.core.take_touched()
+            if touched:
+                self._wake(list({id(s): s for s in touched}.values()))
