@@ -274,3 +274,11 @@ def test_missing_and_misshapen_weights_are_named():
     weights["final_norm"] = weights["final_norm"][:10]
     with pytest.raises(ValueError, match=r"'final_norm' has shape \(10,\), expected \(64,\)"):
         ReferenceRunner.from_weights(config, weights, num_pages=1, max_batch=1, max_context=8)
+
+
+def test_a_closed_runner_says_so(model):
+    runner = make_runner(model)
+    runner.close()
+    with pytest.raises(RuntimeError, match="the reference runner is closed"):
+        runner.prefill(PrefillChunk(lane=0, tokens=np.array([1], np.int32), start=0,
+                                    page_table=np.array([0], np.int32)))

@@ -49,7 +49,11 @@ class ReferenceRunner:
         if isinstance(artifact, (str, Path)):
             from ninfer.artifact import open_artifact
 
-            artifact = open_artifact(artifact, components=("text",))
+            # The weights are copied out at load, so a file opened here is closed right after.
+            with open_artifact(artifact, components=("text",)) as opened:
+                self.__init__(opened, page_size=page_size, num_pages=num_pages, max_batch=max_batch,
+                              max_context=max_context, blas_threads=blas_threads)
+            return
         config = _dense_config(artifact.config)
         weights = load_weights(config, artifact.tensor)
         self._setup(config, weights, page_size, num_pages, max_batch, max_context, blas_threads)
@@ -111,6 +115,8 @@ class ReferenceRunner:
             return self._decode(batch)
 
     def _blas_limit(self):
+        if self._forward is None:
+            raise RuntimeError("the reference runner is closed")
         if self._threadpools is None:
             return contextlib.nullcontext()
         return self._threadpools.limit(limits=self._blas_threads, user_api="blas")

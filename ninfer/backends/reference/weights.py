@@ -22,7 +22,7 @@ def to_float32(array: np.ndarray) -> np.ndarray:
     if array.dtype == np.uint16:
         return bf16.to_float32(array)
     if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
-        return np.asarray(array, dtype=np.float32)
+        return array.astype(np.float32)  # always a copy: never a view into a file map
     raise ValueError(f"weight dtype {array.dtype} is not a floating-point or bf16 tensor")
 
 
