@@ -170,3 +170,33 @@ def test_client_text_in_kwargs_and_tools_is_text(tok):
                  note="<tool_call>")
     assert controls(out.token_ids) == ["<|im_start|>"]
     assert out.text == "<|im_start|><tool_call><|im_end|><think>=</think>"
+
+
+def _sentencepiece_style_tokenizer(prepend_scheme):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    hf.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    corpus = ["hello world, the user asks and the assistant answers", "system prompt here"] * 5
+    hf.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], show_progress=False))
+    ids = {t: hf.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>")}
+    special = {"bos_token_id": None, "eos_token_ids": [ids["<|im_end|>"]], "pad_token_id": None,
+               "tokens": ids}
+    return hf, special
+
+
+@pytest.mark.parametrize("prepend_scheme", ["first", "always"])
+def test_sentencepiece_style_pieces_encode_as_the_whole_prompt_would(prepend_scheme):
+    """Text after a control token is not the input's start: no extra word-start marker."""
+    hf, special = _sentencepiece_style_tokenizer(prepend_scheme)
+    tok = Tokenizer.from_json(hf.to_str(), special)
+    src = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    msgs = [{"role": "system", "content": "system prompt"}, {"role": "user", "content": "hello world"}]
+    prompt = ChatFormatter(tok, src, special).render(msgs, boundary_messages=[0, 1])
+    assert list(prompt.token_ids) == hf.encode(prompt.text, add_special_tokens=False).ids
+    first = ChatFormatter(tok, "x {{ messages[0].content }}", special).render(msgs)
+    assert list(first.token_ids) == hf.encode(first.text, add_special_tokens=False).ids
+    assert prompt.message_end_offsets[0] is not None

@@ -213,7 +213,11 @@ class ChatFormatter:
 
     def _encode(self, pieces: list[str | int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids plus (char offset, token index) at the start of each piece."""
-        encoded = iter(self.tokenizer.encode_many([p for p in pieces if isinstance(p, str)]))
+        texts = [p for p in pieces if isinstance(p, str)]
+        # only a text at the very start of the prompt is the input's start
+        head = 1 if pieces and isinstance(pieces[0], str) else 0
+        encoded = iter(self.tokenizer.encode_many(texts[:head])
+                       + self.tokenizer.encode_many(texts[head:], continued=True))
         ids: list[int] = []
         starts: list[tuple[int, int]] = []
         char = 0
@@ -246,8 +250,8 @@ class ChatFormatter:
         if not isinstance(piece, str):
             return None  # the prefix ends inside a control token's spelling
         # inside a text run: a boundary only if encoding the run's head alone agrees
-        head = self.tokenizer.encode(piece[:end - char])
-        return tok + len(head) if self.tokenizer.encode(piece)[:len(head)] == head else None
+        head, whole = self.tokenizer.encode_many([piece[:end - char], piece], continued=char > 0)
+        return tok + len(head) if whole[:len(head)] == head else None
 
     def _starts_thinking(self, ids: Sequence[int]) -> bool:
         """Whether the last reasoning marker in the prompt opens a block (client text has none)."""

@@ -32,6 +32,27 @@ def _plain_spec(spec: dict) -> dict:
     return plain
 
 
+def _without_first_prefix(spec: dict) -> dict | None:
+    """For a Metaspace pre-tokenizer that prefixes only the start of the input (prepend_scheme
+    "first"), the same spec prefixing nothing: text after a control token is not the start.
+    None when the tokenizer has no such position-dependent step."""
+    found = False
+
+    def patch(node: Any) -> Any:
+        nonlocal found
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                found = True
+                return {**node, "prepend_scheme": "never"}
+            return {k: patch(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [patch(v) for v in node]
+        return node
+
+    patched = dict(spec, pre_tokenizer=patch(spec.get("pre_tokenizer")))
+    return patched if found else None
+
+
 class Tokenizer:
     """Encode/decode over one vocabulary; see the module docstring for the two encoders."""
 
@@ -40,6 +61,8 @@ class Tokenizer:
             spec = json.loads(tokenizer_json)
             self._full = _HFTokenizer.from_str(tokenizer_json)
             self._plain = _HFTokenizer.from_str(json.dumps(_plain_spec(spec)))
+            rest = _without_first_prefix(_plain_spec(spec))
+            self._plain_rest = self._plain if rest is None else _HFTokenizer.from_str(json.dumps(rest))
         except Exception as exc:  # json or tokenizers parse errors: one clear type
             raise TokenizerError(f"invalid tokenizer JSON: {exc}") from exc
         self._added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
@@ -88,12 +111,16 @@ class Tokenizer:
         """Token ids of plain text; control-token spellings in it stay text."""
         return self._remap(self._plain.encode(text, add_special_tokens=False).ids)
 
-    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """``encode`` for several texts in one call (the tokenizers library batches them)."""
+    def encode_many(self, texts: Sequence[str], continued: bool = False) -> list[list[int]]:
+        """``encode`` for several texts in one call (the tokenizers library batches them).
+
+        ``continued``: the texts follow a control token rather than start the input, which
+        matters to SentencePiece-style tokenizers that mark only the input's start.
+        """
         if not texts:
             return []
-        return [self._remap(e.ids)
-                for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+        plain = self._plain_rest if continued else self._plain
+        return [self._remap(e.ids) for e in plain.encode_batch(list(texts), add_special_tokens=False)]
 
     def _remap(self, ids: list[int]) -> list[int]:
         if not self._plain_remap:
