@@ -99,3 +99,16 @@ def test_bad_options_are_refused(artifact, args, message):
 def test_missing_artifact_file_is_named(tmp_path):
     with pytest.raises(SystemExit, match="no-such.ninfer: no such artifact file"):
         main(["generate", str(tmp_path / "no-such.ninfer"), "--prompt", "hello"])
+
+
+def test_weight_bytes_per_token_counts_what_a_decode_step_reads():
+    from ninfer.commands.generate import weight_bytes_per_token
+    from ninfer.convert.random_model import PRESETS
+
+    # tiny-llama, untied: per layer qkv 128x64, o 64x64, gate_up 256x64, down 64x128, two norms
+    # of 64 = 36992 floats; two layers, final norm 64, LM head 1024x64; the embedding is a lookup.
+    assert weight_bytes_per_token(PRESETS["tiny-llama"]) == 4 * (2 * 36992 + 64 + 1024 * 64)
+    # tiny-qwen3, tied: the embedding is the LM head, counted once; plus q/k norms of 32.
+    qwen = PRESETS["tiny-qwen3"]
+    per_layer = (4 * 32 + 2 * 2 * 32) * 64 + 64 * 128 + 256 * 64 + 64 * 128 + 2 * 64 + 2 * 32
+    assert weight_bytes_per_token(qwen) == 4 * (2 * per_layer + 64 + 1024 * 64)

@@ -114,6 +114,24 @@ def _rate(tokens: int, seconds: float) -> str:
     return f"{tokens / seconds:.1f} tok/s" if seconds > 0 and tokens else "n/a"
 
 
+def weight_bytes_per_token(config) -> int:
+    """fp32 weight bytes one decode step reads: every matrix once; the embedding table only when
+    it doubles as the LM head (a lookup touches just one row)."""
+    from ninfer.models.dense import tensor_names
+
+    total = 0
+    for name, shape in tensor_names(config).items():
+        if name != "embed" or config.tie_word_embeddings:
+            total += 4 * int(np.prod(shape))
+    return total
+
+
+def _bandwidth(config, tokens: int, seconds: float) -> str:
+    if seconds <= 0 or not tokens:
+        return ""
+    return f", {weight_bytes_per_token(config) * tokens / seconds / 1e9:.1f} GB/s of fp32 weights"
+
+
 def run(args: argparse.Namespace, out: Callable[[str], None] | None = None) -> int:
     if args.max_tokens < 1:
         raise SystemExit(f"ninfer generate: --max-tokens must be >= 1, got {args.max_tokens}")
@@ -141,7 +159,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] | None = None) -> i
         write(detokenizer.push([token]))
     write(detokenizer.flush() + "\n")
     print(f"prompt: {timing.prompt_tokens} tokens, {_rate(timing.prompt_tokens, timing.prefill_s)}; "
-          f"decode: {timing.decode_tokens + 1} tokens, {_rate(timing.decode_tokens, timing.decode_s)} "
-          f"(reference backend)", file=sys.stderr)
+          f"decode: {timing.decode_tokens + 1} tokens, {_rate(timing.decode_tokens, timing.decode_s)}"
+          f"{_bandwidth(runner.config, timing.decode_tokens, timing.decode_s)} (reference backend)", file=sys.stderr)
     runner.close()
     return 0
