@@ -11,7 +11,8 @@ into an online softmax. The block writes an unnormalised partial (``o``, max ``m
 (row, head, split). ``G`` and ``D`` are compile-time so the per-lane arrays stay in registers.
 A captured graph launches a fixed grid; blocks of splits past a row's length exit at once.
 
-``attention_combine``: grid ``(n_heads, rows)``, block ``D``: merges the active splits of each head.
+``attention_combine``: grid ``(n_heads, rows)``, block ``4 * D``: four groups of ``D`` threads
+merge every 4th active split each (online softmax), then the groups merge in shared memory.
 """
 
 from __future__ import annotations
@@ -132,26 +133,52 @@ def make_attention(G, D, load_pair):
     return attention
 
 
+COMBINE_GROUPS = 4  # split groups per combine block: 4 loads in flight per output element
+MAX_HEAD_DIM = 128
+
+
 def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_len):
+    sh_m = cuda.shared.array(COMBINE_GROUPS, float32)
+    sh_l = cuda.shared.array(COMBINE_GROUPS, float32)
+    sh_o = cuda.shared.array((COMBINE_GROUPS, MAX_HEAD_DIM), float32)
     h = cuda.blockIdx.x
     row = cuda.blockIdx.y
-    d = cuda.threadIdx.x
+    d = cuda.threadIdx.x % head_dim
+    group = cuda.threadIdx.x // head_dim
     cell0 = (row * n_heads + h) * n_splits
-    # Only the splits that hold keys of this row were written with data.
+    # Only the splits that hold keys of this row were written.
     active = min(n_splits, (positions[row] + split_len) // split_len)
     mm = NEG_BIG
-    for sp in range(active):
-        if part_ml[(cell0 + sp) * 2 + 1] > float32(0.0):
-            mm = max(mm, part_ml[(cell0 + sp) * 2])
     ll = float32(0.0)
     oo = float32(0.0)
-    for sp in range(active):
-        lsp = part_ml[(cell0 + sp) * 2 + 1]
-        if lsp > float32(0.0):
-            f = math.exp(part_ml[(cell0 + sp) * 2] - mm)
-            ll += lsp * f
-            oo += part_o[(cell0 + sp) * head_dim + d] * f
-    out[(row * n_heads + h) * head_dim + d] = oo / ll
+    for sp in range(group, active, COMBINE_GROUPS):  # online merge of this group's splits
+        m_sp = part_ml[(cell0 + sp) * 2]
+        l_sp = part_ml[(cell0 + sp) * 2 + 1]
+        if l_sp > float32(0.0):
+            m_new = max(mm, m_sp)
+            a = math.exp(mm - m_new)
+            b = math.exp(m_sp - m_new)
+            ll = ll * a + l_sp * b
+            oo = oo * a + part_o[(cell0 + sp) * head_dim + d] * b
+            mm = m_new
+    if d == 0:
+        sh_m[group] = mm
+        sh_l[group] = ll
+    sh_o[group, d] = oo
+    cuda.syncthreads()
+    if group == 0:
+        top = NEG_BIG
+        for g in range(COMBINE_GROUPS):
+            if sh_l[g] > float32(0.0):
+                top = max(top, sh_m[g])
+        lt = float32(0.0)
+        ot = float32(0.0)
+        for g in range(COMBINE_GROUPS):
+            if sh_l[g] > float32(0.0):
+                f = math.exp(sh_m[g] - top)
+                lt += sh_l[g] * f
+                ot += sh_o[g, d] * f
+        out[(row * n_heads + h) * head_dim + d] = ot / lt
 
 
 def _signature(pool):
@@ -163,4 +190,5 @@ KERNELS = {}
 for _g, _d in VARIANTS:
     KERNELS[f"attention_g{_g}_d{_d}_bf16"] = (make_attention(_g, _d, load_pair_bf16), _signature(U32P))
     KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32), _signature(F32P))
-KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, int32))
+KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, int32),
+                                {"threads_per_dim": COMBINE_GROUPS})

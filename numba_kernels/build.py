@@ -7,7 +7,8 @@ Needs the ``cuda`` extra (numba-cuda, nvidia-nvvm 13.0.*, nvidia-cuda-nvrtc 13.0
 NVVM must be 13.0: the driver on our H200 host (CUDA 13.0) rejects the PTX ISA 9.5 of newer NVVMs.
 Each kernel becomes one module whose entry is renamed ``ninfer_<kernel>`` so the PTX is stable
 across machines (Numba's mangled names embed a hash); the manifest gives the file, symbol and
-parameter types the runtime needs for typed launches.
+parameter types the runtime needs for typed launches, plus each kernel's launch facts (``meta``,
+e.g. the output columns per GEMV block) so the launcher never restates them.
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ def build_all() -> dict[str, str]:
     files: dict[str, str] = {}
     manifest = {"format": 1, "target": f"sm_{CC[0]}{CC[1]}", "ptx_version": REQUIRED_PTX_VERSION,
                 "kernels": {}}
-    for name, (func, argtypes) in sorted(kernel_table().items()):
+    for name, (func, argtypes, *meta) in sorted(kernel_table().items()):
         ptx, params = compile_one(name, func, argtypes)
         files[f"{name}.ptx"] = ptx
         manifest["kernels"][name] = {"file": f"{name}.ptx", "symbol": f"ninfer_{name}",
-                                     "params": params}
+                                     "params": params, "meta": meta[0] if meta else {}}
     files["manifest.json"] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     return files
 

@@ -1,10 +1,11 @@
 """Matrix products against bf16 weights ``W [N, K]`` (Hugging Face ``[out, in]``): ``y = x @ W.T``.
 
 ``gemv_m{M}``: the decode shape, ``rows <= M`` activation rows (M = 1..8 compile-time, so the
-accumulators stay in registers). One warp per ``COLS`` output columns; lanes stream the weight rows
-in 64-bit words (4 bf16) so the weights are read exactly once per step for all rows, each x value
-loaded once serves ``COLS`` columns, and sums reduce with shuffles.
-Launch: grid ``(ceil(N / (8 * COLS)),)``, block 256; ``K % 4 == 0``.
+accumulators stay in registers). One block of 128 threads per ``cols`` output columns (4 for M <= 2,
+else 8; the manifest's ``meta``); the block streams those weight rows in 64-bit words (4 bf16), so
+weights are read exactly once per step for all rows and each x value loaded serves ``cols``
+columns; warp shuffles then shared memory reduce the partial sums in a fixed order.
+Launch: grid ``(ceil(N / cols),)``, block 128; ``K % 4 == 0``.
 
 ``gemm_tiled``: the prefill shape (any ``rows``): 64x64 output tiles, K in steps of 16 through shared
 memory, 256 threads each owning a strided 4x4 block of outputs, fp32 FMA (no tensor cores yet).
@@ -20,23 +21,32 @@ from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32
 GEMV_ROWS = tuple(range(1, 9))
 
 
-COLS = 4  # output columns per warp: each x load is reused COLS times, COLS weight loads in flight
+GEMV_THREADS = 128
+GEMV_WARPS = GEMV_THREADS // 32
+
+
+def gemv_cols(M: int) -> int:
+    """Output columns per block: each x value loaded serves this many columns."""
+    return 4 if M <= 2 else 8
 
 
 def make_gemv(M):
+    COLS = gemv_cols(M)
+
     def gemv(y, x, w, rows, n, k, ldy):
-        warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
-        lane = cuda.threadIdx.x & 31
-        col0 = warp * COLS
-        if col0 >= n:
-            return
+        red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        col0 = cuda.blockIdx.x * COLS
         acc = cuda.local.array((M, COLS), float32)
         for r in range(M):
             for c in range(COLS):
                 acc[r, c] = float32(0.0)
         wv = cuda.local.array((COLS, 4), float32)
         words = k >> 2
-        for j in range(lane, words, 32):
+        # The whole block walks K together: 128 threads read 1 KiB of each weight row per step.
+        for j in range(tid, words, GEMV_THREADS):
             for c in range(COLS):
                 if col0 + c < n:
                     word = w[int64(col0 + c) * words + j]
@@ -63,8 +73,17 @@ def make_gemv(M):
                 v = acc[r, c]
                 for offset in (16, 8, 4, 2, 1):
                     v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
-                if lane == 0 and r < rows and col0 + c < n:
-                    y[int64(r) * ldy + col0 + c] = v
+                if lane == 0:
+                    red[warp, r, c] = v
+        cuda.syncthreads()
+        if tid < M * COLS:
+            r = tid // COLS
+            c = tid % COLS
+            if r < rows and col0 + c < n:
+                total = float32(0.0)
+                for wp in range(GEMV_WARPS):
+                    total += red[wp, r, c]
+                y[int64(r) * ldy + col0 + c] = total
 
     return gemv
 
@@ -122,5 +141,6 @@ def gemm_tiled(y, x, w, rows, n, k, ldy):
 
 
 GEMV_SIG = (F32P, F32P, U64P, int32, int32, int32, int32)
-KERNELS = {f"gemv_m{m}": (make_gemv(m), GEMV_SIG) for m in GEMV_ROWS}
+KERNELS = {f"gemv_m{m}": (make_gemv(m), GEMV_SIG, {"cols": gemv_cols(m), "threads": GEMV_THREADS})
+           for m in GEMV_ROWS}
 KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int32))

@@ -85,13 +85,17 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     tokens = np.full(batch, 7, np.int32)
     greedy = [SamplingRow()] * batch
     times = []
+    cpu0 = wall0 = 0.0
     for step in range(steps + 3):
+        if step == 3:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
         positions = np.full(batch, context + step, np.int32)
         t0 = time.perf_counter()
         out = runner.decode(DecodeBatch(lanes=lanes, tokens=tokens, positions=positions, page_tables=tables,
                                         sampling=greedy))
         times.append(time.perf_counter() - t0)
         tokens = out.tokens
+    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     step_s = float(np.median(times[3:]))
     # Device time alone: replay the graph back to back (inputs unchanged: same positions).
     graph = runner.graphs[batch]
@@ -109,7 +113,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
             "host_ms": (step_s - gpu_s) * 1e3, "tok_s": batch / step_s,
             "achieved_gb_s": step_bytes / gpu_s / 1e9, "roofline_tok_s": batch / roofline_step,
-            "pct_roofline": 100 * roofline_step / step_s}
+            "pct_roofline": 100 * roofline_step / step_s, "cpu_cores_busy": cpu_share}
 
 
 def profile_decode(runner, batch: int) -> dict[str, float]:
@@ -229,10 +233,10 @@ def main(argv=None) -> int:
             report["decode"].append(r)
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
-                  "({roofline_tok_s:.0f} tok/s)".format(**r), flush=True)
+                  "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores".format(**r), flush=True)
     report["profile_b1"] = profile_decode(runner, 1)
-    report["profile_b8"] = profile_decode(runner, max(batches))
-    for key in ("profile_b1", "profile_b8"):
+    report[f"profile_b{max(batches)}"] = profile_decode(runner, max(batches))
+    for key in ("profile_b1", f"profile_b{max(batches)}"):
         print(key, "us per step:", ", ".join(f"{k} {v:.0f}" for k, v in report[key].items()), flush=True)
     if args.prefill:
         report["prefill"] = bench_prefill(runner, args.prefill)

@@ -36,7 +36,9 @@ def test_gemv_matches_numpy(gpu, rows, n, k):
     w = from_float32(rng.standard_normal((n, k)))
     x = rng.standard_normal((rows, k)).astype(np.float32)
     y = gpu.empty(rows * n * 4)
-    gpu.launch(f"gemv_m{rows}", (-(-n // 32),), (256,), (y, gpu.put(x), gpu.put(w), rows, n, k, n))
+    kernel = gpu.kernels[f"gemv_m{rows}"]
+    gpu.launch(kernel.name, (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
+               (y, gpu.put(x), gpu.put(w), rows, n, k, n))
     want = x.astype(np.float64) @ to_float32(w).T.astype(np.float64)
     assert _err(gpu.get(y, np.float32, (rows, n)), want) < 1e-6
 
@@ -48,7 +50,7 @@ def test_gemv_fewer_rows_than_compiled(gpu):
     w = from_float32(rng.standard_normal((n, k)))
     x = rng.standard_normal((8, k)).astype(np.float32)
     y = gpu.empty(8 * n * 4)
-    gpu.launch("gemv_m8", (-(-n // 32),), (256,), (y, gpu.put(x), gpu.put(w), 3, n, k, n))
+    gpu.launch("gemv_m8", (-(-n // 8),), (128,), (y, gpu.put(x), gpu.put(w), 3, n, k, n))
     got = gpu.get(y, np.float32, (8, n))
     assert _err(got[:3], x[:3] @ to_float32(w).T) < 1e-6
     assert np.isnan(got[3:]).all()
@@ -161,7 +163,7 @@ def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
         assert _err(got_pool[p, layer, 0, :, slot], hist_k[sq, t]) < (1e-6 if kv_dtype == "f32" else 1e-2)
         assert np.array_equal(got_pool[p, layer, 1, :, slot], hist_v[sq, t])
     # Attention: split partials, then combine (splits of 256 and of 32 keys).
-    for split in (256, 32):
+    for split in (256, 32, 96):
         _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pages, tables, row_table, positions,
                          qkv_dev, layer_kv, page_elems, got_q, hist_k, hist_v)
 
@@ -177,7 +179,7 @@ def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pag
     gpu.launch(f"attention_g{group}_d{D}_{kv_dtype}", (KV, rows, n_splits), (128,),
                (qkv_dev, layer_kv, page_elems, gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions),
                 part_o, part_ml, H, KV, ps, split, n_splits, scale))
-    gpu.launch("attention_combine", (H, rows), (D,), (out, part_o, part_ml, gpu.put(positions), H, n_splits, D, split))
+    gpu.launch("attention_combine", (H, rows), (4 * D,), (out, part_o, part_ml, gpu.put(positions), H, n_splits, D, split))
     got = gpu.get(out, np.float32, (rows, H * D))
     for r in range(rows):
         sq, t = row_table[r], positions[r]

@@ -16,11 +16,14 @@ from ninfer.backends.reference.rope import rope_tables
 from ninfer.models.dense import DenseConfig
 
 GEMV_MAX_ROWS = 8
-GEMV_COLS = 4  # numba_kernels.gemm.COLS: output columns per warp
 # Keys per attention split. Decode has few rows, so short splits give the GPU enough blocks and
-# short serial chains per warp; prefill has many rows and bounds its partials with long splits.
-DECODE_SPLIT = 32
+# short serial chains per warp, but at most ~128 splits keep the combine short; prefill has many
+# rows and bounds its partials with long splits.
 PREFILL_SPLIT = 256
+
+
+def decode_split(max_context: int) -> int:
+    return max(32, -(-max_context // (128 * 32)) * 32)
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -73,7 +76,9 @@ class StepBuffers:
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
-        self.splits = {DECODE_SPLIT: -(-max_context // DECODE_SPLIT), PREFILL_SPLIT: -(-max_context // PREFILL_SPLIT)}
+        self.decode_split = decode_split(max_context)
+        self.splits = {"decode": (self.decode_split, -(-max_context // self.decode_split)),
+                       "prefill": (PREFILL_SPLIT, -(-max_context // PREFILL_SPLIT))}
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
         self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
@@ -103,7 +108,7 @@ class StepBuffers:
 
     def _cells(self, c: DenseConfig, rows: int, max_batch: int) -> int:
         """(row, head, split) cells of the attention partials, the larger of decode and prefill."""
-        return c.num_heads * max(max_batch * self.splits[DECODE_SPLIT], rows * self.splits[PREFILL_SPLIT])
+        return c.num_heads * max(max_batch * self.splits["decode"][1], rows * self.splits["prefill"][1])
 
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
@@ -137,7 +142,8 @@ class Forward:
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
         if rows <= GEMV_MAX_ROWS:
-            self.k[f"gemv_m{rows}"].launch((-(-n // (8 * GEMV_COLS)),), (256,), (y, x, w, rows, n, k, n), stream)
+            kernel = self.k[f"gemv_m{rows}"]
+            kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],), (y, x, w, rows, n, k, n), stream)
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
 
@@ -146,8 +152,8 @@ class Forward:
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-        split = DECODE_SPLIT if rows <= b.inputs.lanes.size else PREFILL_SPLIT
-        n_splits = b.splits[split]
+        split, n_splits = b.splits["decode" if rows <= b.inputs.lanes.size else "prefill"]
+        combine = k["attention_combine"]
         eps = float(c.rms_norm_eps)
         k["embed"].launch((rows,), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
@@ -171,7 +177,7 @@ class Forward:
                 (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
                  inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, split, n_splits,
                  self.scale), stream)
-            k["attention_combine"].launch((H, rows), (D,), (b.attn, b.part_o, b.part_ml, inp.d_positions, H,
+            combine.launch((H, rows), (D * combine.meta["threads_per_dim"],), (b.attn, b.part_o, b.part_ml, inp.d_positions, H,
                                                              n_splits, D, split), stream)
             self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
             k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)

@@ -224,8 +224,9 @@ _RANGES = {"i32": (-(1 << 31), 1 << 31), "i64": (-(1 << 63), 1 << 63), "u64": (0
 class Kernel:
     """One PTX entry with its manifest parameter types; ``launch`` checks every argument."""
 
-    def __init__(self, name: str, function, params: Sequence[str]):
+    def __init__(self, name: str, function, params: Sequence[str], meta: dict | None = None):
         self.name = name
+        self.meta = dict(meta or {})  # launch facts from the manifest (e.g. GEMV columns per block)
         self.function = function
         self.params = tuple(params)
         # Argument slots and the pointer array the driver reads; reused by every launch (the
@@ -283,7 +284,7 @@ class Kernels:
             module = self.device.load_module((self.directory / entry["file"]).read_bytes())
             function = check(cu.cuModuleGetFunction(module, entry["symbol"].encode()),
                              f"cuModuleGetFunction({entry['symbol']})")
-            kernel = self._loaded[name] = Kernel(name, function, entry["params"])
+            kernel = self._loaded[name] = Kernel(name, function, entry["params"], entry.get("meta"))
         return kernel
 
 
