@@ -57,6 +57,10 @@ def test_add_bos_token_prepends_bos():
     tok = HFTokenizer.from_str(gt.json)
     assert tok.encode("hi").ids == [260, ord("h"), ord("i")]
     assert tok.encode("hi", add_special_tokens=False).ids == [ord("h"), ord("i")]
+    both = HFTokenizer.from_str(_build(**{"tokenizer.ggml.add_bos_token": True,
+                                          "tokenizer.ggml.add_eos_token": True}).json)
+    assert both.encode("hi").ids == [260, ord("h"), ord("i"), 261]
+    assert both.encode("a", "b").ids == [260, ord("a"), 261, ord("b")]
 
 
 @pytest.mark.parametrize("pre,text,pieces", [
