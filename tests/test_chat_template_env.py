@@ -200,3 +200,26 @@ def test_sentencepiece_style_pieces_encode_as_the_whole_prompt_would(prepend_sch
     first = ChatFormatter(tok, "x {{ messages[0].content }}", special).render(msgs)
     assert list(first.token_ids) == hf.encode(first.text, add_special_tokens=False).ids
     assert prompt.message_end_offsets[0] is not None
+
+
+def test_added_tokens_that_absorb_whitespace_match_whole_prompt_tokenization():
+    import json as _json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    spec = _json.loads(build_test_tokenizer_json())
+    for t in spec["added_tokens"]:
+        if t["content"] == "<|im_end|>":
+            t["rstrip"] = True
+        if t["content"] == "<|im_start|>":
+            t["lstrip"] = True
+    tok_json = _json.dumps(spec)
+    tok = Tokenizer.from_json(tok_json, TEST_SPECIAL_TOKENS)
+    src = ("{% for m in messages %}  <|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\n{% endfor %}"
+           "{% if add_generation_prompt %} <|im_start|>assistant\n{% endif %}")
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
+    prompt = ChatFormatter(tok, src, TEST_SPECIAL_TOKENS).render(msgs)
+    expected = HFTokenizer.from_str(tok_json).encode(prompt.text, add_special_tokens=False).ids
+    assert list(prompt.token_ids) == expected
+    assert tok.decode(prompt.token_ids) == prompt.text.replace("<|im_end|>\n\n", "<|im_end|>").replace(
+        "  <|im_start|>", "<|im_start|>").replace(" <|im_start|>", "<|im_start|>")

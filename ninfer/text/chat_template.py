@@ -90,8 +90,8 @@ class ChatFormatter:
         added = tokenizer.added_tokens
         # Leftmost-longest match of control spellings in template text.
         self._control = {s: i for s, i in added.items() if not s.isspace()}
-        spellings = sorted(self._control, key=len, reverse=True)
-        self._control_re = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        self._control_re = _control_pattern(tokenizer, self._control)
+        self._control_order = _longest_first(self._control)
         self._think_open = added.get(THINK_OPEN)
         self._think_close = added.get(THINK_CLOSE)
 
@@ -187,9 +187,9 @@ class ChatFormatter:
 
     # -- encoding -------------------------------------------------------------------------------
 
-    def _pieces(self, spans: list[tuple[str, bool]]) -> list[str | int]:
+    def _pieces(self, spans: list[tuple[str, bool]]) -> list[str | tuple[int, int]]:
         """Text runs and control ids: controls only from template spans, text runs merged."""
-        pieces: list[str | int] = []
+        pieces: list[str | tuple[int, int]] = []
 
         def add_text(s: str) -> None:
             if not s:
@@ -206,12 +206,14 @@ class ChatFormatter:
             pos = 0
             for m in self._control_re.finditer(text):
                 add_text(text[pos:m.start()])
-                pieces.append(self._control[m.group()])
+                # (id, characters covered): lstrip/rstrip tokens also cover whitespace
+                spelling = self._control_order[int(m.lastgroup[1:])]
+                pieces.append((self._control[spelling], m.end() - m.start()))
                 pos = m.end()
             add_text(text[pos:])
         return pieces
 
-    def _encode(self, pieces: list[str | int]) -> tuple[list[int], list[tuple[int, int]]]:
+    def _encode(self, pieces: list[str | tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids plus (char offset, token index) at the start of each piece."""
         texts = [p for p in pieces if isinstance(p, str)]
         # only a text at the very start of the prompt is the input's start
@@ -227,13 +229,13 @@ class ChatFormatter:
                 ids.extend(next(encoded))
                 char += len(p)
             else:
-                ids.append(p)
-                char += len(self.tokenizer.id_to_token(p) or "")
+                ids.append(p[0])
+                char += p[1]
         starts.append((char, len(ids)))
         return ids, starts
 
     def _prefix_tokens(self, messages, tools, add_generation_prompt, kwargs, full_text: str,
-                       pieces: list[str | int], starts: list[tuple[int, int]]) -> int | None:
+                       pieces: list[str | tuple[int, int]], starts: list[tuple[int, int]]) -> int | None:
         """Token count of a shorter rendering if it is an exact token prefix of the full prompt."""
         try:
             prefix = self._render_plain(messages, tools, add_generation_prompt, kwargs)
@@ -296,6 +298,23 @@ def _continuation_end(messages: list[Mapping[str, Any]], text: str) -> int:
                             "verbatim, so it cannot be continued")
     at = text.rindex(tag)
     return at if text.startswith(_CONTINUE_TAG, at) else len(text[:at].rstrip())
+
+
+def _control_pattern(tokenizer: Tokenizer, control: Mapping[str, int]) -> re.Pattern | None:
+    """Leftmost-longest match of control spellings, with the whitespace they absorb.
+
+    Alternative i is the group ``t{i}`` of the spellings sorted longest first.
+    """
+    alternatives = []
+    for i, spelling in enumerate(_longest_first(control)):
+        lstrip, rstrip = tokenizer.added_token_strips(spelling)
+        left, right = (r"\s*" if lstrip else ""), (r"\s*" if rstrip else "")
+        alternatives.append(f"(?P<t{i}>{left}{re.escape(spelling)}{right})")
+    return re.compile("|".join(alternatives)) if alternatives else None
+
+
+def _longest_first(control: Mapping[str, int]) -> list[str]:
+    return sorted(control, key=len, reverse=True)
 
 
 def _cut_spans(spans: list[tuple[str, bool]], end: int) -> list[tuple[str, bool]]:

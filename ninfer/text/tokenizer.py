@@ -66,6 +66,9 @@ class Tokenizer:
         except Exception as exc:  # json or tokenizers parse errors: one clear type
             raise TokenizerError(f"invalid tokenizer JSON: {exc}") from exc
         self._added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
+        # Whitespace an added token absorbs on its left/right when it is matched (tokenizers flags).
+        self._strips = {t["content"]: (bool(t.get("lstrip")), bool(t.get("rstrip")))
+                        for t in spec.get("added_tokens") or []}
         for content, i in self._added.items():
             if self._full.token_to_id(content) != i:
                 raise TokenizerError(f"added token {content!r} declares id {i} but the tokenizer "
@@ -106,6 +109,10 @@ class Tokenizer:
     def added_tokens(self) -> dict[str, int]:
         """Spelling -> id of every added (control) token; a copy."""
         return dict(self._added)
+
+    def added_token_strips(self, spelling: str) -> tuple[bool, bool]:
+        """(lstrip, rstrip) of an added token: whether matching it absorbs adjacent whitespace."""
+        return self._strips.get(spelling, (False, False))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text; control-token spellings in it stay text."""
