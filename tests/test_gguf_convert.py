@@ -144,12 +144,13 @@ def test_config_and_text_assets(tmp_path):
 def test_yarn_rope_scaling_keys(tmp_path):
     md = tiny_llama_metadata(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
                       "llama.rope.scaling.original_context_length": 256,
-                      "llama.rope.scaling.yarn_beta_fast": 16.0})
+                      "llama.rope.scaling.yarn_beta_fast": 16.0, "llama.rope.scaling.attn_factor": 1.0})
     write_tiny_llama(tmp_path / "y.gguf", metadata=md)
     convert_gguf(tmp_path / "y.gguf", tmp_path / "y.ninfer")
     rs = open_artifact(tmp_path / "y.ninfer").config["rope_scaling"]
     assert (rs["kind"], rs["factor"], rs["original_max_position"], rs["beta_fast"], rs["beta_slow"]) == \
         ("yarn", 4.0, 256, 16.0, 1.0)
+    assert rs["attention_factor"] is None  # derived by the backend as 0.1 * ln(factor) + 1
 
 
 def test_unsupported_tensor_type_fails_before_writing(tmp_path):
@@ -172,6 +173,8 @@ def test_unsupported_tensor_type_fails_before_writing(tmp_path):
     ({"general.architecture": "qwen2"}, r"general.architecture 'qwen2' is not supported"),
     ({"llama.rope.scaling.type": "longrope"}, r"rope.scaling.type 'longrope' is not supported"),
     ({"llama.rope.dimension_count": 8}, r"partial rotary"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.attn_factor": 0.5}, r"attn_factor 0.5 is not supported"),
     ({"tokenizer.ggml.pre": "mystery"}, r"tokenizer.ggml.pre 'mystery' is not supported"),
     ({"tokenizer.ggml.model": "llama"}, r"tokenizer.ggml.model 'llama' is not supported"),
 ])

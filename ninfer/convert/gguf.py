@@ -60,11 +60,14 @@ def _rope_scaling(metadata: dict[str, Any]) -> RopeScaling:
     if kind == "linear":
         return RopeScaling(kind="linear", factor=factor)
     if kind == "yarn":
-        attn = _meta(metadata, "rope.scaling.attn_factor", None)
+        # llama.cpp multiplies its attn_factor into the derived 0.1 * ln(factor) + 1, while a Hugging
+        # Face attention_factor replaces it; only the neutral 1.0 means the same in both.
+        attn = float(_meta(metadata, "rope.scaling.attn_factor", 1.0))
+        if attn != 1.0:
+            raise GGUFError(f"{ARCH}.rope.scaling.attn_factor {attn} is not supported (only 1.0)")
         return RopeScaling(kind="yarn", factor=factor, original_max_position=original,
                            beta_fast=float(_meta(metadata, "rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(_meta(metadata, "rope.scaling.yarn_beta_slow", 1.0)),
-                           attention_factor=None if attn is None else float(attn))
+                           beta_slow=float(_meta(metadata, "rope.scaling.yarn_beta_slow", 1.0)))
     raise GGUFError(f"{ARCH}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)")
 
 
