@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Iterable, Mapping
 
@@ -26,7 +27,7 @@ from ninfer.engine import sampling
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.context_cost import load as load_context_cost
 from ninfer.engine.core import EngineCore
-from ninfer.engine.errors import (ContextLengthExceeded, EngineUnavailable, Overloaded,
+from ninfer.engine.errors import (ContextLengthExceeded, EngineUnavailable, Overloaded, QueueTimeout,
                                   ThinkingBudgetCapacityInsufficient)
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.request import MAX_CACHE_HINTS, GenerationRequest
@@ -193,11 +194,25 @@ class Handle:
         if self._done:
             self._end()
             raise StopAsyncIteration
-        outbox = self._seq.outbox
+        seq = self._seq
+        outbox = seq.outbox
         while not outbox:
             self._event = trio.Event()
             try:
-                await self._event.wait()
+                if seq.claimed or seq.expired:
+                    await self._event.wait()
+                else:
+                    # Not admitted yet: the pending deadline is enforced here as well, so a long
+                    # worker step cannot stretch it.
+                    with trio.move_on_at(trio.current_time() + seq.deadline - time.monotonic()):
+                        await self._event.wait()
+                    if not outbox and seq.expire():
+                        self._ticket._engine._worker.post("expire", seq)
+                        self._done = True
+                        self._end()
+                        raise QueueTimeout(self._ticket._engine.config.pending_timeout_ms)
+            except QueueTimeout:
+                raise
             except BaseException:
                 self._cancel()
                 raise

@@ -251,6 +251,8 @@ class Scheduler:
         if self.owner is not None:
             return False  # one prompt-work owner at a time
         fresh = seq.phase is Phase.WAITING
+        if fresh and not seq.claim():
+            return False  # its deadline passed: the worker drops it at the next boundary
         match = EMPTY_MATCH
         if self.cache is not None:
             limit = seq.prompt_len - 1 if fresh else seq.frontier
@@ -262,6 +264,8 @@ class Scheduler:
         if not self._make_room(need):
             if self.cache is not None:
                 self.cache.unlock(match.nodes)
+            if fresh:
+                seq.unclaim()
             return False
         seq.pages = list(match.pages[:shared])
         self.pool.incref(seq.pages)

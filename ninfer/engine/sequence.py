@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import threading
 from typing import Any
 
 from ninfer.backends.runner import SamplingRow
@@ -31,6 +32,11 @@ class Sequence:
         self.stop_ids = stop_ids
         self.limit = limit  # longest sequence (prompt + output) this request may reach
         self.deadline = deadline  # admission deadline (monotonic seconds)
+        # Admission and the pending deadline race between the worker and the request's task:
+        # whoever flips its flag first under this lock wins.
+        self._admission = threading.Lock()
+        self.claimed = False
+        self.expired = False
         self.phase = Phase.WAITING
         self.tokens: list[int] = list(request.prompt)
         self.prompt_len = len(request.prompt)
@@ -83,6 +89,24 @@ class Sequence:
         self.decode_rounds = 0
         self.prefill_units = 0
         self.control_units = 0
+
+    def claim(self) -> bool:
+        """Worker: reserve this request for admission unless its deadline already expired it."""
+        with self._admission:
+            if not self.expired:
+                self.claimed = True
+            return self.claimed
+
+    def unclaim(self) -> None:
+        with self._admission:
+            self.claimed = False
+
+    def expire(self) -> bool:
+        """Either side: mark the request timed out unless admission already claimed it."""
+        with self._admission:
+            if not self.claimed:
+                self.expired = True
+            return self.expired
 
     @property
     def output(self) -> list[int]:

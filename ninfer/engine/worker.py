@@ -93,12 +93,16 @@ class Worker:
             core.cancel(arg)
         elif command == "stop":
             core.stop(arg)
+        elif command == "expire":
+            if arg.phase is Phase.WAITING:
+                self.core.fail(arg, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")
         elif command == "count":
             core.counters.outcome(arg)
 
     def _expire(self, now: float) -> None:
-        for seq in [s for s in self.core.scheduler.waiting if s.deadline <= now]:
-            self.core.fail(seq, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")
+        for seq in [s for s in self.core.scheduler.waiting if s.expired or s.deadline <= now]:
+            if seq.expire():
+                self.core.fail(seq, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")
 
     def _deliver(self) -> None:
         t0 = time.perf_counter()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 
-from ninfer.engine import Engine, EngineConfig, GenerationRequest, SamplingOverrides
+from ninfer.engine import Engine, EngineConfig, GenerationRequest, SamplingOverrides, ThinkingControl
+from ninfer.engine.errors import (ContextCostPresetsError, ContextLengthExceeded, EngineUnavailable, Overloaded,
+                                  QueueTimeout, ThinkingBudgetCapacityInsufficient)
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.simulated import SimulatedRunner
 
@@ -21,6 +25,18 @@ def config(**kw):
 def runner_for(cfg: EngineConfig, **kw) -> SimulatedRunner:
     return SimulatedRunner(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_batch=cfg.max_concurrency, vocab_size=256,
                            max_context=cfg.max_context, **kw)
+
+
+class GatedRunner(SimulatedRunner):
+    """Decode blocks until the test opens the gate: a resident request that cannot finish."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gate = threading.Event()
+
+    def decode(self, batch):
+        assert self.gate.wait(timeout=10)
+        return super().decode(batch)
 
 
 async def collect(handle):
@@ -44,3 +60,140 @@ async def test_one_request_streams_progress_tokens_and_one_finished():
     stats = engine.stats()
     assert stats.generation_tokens_total == 5 and stats.prompt_tokens_total == 70
     assert stats.requests_total == {"length": 1}
+
+
+async def test_overload_counts_reserved_and_unreleased_tickets():
+    cfg = config(max_concurrency=1, max_pending_requests=1)
+    async with Engine.open(runner_for(cfg), cfg) as engine:
+        t1 = engine.reserve()
+        t2 = engine.reserve()
+        with pytest.raises(Overloaded):
+            engine.reserve()
+        t1.release()
+        t3 = engine.reserve()  # released capacity is reusable
+        # A finished but unreleased result still holds its slot.
+        with t2:
+            events = await collect(t2.submit(GenerationRequest(prompt=[1, 2, 3], max_tokens=2, sampling=GREEDY)))
+            assert isinstance(events[-1], Finished)
+            with pytest.raises(Overloaded):
+                engine.reserve()
+        t3.release()
+        engine.reserve().release()
+
+
+async def test_queue_timeout_when_admission_does_not_happen_in_time():
+    cfg = config(max_concurrency=1, pending_timeout_ms=50)
+    runner = GatedRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=1, max_context=256, vocab_size=256)
+    async with Engine.open(runner, cfg) as engine:
+        with engine.reserve() as long_ticket:
+            long = long_ticket.submit(GenerationRequest(prompt=[1] * 10, max_tokens=20, sampling=GREEDY))
+            with engine.reserve() as ticket:
+                handle = ticket.submit(GenerationRequest(prompt=[2] * 10, max_tokens=5, sampling=GREEDY))
+                with pytest.raises(QueueTimeout):
+                    await collect(handle)
+            runner.gate.set()
+            assert (await collect(long))[-1].reason == "length"
+        # Queue saturation does not make the engine unavailable.
+        assert engine.ready
+        assert engine.stats().requests_total == {"queue_timeout": 1, "length": 1}
+
+
+async def test_cancelling_the_consuming_task_cancels_the_request_and_frees_pages():
+    cfg = config(max_concurrency=1)
+    runner = GatedRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=1, max_context=256, vocab_size=256)
+    async with Engine.open(runner, cfg) as engine:
+        with engine.reserve() as ticket:
+            handle = ticket.submit(GenerationRequest(prompt=[3] * 40, max_tokens=200, sampling=GREEDY))
+            with trio.move_on_after(0.1):
+                async for _ in handle:
+                    pass
+        runner.gate.set()
+        for _ in range(200):
+            stats = engine.stats()
+            if stats.requests_total.get("cancelled"):
+                break
+            await trio.sleep(0.01)
+        assert stats.requests_total == {"cancelled": 1}
+        assert stats.requests_running == 0 and stats.device_state_used_slots == 0
+        # Only the retained prefix cache holds pages now, and nothing is locked.
+        assert engine._core.cache.reclaim(10**6) == stats.device_kv_used_pages
+
+
+async def test_leaving_the_ticket_block_early_cancels():
+    cfg = config(max_concurrency=1)
+    async with Engine.open(runner_for(cfg), cfg) as engine:
+        with engine.reserve() as ticket:
+            handle = ticket.submit(GenerationRequest(prompt=[3] * 40, max_tokens=200, sampling=GREEDY))
+            async for event in handle:
+                if isinstance(event, TokenDelta):
+                    break
+        with engine.reserve() as ticket:  # the next one runs: the lane was freed
+            events = await collect(ticket.submit(GenerationRequest(prompt=[4] * 5, max_tokens=3, sampling=GREEDY)))
+        assert events[-1].reason == "length"
+        assert engine.stats().requests_total.get("cancelled") == 1
+
+
+async def test_stop_finishes_with_stop_string():
+    cfg = config(max_concurrency=1)
+    async with Engine.open(runner_for(cfg), cfg) as engine:
+        with engine.reserve() as ticket:
+            handle = ticket.submit(GenerationRequest(prompt=[5] * 8, max_tokens=500, sampling=GREEDY))
+            events = []
+            async for event in handle:
+                events.append(event)
+                if isinstance(event, TokenDelta):
+                    handle.stop()
+    assert (events[-1].reason, events[-1].detail) == ("stop", "stop_string")
+    assert events[-1].usage.completion_tokens < 500
+
+
+async def test_preparation_rejections_are_typed():
+    cfg = config(max_context=64)
+    async with Engine.open(runner_for(cfg), cfg) as engine:
+        with engine.reserve() as ticket:
+            with pytest.raises(ContextLengthExceeded) as exc:
+                ticket.submit(GenerationRequest(prompt=[1] * 64, max_tokens=1))
+            assert exc.value.limit == 64
+        with engine.reserve() as ticket:
+            think = ThinkingControl(starts_in_thinking=True, budget=10, close_ids=(7, 8, 9), end_think_id=9)
+            with pytest.raises(ThinkingBudgetCapacityInsufficient):
+                ticket.submit(GenerationRequest(prompt=[1] * 4, max_tokens=13, thinking=think))
+            # Capacity that ends at the cap, or fits suffix + 1, is fine.
+            ticket.submit(GenerationRequest(prompt=[1] * 4, max_tokens=10, thinking=think)).stop()
+        with engine.reserve() as ticket:
+            with pytest.raises(ValueError, match="top_k"):
+                ticket.submit(GenerationRequest(prompt=[1], max_tokens=1, sampling=SamplingOverrides(top_k=21)))
+            with pytest.raises(ValueError, match="prompt token ids"):
+                ticket.submit(GenerationRequest(prompt=[9999], max_tokens=1))
+
+
+class ExplodingRunner(SimulatedRunner):
+    def decode(self, batch):
+        raise RuntimeError("device lost")
+
+
+async def test_engine_failure_makes_it_unavailable():
+    cfg = config(max_concurrency=1)
+    async with Engine.open(ExplodingRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=1, max_context=256,
+                                           vocab_size=256), cfg) as engine:
+        with engine.reserve() as ticket:
+            with pytest.raises(EngineUnavailable, match="device lost"):
+                await collect(ticket.submit(GenerationRequest(prompt=[1, 2], max_tokens=5)))
+        assert not engine.ready and not engine.stats().ready
+        with pytest.raises(EngineUnavailable):
+            engine.reserve()
+
+
+async def test_malformed_context_cost_presets_abort_startup(tmp_path):
+    bad = tmp_path / "presets.json"
+    bad.write_text('{"transfer": [{"hardware": "simulated", "seconds_per_byte": -1}]}')
+    cfg = config(context_cost_presets=str(bad))
+    with pytest.raises(ContextCostPresetsError, match="seconds_per_byte"):
+        async with Engine.open(runner_for(cfg), cfg):
+            pass
+    good = tmp_path / "good.json"
+    good.write_text('{"prefill": [{"hardware": "*", "seconds_per_token": 1e-3},'
+                    ' {"hardware": "simulated", "seconds_per_token": 2e-3}]}')
+    cfg = config(context_cost_presets=str(good))
+    async with Engine.open(runner_for(cfg), cfg) as engine:
+        assert engine.stats().context_cost_source.endswith("prefill[1]")
