@@ -92,9 +92,15 @@ def test_sandbox_refuses_unsafe_operations(tok, src):
         render(tok, src, [{"role": "user", "content": "x"}])
 
 
-def test_undefined_attribute_errors_are_template_errors(tok):
+@pytest.mark.parametrize("src", [
+    "{{ messages[0].content.missing.deeper }}",
+    "{{ 1 / 0 }}",
+    "{{ messages[5] + 1 }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+])
+def test_failures_of_template_code_are_template_errors(tok, src):
     with pytest.raises(TemplateError, match="chat template failed"):
-        render(tok, "{{ messages[0].content.missing.deeper }}", [{"role": "user", "content": "x"}])
+        render(tok, src, [{"role": "user", "content": "x"}])
 
 
 # Client text through transformations. Each template wraps the transformed client string in

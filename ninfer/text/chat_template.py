@@ -159,7 +159,8 @@ class ChatFormatter:
             raise
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                RecursionError) as exc:  # errors of the template's own code, not of ours
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
     def _render_plain(self, messages, tools, add_generation_prompt, kwargs) -> str:
