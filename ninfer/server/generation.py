@@ -1,0 +1,384 @@
+"""The generation session every API family drives: prepare → submit → events → result.
+
+A family handler parses its wire JSON into a ``Conversation`` and ``GenerationOptions``, then:
+
+    session = GenerationSession(state, request_id, protocol="openai_chat", stream=...)
+    await session.start(conversation, options)     # raises ProtocolError (HTTP error response)
+    async for ev in session.events():              # Progress | OutputEvent | Done
+        ...
+
+``start`` reserves engine capacity first (so preparation counts against it), renders and tokenizes
+the prompt, and submits. ``events`` feeds committed tokens through the ``OutputDecoder`` (reasoning,
+content, tool calls, stop strings) on the request's own task and ends with one ``Done`` carrying
+usage, llama.cpp timings and the engine's ``Finished``. Leaving ``events`` early (client gone)
+cancels the engine request. The session also writes the request's metrics-independent records:
+the JSONL request_start / request_rejected / request_done / request_error events and stderr lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import attrs
+
+from ninfer.engine import GenerationRequest, SamplingOverrides, ThinkingControl
+from ninfer.engine import errors as engine_errors
+from ninfer.engine.events import Finished, PromptProgress, TokenDelta
+from ninfer.text.chat_template import TemplateError, TemplateKwargError, early_close_ids
+from ninfer.text.output import OutputDecoder, StopMatched
+from protocols.conversation import Conversation, GenerationOptions
+from protocols.errors import ProtocolError
+
+log = logging.getLogger("ninfer.server")
+
+SENTINEL = "\ue000"  # a private-use character marks cache-hint positions in a text-only rendering
+
+
+@attrs.frozen
+class ServeDefaults:
+    """Process-wide request defaults from the command line."""
+
+    max_tokens: int = 8192
+    thinking: bool | None = None  # False with --no-thinking; None leaves the template default
+    preserve_thinking: bool | None = None  # True with --preserve-thinking
+    thinking_budget: int | None = None
+
+
+@attrs.frozen
+class PreparedPrompt:
+    token_ids: tuple[int, ...]
+    starts_in_thinking: bool
+    cache_boundaries: tuple[int, ...]
+    input_checkpoint: int | None
+
+
+class PromptBuilder:
+    """Conversation → token ids through the chat template (runs on the request's task)."""
+
+    def __init__(self, tokenizer: Any, formatter: Any, defaults: ServeDefaults, eos_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.formatter = formatter
+        self.defaults = defaults
+        self.eos_ids = eos_ids
+
+    def prepare(self, conv: Conversation) -> PreparedPrompt:
+        kwargs = conv.template_kwargs(thinking_default=self.defaults.thinking,
+                                      preserve_default=self.defaults.preserve_thinking)
+        messages = conv.template_messages()
+        try:
+            prompt = self.formatter.render(messages, conv.template_tools(), add_generation_prompt=True, boundary_messages=(), **kwargs)
+        except TemplateKwargError as e:
+            raise ProtocolError("invalid_value", str(e), f"chat_template_kwargs.{e.name}") from None
+        except TemplateError as e:
+            raise ProtocolError("invalid_prompt", f"The conversation cannot be rendered: {e}") from None
+        boundaries = self._cache_boundaries(conv, messages, kwargs, prompt)
+        ids = prompt.token_ids
+        if conv.prefill:  # Anthropic assistant prefill: generation continues this client text
+            ids = ids + tuple(self.tokenizer.encode(conv.prefill))
+        return PreparedPrompt(ids, prompt.thinking and not conv.prefill, boundaries, prompt.prefix_before_generation)
+
+    def _cache_boundaries(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> tuple[int, ...]:
+        """Token frontiers of the cache hints; a hint that is no exact token frontier is ignored."""
+        marks = conv.cache_marks()
+        if not marks:
+            return ()
+        marked = [dict(m) for m in messages]
+        for mark in marks:
+            msg = conv.messages[mark.message]
+            # Rebuild the message text with a sentinel after the marked part.
+            pieces = [p.text + (SENTINEL if (mark.message, i) in {(k.message, k.part) for k in marks} else "")
+                      for i, p in enumerate(msg.parts)]
+            marked[mark.message]["content"] = "".join(pieces)
+        try:
+            text = self.formatter.render(marked, conv.template_tools(), add_generation_prompt=True, boundary_messages=(), **kwargs).text
+        except TemplateError:
+            return ()
+        if text.replace(SENTINEL, "") != prompt.text:
+            return ()  # the template moved or rewrote marked text: no exact frontiers to offer
+        offsets, removed = [], 0
+        for i, ch in enumerate(text):
+            if ch == SENTINEL:
+                offsets.append(i - removed)
+                removed += 1
+        out = sorted({b for b in (self._token_frontier(prompt, o) for o in offsets) if b})
+        return tuple(out)
+
+    def _token_frontier(self, prompt: Any, char_offset: int) -> int | None:
+        ids = prompt.token_ids
+        lo, hi = 0, len(ids)
+        while lo < hi:  # the largest k whose decoded text is no longer than the offset
+            mid = (lo + hi + 1) // 2
+            if len(self.tokenizer.decode(ids[:mid])) <= char_offset:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < len(ids) and self.tokenizer.decode(ids[:lo]) == prompt.text[:char_offset]:
+            return lo
+        return None
+
+    def thinking_control(self, prepared: PreparedPrompt, budget: int | None) -> ThinkingControl:
+        if not prepared.starts_in_thinking or budget is None:
+            return ThinkingControl(starts_in_thinking=prepared.starts_in_thinking)
+        return ThinkingControl(starts_in_thinking=True, budget=budget,
+                               close_ids=early_close_ids(self.tokenizer),
+                               end_think_id=self.tokenizer.added_tokens.get("</think>"))
+
+
+# --- events a family consumes ------------------------------------------------------------------
+
+@attrs.frozen
+class Progress:
+    progress: PromptProgress
+
+
+@attrs.frozen
+class Done:
+    finished: Finished
+    finish_reason: str  # "stop" | "length" | "cancelled" (families map tool calls themselves)
+    stop_string: str | None
+    usage: dict  # prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens
+    timings: dict  # llama.cpp ``timings`` object
+    tool_calls: int
+
+
+def llama_timings(cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> dict:
+    """llama.cpp ``timings``: the first token belongs to prompt time; rates are finite zeros when empty."""
+    prompt_ms = prompt_s * 1000.0
+    predicted_ms = predicted_s * 1000.0
+    intervals = max(predicted_n - 1, 0)
+    return {
+        "cache_n": cache_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_n and prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / intervals if intervals else 0.0,
+        "predicted_per_second": intervals * 1000.0 / predicted_ms if intervals and predicted_ms > 0 else 0.0,
+    }
+
+
+class GenerationSession:
+    def __init__(self, state: Any, request_id: str, *, protocol: str, stream: bool):
+        self.state = state
+        self.request_id = request_id
+        self.protocol = protocol
+        self.stream = stream
+        self.seq = state.request_log.next_seq() if state.request_log else None
+        self.handle: Any = None
+        self.decoder: OutputDecoder | None = None
+        self.prepared: PreparedPrompt | None = None
+        self.t0 = time.monotonic()
+        # Local observations for timings_per_token snapshots.
+        self._admitted_at: float | None = None
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+        self._cache_n = 0
+        self.committed = 0
+        self._shape: dict = {}
+        self._session: tuple[str | None, bool] = (None, True)
+        self.prepare_seconds: float | None = None
+
+    # -- start ------------------------------------------------------------------------------------
+
+    async def start(self, conv: Conversation, gen: GenerationOptions, *, shape: dict | None = None,
+                    session_key: str | None = None, capture_endpoint: bool = True) -> None:
+        self._shape = shape or {}
+        self._session = (session_key, capture_endpoint)  # Responses chains (engine-local reuse)
+        state = self.state
+        try:
+            ticket = state.engine.reserve()
+        except engine_errors.Overloaded as e:
+            self._reject(ProtocolError("server_overloaded", f"The server is at capacity ({e.capacity} requests); "
+                                       "retry later."), conv)
+        except engine_errors.EngineUnavailable:
+            self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
+        try:
+            self._submit(ticket, conv, gen)
+        except BaseException:
+            ticket.release()
+            raise
+
+    def _submit(self, ticket: Any, conv: Conversation, gen: GenerationOptions) -> None:
+        state = self.state
+        builder: PromptBuilder = state.prompts
+        try:
+            prepared = builder.prepare(conv)
+        except ProtocolError as err:
+            self._reject(err, conv)
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else builder.defaults.max_tokens
+        budget = gen.thinking_budget if gen.thinking_budget is not None else builder.defaults.thinking_budget
+        request = GenerationRequest(
+            prompt=prepared.token_ids,
+            max_tokens=max_tokens,
+            sampling=SamplingOverrides(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                                       min_p=gen.min_p, presence_penalty=gen.presence_penalty,
+                                       frequency_penalty=gen.frequency_penalty, seed=gen.seed),
+            stop_token_ids=builder.eos_ids,
+            thinking=builder.thinking_control(prepared, budget),
+            input_checkpoint=prepared.input_checkpoint,
+            cache_boundaries=prepared.cache_boundaries[-4:],
+            request_id=self.request_id,
+            session_key=self._session[0],
+            capture_endpoint=self._session[1],
+        )
+        try:
+            self.handle = ticket.submit(request)
+        except engine_errors.ContextLengthExceeded as e:
+            self._reject(ProtocolError(
+                "context_length_exceeded",
+                f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens.",
+                "messages", prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit), conv)
+        except engine_errors.ThinkingBudgetCapacityInsufficient as e:
+            self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), "max_tokens"), conv)
+        except engine_errors.EngineUnavailable:
+            self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
+        except ValueError as e:
+            self._reject(ProtocolError("invalid_prompt", f"The prepared request is invalid: {e}"), conv)
+        self.prepared = prepared
+        self.prepare_seconds = time.monotonic() - self.t0
+        tools = conv.callable_tool_defs()
+        self.decoder = OutputDecoder(builder.tokenizer, starts_in_thinking=prepared.starts_in_thinking,
+                                     tools=tools or None, stops=list(gen.stops), tool_parsing=bool(tools))
+        self._log_start(conv, gen, request)
+
+    def _reject(self, err: ProtocolError, conv: Conversation) -> None:
+        rl = self.state.request_log
+        if rl is not None:
+            rl.write("request_rejected", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
+                     phase="prepare", shape=self._shape, requested_reasoning_effort=conv.options.reasoning_effort,
+                     media_items=0, status=err.status, type=err.kind.openai_type, code=err.code, param=err.param,
+                     message=err.message)
+        log.info("request %s rejected: %d %s", self.request_id, err.status, err.code)
+        raise err
+
+    def _log_start(self, conv: Conversation, gen: GenerationOptions, request: GenerationRequest) -> None:
+        log.info("request %s started: %s, %d prompt tokens, max_tokens %d%s", self.request_id, self.protocol,
+                 len(request.prompt), request.max_tokens, ", stream" if self.stream else "")
+        rl = self.state.request_log
+        if rl is None:
+            return
+        rl.write("request_start", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
+                 stream=self.stream, shape=self._shape, sampling=attrs.asdict(request.sampling),
+                 max_tokens=request.max_tokens, requested_reasoning_effort=conv.options.reasoning_effort,
+                 enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=conv.options.preserve_thinking,
+                 thinking_budget=request.thinking.budget, prompt_tokens=len(request.prompt),
+                 stop_strings=len(gen.stops), cache_boundaries=list(request.cache_boundaries))
+
+    # -- events -----------------------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[Any]:
+        assert self.handle is not None and self.decoder is not None
+        finished: Finished | None = None
+        try:
+            async for ev in self.handle:
+                if isinstance(ev, PromptProgress):
+                    if self._admitted_at is None:
+                        self._admitted_at = time.monotonic() - ev.time_ms / 1000.0
+                        self._cache_n = ev.cache
+                    yield Progress(ev)
+                elif isinstance(ev, TokenDelta):
+                    now = time.monotonic()
+                    self._first_token_at = self._first_token_at or now
+                    self._last_token_at = now
+                    self.committed += len(ev.token_ids)
+                    for out in self.decoder.push(ev.token_ids):
+                        if isinstance(out, StopMatched):
+                            self.handle.stop()
+                        else:
+                            yield out
+                elif isinstance(ev, Finished):
+                    finished = ev
+        except engine_errors.QueueTimeout as e:
+            self._error("queue", str(e))
+            raise ProtocolError("request_queue_timeout", f"The request was not admitted in time: {e}.") from None
+        except engine_errors.EngineUnavailable as e:
+            self._error("generation", str(e))
+            log.error("request %s: engine failure: %s", self.request_id, e)
+            raise ProtocolError("engine_unavailable", "The engine failed while generating.") from None
+        except BaseException as e:
+            # Cancellation (client gone) or an internal failure: one request_error terminal record.
+            self._error("cancelled" if _is_cancel(e) else "generation", type(e).__name__)
+            raise
+        finally:
+            await self.aclose()
+        if finished is None:
+            self._error("generation", "the engine ended the request without an outcome")
+            raise RuntimeError("engine handle ended without a Finished event")
+        for out in self.decoder.finish():
+            if not isinstance(out, StopMatched):
+                yield out
+        yield self._done(finished)
+
+    async def aclose(self) -> None:
+        """Cancel the engine request if it is still running and give its capacity back (idempotent)."""
+        if self.handle is not None:
+            await self.handle.aclose()
+
+    def timings_snapshot(self) -> dict:
+        """The cumulative llama.cpp timings so far (timings_per_token)."""
+        now = time.monotonic()
+        admitted = self._admitted_at or now
+        first = self._first_token_at
+        prompt_s = (first or now) - admitted
+        predicted_s = (self._last_token_at - first) if first and self._last_token_at else 0.0
+        total = len(self.prepared.token_ids) if self.prepared else 0
+        return llama_timings(self._cache_n, total - self._cache_n, prompt_s, self.committed, predicted_s)
+
+    def _done(self, fin: Finished) -> Done:
+        stats = self.decoder.stats
+        u = fin.usage
+        usage = {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+                 "completion_tokens": u.completion_tokens, "reasoning_tokens": stats.reasoning_tokens}
+        timings = llama_timings(u.cached_tokens, u.prompt_tokens - u.cached_tokens, fin.timings.prompt,
+                                u.completion_tokens, fin.timings.generation)
+        stop_string = self.decoder.stopped
+        tool_calls = int(stats.tool_call_parse.get("structured_calls", 0) or 0)
+        done = Done(fin, fin.reason, stop_string, usage, timings, tool_calls)
+        reason = stats.tool_call_parse.get("fallback_reason", "none")
+        if reason != "none":
+            # One warning with the classification only, never the generated markup.
+            log.warning("request %s: tool-call markup returned to text (%s)", self.request_id, reason)
+        self._log_done(done, stats)
+        return done
+
+    def _log_done(self, done: Done, stats: Any) -> None:
+        fin = done.finished
+        u = done.usage
+        log.info("request %s done: %s, prompt %d (cache %d), completion %d, %.1f ms", self.request_id,
+                 fin.reason, u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"],
+                 fin.timings.total * 1000.0)
+        rl = self.state.request_log
+        if rl is None:
+            return
+        t = fin.timings
+        rl.write(
+            "request_done", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
+            result={"finish_reason": fin.reason, "finish_detail": fin.detail, "stop_string_matched": done.stop_string
+                    is not None, "prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                    "prefix_cache_hit_tokens": u["cached_tokens"],
+                    "computed_prefill_tokens": u["prompt_tokens"] - u["cached_tokens"],
+                    "reasoning_tokens": u["reasoning_tokens"], "prefix_reuse_path": fin.prefix_reuse_path,
+                    "tool_call_parse": stats.tool_call_parse, "generated_token_ids": list(fin.generated_token_ids),
+                    "seed": fin.seed},
+            timings_seconds={"prepare": self.prepare_seconds, "queue": t.queue, "ttft": t.ttft, "vision": 0.0, "prefill": t.prompt,
+                             "decode": t.generation, "total": t.total},
+            engine_timing=attrs.asdict(fin.engine_timing),
+            generation={"scheduling": attrs.asdict(fin.scheduling)},
+        )
+
+    def _error(self, phase: str, message: str) -> None:
+        log.info("request %s ended without outcome: %s", self.request_id, phase)
+        rl = self.state.request_log
+        if rl is not None:
+            rl.write("request_error", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
+                     phase=phase, message=message)
+
+
+def _is_cancel(e: BaseException) -> bool:
+    import trio
+
+    return isinstance(e, (trio.Cancelled, GeneratorExit))

@@ -1,0 +1,147 @@
+"""HTTP load generator for a running server: N concurrent streaming Chat Completions clients.
+
+Each client sends requests of mixed prompt and output lengths and checks every answer: a 200
+stream must start with the role chunk, end with a finish chunk, a usage chunk and ``[DONE]``, and
+its usage must match what was streamed; a 429 must carry ``server_overloaded``. The report gives
+requests/s, time to first token and inter-token gaps (p50/p99) and counts of each outcome.
+``tools/load.py`` is the command line; ``ninfer bench --http URL`` can call ``run_load``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+         "sigma tau upsilon phi chi psi omega").split()
+
+
+@attrs.define
+class Sample:
+    status: int
+    ok: bool  # the answer was checked and is correct (a correct 429 included)
+    problem: str | None = None
+    ttft: float | None = None
+    gaps: list[float] = attrs.field(factory=list)
+    completion_tokens: int = 0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt_words: int, max_tokens: int,
+                      rng: random.Random) -> Sample:
+    text = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            payload = json.loads(await resp.aread())
+            code = payload.get("error", {}).get("code")
+            ok = resp.status_code == 429 and code == "server_overloaded"
+            return Sample(resp.status_code, ok, None if ok else f"HTTP {resp.status_code} {code}")
+        return await _check_stream(resp, t0)
+
+
+async def _check_stream(resp: httpx.Response, t0: float) -> Sample:
+    frames: list[Any] = []
+    last = None
+    sample = Sample(200, False)
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            frames.append(data)
+            continue
+        obj = json.loads(data)
+        frames.append(obj)
+        delta = obj["choices"][0]["delta"] if obj.get("choices") else {}
+        if delta.get("content") or delta.get("reasoning_content"):
+            now = time.monotonic()
+            if sample.ttft is None:
+                sample.ttft = now - t0
+            elif last is not None:
+                sample.gaps.append(now - last)
+            last = now
+    sample.problem = _stream_problem(frames)
+    sample.ok = sample.problem is None
+    if sample.ok:
+        sample.completion_tokens = frames[-2]["usage"]["completion_tokens"]
+    return sample
+
+
+def _stream_problem(frames: list[Any]) -> str | None:
+    if len(frames) < 4 or frames[-1] != "[DONE]":
+        return "stream did not end with a usage chunk and [DONE]"
+    if frames[0]["choices"][0]["delta"].get("role") != "assistant":
+        return "stream did not start with the assistant role chunk"
+    usage_chunk, finish = frames[-2], frames[-3]
+    if usage_chunk.get("choices") != [] or "usage" not in usage_chunk:
+        return "no final usage chunk"
+    if finish["choices"][0]["finish_reason"] not in ("stop", "length", "tool_calls"):
+        return "no finish_reason chunk"
+    if any("error" in f for f in frames if isinstance(f, dict)):
+        return "error frame in stream"
+    return None
+
+
+async def run_load(url: str, *, model: str | None = None, clients: int = 4, requests: int = 16,
+                   prompt_words: tuple[int, ...] = (8, 64, 200), max_tokens: tuple[int, ...] = (8, 32, 64),
+                   api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=clients + 2)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
+        if model is None:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        samples: list[Sample] = []
+        remaining = iter(range(requests))
+        t0 = time.monotonic()
+
+        async def worker(i: int) -> None:
+            rng = random.Random(seed * 1000 + i)
+            for _ in remaining:
+                samples.append(await one_request(client, model, rng.choice(prompt_words),
+                                                 rng.choice(max_tokens), rng))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(clients):
+                nursery.start_soon(worker, i)
+        wall = time.monotonic() - t0
+    return summarize(samples, wall, clients)
+
+
+def summarize(samples: list[Sample], wall: float, clients: int) -> dict:
+    done = [s for s in samples if s.status == 200 and s.ok]
+    ttfts = [s.ttft for s in done if s.ttft is not None]
+    gaps = [g for s in done for g in s.gaps]
+    return {
+        "clients": clients,
+        "requests": len(samples),
+        "completed": len(done),
+        "overloaded_429": sum(1 for s in samples if s.status == 429 and s.ok),
+        "incorrect": [s.problem for s in samples if not s.ok],
+        "wall_seconds": wall,
+        "requests_per_second": len(done) / wall if wall > 0 else 0.0,
+        "output_tokens_per_second": sum(s.completion_tokens for s in done) / wall if wall > 0 else 0.0,
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "inter_token_p50_ms": _ms(percentile(gaps, 50)),
+        "inter_token_p99_ms": _ms(percentile(gaps, 99)),
+    }
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0

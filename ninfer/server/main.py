@@ -1,0 +1,198 @@
+"""Startup and shutdown of `ninfer serve`: artifact → tokenizer/template → Engine → app → hypercorn.
+
+``run_server`` is a trio task (tests start it in a nursery and get a ``RunningServer`` back);
+``main`` wraps it for the command line with signal handling and exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from functools import partial
+from typing import Any, Awaitable, Callable
+
+import attrs
+import trio
+
+from ninfer.engine import EngineConfig
+from ninfer.observability import logs
+from ninfer.observability.metrics import Metrics
+from ninfer.observability.request_log import RequestLog, redact_argv
+from ninfer.observability.throughput import throughput_loop
+from ninfer.server import listen, routes
+from ninfer.server.app import App
+from ninfer.server.generation import PromptBuilder, ServeDefaults
+from ninfer.server.response_store import ResponseStore
+from ninfer.server.sse import KEEPALIVE_SECONDS
+
+log = logging.getLogger("ninfer.server")
+
+
+class StartupError(Exception):
+    """Startup cannot proceed; the message says which input is wrong."""
+
+
+@attrs.define
+class ServerState:
+    engine: Any
+    model_id: str
+    created: int
+    prompts: PromptBuilder
+    metrics: Metrics
+    request_log: RequestLog | None
+    response_store: Any = None  # ninfer.server.response_store.ResponseStore (the local Responses store)
+
+
+@attrs.frozen
+class RunningServer:
+    url: str  # http://host:port
+    state: ServerState
+    app: App
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig fields of the serve options (ninfer/options.py)."""
+    return EngineConfig(
+        max_concurrency=args.max_concurrency, max_pending_requests=args.max_pending_requests,
+        pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk, max_context=args.max_context,
+        kv_capacity=args.kv_capacity, prefix_reuse=not args.no_prefix_reuse, host_context_mib=args.host_context_mib,
+        device_state_slots=args.device_state_slots, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, greedy=args.greedy,
+    )
+
+
+def serve_defaults(args: argparse.Namespace) -> ServeDefaults:
+    return ServeDefaults(max_tokens=args.default_max_tokens, thinking=False if args.no_thinking else None,
+                         preserve_thinking=True if args.preserve_thinking else None,
+                         thinking_budget=args.default_thinking_budget)
+
+
+def _artifact_path(args: argparse.Namespace) -> str:
+    if args.artifact is not None:
+        if not os.path.isfile(args.artifact):
+            raise StartupError(f"artifact {args.artifact} does not exist")
+        return args.artifact
+    from ninfer import demo
+
+    log.info("no artifact given: loading the demo model %s", demo.MODEL_NAME)
+    try:
+        return os.fspath(demo.default_artifact())
+    except demo.DemoModelMissing as e:
+        raise StartupError(str(e)) from None
+
+
+def _text_side(path: str, args: argparse.Namespace):
+    from ninfer.artifact import open_artifact
+    from ninfer.text import ChatFormatter, Tokenizer
+    from ninfer.text.chat_template import TemplateError
+
+    art = open_artifact(path, components=("text",))
+    tokenizer = Tokenizer.from_artifact(art)
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as fh:
+                template = fh.read()
+        except OSError as e:
+            raise StartupError(f"--chat-template: cannot read {args.chat_template}: {e.strerror}") from None
+    else:
+        template = art.chat_template
+        if template is None:
+            raise StartupError("the artifact has no chat template; pass --chat-template FILE")
+    try:
+        formatter = ChatFormatter(tokenizer, template, art.special_tokens)
+    except TemplateError as e:
+        raise StartupError(f"chat template: {e}") from None
+    model_id = args.model_id or art.metadata.get("name") or art.metadata["architecture"]
+    return art, tokenizer, formatter, model_id
+
+
+async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
+                     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+                     keepalive_s: float = KEEPALIVE_SECONDS,
+                     runner_factory: Callable[[Any, EngineConfig], Any] | None = None,
+                     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED) -> None:
+    from ninfer.engine.api import Engine
+
+    t0 = time.monotonic()
+    path = _artifact_path(args)
+    art, tokenizer, formatter, model_id = await trio.to_thread.run_sync(_text_side, path, args)
+    request_log = None
+    if args.request_log_jsonl:
+        try:
+            request_log = RequestLog(args.request_log_jsonl, artifact_path=path)
+        except OSError as e:
+            raise StartupError(str(e)) from None
+    config = engine_config(args)
+    log.info("loading %s (%s) on the reference backend", model_id, art.metadata["architecture"])
+    if runner_factory is None:
+        source, extra = path, {}  # the Engine loads the artifact on the reference backend
+    else:  # tests: a runner of their own over the same artifact
+        source = runner_factory(art, config)
+        extra = {"eos_token_ids": art.special_tokens.get("eos_token_ids") or [], "generation": art.generation}
+    try:
+        async with Engine.open(source, config, **extra) as engine:
+            state = ServerState(engine, model_id, int(time.time()),
+                                PromptBuilder(tokenizer, formatter, serve_defaults(args), ()),
+                                Metrics(engine, model_id), request_log,
+                                ResponseStore(args.response_store_max_records, args.response_store_max_mib))
+            app = App(state, api_key=args.api_key, cors=args.cors, max_request_mib=args.max_request_mib,
+                      keepalive_s=keepalive_s)
+            routes.install(app)
+            if request_log is not None:
+                _log_server_start(request_log, path, art, model_id, engine, args, argv or [])
+            async with trio.open_nursery() as nursery:
+                if args.log_stats_interval_ms:
+                    nursery.start_soon(throughput_loop, engine, request_log, args.log_stats_interval_ms / 1000.0)
+                binds = await nursery.start(partial(listen.serve, app, args.host, args.port,
+                                                    shutdown_trigger=shutdown_trigger))
+                log.info("ready: serving %s on %s (max context %d, concurrency %d) after %.1f s", model_id,
+                         binds[0], engine.max_context, config.max_concurrency, time.monotonic() - t0)
+                task_status.started(RunningServer(binds[0], state, app))
+                # listen.serve returns on shutdown; the stats loop is then cancelled with the nursery.
+            log.info("shutting down")
+    finally:
+        if request_log is not None:
+            request_log.close()
+
+
+def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine: Any,
+                      args: argparse.Namespace, argv: list[str]) -> None:
+    cfg = engine.config
+    rl.write(
+        "server_start", artifact=os.path.abspath(path), architecture=art.metadata["architecture"], model_id=model_id,
+        backend=engine.info.backend,
+        engine={"max_concurrency": cfg.max_concurrency, "max_pending_requests": cfg.max_pending_requests,
+                "pending_timeout_ms": cfg.pending_timeout_ms, "prefill_chunk": cfg.prefill_chunk,
+                "max_context": engine.max_context, "kv_capacity_tokens": cfg.kv_capacity_tokens,
+                "kv_pages": cfg.kv_pages, "page_size": cfg.page_size, "prefix_reuse": cfg.prefix_reuse},
+        sampling_overrides={k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                           "presence_penalty", "frequency_penalty", "seed", "greedy")},
+        thinking={"default_enabled": not args.no_thinking, "preserve_thinking": args.preserve_thinking,
+                  "default_thinking_budget": args.default_thinking_budget,
+                  "default_max_tokens": args.default_max_tokens},
+        argv=redact_argv(argv),
+    )
+
+
+def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    logs.setup(args.log_level)
+
+    async def run() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async def on_signal() -> None:
+                async for _ in signals:
+                    return
+
+            await run_server(args, argv, shutdown_trigger=on_signal)
+
+    try:
+        trio.run(run)
+    except StartupError as e:
+        print(f"ninfer serve: {e}", file=sys.stderr)
+        return 1
+    return 0
