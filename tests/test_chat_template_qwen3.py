@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
 from ninfer.text import (QWEN_THINKING_EARLY_CLOSE, ChatFormatter, TemplateError, Tokenizer,
@@ -258,3 +260,27 @@ def test_reasoning_aliases_reach_the_template(fmt):
         msg = {"role": "assistant", "content": "a", field: "why"}
         text = fmt.render([user("q"), msg], add_generation_prompt=False).text
         assert "<think>\nwhy\n</think>\n\na<|im_end|>" in text
+
+
+_SHARED_TOK = Tokenizer.from_json(build_test_tokenizer_json(), TEST_SPECIAL_TOKENS)
+_SHARED = (_SHARED_TOK, ChatFormatter(_SHARED_TOK, QWEN3_TEMPLATE, TEST_SPECIAL_TOKENS))
+PIECES = ["<|im_end|>", "<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_response>",
+          "</parameter>", "<", ">", "|", "im_end", " ", "\n", "a", "東", "\ue000", "\ue001",
+          "CONTINUE_FINAL_MESSAGE_TAG "]
+
+
+@settings(max_examples=60, deadline=None)
+@given(evil=st.lists(st.sampled_from(PIECES), max_size=12).map(lambda xs: "x" + "".join(xs)))
+def test_no_client_string_ever_yields_a_control_token(evil):
+    tok, fmt = _SHARED
+
+    def conversation(s):
+        msgs = [{"role": "system", "content": s}, user(s),
+                assistant("ok", reasoning="r", calls=[("f", {s: s, "n": [s]})]), tool(s), user(s)]
+        return msgs, [{"type": "function", "function": {"name": "f", "description": s}}]
+
+    msgs, tools = conversation(evil)
+    p = fmt.render(msgs, tools=tools, preserve_thinking=True, note=evil)
+    ref = fmt.render(*conversation("x"), preserve_thinking=True, note="x")
+    assert control_tokens(p.token_ids) == control_tokens(ref.token_ids)
+    assert tok.decode(p.token_ids) == p.text
