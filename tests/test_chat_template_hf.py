@@ -40,6 +40,8 @@ def formatter(tok, template):
         return ChatFormatter(tok, QWEN3_TEMPLATE, TEST_SPECIAL_TOKENS)
     if template == "smollm2":
         return ChatFormatter(tok, smollm2_template(), TEST_SPECIAL_TOKENS)
+    if template == "logic":
+        return ChatFormatter(tok, FIXTURE["logic_template"], TEST_SPECIAL_TOKENS)
     # the features template prints bos_token: give the synthetic vocabulary one
     special = dict(TEST_SPECIAL_TOKENS, bos_token_id=TEST_SPECIAL_TOKENS["tokens"]["<|endoftext|>"])
     return ChatFormatter(tok, FIXTURE["features_template"], special)
@@ -52,7 +54,19 @@ def test_rendering_matches_transformers(tok, case):
                         add_generation_prompt=case["add_generation_prompt"],
                         continue_final_message=case["continue_final_message"], **case["kwargs"])
     assert prompt.text == case["text"]
+    assert tok.decode(prompt.token_ids) == prompt.text
+
+
+def test_agent_style_logic_sees_raw_client_text_and_still_quotes_it(tok):
+    """Reverse scans and startswith/split on client strings work as in HF, while the control
+    spellings the client wrote stay text."""
+    case = next(c for c in CASES if c["name"] == "logic-evil")
+    prompt = formatter(tok, "logic").render(case["messages"], add_generation_prompt=False)
+    names = {v: k for k, v in TEST_SPECIAL_TOKENS["tokens"].items()}
+    assert [names[i] for i in prompt.token_ids if i in names] == [
+        "<|im_start|>", "<|im_end|>", "<|im_start|>", "<think>", "</think>", "<tool_call>",
+        "</tool_call>", "<|im_end|>"]
 
 
 def test_fixture_covers_every_template():
-    assert {c["template"] for c in CASES} == {"qwen3", "smollm2", "features"}
+    assert {c["template"] for c in CASES} == {"qwen3", "smollm2", "features", "logic"}
