@@ -163,21 +163,23 @@ class Scheduler:
         return need <= self.pool.free_count
 
     def _reserve_residents(self, plan: Plan) -> None:
+        """Reserve the pages every resident's next unit needs, before any admission."""
         residents = self.residents()
         if not residents:
             return
         need = {s.rid: self._deficit(s, self._unit_end(s)) for s in residents}
         total = sum(need.values())
-        if total == 0 or self._make_room(total):
-            return
-        # Residents cannot advance together: pause the youngest until the rest fit.
-        oldest = residents[0]
-        for victim in reversed(residents[1:]):
-            total -= need.pop(victim.rid)
-            self._pause(victim, plan)
-            if self._make_room(total):
-                return
-        assert self._make_room(total), "the oldest resident cannot advance: KV pool smaller than one sequence"
+        if total and not self._make_room(total):
+            # Residents cannot advance together: pause the youngest until the rest fit.
+            for victim in reversed(residents[1:]):
+                total -= need.pop(victim.rid)
+                self._pause(victim, plan)
+                if self._make_room(total):
+                    break
+            assert self._make_room(total), "the oldest resident cannot advance: KV pool smaller than one sequence"
+        for seq in residents:
+            if seq.rid in need:
+                self._ensure_pages(seq, self._unit_end(seq))
 
     # -- pause and restore ----------------------------------------------------------------
 
@@ -255,7 +257,10 @@ class Scheduler:
             return False  # its deadline passed: the worker drops it at the next boundary
         match = EMPTY_MATCH
         if self.cache is not None:
-            limit = seq.prompt_len - 1 if fresh else seq.frontier
+            # Without output yet, at least one prompt token must run: its unit samples the first
+            # token (or finishes a max_tokens=0 request). With output, the frontier excludes the
+            # last committed token, which the next decode feeds.
+            limit = seq.prompt_len - 1 if seq.n_output == 0 else seq.frontier
             match = self.cache.match(seq.tokens, limit)
             self.cache.lock(match.nodes)
         shared = match.length // self.ps
