@@ -111,6 +111,9 @@ class Conversation:
     callable_tools: tuple[str, ...] = ()  # names the output parser may turn into structured calls
     options: TemplateOptions = TemplateOptions()
     implicit_cache: bool = True  # prompt_cache_options.mode != "explicit"
+    # Anthropic assistant prefill: the final assistant text that generation continues (the prompt
+    # is the generation prompt with this text appended; thinking is off).
+    prefill: str | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
