@@ -16,11 +16,12 @@ from ninfer.engine.simulated import SimulatedRunner
 class CoreDriver:
     """Drives an EngineCore step by step on the test thread (no worker, no trio)."""
 
-    def __init__(self, config: EngineConfig, num_pages: int | None = None, vocab_size: int = 64, **runner_kw):
+    def __init__(self, config: EngineConfig, num_pages: int | None = None, vocab_size: int = 64, runner=None,
+                 **runner_kw):
         self.config = config
-        self.runner = SimulatedRunner(page_size=config.page_size, num_pages=num_pages or config.kv_pages,
-                                      max_batch=config.max_concurrency, max_context=config.max_context,
-                                      vocab_size=vocab_size, **runner_kw)
+        self.runner = runner or SimulatedRunner(
+            page_size=config.page_size, num_pages=num_pages or config.kv_pages, max_batch=config.max_concurrency,
+            max_context=config.max_context, vocab_size=vocab_size, **runner_kw)
         self.now = 0.0
         self.core = EngineCore(self.runner, config, load(None, "simulated", ""), clock=lambda: self.now)
         self._rids = itertools.count()
