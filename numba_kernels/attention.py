@@ -42,6 +42,7 @@ def load_pair_f32(pool, element):
 def make_attention(G, D, load_pair):
     E = D // 32  # dims per lane (even: D is a multiple of 64)
     EW = E // 2  # uint32 words per lane
+    U = 2 if G * D > 512 else 4  # keys in flight per warp (fewer for the widest groups: registers)
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
                   part_ml, n_heads, n_kv, page_size, split_len, n_splits, scale):
@@ -63,7 +64,9 @@ def make_attention(G, D, load_pair):
         acc = cuda.local.array((G, E), float32)
         m = cuda.local.array(G, float32)
         l = cuda.local.array(G, float32)
-        s = cuda.local.array(G, float32)
+        s = cuda.local.array((U, G), float32)
+        kb = cuda.local.array((U, E), float32)
+        vb = cuda.local.array((U, E), float32)
         for g in range(G):
             m[g] = NEG_BIG
             l[g] = float32(0.0)
@@ -73,35 +76,49 @@ def make_attention(G, D, load_pair):
         table = row_table[row] * max_pages
         head_off = int64(kvh) * page_size * D
         v_off = int64(n_kv) * page_size * D
-        for t in range(start + warp, end, WARPS):
-            page = int64(page_tables[table + t // page_size])
-            kbase = page * page_stride + head_off + int64(t % page_size) * D + lane * E
-            vbase = kbase + v_off
-            for g in range(G):
-                s[g] = float32(0.0)
-            for w in range(EW):
-                k0, k1 = load_pair(kc, kbase + 2 * w)
+        # Each warp takes U consecutive keys per step and issues all their K and V loads before
+        # any arithmetic: the per-key chain (page lookup -> load -> reduce) overlaps U ways.
+        for t0 in range(start + warp * U, end, WARPS * U):
+            for u in range(U):
+                t = t0 + u
+                if t < end:
+                    page = int64(page_tables[table + t // page_size])
+                    kbase = page * page_stride + head_off + int64(t % page_size) * D + lane * E
+                    for w in range(EW):
+                        k0, k1 = load_pair(kc, kbase + 2 * w)
+                        kb[u, 2 * w] = k0
+                        kb[u, 2 * w + 1] = k1
+                        v0, v1 = load_pair(kc, kbase + v_off + 2 * w)
+                        vb[u, 2 * w] = v0
+                        vb[u, 2 * w + 1] = v1
+                else:
+                    for e in range(E):
+                        kb[u, e] = float32(0.0)
+                        vb[u, e] = float32(0.0)
+            for u in range(U):
                 for g in range(G):
-                    s[g] += q[g, 2 * w] * k0 + q[g, 2 * w + 1] * k1
+                    v = float32(0.0)
+                    for e in range(E):
+                        v += q[g, e] * kb[u, e]
+                    for offset in (16, 8, 4, 2, 1):
+                        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                    # The reference scales the scores, not q; missing keys get no weight.
+                    s[u, g] = v * scale if t0 + u < end else NEG_BIG
             for g in range(G):
-                v = s[g]
-                for offset in (16, 8, 4, 2, 1):
-                    v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
-                s[g] = v * scale  # the reference scales the scores, not q
-            for g in range(G):
-                m_new = max(m[g], s[g])
+                m_new = m[g]
+                for u in range(U):
+                    m_new = max(m_new, s[u, g])
                 alpha = math.exp(m[g] - m_new)
-                p = math.exp(s[g] - m_new)
-                l[g] = l[g] * alpha + p
-                m[g] = m_new
-                s[g] = p
+                total = l[g] * alpha
                 for e in range(E):
                     acc[g, e] *= alpha
-            for w in range(EW):
-                v0, v1 = load_pair(kc, vbase + 2 * w)
-                for g in range(G):
-                    acc[g, 2 * w] += s[g] * v0
-                    acc[g, 2 * w + 1] += s[g] * v1
+                for u in range(U):
+                    p = math.exp(s[u, g] - m_new) if t0 + u < end else float32(0.0)
+                    total += p
+                    for e in range(E):
+                        acc[g, e] += p * vb[u, e]
+                l[g] = total
+                m[g] = m_new
         if lane == 0:
             for g in range(G):
                 sh_m[warp, g] = m[g]

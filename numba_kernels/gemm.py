@@ -1,8 +1,8 @@
 """Matrix products against bf16 weights ``W [N, K]`` (Hugging Face ``[out, in]``): ``y = x @ W.T``.
 
 ``gemv_m{M}``: the decode shape, ``rows <= M`` activation rows (M = 1..8 compile-time, so the
-accumulators stay in registers). One block of 128 threads per ``cols`` output columns (4 for M <= 2,
-else 8; the manifest's ``meta``); the block streams those weight rows in 64-bit words (4 bf16), so
+accumulators stay in registers). One block of 128 threads per ``cols`` output columns (8; the
+manifest's ``meta``); the block streams those weight rows in 64-bit words (4 bf16), so
 weights are read exactly once per step for all rows and each x value loaded serves ``cols``
 columns; warp shuffles then shared memory reduce the partial sums in a fixed order.
 Launch: grid ``(ceil(N / cols),)``, block 128; ``K % 4 == 0``.
@@ -27,7 +27,7 @@ GEMV_WARPS = GEMV_THREADS // 32
 
 def gemv_cols(M: int) -> int:
     """Output columns per block: each x value loaded serves this many columns."""
-    return 4 if M <= 2 else 8
+    return 8
 
 
 def make_gemv(M):

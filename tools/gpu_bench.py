@@ -142,6 +142,23 @@ def profile_decode(runner, batch: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def bench_gemv(runner, tensors_bytes: rt.DevicePtr, n: int, k: int, reps: int = 20) -> dict[str, float]:
+    """GB/s of the decode GEMV alone on one [n, k] bf16 weight, for each row count M."""
+    dev, stream, fwd = runner.device, runner.stream, runner.forward
+    start, stop = dev.event(timing=True), dev.event(timing=True)
+    out = {}
+    for rows in (1, 4, 8):
+        fwd.matmul(runner.buffers.gate_up, runner.buffers.h, tensors_bytes, rows, n, k, stream)  # warm-up
+        rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+        for _ in range(reps):
+            fwd.matmul(runner.buffers.gate_up, runner.buffers.h, tensors_bytes, rows, n, k, stream)
+        rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+        rt.synchronize(stream)
+        seconds = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / reps
+        out[f"M={rows}"] = n * k * 2 / seconds / 1e9
+    return out
+
+
 def bench_prefill(runner, tokens: int) -> dict:
     prompt = (np.arange(tokens) * 7919 % 151936).astype(np.int32)
     table = np.arange(runner.buffers.max_pages, dtype=np.int32)
@@ -234,6 +251,9 @@ def main(argv=None) -> int:
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
                   "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores".format(**r), flush=True)
+    c = config
+    report["gemv_gb_s"] = bench_gemv(runner, ptrs["layers.0.gate_up"], 2 * c.intermediate_size, c.hidden_size)
+    print("gemv gate_up [24576 x 4096] alone, GB/s:", json.dumps(report["gemv_gb_s"]), flush=True)
     report["profile_b1"] = profile_decode(runner, 1)
     report[f"profile_b{max(batches)}"] = profile_decode(runner, max(batches))
     for key in ("profile_b1", f"profile_b{max(batches)}"):

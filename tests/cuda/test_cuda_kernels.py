@@ -185,7 +185,9 @@ def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pag
         sq, t = row_table[r], positions[r]
         want = ref_attention(got_q[r][None, None], hist_k[sq][None, :t + 1], hist_v[sq][None, :t + 1],
                              np.array([[t]]), scale)
-        assert _err(got[r], want.reshape(-1)) < 1e-5, r
+        # Softmax turns the ~1e-6 relative rounding of k (GPU vs NumPy rope) into ~1e-5 absolute
+        # score error at |score| ~ 10, hence 1e-4 rather than fp32's 1e-6.
+        assert _err(got[r], want.reshape(-1)) < 1e-4, r
 
 
 def _sample_gpu(gpu, logits, counts, lanes, rows_params):
