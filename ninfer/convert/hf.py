@@ -147,6 +147,10 @@ def convert_hf(src: str | os.PathLike[str], out: str | os.PathLike[str], progres
     """Convert the checkpoint directory ``src`` into ``out``; returns the written header."""
     directory = Path(src)
     cfg = read_json(directory / "config.json")
+    from ninfer.convert import hf_hybrid
+
+    if hf_hybrid.architecture_of(cfg) is not None:  # Qwen3-Next / Qwen3.5 hybrids
+        return hf_hybrid.convert_hf_hybrid(directory, cfg, out, progress=progress)
     config = dense_config_from_hf(cfg)
     weights = CheckpointWeights(directory)
     fields = header_fields(directory, cfg, config, weights)

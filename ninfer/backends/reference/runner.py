@@ -32,6 +32,19 @@ from ninfer.models.dense import ARCHITECTURES, DenseConfig
 class ReferenceRunner:
     """NumPy fp32 runner of a dense (Llama / Qwen3) model with a paged KV pool."""
 
+    def __new__(cls, artifact: Any = None, **kwargs: Any):
+        # Hybrid (Qwen3-Next / Qwen3.5) artifacts get the hybrid runner, a subclass of this one.
+        if cls is ReferenceRunner and artifact is not None:
+            from ninfer.backends.reference.hybrid_runner import HybridRunner, is_hybrid_config
+
+            if isinstance(artifact, (str, Path)):
+                from ninfer.artifact import open_artifact
+
+                artifact = open_artifact(artifact, components=("text",))
+            if is_hybrid_config(artifact.config):
+                return super().__new__(HybridRunner)
+        return super().__new__(cls)
+
     def __init__(
         self,
         artifact: Any,

@@ -1,0 +1,356 @@
+"""Convert Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoints (Hugging Face layout) into artifacts.
+
+The text backbone becomes the ``text`` component under the canonical names of
+``ninfer.models.hybrid``. Two checkpoint facts are normalised here, once:
+
+- Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head (``[q_g k_g v_g z_g]``
+  for each group ``g``, and ``[b_g a_g]``); Qwen3.5 stores contiguous ``in_proj_qkv`` / ``_z`` /
+  ``_b`` / ``_a``. Both become one ``in_proj`` with rows q | k | v | z | b | a.
+- MoE experts come per expert (``experts.{e}.gate_proj``...) or fused (``experts.gate_up_proj``
+  ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``); both become the fused form.
+
+Tensors the text model does not run are kept, not dropped: ``model.visual.*`` as the ``vision``
+component (named ``vision.<rest>``) and ``mtp.*`` as the ``mtp`` component (names unchanged), both
+with their source shapes, for the vision and speculative-decoding work that reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ninfer.artifact import TensorSource, write_artifact
+from ninfer.artifact.bf16 import from_float32, to_float32
+from ninfer.convert.errors import ConversionError
+from ninfer.convert.hf_checkpoint import CheckpointWeights, read_json
+from ninfer.models.hybrid import (
+    ARCHITECTURES, DENSE, FULL, LINEAR, MOE, HybridConfig, tensor_dtype, tensor_names,
+)
+
+_FLOAT_SOURCES = ("BF16", "F16", "F32")
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+# Sampler presets from the Qwen3.5 / 3.6 model cards (thinking and instruct modes).
+PRESETS = {
+    "thinking": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
+    "non_thinking": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
+}
+
+
+# -- config.json ------------------------------------------------------------------------------
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields: ``text_config`` of the multimodal classes, else the top level."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        merged = dict(text)
+        # The wrapper carries tie_word_embeddings for the whole model.
+        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        if "tie_word_embeddings" in cfg:
+            merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        return merged
+    return cfg
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise ConversionError(f"config.json: missing {key!r}")
+    return cfg[key]
+
+
+def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, int, list[int] | None]:
+    """(theta, rotary_dim, mrope_section); only unscaled RoPE is described by these models."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ("default", None):
+        raise ConversionError(f"config.json: rope type {kind!r} is not supported for hybrid models "
+                              f"(only the default)")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    section = params.get("mrope_section", scaling.get("mrope_section"))
+    return theta, int(head_dim * factor), section
+
+
+def _layer_types(cfg: dict[str, Any], layers: int) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
+    if len(types) != layers:
+        raise ConversionError(f"config.json: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
+    return list(types)
+
+
+def _mlp_types(architecture: str, cfg: dict[str, Any], layers: int) -> list[str]:
+    if architecture.startswith("Qwen3_5Moe"):
+        return [MOE] * layers
+    if architecture.startswith("Qwen3_5"):
+        return [DENSE] * layers
+    # Qwen3-Next: MoE where num_experts > 0 and (i + 1) % decoder_sparse_step == 0, unless listed
+    # in mlp_only_layers (transformers' Qwen3NextDecoderLayer).
+    experts = int(cfg.get("num_experts", 0))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    only = set(cfg.get("mlp_only_layers") or [])
+    return [MOE if experts > 0 and (i + 1) % step == 0 and i not in only else DENSE for i in range(layers)]
+
+
+def architecture_of(cfg: dict[str, Any]) -> str | None:
+    """The hybrid architecture named by ``config.json``, or None when it names another family."""
+    archs = cfg.get("architectures") or []
+    return archs[0] if len(archs) == 1 and archs[0] in ARCHITECTURES else None
+
+
+def hybrid_config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
+    architecture = architecture_of(cfg)
+    if architecture is None:
+        raise ConversionError(f"config.json: {cfg.get('architectures')!r} is not a hybrid architecture "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+    text = _text_config(cfg)
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    if text.get("attention_bias"):
+        raise ConversionError("config.json: attention_bias=true is not supported for hybrid models")
+    layers = int(_require(text, "num_hidden_layers"))
+    heads = int(_require(text, "num_attention_heads"))
+    head_dim = int(text.get("head_dim") or int(_require(text, "hidden_size")) // heads)
+    theta, rotary_dim, section = _rope(text, head_dim)
+    mlp_types = _mlp_types(architecture, text, layers)
+    try:
+        return HybridConfig(
+            architecture=architecture,
+            vocab_size=int(_require(text, "vocab_size")),
+            hidden_size=int(_require(text, "hidden_size")),
+            num_layers=layers,
+            layer_types=_layer_types(text, layers),
+            mlp_types=mlp_types,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            rope_theta=theta,
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            linear_num_k_heads=int(_require(text, "linear_num_key_heads")),
+            linear_num_v_heads=int(_require(text, "linear_num_value_heads")),
+            linear_k_head_dim=int(_require(text, "linear_key_head_dim")),
+            linear_v_head_dim=int(_require(text, "linear_value_head_dim")),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            intermediate_size=int(text.get("intermediate_size") or 0) if DENSE in mlp_types else 0,
+            num_experts=int(text.get("num_experts", 0)) if MOE in mlp_types else 0,
+            num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if MOE in mlp_types else 0,
+            moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if MOE in mlp_types else 0,
+            shared_expert_intermediate_size=(int(text.get("shared_expert_intermediate_size", 0))
+                                             if MOE in mlp_types else 0),
+            # Qwen3.5-MoE's router always renormalises the top-k (its config has no such field).
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            mtp_num_layers=int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 0)) or 0),
+            mrope_section=section,
+        )
+    except ValueError as exc:
+        raise ConversionError(f"config.json: {exc}") from exc
+
+
+# -- tensors ------------------------------------------------------------------------------------
+
+class _Plan:
+    """Looks up source tensors with checks, and builds lazy loaders over them."""
+
+    def __init__(self, config: HybridConfig, weights: CheckpointWeights):
+        self.config = config
+        self.weights = weights
+        self.used: set[str] = set()
+        names = set(weights.names())
+        self.prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in names else "model."
+
+    def src(self, name: str, shape: tuple[int, ...] | None = None) -> str:
+        w = self.weights
+        if name not in w.where:
+            raise ConversionError(f"{w.directory}: tensor {name!r} missing (needed by {self.config.architecture})")
+        info = w.info(name)
+        if info.dtype not in _FLOAT_SOURCES:
+            raise ConversionError(f"{w.directory}: tensor {name!r} has dtype {info.dtype}; "
+                                  f"expected one of {', '.join(_FLOAT_SOURCES)}")
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise ConversionError(f"{w.directory}: tensor {name!r} has shape {list(info.shape)}, "
+                                  f"expected {list(shape)}")
+        self.used.add(name)
+        return name
+
+    def f32(self, name: str) -> np.ndarray:
+        array = self.weights.get(name)
+        return to_float32(array) if self.weights.info(name).dtype == "BF16" else np.asarray(array, np.float32)
+
+    def bits(self, name: str) -> np.ndarray:
+        """bf16 bit patterns of a source tensor (narrowed from f16/f32 when needed)."""
+        array = self.weights.get(name)
+        return array if self.weights.info(name).dtype == "BF16" else from_float32(np.asarray(array, np.float32))
+
+
+def _layer_loader(plan: _Plan, canonical: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    c = plan.config
+    _, index, suffix = canonical.split(".", 2)
+    layer = int(index)
+    p = f"{plan.prefix}layers.{layer}."
+    h = c.hidden_size
+    if suffix == "attn_norm":
+        return _rows(plan, [plan.src(p + "input_layernorm.weight", shape)])
+    if suffix == "mlp_norm":
+        return _rows(plan, [plan.src(p + "post_attention_layernorm.weight", shape)])
+    if suffix == "in_proj":
+        return _in_proj(plan, p + "linear_attn.")
+    if suffix == "conv":
+        name = plan.src(p + "linear_attn.conv1d.weight", (c.conv_dim, 1, c.conv_kernel))
+        return lambda: plan.bits(name).reshape(c.conv_dim, c.conv_kernel)
+    if suffix in ("dt_bias", "A_log"):
+        name = plan.src(p + f"linear_attn.{suffix}", shape)
+        return lambda: plan.f32(name)
+    if suffix == "linear_norm":
+        return _rows(plan, [plan.src(p + "linear_attn.norm.weight", shape)])
+    if suffix == "out":
+        return _rows(plan, [plan.src(p + "linear_attn.out_proj.weight", shape)])
+    if suffix == "qkv":
+        a = p + "self_attn."
+        return _rows(plan, [plan.src(a + "q_proj.weight", (2 * c.q_size, h)),
+                            plan.src(a + "k_proj.weight", (c.kv_size, h)),
+                            plan.src(a + "v_proj.weight", (c.kv_size, h))])
+    if suffix in ("q_norm", "k_norm", "o"):
+        source = {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "o": "o_proj.weight"}[suffix]
+        return _rows(plan, [plan.src(p + "self_attn." + source, shape)])
+    return _mlp_loader(plan, p + "mlp.", suffix, shape)
+
+
+def _mlp_loader(plan: _Plan, m: str, suffix: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    c = plan.config
+    h = c.hidden_size
+    if suffix == "gate_up":
+        i = c.intermediate_size
+        return _rows(plan, [plan.src(m + "gate_proj.weight", (i, h)), plan.src(m + "up_proj.weight", (i, h))])
+    if suffix == "down":
+        return _rows(plan, [plan.src(m + "down_proj.weight", shape)])
+    if suffix == "router":
+        return _rows(plan, [plan.src(m + "gate.weight", shape)])
+    if suffix == "shared.gate_up":
+        s = c.shared_expert_intermediate_size
+        return _rows(plan, [plan.src(m + "shared_expert.gate_proj.weight", (s, h)),
+                            plan.src(m + "shared_expert.up_proj.weight", (s, h))])
+    if suffix == "shared.down":
+        return _rows(plan, [plan.src(m + "shared_expert.down_proj.weight", shape)])
+    if suffix == "shared_gate":
+        return _rows(plan, [plan.src(m + "shared_expert_gate.weight", shape)])
+    if suffix in ("experts.gate_up", "experts.down"):
+        return _experts(plan, m + "experts.", suffix.split(".")[1], shape)
+    raise AssertionError(f"no source mapping for {suffix!r}")
+
+
+def _rows(plan: _Plan, names: list[str]) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        parts = [plan.bits(n) for n in names]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return load
+
+
+def _in_proj(plan: _Plan, a: str) -> Callable[[], np.ndarray]:
+    c = plan.config
+    h, nk, nv = c.hidden_size, c.linear_num_k_heads, c.linear_num_v_heads
+    if a + "in_proj_qkvz.weight" in plan.weights.where:
+        qkvz = plan.src(a + "in_proj_qkvz.weight", (2 * c.key_dim + 2 * c.value_dim, h))
+        ba = plan.src(a + "in_proj_ba.weight", (2 * nv, h))
+
+        def load_grouped() -> np.ndarray:
+            dk, r_dv, r = c.linear_k_head_dim, (nv // nk) * c.linear_v_head_dim, nv // nk
+            g = plan.bits(qkvz).reshape(nk, 2 * dk + 2 * r_dv, h)
+            q, k, v, z = np.split(g, np.cumsum([dk, dk, r_dv]), axis=1)
+            g = plan.bits(ba).reshape(nk, 2 * r, h)
+            b, a_ = g[:, :r], g[:, r:]
+            # Concatenating the groups in order gives head g*r + j at row block g*r + j, which is
+            # how transformers reshapes [.., nk, r*dv] into [.., nv, dv].
+            return np.concatenate([x.reshape(-1, h) for x in (q, k, v, z, b, a_)], axis=0)
+        return load_grouped
+    return _rows(plan, [plan.src(a + "in_proj_qkv.weight", (c.conv_dim, h)),
+                        plan.src(a + "in_proj_z.weight", (c.value_dim, h)),
+                        plan.src(a + "in_proj_b.weight", (nv, h)),
+                        plan.src(a + "in_proj_a.weight", (nv, h))])
+
+
+def _experts(plan: _Plan, e: str, which: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    c = plan.config
+    h, i = c.hidden_size, c.moe_intermediate_size
+    fused = e + ("gate_up_proj" if which == "gate_up" else "down_proj")
+    if fused in plan.weights.where:
+        name = plan.src(fused, shape)
+        return lambda: plan.bits(name)
+    if which == "gate_up":
+        per = [(plan.src(f"{e}{x}.gate_proj.weight", (i, h)), plan.src(f"{e}{x}.up_proj.weight", (i, h)))
+               for x in range(c.num_experts)]
+        return lambda: np.stack([np.concatenate([plan.bits(g), plan.bits(u)]) for g, u in per])
+    per_down = [plan.src(f"{e}{x}.down_proj.weight", (h, i)) for x in range(c.num_experts)]
+    return lambda: np.stack([plan.bits(d) for d in per_down])
+
+
+def _global_loader(plan: _Plan, canonical: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    source = {"embed": plan.prefix + "embed_tokens.weight", "final_norm": plan.prefix + "norm.weight",
+              "lm_head": "lm_head.weight"}[canonical]
+    return _rows(plan, [plan.src(source, shape)])
+
+
+def _extra_components(plan: _Plan) -> list[TensorSource]:
+    """``vision`` and ``mtp`` tensors, kept under their source layout (no text model reads them)."""
+    out = []
+    for name in plan.weights.names():
+        if name.startswith("model.visual."):
+            component, canonical = "vision", "vision." + name[len("model.visual."):]
+        elif name.startswith("mtp."):
+            component, canonical = "mtp", name
+        else:
+            continue
+        info = plan.weights.info(plan.src(name))
+        out.append(TensorSource(canonical, component, "bf16", tuple(info.shape), _rows(plan, [name])))
+    return out
+
+
+def plan_sources(config: HybridConfig, weights: CheckpointWeights) -> list[TensorSource]:
+    plan = _Plan(config, weights)
+    sources = []
+    for canonical, shape in tensor_names(config).items():
+        if canonical.startswith("layers."):
+            load = _layer_loader(plan, canonical, shape)
+        else:
+            load = _global_loader(plan, canonical, shape)
+        sources.append(TensorSource(canonical, "text", tensor_dtype(canonical), shape, load))
+    sources.extend(_extra_components(plan))
+    _refuse_unknown(plan)
+    return sources
+
+
+def _refuse_unknown(plan: _Plan) -> None:
+    for name in plan.weights.names():
+        if name in plan.used or name.endswith(_IGNORABLE_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and plan.config.tie_word_embeddings:
+            continue
+        raise ConversionError(f"{plan.weights.directory}: unexpected tensor {name!r} in the checkpoint "
+                              f"(not part of {plan.config.architecture} as NInfer describes it)")
+
+
+def convert_hf_hybrid(directory: Path, cfg: dict[str, Any], out: str | os.PathLike[str], progress=None
+                      ) -> dict[str, Any]:
+    from ninfer.convert.hf import header_fields  # the shared header: tokenizer, template, specials
+
+    config = hybrid_config_from_hf(cfg)
+    weights = CheckpointWeights(directory)
+    sources = plan_sources(config, weights)
+    fields = header_fields(directory, _text_config(cfg) | cfg, config, weights)
+    fields["components"] = ["text"] + sorted({s.component for s in sources} - {"text"})
+    if not fields["generation"]["presets"]:
+        fields["generation"]["presets"] = PRESETS
+    return write_artifact(out, fields, sources, progress=progress)
+
+
+def read_hybrid_config(directory: Path) -> HybridConfig:
+    return hybrid_config_from_hf(read_json(directory / "config.json"))
