@@ -1,7 +1,7 @@
 """HTTP load generator for a running server: N concurrent streaming Chat Completions clients.
 
-Each client sends requests of mixed prompt and output lengths and checks every answer: a 200
-stream must start with the role chunk, end with a finish chunk, a usage chunk and ``[DONE]``, and
+Each client sends requests of mixed prompt and output lengths (a request refused with 429 is
+retried after a short pause until it is served) and checks every answer: a 200 stream must start with the role chunk, end with a finish chunk, a usage chunk and ``[DONE]``, and
 its usage must match what was streamed; a 429 must carry ``server_overloaded``. The report gives
 requests/s, time to first token and inter-token gaps (p50/p99) and counts of each outcome.
 ``tools/load.py`` is the command line; ``ninfer bench --http URL`` can call ``run_load``.
@@ -100,7 +100,8 @@ def _stream_problem(frames: list[Any]) -> str | None:
 
 async def run_load(url: str, *, model: str | None = None, clients: int = 4, requests: int = 16,
                    prompt_words: tuple[int, ...] = (8, 64, 200), max_tokens: tuple[int, ...] = (8, 32, 64),
-                   api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0) -> dict:
+                   api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0,
+                   retry_pause_s: float = 0.25) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
@@ -113,8 +114,13 @@ async def run_load(url: str, *, model: str | None = None, clients: int = 4, requ
         async def worker(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             for _ in remaining:
-                samples.append(await one_request(client, model, rng.choice(prompt_words),
-                                                 rng.choice(max_tokens), rng))
+                words, tokens = rng.choice(prompt_words), rng.choice(max_tokens)
+                while True:  # a correct 429 is recorded, then the same request is retried after a pause
+                    sample = await one_request(client, model, words, tokens, rng)
+                    samples.append(sample)
+                    if sample.status != 429 or not sample.ok:
+                        break
+                    await trio.sleep(retry_pause_s)
 
         async with trio.open_nursery() as nursery:
             for i in range(clients):
@@ -129,7 +135,7 @@ def summarize(samples: list[Sample], wall: float, clients: int) -> dict:
     gaps = [g for s in done for g in s.gaps]
     return {
         "clients": clients,
-        "requests": len(samples),
+        "requests": len(samples) - sum(1 for s in samples if s.status == 429 and s.ok),
         "completed": len(done),
         "overloaded_429": sum(1 for s in samples if s.status == 429 and s.ok),
         "incorrect": [s.problem for s in samples if not s.ok],

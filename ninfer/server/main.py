@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from functools import partial
 from typing import Any, Awaitable, Callable
 
 import attrs
@@ -148,12 +147,16 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
             async with trio.open_nursery() as nursery:
                 if args.log_stats_interval_ms:
                     nursery.start_soon(throughput_loop, engine, request_log, args.log_stats_interval_ms / 1000.0)
-                binds = await nursery.start(partial(listen.serve, app, args.host, args.port,
-                                                    shutdown_trigger=shutdown_trigger))
+
+                async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
+                    await listen.serve(app, args.host, args.port, shutdown_trigger=shutdown_trigger,
+                                       task_status=task_status)
+                    nursery.cancel_scope.cancel()  # the server is down: stop the stats loop too
+
+                binds = await nursery.start(serve_then_stop)
                 log.info("ready: serving %s on %s (max context %d, concurrency %d) after %.1f s", model_id,
                          binds[0], engine.max_context, config.max_concurrency, time.monotonic() - t0)
                 task_status.started(RunningServer(binds[0], state, app))
-                # listen.serve returns on shutdown; the stats loop is then cancelled with the nursery.
             log.info("shutting down")
     finally:
         if request_log is not None:
