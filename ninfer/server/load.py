@@ -1,9 +1,10 @@
 """HTTP load generator for a running server: N concurrent streaming Chat Completions clients.
 
 Each client sends requests of mixed prompt and output lengths (a request refused with 429 is
-retried after a short pause until it is served) and checks every answer: a 200 stream must start with the role chunk, end with a finish chunk, a usage chunk and ``[DONE]``, and
-its usage must match what was streamed; a 429 must carry ``server_overloaded``. The report gives
-requests/s, time to first token and inter-token gaps (p50/p99) and counts of each outcome.
+retried after a short pause until it is served) and checks every answer: a 200 stream must start
+with the role chunk and end with a finish chunk, a usage chunk and ``[DONE]`` with no error frame;
+a 429 must carry ``server_overloaded``. The report gives requests/s, time to first token and
+inter-token gaps (p50/p99) and counts of each outcome.
 ``tools/load.py`` is the command line; ``ninfer bench --http URL`` can call ``run_load``.
 """
 
