@@ -1,15 +1,130 @@
-"""`ninfer bench` (not built yet: it says so instead of pretending)."""
+"""`ninfer bench MODE`: measurements. Each mode is one function below; modes share nothing else.
+
+``engine``: the Engine's own host time per decode step — scheduling, page bookkeeping, building
+the runner inputs, committing tokens and delivering events through the worker to trio consumers —
+with model math excluded (time inside runner calls is measured separately and subtracted). By
+default it runs 8 lanes on the zero-cost simulated runner; ``--runner reference`` uses the NumPy
+backend on a tiny random model instead (its model math is then reported beside the host time).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+import time
+from pathlib import Path
+
+GOAL_HOST_SECONDS_PER_STEP = 100e-6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    engine = modes.add_parser("engine", help="engine host time per decode step, model math excluded")
+    engine.add_argument("--lanes", type=int, default=8, help="concurrent requests = lanes (default 8)")
+    engine.add_argument("--steps", type=int, default=2000, help="output tokens per request (default 2000)")
+    engine.add_argument("--prompt-tokens", type=int, default=32, help="prompt length per request (default 32)")
+    engine.add_argument("--runner", choices=("simulated", "reference"), default="simulated",
+                        help="zero-cost simulated runner (default) or the reference backend")
+    engine.add_argument("--artifact", type=Path, help="reference runner: a .ninfer file (default: random tiny-qwen3)")
+    engine.set_defaults(_mode=bench_engine)
 
 
 def run(args: argparse.Namespace) -> int:
-    print("ninfer bench: not available in this build yet", file=sys.stderr)
-    return 2
+    return args._mode(args)
+
+
+def bench_engine(args: argparse.Namespace) -> int:
+    import trio
+
+    from ninfer.engine import EngineConfig
+
+    steps = args.steps
+    context = args.prompt_tokens + steps + 16
+    config = EngineConfig(max_concurrency=args.lanes, max_context=context,
+                          kv_capacity=context * args.lanes, prefix_reuse=False,
+                          prefill_chunk=max(args.prompt_tokens, 16))
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = _make_runner(args, config, tmp)
+        result = trio.run(_drive_engine, runner, config, args.lanes, args.prompt_tokens, steps)
+    _report(result, args)
+    return 0
+
+
+def _make_runner(args: argparse.Namespace, config, tmp: str):
+    if args.runner == "simulated":
+        from ninfer.engine.simulated import SimulatedRunner
+
+        return SimulatedRunner(page_size=config.page_size, num_pages=config.kv_pages,
+                               max_batch=config.max_concurrency, max_context=config.max_context,
+                               vocab_size=32000, verify=False)
+    from ninfer.backends.reference import ReferenceRunner
+
+    path = args.artifact
+    if path is None:
+        from ninfer.convert.random_model import make_random_artifact
+
+        path = Path(tmp) / "tiny.ninfer"
+        make_random_artifact(path, "tiny-qwen3", seed=0)
+    return ReferenceRunner(str(path), page_size=config.page_size, num_pages=config.kv_pages,
+                           max_batch=config.max_concurrency, max_context=config.max_context)
+
+
+async def _drive_engine(runner, config, lanes: int, prompt_tokens: int, steps: int) -> dict:
+    import trio
+
+    from ninfer.engine import GenerationRequest, SamplingOverrides
+    from ninfer.engine.api import Engine
+    from ninfer.engine.events import Finished
+
+    vocab = runner.info.vocab_size
+    finished: list[Finished] = []
+
+    async def one(engine, i: int) -> None:
+        prompt = [(i * 97 + j * 13) % (vocab - 1) + 1 for j in range(prompt_tokens)]
+        with engine.reserve() as ticket:
+            # No stop ids: every request runs exactly `steps` tokens.
+            async for event in ticket.submit(GenerationRequest(prompt=prompt, max_tokens=steps,
+                                                               sampling=SamplingOverrides(temperature=0.0))):
+                if isinstance(event, Finished):
+                    finished.append(event)
+
+    async with Engine.open(runner, config) as engine:
+        before = engine.stats()
+        wall = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(lanes):
+                nursery.start_soon(one, engine, i)
+        wall = time.perf_counter() - wall
+        after = engine.stats()
+    host = {k: after.host_work_seconds_total[k] - before.host_work_seconds_total[k]
+            for k in after.host_work_seconds_total}
+    return {
+        "wall": wall,
+        "host": host,
+        "device": after.device_wait_seconds_total - before.device_wait_seconds_total,
+        "rounds": after.decode_rounds_total - before.decode_rounds_total,
+        "rows": after.decode_row_rounds_total - before.decode_row_rounds_total,
+        "prefill_units": after.prefill_units_total - before.prefill_units_total,
+        "tokens": sum(f.usage.completion_tokens for f in finished),
+        "backend": runner.info.backend,
+    }
+
+
+def _report(r: dict, args: argparse.Namespace) -> None:
+    steps = r["rounds"] + r["prefill_units"]
+    host_total = sum(r["host"].values())
+    per_step = host_total / max(steps, 1)
+    device_per_step = r["device"] / max(steps, 1)
+    print(f"ninfer bench engine: {args.lanes} lanes x {args.steps} tokens, prompt {args.prompt_tokens}, "
+          f"runner {r['backend']}")
+    print(f"  steps {steps} (decode rounds {r['rounds']}, average batch {r['rows'] / max(r['rounds'], 1):.2f}, "
+          f"prefill units {r['prefill_units']}), tokens {r['tokens']}, wall {r['wall']:.3f} s "
+          f"({r['tokens'] / r['wall']:.0f} tok/s)")
+    print(f"  engine host time per step: {per_step * 1e6:.1f} us "
+          f"(goal < {GOAL_HOST_SECONDS_PER_STEP * 1e6:.0f} us: {per_step / GOAL_HOST_SECONDS_PER_STEP:.2f}x of goal)")
+    for phase, seconds in r["host"].items():
+        print(f"    {phase:22s} {seconds / max(steps, 1) * 1e6:8.1f} us/step")
+    print(f"  inside runner calls (excluded): {device_per_step * 1e6:.1f} us/step; "
+          f"host share of the step {per_step / max(per_step + device_per_step, 1e-12):.1%}")
+    sys.stdout.flush()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Iterable, Mapping
@@ -49,6 +50,9 @@ class Engine:
         cost = load_context_cost(config.context_cost_presets, hardware or runner.info.backend, model_signature)
         self._core = EngineCore(runner, config, cost)
         self._token = trio.lowlevel.current_trio_token()
+        self._wake_lock = threading.Lock()
+        self._wake_pending: dict[int, Sequence] = {}
+        self._wake_scheduled = False
         self._worker = Worker(self._core, self._wake_from_worker, close_runner=owns_runner)
         self._rids = itertools.count()
         self._outstanding = 0
@@ -120,17 +124,28 @@ class Engine:
                         limit, deadline, self._core.clock())
 
     def _wake_from_worker(self, seqs: list[Sequence]) -> None:
+        """Worker thread: wake the consumers of ``seqs``. While one wake-up is still queued on
+        the trio loop, later ones join it instead of queueing another callback (a consumer
+        behind by several steps costs one wake, not one per step)."""
+        with self._wake_lock:
+            self._wake_pending.update((id(s), s) for s in seqs)
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
         try:
-            self._token.run_sync_soon(_wake_handles, seqs)
+            self._token.run_sync_soon(self._wake_handles)
         except trio.RunFinishedError:
             pass  # the trio run is over: nobody is waiting
 
-
-def _wake_handles(seqs: list[Sequence]) -> None:
-    for seq in seqs:
-        handle = seq.handle
-        if handle is not None and handle._event is not None:
-            handle._event.set()
+    def _wake_handles(self) -> None:
+        with self._wake_lock:
+            seqs = list(self._wake_pending.values())
+            self._wake_pending.clear()
+            self._wake_scheduled = False
+        for seq in seqs:
+            handle = seq.handle
+            if handle is not None and handle._event is not None:
+                handle._event.set()
 
 
 class Ticket:

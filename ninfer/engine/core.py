@@ -261,7 +261,7 @@ class EngineCore:
             token = seq.forced.popleft()
             seq.forced_total += 1
             c.forced_tokens += 1
-        seq.tokens.append(token)
+        seq.append(token)
         c.generation_tokens += 1
         if seq.t_first is None:
             seq.t_first = now

@@ -137,7 +137,7 @@ class Scheduler:
             sample = owner.n_output == 0 and end == owner.prompt_len and owner.request.max_tokens > 0
             plan.prompt = PromptUnit(owner, owner.computed, end, sample, owner.n_output > 0)
         for seq in self.residents():
-            if seq is not owner and not seq.needs_prompt_work:
+            if seq is not owner and seq.computed == seq.frontier:
                 self._ensure_pages(seq, seq.computed + 1)
                 plan.decode.append(seq)
         return plan
@@ -167,19 +167,24 @@ class Scheduler:
         residents = self.residents()
         if not residents:
             return
-        need = {s.rid: self._deficit(s, self._unit_end(s)) for s in residents}
-        total = sum(need.values())
+        ps = self.ps
+        need, total = [], 0
+        for s in residents:
+            n = max(0, -(-self._unit_end(s) // ps) - len(s.pages))
+            need.append(n)
+            total += n
         if total and not self._make_room(total):
             # Residents cannot advance together: pause the youngest until the rest fit.
-            for victim in reversed(residents[1:]):
-                total -= need.pop(victim.rid)
-                self._pause(victim, plan)
+            while len(residents) > 1:
+                total -= need.pop()
+                self._pause(residents.pop(), plan)
                 if self._make_room(total):
                     break
             assert self._make_room(total), "the oldest resident cannot advance: KV pool smaller than one sequence"
-        for seq in residents:
-            if seq.rid in need:
-                self._ensure_pages(seq, self._unit_end(seq))
+        if total:
+            for seq, n in zip(residents, need):
+                if n:
+                    seq.pages.extend(self.pool.alloc(n))
 
     # -- pause and restore ----------------------------------------------------------------
 

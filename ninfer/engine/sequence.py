@@ -41,6 +41,10 @@ class Sequence:
         self.tokens: list[int] = list(request.prompt)
         self.prompt_len = len(request.prompt)
         self.computed = 0
+        self.n_output = 0
+        # Positions that must hold KV before the next decode (or before the first sample): the
+        # prompt, then everything but the last committed token (the next decode input).
+        self.frontier = self.prompt_len
         self.pages: list[int] = []
         self.lane: int | None = None
         self.locked: list[Any] = []  # prefix-cache nodes this sequence pins
@@ -112,14 +116,11 @@ class Sequence:
     def output(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
-    @property
-    def n_output(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def frontier(self) -> int:
-        """Positions that must hold KV before the next decode (or before the first sample)."""
-        return len(self.tokens) - 1 if self.n_output else self.prompt_len
+    def append(self, token: int) -> None:
+        """Commit one output token (the only way ``tokens`` grows)."""
+        self.tokens.append(token)
+        self.n_output += 1
+        self.frontier = len(self.tokens) - 1
 
     @property
     def needs_prompt_work(self) -> bool:

@@ -53,8 +53,8 @@ class Worker:
         work = core.counters.host_work
         try:
             while True:
-                t0 = time.perf_counter()
                 commands = self._take(block=not core.has_work())
+                t0 = time.perf_counter()  # idle waiting is not host work
                 for command, arg in commands:
                     if command == "close":
                         self._shutdown(EngineUnavailable("the engine is closed"))
