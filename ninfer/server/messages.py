@@ -1,0 +1,112 @@
+"""POST /v1/messages (aggregate JSON or Anthropic SSE) and POST /v1/messages/count_tokens.
+
+Both run the same normalization (``protocols.anthropic_messages``) and prompt path as every other
+family. Streaming sends ``message_start`` only once the engine has admitted the request (its first
+progress event), so the uncached/cache-read split in it is already exact.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from ninfer.server.app import Exchange
+from ninfer.server.generation import Done, GenerationSession, Progress
+from ninfer.server.http import run_until_disconnect
+from ninfer.server.sse import data_frame
+from protocols import anthropic_messages as am
+from protocols.anthropic_output import BlockAssembler
+from protocols.errors import ProtocolError
+
+
+def _shape(req: am.MessagesRequest) -> dict:
+    conv = req.conversation
+    return {"messages": len(conv.messages), "tools": len(conv.tools), "callable_tools": len(conv.callable_tools),
+            "stream": req.stream, "thinking": req.thinking_mode, "prefill": conv.prefill is not None}
+
+
+async def create(ex: Exchange) -> None:
+    req = am.parse_request(await ex.json_body())
+    session = GenerationSession(ex.state, ex.request_id, protocol="anthropic_messages", stream=req.stream)
+    await session.start(req.conversation, req.generation, shape=_shape(req))
+    mid = am.message_id()
+    if req.stream:
+        await run_until_disconnect(ex.request, lambda: ex.send_sse(_stream(ex, session, req, mid)))
+    else:
+        await run_until_disconnect(ex.request, lambda: _aggregate(ex, session, req, mid))
+
+
+def _final(done: Done, asm: BlockAssembler) -> tuple[str, str | None, dict]:
+    fin = done.finished
+    reason = am.stop_reason(fin.detail, done.finish_reason, asm.saw_tool_use, done.stop_string)
+    u = done.usage
+    return reason, done.stop_string, am.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"])
+
+
+async def _aggregate(ex: Exchange, session: GenerationSession, req: am.MessagesRequest, mid: str) -> None:
+    asm = BlockAssembler()
+    done: Done | None = None
+    async with aclosing(session.events()) as events:
+        async for ev in events:
+            if isinstance(ev, Done):
+                done = ev
+            elif not isinstance(ev, Progress):
+                asm.feed(ev)
+    assert done is not None
+    asm.close()
+    reason, stop_seq, use = _final(done, asm)
+    await ex.send_json(200, am.message(mid, req.model, asm.blocks, reason, stop_seq, use))
+
+
+def _frame(event: dict) -> bytes:
+    return data_frame(event, event["type"])
+
+
+async def _stream(ex: Exchange, session: GenerationSession, req: am.MessagesRequest,
+                  mid: str) -> AsyncIterator[bytes]:
+    asm = BlockAssembler()
+    started = False
+
+    def start(prompt_tokens: int, cached: int) -> list[bytes]:
+        nonlocal started
+        started = True
+        msg = am.message(mid, req.model, [], None, None, am.usage(prompt_tokens, cached, 0))
+        return [_frame({"type": "message_start", "message": msg}), _frame({"type": "ping"})]
+
+    try:
+        async with aclosing(session.events()) as events:
+            async for ev in events:
+                if isinstance(ev, Progress):
+                    if not started:  # admission: the reuse split is decided
+                        for b in start(ev.progress.total, ev.progress.cache):
+                            yield b
+                    continue
+                if isinstance(ev, Done):
+                    if not started:
+                        for b in start(ev.usage["prompt_tokens"], ev.usage["cached_tokens"]):
+                            yield b
+                    for e in asm.close():
+                        yield _frame(e)
+                    reason, stop_seq, use = _final(ev, asm)
+                    yield _frame({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_seq},
+                                  "usage": use})
+                    yield _frame({"type": "message_stop"})
+                    continue
+                if not started:
+                    raise RuntimeError("output before admission progress")
+                for e in asm.feed(ev):
+                    yield _frame(e)
+    except ProtocolError as err:
+        # The stream has started: the failure becomes an Anthropic error event.
+        yield _frame(err.anthropic_body(ex.request_id))
+
+
+async def count_tokens(ex: Exchange) -> None:
+    req = am.parse_request(await ex.json_body(), count_only=True)
+    prepared = ex.state.prompts.prepare(req.conversation)
+    await ex.send_json(200, {"input_tokens": len(prepared.token_ids)})
+
+
+def install(app) -> None:
+    app.route("POST", "/v1/messages", create, family="anthropic")
+    app.route("POST", "/v1/messages/count_tokens", count_tokens, family="anthropic")

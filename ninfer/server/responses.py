@@ -1,0 +1,215 @@
+"""The /v1/responses endpoints: create (JSON or semantic SSE), the local store, input_tokens.
+
+Create parses the request, expands the stored parent chain, and drives one ``GenerationSession``
+(the same path as Chat Completions). Output events go through one ``OutputAssembler`` so the
+aggregate Response and the SSE deltas always agree. Errors before the stream starts are ordinary
+HTTP errors; after it starts they become ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import attrs
+
+from ninfer.server.app import Exchange
+from ninfer.server.generation import Done, GenerationSession, Progress
+from ninfer.server.http import run_until_disconnect
+from ninfer.server.response_store import ResponseStore, StoredResponse, page
+from ninfer.server.sse import data_frame
+from protocols import fields as f
+from protocols import openai_responses as orp
+from protocols import responses_output as out
+from protocols.conversation import Conversation
+from protocols.errors import ProtocolError, invalid_value, unsupported
+
+SESSION_PREFIX = "resp:"
+
+
+@attrs.define
+class _Plan:
+    """A parsed create request with its parent chain expanded."""
+
+    req: orp.ResponsesRequest
+    conv: Conversation
+    history: tuple[dict, ...]
+    session_key: str | None
+    capture_endpoint: bool
+
+
+def _query(ex: Exchange) -> dict[str, str]:
+    raw = ex.request.scope.get("query_string", b"").decode("latin-1")
+    return {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
+
+
+def _store(ex: Exchange) -> ResponseStore:
+    return ex.state.response_store
+
+
+def _plan(ex: Exchange, req: orp.ResponsesRequest, rid: str) -> _Plan:
+    parent: StoredResponse | None = None
+    if req.previous_response_id is not None:
+        try:
+            parent = _store(ex).get(req.previous_response_id)
+        except ProtocolError as e:
+            raise ProtocolError(e.code, e.message, "previous_response_id") from None
+    history = parent.context if parent else ()
+    conv = orp.build_conversation(history, req, parent.preserve_thinking if parent else None)
+    if not any(m.role == "user" for m in conv.messages) and not any(m.role == "tool" for m in conv.messages):
+        raise invalid_value("input", "the conversation has no user input to respond to.")
+    if parent is not None:
+        # The chain shares one session key; a store:false child reads it but does not move its endpoint.
+        key, capture = parent.session_key, req.store
+    else:
+        key, capture = (SESSION_PREFIX + rid if req.store else None), True
+    return _Plan(req, conv, history, key, capture)
+
+
+def _shape(plan: _Plan) -> dict:
+    return {"items": len(plan.req.items), "history_items": len(plan.history), "messages": len(plan.conv.messages),
+            "tools": len(plan.conv.tools), "callable_tools": len(plan.conv.callable_tools),
+            "stream": plan.req.stream, "store": plan.req.store,
+            "previous_response_id": plan.req.previous_response_id is not None}
+
+
+async def create(ex: Exchange) -> None:
+    state = ex.state
+    req = orp.parse_request(await ex.json_body(), state.model_id)
+    rid = out.response_id()
+    plan = _plan(ex, req, rid)
+    session = GenerationSession(state, ex.request_id, protocol="openai_responses", stream=req.stream)
+    await session.start(plan.conv, req.generation, shape=_shape(plan), session_key=plan.session_key,
+                        capture_endpoint=plan.capture_endpoint)
+    created = time.time()
+    if req.stream:
+        await run_until_disconnect(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))
+    else:
+        await run_until_disconnect(ex.request, lambda: _aggregate(ex, session, plan, rid, created))
+
+
+def _terminal(ex: Exchange, plan: _Plan, rid: str, created: float, asm: out.OutputAssembler,
+              done: Done) -> tuple[dict, list[dict]]:
+    """The terminal Response (stored when asked) and the closing events of the open Item."""
+    status = out.status_of(done.finish_reason)
+    events = asm.finish(status)
+    u = done.usage
+    use = out.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"], u["reasoning_tokens"])
+    response = out.response_object(rid, plan.req, created, status, asm.items, use)
+    if plan.req.store:
+        _store(ex).put(response, plan.req.items, plan.history, plan.conv.options.preserve_thinking,
+                       plan.session_key)
+    return response, events
+
+
+async def _aggregate(ex: Exchange, session: GenerationSession, plan: _Plan, rid: str, created: float) -> None:
+    asm = out.OutputAssembler(plan.req.tools)
+    done: Done | None = None
+    async with aclosing(session.events()) as events:
+        async for ev in events:
+            if isinstance(ev, Done):
+                done = ev
+            elif not isinstance(ev, Progress):
+                asm.feed(ev)
+    assert done is not None
+    response, _ = _terminal(ex, plan, rid, created, asm, done)
+    await ex.send_json(200, response)
+
+
+async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: str,
+                  created: float) -> AsyncIterator[bytes]:
+    seq = 0
+
+    def frame(event: dict) -> bytes:
+        nonlocal seq
+        event = {"type": event["type"], "sequence_number": seq, **{k: v for k, v in event.items() if k != "type"}}
+        seq += 1
+        return data_frame(event, event["type"])
+
+    asm = out.OutputAssembler(plan.req.tools)
+    initial = out.response_object(rid, plan.req, created, "in_progress", [], None)
+    yield frame({"type": "response.created", "response": initial})
+    yield frame({"type": "response.in_progress", "response": initial})
+    try:
+        async with aclosing(session.events()) as events:
+            async for ev in events:
+                if isinstance(ev, Progress):
+                    continue
+                if isinstance(ev, Done):
+                    response, closing = _terminal(ex, plan, rid, created, asm, ev)
+                    for e in closing:
+                        yield frame(e)
+                    kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+                            "cancelled": "response.failed"}[response["status"]]
+                    yield frame({"type": kind, "response": response})
+                    continue
+                for e in asm.feed(ev):
+                    yield frame(e)
+    except ProtocolError as err:
+        error = {"code": err.code, "message": err.message}
+        failed = out.response_object(rid, plan.req, created, "failed", asm.items, None, error)
+        yield frame({"type": "response.failed", "response": failed})
+
+
+# --- the local store --------------------------------------------------------------------------
+
+async def retrieve(ex: Exchange) -> None:
+    query = _query(ex)
+    if query.get("stream") not in (None, "false"):
+        raise unsupported("stream", "stream recovery of a finished Response is not supported.")
+    if "starting_after" in query:
+        raise unsupported("starting_after", "stream recovery of a finished Response is not supported.")
+    if query.get("include") or query.get("include[]"):
+        raise unsupported("include", "no optional output data is available from this server.")
+    await ex.send_json(200, _store(ex).get(ex.params["response_id"]).response)
+
+
+async def delete(ex: Exchange) -> None:
+    rid = ex.params["response_id"]
+    _store(ex).delete(rid)
+    await ex.send_json(200, {"id": rid, "object": "response.deleted", "deleted": True})
+
+
+async def input_items(ex: Exchange) -> None:
+    rec = _store(ex).get(ex.params["response_id"])
+    query = _query(ex)
+    limit = query.get("limit", "20")
+    if not limit.lstrip("-").isdigit():
+        raise ProtocolError("invalid_type", "'limit' must be an integer.", "limit")
+    lim = f.opt_int({"limit": int(limit)}, "limit", 1, 100)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_value("order", "must be 'asc' or 'desc'.")
+    if query.get("include") or query.get("include[]"):
+        raise unsupported("include", "no optional Item data is available from this server.")
+    await ex.send_json(200, page(rec.input_items, after=query.get("after"), limit=lim, order=order))
+
+
+async def cancel(ex: Exchange) -> None:
+    _store(ex).get(ex.params["response_id"])
+    raise unsupported("background", "only background Responses can be cancelled, and background execution is "
+                      "not supported: every Response ran to completion in the foreground.")
+
+
+async def compact(ex: Exchange) -> None:
+    raise ProtocolError("compaction_not_supported", "Response compaction is not supported by this server.")
+
+
+async def input_tokens(ex: Exchange) -> None:
+    state = ex.state
+    req = orp.parse_request(await ex.json_body(), state.model_id, count_only=True)
+    plan = _plan(ex, req, "")
+    prepared = state.prompts.prepare(plan.conv)
+    await ex.send_json(200, {"object": "response.input_tokens", "input_tokens": len(prepared.token_ids)})
+
+
+def install(app) -> None:
+    app.route("POST", "/v1/responses", create)
+    app.route("POST", "/v1/responses/input_tokens", input_tokens)
+    app.route("POST", "/v1/responses/compact", compact)
+    app.route("GET", "/v1/responses/{response_id}", retrieve)
+    app.route("DELETE", "/v1/responses/{response_id}", delete)
+    app.route("GET", "/v1/responses/{response_id}/input_items", input_items)
+    app.route("POST", "/v1/responses/{response_id}/cancel", cancel)
