@@ -40,23 +40,19 @@ from ninfer.engine.worker import Worker
 class Engine:
     """One resident model and its worker. Create it with :meth:`open`."""
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig, *, owns_runner: bool,
-                 eos_token_ids: Iterable[int] = (), generation: Mapping[str, Any] | None = None,
-                 hardware: str | None = None, model_signature: str = "") -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        # Use Engine.open(); the worker thread builds the runner (for an artifact path) and the
+        # core, so that every runner call — construction included — happens on that thread.
         self.config = config
-        self.info = runner.info
-        self._generation = generation
-        self._eos = frozenset(int(t) for t in eos_token_ids)
-        cost = load_context_cost(config.context_cost_presets, hardware or runner.info.backend, model_signature)
-        self._core = EngineCore(runner, config, cost)
         self._token = trio.lowlevel.current_trio_token()
         self._wake_lock = threading.Lock()
         self._wake_pending: dict[int, Sequence] = {}
         self._wake_scheduled = False
-        self._worker = Worker(self._core, self._wake_from_worker, close_runner=owns_runner)
         self._rids = itertools.count()
         self._outstanding = 0
         self._closed = False
+        self._generation: Mapping[str, Any] | None = None
+        self._eos: frozenset[int] = frozenset()
 
     @classmethod
     @asynccontextmanager
@@ -64,17 +60,33 @@ class Engine:
                    eos_token_ids: Iterable[int] | None = None,
                    generation: Mapping[str, Any] | None = None) -> AsyncIterator["Engine"]:
         """Start an engine over a runner (the caller keeps ownership) or a ``.ninfer`` path
-        (loaded on the reference backend; the engine owns and closes it)."""
+        (loaded on the reference backend by the worker; the engine owns and closes it).
+
+        ``eos_token_ids`` end every request with finish "stop" (an artifact path supplies its
+        own); ``generation`` is the artifact's generation block (sampling presets)."""
         config = config or EngineConfig()
+        engine = cls(config)
         owns = isinstance(source, (str, os.PathLike))
-        if owns:
-            runner, eos, generation = await trio.to_thread.run_sync(_load_reference, os.fspath(source), config)
-            eos_token_ids = eos if eos_token_ids is None else eos_token_ids
-        else:
-            runner = source
-        engine = cls(runner, config, owns_runner=owns, eos_token_ids=eos_token_ids or (),
-                     generation=generation)
-        engine._worker.start()
+
+        def build() -> EngineCore:
+            if owns:
+                runner, eos, gen = _load_reference(os.fspath(source), config)
+            else:
+                runner, eos, gen = source, (), None
+            engine._eos = frozenset(int(t) for t in (eos if eos_token_ids is None else eos_token_ids))
+            engine._generation = gen if generation is None else generation
+            try:
+                cost = load_context_cost(config.context_cost_presets, runner.info.backend, "")
+                return EngineCore(runner, config, cost)
+            except BaseException:
+                if owns:
+                    runner.close()
+                raise
+
+        engine._worker = Worker(build, engine._wake_from_worker, close_runner=owns)
+        await engine._worker.start()
+        engine._core = engine._worker.core
+        engine.info = engine._core.runner.info
         try:
             yield engine
         finally:
@@ -84,7 +96,7 @@ class Engine:
         if not self._closed:
             self._closed = True
             self._worker.post("close")
-            await trio.to_thread.run_sync(self._worker.join)
+            await trio.to_thread.run_sync(self._worker.join, abandon_on_cancel=False)
 
     # -- public surface -------------------------------------------------------------------
 
@@ -309,7 +321,7 @@ def _validate(request: GenerationRequest, vocab: int, limit: int) -> None:
 
 
 def _load_reference(path: str, config: EngineConfig):
-    """Open an artifact on the reference backend (worker-thread-free: called before start)."""
+    """Open an artifact on the reference backend (on the worker thread)."""
     from ninfer.artifact import open_artifact
     from ninfer.backends.reference import ReferenceRunner
 

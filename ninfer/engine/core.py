@@ -44,6 +44,7 @@ class EngineCore:
         self.host = HostBudget(config.host_context_bytes)
         self.cache = PrefixCache(self.pool, config.page_size) if config.prefix_reuse else None
         # Bytes one KV page occupies on the Host: read one page once (its content is irrelevant).
+        # The core is built on the thread that owns the runner, so this call is allowed here.
         self.page_bytes = int(runner.read_pages([0]).nbytes)
         self.scheduler = Scheduler(config, self.pool, self.slots, self.host, self.cache, cost,
                                    self.page_bytes, clock)

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Callable
 
+import trio
+
 from ninfer.engine.core import EngineCore
 from ninfer.engine.errors import EngineUnavailable, QueueTimeout
 from ninfer.engine.sequence import Phase, Sequence
@@ -21,25 +23,45 @@ PUBLISH_INTERVAL = 0.02  # seconds between stats snapshots while busy
 
 
 class Worker:
-    def __init__(self, core: EngineCore, wake: Callable[[list[Sequence]], None], close_runner: bool) -> None:
-        self.core = core
+    def __init__(self, build: Callable[[], EngineCore], wake: Callable[[list[Sequence]], None],
+                 close_runner: bool) -> None:
+        self._build = build
+        self.core: EngineCore | None = None
         self._wake = wake
         self._close_runner = close_runner
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._live: dict[int, Sequence] = {}
-        self.ready = True
+        self.ready = False
         self.failure: BaseException | None = None
-        self.snapshot: StatsSnapshot = core.snapshot(ready=True)
+        self.snapshot: StatsSnapshot | None = None
         self._published_at = time.monotonic()
-        self._outcomes = 0
-        self._thread = threading.Thread(target=self._main, name="ninfer-engine", daemon=True)
+        self._started = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Start the thread, which builds the core; re-raise a startup failure here."""
         self._thread.start()
+        await trio.to_thread.run_sync(self._started.wait)
+        if self._startup_error is not None:
+            await trio.to_thread.run_sync(self._thread.join)
+            raise self._startup_error
 
     def join(self) -> None:
         self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self.core = self._build()
+            self.snapshot = self.core.snapshot(ready=True)
+            self.ready = True
+        except BaseException as exc:
+            self._startup_error = exc
+            return
+        finally:
+            self._started.set()
+        self._main()
 
     def post(self, command: str, arg=None) -> None:
         with self._cond:

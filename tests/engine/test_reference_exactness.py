@@ -101,3 +101,22 @@ def test_seeded_sampling_is_reproducible_across_batches(artifact, alone):
     d.run()
     assert out(s) == alone(prompt(5, 20), 10, sampling=sampled)
     assert all(end(m).reason == "length" for m in mates)
+
+
+async def test_engine_opens_an_artifact_path_on_the_reference_backend(artifact, alone):
+    from ninfer.artifact import open_artifact
+    from ninfer.engine import Engine, GenerationRequest
+
+    art = open_artifact(artifact, components=("text",))
+    eos = art.special_tokens["eos_token_ids"]
+    cfg = EngineConfig(max_concurrency=2, max_context=160, prefill_chunk=24, greedy=True)
+    async with Engine.open(artifact, cfg) as engine:
+        assert engine.info.backend == "reference" and engine.max_context == 160
+        with engine.reserve() as ticket:
+            events = [e async for e in ticket.submit(GenerationRequest(prompt=prompt(6, 20), max_tokens=12))]
+    ids = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
+    expected = alone(prompt(6, 20), 12)
+    # --greedy forces argmax whatever the artifact's presets say; the artifact's EOS ends it.
+    cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
+    assert ids == expected[:cut]
+    assert events[-1].reason == ("stop" if cut < len(expected) else "length")
