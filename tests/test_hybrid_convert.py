@@ -198,3 +198,17 @@ def test_real_model_shapes_and_state_sizes():
     assert config.conv_state_shape == (3, 10240) and config.recurrent_state_shape == (48, 128, 128)
     assert config.state_floats * 4 == 48 * (3 * 10240 + 48 * 128 * 128) * 4  # ~146 MiB fp32 per sequence
     assert config.kv_bytes_per_token == 16 * 2 * 4 * 256 * 2  # 64 KiB bf16 per token
+
+
+def test_an_artifact_missing_a_hybrid_tensor_is_refused(tmp_path, converted):
+    """The artifact layer checks the text component against the hybrid description."""
+    from ninfer.artifact import TensorSource, write_artifact
+
+    art = converted["qwen3_5_moe"]
+    config = HybridConfig.from_json(art.config)
+    header = {k: art.header[k] for k in ("metadata", "config", "tokenizer", "chat_template", "special_tokens",
+                                        "generation")} | {"components": ["text"]}
+    sources = [TensorSource(n, "text", art.tensor_info(n).dtype, shape, lambda n=n: np.array(art.tensor(n)))
+               for n, shape in tensor_names(config).items() if n != "layers.3.q_norm"]
+    with pytest.raises(ArtifactError, match="layers.3.q_norm"):
+        write_artifact(tmp_path / "x.ninfer", header, sources)

@@ -118,11 +118,16 @@ def weight_bytes_per_token(config) -> int:
     """fp32 weight bytes one decode step reads: every matrix once; the embedding table only when
     it doubles as the LM head (a lookup touches just one row)."""
     from ninfer.models.dense import tensor_names
+    from ninfer.models.hybrid import HybridConfig, tensor_names as hybrid_tensor_names
 
+    names = hybrid_tensor_names(config) if isinstance(config, HybridConfig) else tensor_names(config)
     total = 0
-    for name, shape in tensor_names(config).items():
+    for name, shape in names.items():
         if name != "embed" or config.tie_word_embeddings:
-            total += 4 * int(np.prod(shape))
+            size = 4 * int(np.prod(shape))
+            if ".experts." in name:  # MoE: a token reads only its top-k experts
+                size = size * config.num_experts_per_tok // config.num_experts
+            total += size
     return total
 
 

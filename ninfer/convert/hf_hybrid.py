@@ -345,7 +345,9 @@ def convert_hf_hybrid(directory: Path, cfg: dict[str, Any], out: str | os.PathLi
     config = hybrid_config_from_hf(cfg)
     weights = CheckpointWeights(directory)
     sources = plan_sources(config, weights)
-    fields = header_fields(directory, _text_config(cfg) | cfg, config, weights)
+    merged = _text_config(cfg) | cfg
+    merged.setdefault("torch_dtype", cfg.get("dtype"))  # transformers 5 writes "dtype"
+    fields = header_fields(directory, merged, config, weights)
     fields["components"] = ["text"] + sorted({s.component for s in sources} - {"text"})
     if not fields["generation"]["presets"]:
         fields["generation"]["presets"] = PRESETS
