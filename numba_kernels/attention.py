@@ -5,7 +5,8 @@ table is ``page_tables[row_table[r]]`` (its own K/V are already in the pool: ``r
 so one kernel serves a decode batch and a prefill chunk.
 
 ``attention_g{G}_d{D}_{bf16|f32}`` (the KV pool's dtype): grid ``(kv_heads, rows, n_splits)``, block 128 (4 warps). A block takes the
-``G`` query heads sharing one KV head and the keys ``[split * split_len, ...)`` of one row; each warp
+``G`` query heads sharing one KV head and the keys ``[split * split_len, ...)`` of one row (``split_len``
+is read from device memory: the runner picks it per step, the grid covers the shortest split); each warp
 walks every 4th key, lanes own ``D / 32`` dims, the ``G`` dot products are warp-reduced and folded
 into an online softmax. The block writes an unnormalised partial (``o``, max ``m``, sum ``l``) per
 (row, head, split). ``G`` and ``D`` are compile-time so the per-lane arrays stay in registers.
@@ -45,7 +46,7 @@ def make_attention(G, D, load_pair):
     U = 2 if G * D > 512 else 4  # keys in flight per warp (fewer for the widest groups: registers)
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
-                  part_ml, n_heads, n_kv, page_size, split_len, n_splits, scale):
+                  part_ml, n_heads, n_kv, page_size, split_ptr, n_splits, scale):
         sh_m = cuda.shared.array((WARPS, G), float32)
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
@@ -55,6 +56,7 @@ def make_attention(G, D, load_pair):
         warp = cuda.threadIdx.x >> 5
         lane = cuda.threadIdx.x & 31
         length = positions[row] + 1
+        split_len = split_ptr[0]  # a step input, so one captured graph serves every context length
         start = split * split_len
         if start >= length:
             return  # the combine reads only the splits that hold keys
@@ -154,7 +156,7 @@ COMBINE_GROUPS = 4  # split groups per combine block: 4 loads in flight per outp
 MAX_HEAD_DIM = 128
 
 
-def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_len):
+def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_ptr):
     sh_m = cuda.shared.array(COMBINE_GROUPS, float32)
     sh_l = cuda.shared.array(COMBINE_GROUPS, float32)
     sh_o = cuda.shared.array((COMBINE_GROUPS, MAX_HEAD_DIM), float32)
@@ -163,6 +165,7 @@ def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_d
     d = cuda.threadIdx.x % head_dim
     group = cuda.threadIdx.x // head_dim
     cell0 = (row * n_heads + h) * n_splits
+    split_len = split_ptr[0]
     # Only the splits that hold keys of this row were written.
     active = min(n_splits, (positions[row] + split_len) // split_len)
     mm = NEG_BIG
@@ -199,7 +202,7 @@ def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_d
 
 
 def _signature(pool):
-    return (F32P, pool, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, int32,
+    return (F32P, pool, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, I32P,
             int32, float32)
 
 
@@ -207,5 +210,5 @@ KERNELS = {}
 for _g, _d in VARIANTS:
     KERNELS[f"attention_g{_g}_d{_d}_bf16"] = (make_attention(_g, _d, load_pair_bf16), _signature(U32P))
     KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32), _signature(F32P))
-KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, int32),
+KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, I32P),
                                 {"threads_per_dim": COMBINE_GROUPS})

@@ -1,7 +1,7 @@
 """Row-wise kernels of the decoder: embedding gather, RMSNorm (+ residual add), SiLU-mul, counts.
 
 Activations are fp32 ``[rows, width]`` row-major; weights of norms are fp32 (widened at upload).
-Launch: grid ``(rows,)``, block 256 (any multiple of 32 up to 1024) unless noted.
+Launch: grid ``(rows,)``, block 1024 (any multiple of 32 up to 1024) unless noted.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from numba_kernels.common import F32P, I32P, U16P, bf16_to_f32, block_sum
 
 
 def embed(out, table, tokens, hidden):
-    """out[r, :] = bf16 table[tokens[r], :] widened to fp32."""
-    row = cuda.blockIdx.x
-    base = tokens[row] * hidden
-    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
-        out[row * hidden + i] = bf16_to_f32(table[base + i])
+    """out[r, :] = bf16 table[tokens[r], :] widened to fp32. Grid ``(ceil(hidden / 256), rows)``."""
+    row = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < hidden:
+        out[row * hidden + i] = bf16_to_f32(table[tokens[row] * hidden + i])
 
 
 def rmsnorm(out, x, weight, hidden, eps):
@@ -51,9 +51,13 @@ def add_rmsnorm(x, delta, out, weight, hidden, eps):
 
 
 def silu_mul(out, gate_up, ffn):
-    """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)]."""
-    row = cuda.blockIdx.x
-    for i in range(cuda.threadIdx.x, ffn, cuda.blockDim.x):
+    """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)].
+
+    Grid ``(ceil(ffn / 256), rows)``: a decode step has one to eight rows, so the row alone would
+    leave all but a few SMs idle."""
+    row = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < ffn:
         g = gate_up[row * 2 * ffn + i]
         u = gate_up[row * 2 * ffn + ffn + i]
         # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.

@@ -25,13 +25,8 @@ GEMV_THREADS = 128
 GEMV_WARPS = GEMV_THREADS // 32
 
 
-def gemv_cols(M: int) -> int:
-    """Output columns per block: each x value loaded serves this many columns."""
-    return 8
-
-
-def make_gemv(M):
-    COLS = gemv_cols(M)
+def make_gemv(M, COLS):
+    """``COLS`` output columns per block: each x value loaded serves that many columns."""
 
     def gemv(y, x, w, rows, n, k, ldy):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
@@ -141,6 +136,8 @@ def gemm_tiled(y, x, w, rows, n, k, ldy):
 
 
 GEMV_SIG = (F32P, F32P, U64P, int32, int32, int32, int32)
-KERNELS = {f"gemv_m{m}": (make_gemv(m), GEMV_SIG, {"cols": gemv_cols(m), "threads": GEMV_THREADS})
-           for m in GEMV_ROWS}
+KERNELS = {f"gemv_m{m}": (make_gemv(m, 8), GEMV_SIG, {"cols": 8, "threads": GEMV_THREADS}) for m in GEMV_ROWS}
+# Narrower variants: fewer registers, more resident blocks; tools/gpu_bench.py times both.
+KERNELS.update({f"gemv_m{m}_c4": (make_gemv(m, 4), GEMV_SIG, {"cols": 4, "threads": GEMV_THREADS})
+                for m in GEMV_ROWS})
 KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int32))

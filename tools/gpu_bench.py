@@ -147,15 +147,20 @@ def bench_gemv(runner, tensors_bytes: rt.DevicePtr, n: int, k: int, reps: int = 
     dev, stream, fwd = runner.device, runner.stream, runner.forward
     start, stop = dev.event(timing=True), dev.event(timing=True)
     out = {}
-    for rows in (1, 4, 8):
-        fwd.matmul(runner.buffers.gate_up, runner.buffers.h, tensors_bytes, rows, n, k, stream)  # warm-up
-        rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-        for _ in range(reps):
-            fwd.matmul(runner.buffers.gate_up, runner.buffers.h, tensors_bytes, rows, n, k, stream)
-        rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-        rt.synchronize(stream)
-        seconds = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / reps
-        out[f"M={rows}"] = n * k * 2 / seconds / 1e9
+    b = runner.buffers
+    for variant in ("", "_c4"):
+        for rows in (1, 2, 4, 8):
+            kernel = runner.kernels[f"gemv_m{rows}{variant}"]
+            grid, block = (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],)
+            args = (b.gate_up, b.h, tensors_bytes, rows, n, k, n)
+            kernel.launch(grid, block, args, stream)  # warm-up
+            rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+            for _ in range(reps):
+                kernel.launch(grid, block, args, stream)
+            rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+            rt.synchronize(stream)
+            seconds = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / reps
+            out[f"gemv_m{rows}{variant}"] = round(n * k * 2 / seconds / 1e9)
     return out
 
 

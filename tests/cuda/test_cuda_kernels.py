@@ -29,14 +29,15 @@ def _err(got, want):
     return rel_err(got, want)
 
 
+@pytest.mark.parametrize("variant", ["", "_c4"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("n,k", [(1, 4), (37, 12), (301, 1000), (4096, 256)])
-def test_gemv_matches_numpy(gpu, rows, n, k):
+def test_gemv_matches_numpy(gpu, rows, n, k, variant):
     rng = np.random.default_rng(rows * 1000 + n)
     w = from_float32(rng.standard_normal((n, k)))
     x = rng.standard_normal((rows, k)).astype(np.float32)
     y = gpu.empty(rows * n * 4)
-    kernel = gpu.kernels[f"gemv_m{rows}"]
+    kernel = gpu.kernels[f"gemv_m{rows}{variant}"]
     gpu.launch(kernel.name, (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
                (y, gpu.put(x), gpu.put(w), rows, n, k, n))
     want = x.astype(np.float64) @ to_float32(w).T.astype(np.float64)
@@ -75,18 +76,18 @@ def test_norms_embed_silu(gpu, hidden):
     d = rng.standard_normal((rows, hidden)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
     out = gpu.empty(rows * hidden * 4)
-    gpu.launch("rmsnorm", (rows,), (256,), (out, gpu.put(x), gpu.put(w), hidden, eps))
+    gpu.launch("rmsnorm", (rows,), (1024,), (out, gpu.put(x), gpu.put(w), hidden, eps))
     assert _err(gpu.get(out, np.float32, (rows, hidden)), rms_norm(x, w, eps)) < 1e-6
     xd = gpu.put(x)
-    gpu.launch("add_rmsnorm", (rows,), (256,), (xd, gpu.put(d), out, gpu.put(w), hidden, eps))
+    gpu.launch("add_rmsnorm", (rows,), (96,), (xd, gpu.put(d), out, gpu.put(w), hidden, eps))
     assert _err(gpu.get(xd, np.float32, (rows, hidden)), x + d) < 1e-7
     assert _err(gpu.get(out, np.float32, (rows, hidden)), rms_norm(x + d, w, eps)) < 1e-6
     table = from_float32(rng.standard_normal((vocab, hidden)))
     tokens = rng.integers(0, vocab, rows).astype(np.int32)
-    gpu.launch("embed", (rows,), (256,), (out, gpu.put(table), gpu.put(tokens), hidden))
+    gpu.launch("embed", (-(-hidden // 256), rows), (256,), (out, gpu.put(table), gpu.put(tokens), hidden))
     assert np.array_equal(gpu.get(out, np.float32, (rows, hidden)), to_float32(table)[tokens])
     gu = rng.standard_normal((rows, 2 * hidden)).astype(np.float32) * 4
-    gpu.launch("silu_mul", (rows,), (256,), (out, gpu.put(gu), hidden))
+    gpu.launch("silu_mul", (-(-hidden // 256), rows), (256,), (out, gpu.put(gu), hidden))
     want = silu(gu[:, :hidden]) * gu[:, hidden:]
     assert _err(gpu.get(out, np.float32, (rows, hidden)), want) < 1e-6
 
@@ -172,14 +173,15 @@ def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pag
                      qkv_dev, layer_kv, page_elems, got_q, hist_k, hist_v):
     rows = len(row_table)
     n_splits = -(-max_ctx // split)
+    split_ptr = gpu.put(np.array([split], np.int32))
     part_o = gpu.empty(rows * H * n_splits * D * 4)
     part_ml = gpu.empty(rows * H * n_splits * 2 * 4)
     out = gpu.empty(rows * H * D * 4)
     scale = float(np.float32(D ** -0.5))
     gpu.launch(f"attention_g{group}_d{D}_{kv_dtype}", (KV, rows, n_splits), (128,),
                (qkv_dev, layer_kv, page_elems, gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions),
-                part_o, part_ml, H, KV, ps, split, n_splits, scale))
-    gpu.launch("attention_combine", (H, rows), (4 * D,), (out, part_o, part_ml, gpu.put(positions), H, n_splits, D, split))
+                part_o, part_ml, H, KV, ps, split_ptr, n_splits, scale))
+    gpu.launch("attention_combine", (H, rows), (4 * D,), (out, part_o, part_ml, gpu.put(positions), H, n_splits, D, split_ptr))
     got = gpu.get(out, np.float32, (rows, H * D))
     for r in range(rows):
         sq, t = row_table[r], positions[r]

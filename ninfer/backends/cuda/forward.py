@@ -16,18 +16,23 @@ from ninfer.backends.reference.rope import rope_tables
 from ninfer.models.dense import DenseConfig
 
 GEMV_MAX_ROWS = 8
-# Keys per attention split. Decode has few rows, so short splits give the GPU enough blocks and
-# short serial chains per warp, but at most ~128 splits keep the combine short; prefill has many
-# rows and bounds its partials with long splits.
+# Keys per attention split. The split length is a step input (device memory), so one captured
+# graph serves every context: decode picks short splits for short contexts (enough blocks, short
+# serial chains per warp) and at most MAX_DECODE_SPLITS per row for long ones (a short combine);
+# prefill has many rows and bounds its partials with long splits.
+MIN_SPLIT = 32
+MAX_DECODE_SPLITS = 64
 PREFILL_SPLIT = 256
 
 
-def decode_split(max_context: int) -> int:
-    return max(32, -(-max_context // (128 * 32)) * 32)
+def decode_split(length: int) -> int:
+    """Split length for a decode step whose longest row has ``length`` keys."""
+    return max(MIN_SPLIT, -(-length // (MAX_DECODE_SPLITS * MIN_SPLIT)) * MIN_SPLIT)
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 SAMPLE_THREADS = 1024
+NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
 
 
 def check_supported(config: DenseConfig, kv_dtype: str) -> None:
@@ -51,7 +56,7 @@ class Inputs:
         fields = [("tokens", np.int32, rows), ("positions", np.int32, rows), ("row_table", np.int32, rows),
                   ("lanes", np.int32, max_batch), ("page_tables", np.int32, max_batch * max_pages),
                   ("iparams", np.int32, 2 * max_batch), ("fparams", np.float32, 5 * max_batch),
-                  ("keys", np.uint64, 2 * max_batch)]
+                  ("keys", np.uint64, 2 * max_batch), ("split", np.int32, 2)]
         offsets, size = {}, 0
         for name, dtype, count in fields:
             size = -(-size // 8) * 8
@@ -76,9 +81,7 @@ class StepBuffers:
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
-        self.decode_split = decode_split(max_context)
-        self.splits = {"decode": (self.decode_split, -(-max_context // self.decode_split)),
-                       "prefill": (PREFILL_SPLIT, -(-max_context // PREFILL_SPLIT))}
+        self.splits = {"decode": -(-max_context // MIN_SPLIT), "prefill": -(-max_context // PREFILL_SPLIT)}
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
         self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
@@ -108,7 +111,7 @@ class StepBuffers:
 
     def _cells(self, c: DenseConfig, rows: int, max_batch: int) -> int:
         """(row, head, split) cells of the attention partials, the larger of decode and prefill."""
-        return c.num_heads * max(max_batch * self.splits["decode"][1], rows * self.splits["prefill"][1])
+        return c.num_heads * max(max_batch * self.splits["decode"], rows * self.splits["prefill"])
 
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
@@ -152,16 +155,18 @@ class Forward:
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-        split, n_splits = b.splits["decode" if rows <= b.inputs.lanes.size else "prefill"]
+        # The grid covers the shortest split of the mode; inputs.split holds the actual length.
+        n_splits = b.splits["decode" if rows <= b.inputs.lanes.size else "prefill"]
         combine = k["attention_combine"]
         eps = float(c.rms_norm_eps)
-        k["embed"].launch((rows,), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size), stream)
+        k["embed"].launch((-(-c.hidden_size // 256), rows), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size),
+                          stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             if i == 0:
-                k["rmsnorm"].launch((rows,), (256,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps), stream)
+                k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps), stream)
             else:
-                k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps),
+                k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps),
                                         stream)
             self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
             bias = w.get(p + "qkv_bias", b.cos)
@@ -175,16 +180,17 @@ class Forward:
             k[self.attention_name].launch(
                 (KV, rows, n_splits), (128,),
                 (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
-                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, split, n_splits,
+                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, inp.d_split, n_splits,
                  self.scale), stream)
             combine.launch((H, rows), (D * combine.meta["threads_per_dim"],), (b.attn, b.part_o, b.part_ml, inp.d_positions, H,
-                                                             n_splits, D, split), stream)
+                                                             n_splits, D, inp.d_split), stream)
             self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
-            k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
+            k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
             self.matmul(b.gate_up, b.h, w[p + "gate_up"], rows, 2 * c.intermediate_size, c.hidden_size, stream)
-            k["silu_mul"].launch((rows,), (256,), (b.act, b.gate_up, c.intermediate_size), stream)
+            k["silu_mul"].launch((-(-c.intermediate_size // 256), rows), (256,),
+                                 (b.act, b.gate_up, c.intermediate_size), stream)
             self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
-        k["add_rmsnorm"].launch((rows,), (256,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
+        k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
 
     def logits(self, first_row: int, rows: int, stream) -> None:
         """LM head of ``h[first_row : first_row + rows]`` into ``logits[:rows]``."""

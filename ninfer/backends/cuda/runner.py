@@ -21,7 +21,7 @@ import numpy as np
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
-from ninfer.backends.cuda.forward import Forward, StepBuffers, check_supported
+from ninfer.backends.cuda.forward import PREFILL_SPLIT, Forward, StepBuffers, check_supported, decode_split
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.backends.sampling import TOP_K_CAP
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
@@ -128,6 +128,7 @@ class CudaRunner:
             inp.tokens[:n] = tokens[first:first + n]
             inp.positions[:n] = np.arange(chunk.start + first, chunk.start + first + n)
             inp.row_table[:n] = 0
+            inp.split[0] = PREFILL_SPLIT
             self._fill_table(0, table[0])
             inp.upload(stream)
             self.forward.layers(n, stream)
@@ -173,6 +174,7 @@ class CudaRunner:
         inp.positions[:rows] = positions
         inp.row_table[:rows] = np.arange(rows)
         inp.lanes[:rows] = lanes
+        inp.split[0] = decode_split(int(positions.max()) + 1)
         for i in range(rows):
             self._fill_table(i, tables[i])
             self._fill_sampling(i, int(lanes[i]), batch.sampling[i])
