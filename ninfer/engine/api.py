@@ -133,7 +133,8 @@ class Engine:
         preset = sampling.preset_for(self._generation, request.thinking.starts_in_thinking)
         row = sampling.resolve(preset, self.config, request.sampling)
         return Sequence(next(self._rids), request, row, self._eos | frozenset(request.stop_token_ids),
-                        limit, deadline, self._core.clock())
+                        limit, deadline, self._core.clock(),
+                        reserved=deadline - self.config.pending_timeout_ms / 1000.0)
 
     def _wake_from_worker(self, seqs: list[Sequence]) -> None:
         """Worker thread: wake the consumers of ``seqs``. While one wake-up is still queued on

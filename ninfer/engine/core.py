@@ -16,7 +16,7 @@ from ninfer.backends.runner import DecodeBatch, ModelRunner, PrefillChunk, Sampl
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.context_cost import ContextCost
 from ninfer.engine.events import (EngineTiming, Finished, PromptProgress, SchedulingCounters, Timings,
-                                  TokenDelta, Usage)
+                                  TokenDelta, Transition, Usage)
 from ninfer.engine.pools import HostBudget, KVPool, StateSlots
 from ninfer.engine.prefix_cache import PrefixCache
 from ninfer.engine.scheduler import Plan, Scheduler
@@ -49,6 +49,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.pool, self.slots, self.host, self.cache, cost,
                                    self.page_bytes, clock)
         self.counters = Counters()
+        self.scheduler.on_transition = self._transition
         self.touched: list[Sequence] = []
         self._max_pages = -(-self.limit // config.page_size)
         # Persistent page tables, one row per lane; rows are synced incrementally.
@@ -246,7 +247,7 @@ class EngineCore:
             self.scheduler.capture(seq, seq.pending_captures.pop(0))
             c.prefix_captures += 1
         if unit.replay and not seq.needs_prompt_work:
-            seq.transitions.append(("replay_complete", seq.preemptions, "replay", now))
+            self._transition(seq, "replay_complete", "replay")
         if unit.sample:
             self._commit(seq, int(unit.result[0]), now)
         elif seq.n_output == 0 and seq.computed == seq.prompt_len and seq.request.max_tokens == 0:
@@ -261,12 +262,13 @@ class EngineCore:
         if forced:
             token = seq.forced.popleft()
             seq.forced_total += 1
+            seq.control_units += 1
             c.forced_tokens += 1
         seq.append(token)
         c.generation_tokens += 1
         if seq.t_first is None:
             seq.t_first = now
-            c.ttft.observe(now - seq.t_submit)
+            c.ttft.observe(now - seq.t_reserve)  # includes preparation and queueing
         seq.t_last = now
         self._emit(seq, TokenDelta((token,)))
         thinking = seq.request.thinking
@@ -334,6 +336,17 @@ class EngineCore:
             generated_token_ids=tuple(seq.output),
             seed=seq.row.seed,
         )
+
+    def _transition(self, seq: Sequence, kind: str, route: str | None) -> None:
+        c = self.counters
+        steady = time.monotonic_ns()
+        seq.transitions.append(Transition(
+            kind=kind, preemption_index=seq.preemptions, route=route, steady_ns=steady,
+            elapsed_ns=steady - int(seq.t_submit * 1e9),
+            global_prefill_tokens=c.prefill_tokens, global_decode_tokens=c.decode_tokens,
+            global_replayed_tokens=c.replayed_tokens,
+            request_prefill_tokens=max(0, seq.prompt_high - seq.cached),
+            request_decode_tokens=seq.decode_rounds, request_replayed_tokens=seq.replayed_tokens))
 
     # -- stats ----------------------------------------------------------------------------
 

@@ -41,6 +41,28 @@ class Timings:
 
 
 @attrs.frozen(kw_only=True)
+class Transition:
+    """One pause/restore boundary (spec request_scheduling): paused, restored, replay_complete.
+
+    ``steady_ns`` is taken on the engine worker (compare it across requests, not delivery
+    order); ``elapsed_ns`` starts at submission. Between two boundaries, the global counters minus
+    this request's counters are other requests' completed work.
+    """
+
+    kind: str
+    preemption_index: int
+    route: str | None  # "snapshot" or "replay"
+    steady_ns: int
+    elapsed_ns: int
+    global_prefill_tokens: int
+    global_decode_tokens: int
+    global_replayed_tokens: int
+    request_prefill_tokens: int
+    request_decode_tokens: int
+    request_replayed_tokens: int
+
+
+@attrs.frozen(kw_only=True)
 class SchedulingCounters:
     """Pressure history of one request (spec generation.scheduling)."""
 
@@ -52,8 +74,7 @@ class SchedulingCounters:
     transfer_bytes: int = 0
     thinking_budget_applied: int = 0  # times the close suffix was forced (0 or 1)
     forced_tokens: int = 0
-    # (kind, preemption index, route, monotonic seconds) for paused / restored / replay_complete.
-    transitions: tuple[tuple[str, int, str | None, float], ...] = ()
+    transitions: tuple[Transition, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

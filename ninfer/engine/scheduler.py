@@ -84,6 +84,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.paused: list[Sequence] = []  # ordered by rid
         self.owner: Sequence | None = None  # the one sequence doing prompt work
+        # Observation hook for pause/restore boundaries (the core records them with counters).
+        self.on_transition: Callable[[Sequence, str, str | None], None] = lambda seq, kind, route: None
 
     # -- queues ---------------------------------------------------------------------------
 
@@ -206,7 +208,7 @@ class Scheduler:
         seq.phase = Phase.PAUSED
         seq.preemptions += 1
         seq.paused_at = self.clock()
-        seq.transitions.append(("paused", seq.preemptions, route, seq.paused_at))
+        self.on_transition(seq, "paused", route)
         self._insert_paused(seq)
 
     def _insert_paused(self, seq: Sequence) -> None:
@@ -328,7 +330,7 @@ class Scheduler:
         seq.lane = lane
         self.slots.acquire()
         if seq.preemptions:
-            seq.transitions.append(("restored", seq.preemptions, seq.route, self.clock()))
+            self.on_transition(seq, "restored", seq.route)
         seq.phase = Phase.RESIDENT
         seq.route = None
         # The last committed token is the next decode input, which the runner counts itself.

@@ -25,7 +25,7 @@ class Phase(enum.Enum):
 
 class Sequence:
     def __init__(self, rid: int, request: GenerationRequest, row: SamplingRow, stop_ids: frozenset[int],
-                 limit: int, deadline: float, submitted: float) -> None:
+                 limit: int, deadline: float, submitted: float, reserved: float | None = None) -> None:
         self.rid = rid  # arrival order: older requests have smaller ids
         self.request = request
         self.row = row
@@ -53,8 +53,7 @@ class Sequence:
         self.cached_reported = False
         self.prompt_high = 0  # furthest prompt position ever computed (beyond it: fresh prefill)
         self.t_prompt_done: float | None = None
-        # (kind, preemption index, route, monotonic seconds): paused / restored / replay_complete.
-        self.transitions: list[tuple[str, int, str | None, float]] = []
+        self.transitions: list[Any] = []  # events.Transition records
         self.bypassed = 0  # later requests admitted ahead of this one
         # Thinking budget.
         self.in_thinking = request.thinking.starts_in_thinking
@@ -79,6 +78,7 @@ class Sequence:
         self.error: BaseException | None = None
         # Observations (monotonic seconds) and counters.
         self.t_submit = submitted
+        self.t_reserve = submitted if reserved is None else reserved  # preparation started
         self.t_admit: float | None = None
         self.t_first: float | None = None
         self.t_last: float | None = None

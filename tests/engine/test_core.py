@@ -79,8 +79,12 @@ def test_pressure_pauses_the_youngest_and_restores_exactly(host_mib, route):
     else:
         assert sum(x.replay_restores for x in sched) > 0 and sum(x.replayed_tokens for x in sched) > 0
         assert d.core.counters.replayed_tokens == sum(x.replayed_tokens for x in sched)
-    kinds = [t[0] for s in seqs for t in finished(s).scheduling.transitions]
+    transitions = [t for s in seqs for t in finished(s).scheduling.transitions]
+    kinds = [t.kind for t in transitions]
     assert "paused" in kinds and "restored" in kinds
+    assert ("replay_complete" in kinds) == (route == "replay")
+    assert [t.steady_ns for t in finished(seqs[-1]).scheduling.transitions] == sorted(
+        t.steady_ns for t in finished(seqs[-1]).scheduling.transitions)
     assert_no_leaks(d)
 
 
