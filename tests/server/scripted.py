@@ -1,0 +1,74 @@
+"""A test-only ModelRunner that forces scripted output tokens through the real Engine.
+
+It wraps the reference runner (real prefill, KV pages and decode) and replaces each sampled token
+with the next id of the script bound to that lane, so reasoning, tool-call and stop-string paths
+run through the real Engine, detokenizer and parsers with an output we choose.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from ninfer.backends.reference import ReferenceRunner
+from ninfer.backends.runner import StepResult
+
+
+class ScriptedRunner:
+    def __init__(self, inner: ReferenceRunner):
+        self._inner = inner
+        self.info = inner.info
+        self.scripts: collections.deque[list[int]] = collections.deque()  # one per upcoming request
+        self._lane_script: dict[int, list[int]] = {}
+        self._lane_pos: dict[int, int] = {}
+        # Tests clear ``gate`` to hold the engine worker inside decode (a request that stays busy),
+        # and set ``fail`` to make the next decode raise (an engine-wide failure).
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+        self.delay = 0.0  # seconds each decode step takes at least (a slow model)
+
+    def bind_lane(self, lane, generated):
+        self._inner.bind_lane(lane, generated)
+        if not generated:  # a fresh request takes the next script
+            self._lane_script[lane] = self.scripts.popleft() if self.scripts else []
+            self._lane_pos[lane] = 0
+
+    def _next(self, lane: int, sampled: int) -> int:
+        script = self._lane_script.get(lane, [])
+        pos = self._lane_pos.get(lane, 0)
+        self._lane_pos[lane] = pos + 1
+        return script[pos] if pos < len(script) else sampled
+
+    def prefill(self, chunk):
+        result = self._inner.prefill(chunk)
+        if chunk.sample is None:
+            return result
+        return StepResult(tokens=np.array([self._next(chunk.lane, int(result.tokens[0]))], dtype=np.int32),
+                          logits=result.logits)
+
+    def decode(self, batch):
+        if not self.gate.wait(timeout=60):
+            raise RuntimeError("scripted runner: the test never reopened the gate")
+        if self.fail:
+            raise RuntimeError("scripted runner: injected decode failure")
+        if self.delay:
+            time.sleep(self.delay)
+        result = self._inner.decode(batch)
+        tokens = [self._next(int(lane), int(t)) for lane, t in zip(batch.lanes, result.tokens)]
+        return StepResult(tokens=np.array(tokens, dtype=np.int32), logits=result.logits)
+
+    def copy_pages(self, src, dst):
+        self._inner.copy_pages(src, dst)
+
+    def read_pages(self, pages):
+        return self._inner.read_pages(pages)
+
+    def write_pages(self, pages, data):
+        self._inner.write_pages(pages, data)
+
+    def close(self):
+        self._inner.close()

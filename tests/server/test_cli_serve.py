@@ -1,0 +1,49 @@
+"""`ninfer serve` as a process: startup records, readiness, redirected stderr format, SIGTERM."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (TRACE|DEBUG|INFO|WARNING|ERROR|CRITICAL) \S")
+
+
+def test_serve_process_lifecycle(tiny_artifact, tmp_path):
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+                                 "--max-context", "256", "--api-key", "k"], cwd=ROOT, stderr=err,
+                                stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"ready: serving \S+ on (http://\S+)", err_path.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.05)
+        assert url, err_path.read_text()
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err_path.read_text()
+    assert "\x1b" not in text and "\r" not in text  # redirected stderr has no terminal control
+    lines = text.splitlines()
+    assert lines and all(RECORD.match(line) for line in lines), lines
+    assert "shutting down" in lines[-1]
+
+
+def test_startup_failures_are_clear(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(tmp_path / "missing.ninfer")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "does not exist" in r.stderr

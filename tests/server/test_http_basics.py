@@ -1,0 +1,94 @@
+"""Transport rules on the live server: health, models, request ids, auth, CORS, body limits, errors."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+async def test_health_models_and_request_ids(start_server):
+    srv = await start_server()
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.get("/health")
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+        r1 = await c.get("/v1/models")
+        r2 = await c.get("/v1/models")
+        assert r1.status_code == 200
+        assert r1.json()["data"] == [{"id": "random-tiny-qwen3", "object": "model", "created": srv.state.created,
+                                      "owned_by": "ninfer", "max_model_len": 256}]
+        assert r1.headers["x-request-id"] != r2.headers["x-request-id"]
+        r = await c.get("/v1/models/random-tiny-qwen3")
+        assert r.json()["id"] == "random-tiny-qwen3" and r.json()["max_model_len"] == 256
+        r = await c.get("/v1/models/other")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.headers["x-request-id"]
+        r = await c.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        r = await c.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_model_id_override(start_server):
+    srv = await start_server("--model-id", "org/alias")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        assert (await c.get("/v1/models")).json()["data"][0]["id"] == "org/alias"
+        assert (await c.get("/v1/models/org/alias")).status_code == 200
+        r = await c.post("/v1/chat/completions", json={"model": "random-tiny-qwen3", "messages": []})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+async def test_errors_before_and_after_parsing(start_server):
+    srv = await start_server("--max-request-mib", "1")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        assert r.headers["x-request-id"]
+        # 413 comes from the byte count alone: the body is not even valid JSON.
+        r = await c.post("/v1/chat/completions", content=b"x" * (1024 * 1024 + 1))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert r.headers["x-request-id"]
+
+        async def chunks():  # no content-length: the limit applies while streaming the body in
+            for _ in range(3):
+                yield b" " * (512 * 1024)
+
+        r = await c.post("/v1/chat/completions", content=chunks())
+        assert r.status_code == 413
+        r = await c.post("/v1/chat/completions", json={"model": "random-tiny-qwen3", "messages": []})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert (err["code"], err["param"], err["type"]) == ("invalid_value", "messages", "invalid_request_error")
+        r = await c.post("/v1/chat/completions", json={"model": "random-tiny-qwen3", "messages": [], "n": 2})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "n")
+
+
+async def test_api_key(start_server):
+    srv = await start_server("--api-key", "sekret")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        assert (await c.get("/health")).status_code == 200  # health stays open
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "nope"}):
+            r = await c.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["x-request-id"]
+        assert (await c.get("/metrics")).status_code == 401
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})).status_code == 200
+        assert (await c.get("/v1/models", headers={"x-api-key": "sekret"})).status_code == 200
+        assert (await c.get("/metrics", headers={"x-api-key": "sekret"})).status_code == 200
+
+
+@pytest.mark.parametrize("cors", [True, False])
+async def test_cors(start_server, cors):
+    srv = await start_server("--api-key", "k", *(["--cors"] if cors else []))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        pre = await c.options("/v1/chat/completions", headers={
+            "Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        r = await c.get("/v1/models", headers={"Origin": "http://page.example", "x-api-key": "k"})
+    if cors:
+        assert pre.status_code == 204  # preflight needs no key
+        assert pre.headers["access-control-allow-origin"] == "*"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-origin"] == "*"
+    else:
+        assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
+        assert "access-control-allow-origin" not in r.headers

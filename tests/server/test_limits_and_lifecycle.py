@@ -1,0 +1,210 @@
+"""Capacity errors, disconnects, keep-alive, metrics and the JSONL log on the live server.
+
+The scripted runner's gate holds the engine worker inside a decode step, so "a request is busy"
+is a state the test controls instead of a race against generation speed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from ninfer.observability.request_log import COMMON_FIELDS, EVENT_FIELDS, SCHEMA, SCHEMA_VERSION
+
+MODEL = "random-tiny-qwen3"
+HI = [{"role": "user", "content": "Hello there"}]
+LONG = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 40}]
+
+
+async def wait_for(predicate, timeout=10.0):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def open_stream(c: httpx.AsyncClient, max_tokens=200, **extra):
+    """Start a streaming request and return (response, first data line) once the role chunk arrived."""
+    req = c.build_request("POST", "/v1/chat/completions", json={
+        "model": MODEL, "messages": HI, "max_tokens": max_tokens, "stream": True, **extra})
+    resp = await c.send(req, stream=True)
+    lines = resp.aiter_lines()
+    first = await anext(lines)
+    return resp, lines, first
+
+
+async def test_overload_is_429_and_queue_timeout_is_503(start_server):
+    srv = await start_server("--max-concurrency", "1", "--max-pending-requests", "1", "--pending-timeout-ms", "300",
+                             scripted=True)
+    runner = start_server.runner
+    runner.delay = 0.05  # 200 tokens keep the one lane busy for ~10 s; the worker still checks deadlines
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        busy, _, first = await open_stream(c)
+        assert first.startswith("data: ")
+        results = []
+
+        async def post():
+            results.append(await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI}))
+
+        # One pending slot for two newcomers: whichever reserves second is overloaded at once, the
+        # other waits in the queue until the 300 ms admission deadline passes.
+        async with trio.open_nursery() as n:
+            n.start_soon(post)
+            n.start_soon(post)
+        overloaded, timed_out = sorted(results, key=lambda r: r.status_code)
+        assert overloaded.status_code == 429 and overloaded.json()["error"]["code"] == "server_overloaded"
+        assert overloaded.headers["x-request-id"]
+        assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "request_queue_timeout"
+        assert (await c.get("/health")).status_code == 200  # saturation is not unavailability
+        await busy.aclose()
+
+
+async def test_context_and_thinking_budget_rejections(start_server):
+    srv = await start_server("--default-thinking-budget", "4")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": LONG})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+        assert err["max_context_tokens"] == 256 and err["prompt_tokens"] > 256
+        assert str(err["prompt_tokens"]) in err["message"]
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 6})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "thinking_budget_capacity_insufficient"
+        # Thinking off: no cap, so the same budget is fine.
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 6,
+                                                       "reasoning_effort": "none"})
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_cancels_and_frees_pages(start_server, stream):
+    srv = await start_server("--no-prefix-reuse", scripted=True)
+    runner, engine = start_server.runner, srv.state.engine
+    runner.gate.clear()
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        if stream:
+            resp, _, _ = await open_stream(c)
+            await resp.aclose()
+        else:
+            with trio.move_on_after(0.3):
+                await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 200})
+            await c.aclose()
+    runner.gate.set()
+    await wait_for(lambda: engine.stats().requests_total.get("cancelled", 0) == 1)
+    await wait_for(lambda: engine.stats().requests_running == 0 and engine.stats().device_kv_used_pages == 0)
+
+
+async def test_keepalive_comment_while_busy(start_server):
+    srv = await start_server(keepalive_s=0.05, scripted=True)
+    runner = start_server.runner
+    runner.gate.clear()
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        resp, lines, _ = await open_stream(c, max_tokens=3)
+        seen = []
+        with trio.fail_after(10):
+            async for line in lines:
+                seen.append(line)
+                if line == ": keep-alive":
+                    break
+        runner.gate.set()
+        rest = [line async for line in lines]
+        assert rest[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in rest
+        await resp.aclose()
+
+
+async def test_metrics_and_engine_failure(start_server, caplog):
+    srv = await start_server(scripted=True)
+    runner = start_server.runner
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 4})
+        usage = r.json()["usage"]
+        text = (await c.get("/metrics")).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in ("ninfer_model_info", "ninfer_engine_ready", "ninfer_max_concurrency", "ninfer_max_context_tokens",
+                     "ninfer_requests_running", "ninfer_requests_waiting", "ninfer_prompt_tokens",
+                     "ninfer_generation_tokens", "ninfer_decode_tokens", "ninfer_device_kv_used_pages",
+                     "ninfer_host_work_seconds", "ninfer_requests", "ninfer_time_to_first_token_seconds",
+                     "ninfer_request_duration_seconds", "ninfer_request_queue_seconds", "ninfer_response_failures",
+                     "ninfer_context_transfer_bytes", "ninfer_spec_decode_rounds"):
+            assert name in fams, name
+
+        def value(fam, sample_name, **labels):
+            return next(s.value for s in fams[fam].samples if s.name == sample_name and
+                        all(s.labels.get(k) == v for k, v in labels.items()))
+
+        assert value("ninfer_engine_ready", "ninfer_engine_ready") == 1
+        assert value("ninfer_generation_tokens", "ninfer_generation_tokens_total") == usage["completion_tokens"]
+        assert value("ninfer_prompt_tokens", "ninfer_prompt_tokens_total") == usage["prompt_tokens"]
+        assert value("ninfer_time_to_first_token_seconds", "ninfer_time_to_first_token_seconds_count") == 1
+        assert value("ninfer_max_context_tokens", "ninfer_max_context_tokens") == 256
+
+        runner.fail = True
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        r = await c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "unavailable"})
+        fams = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        assert value("ninfer_engine_ready", "ninfer_engine_ready") == 0
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+        assert r.status_code == 503
+
+
+async def test_internal_error_is_500_and_logged(start_server, caplog):
+    srv = await start_server()
+
+    async def broken(ex):
+        raise KeyError("invariant")
+
+    srv.app.route("GET", "/v1/broken", broken)
+    caplog.set_level(logging.ERROR, logger="ninfer")
+    logging.getLogger("ninfer").addHandler(caplog.handler)
+    try:
+        async with httpx.AsyncClient(base_url=srv.url) as c:
+            r = await c.get("/v1/broken")
+    finally:
+        logging.getLogger("ninfer").removeHandler(caplog.handler)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "invariant" not in r.text
+    assert any("internal error" in rec.getMessage() and rec.exc_info for rec in caplog.records)
+
+
+async def test_request_log_jsonl(start_server, tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("")  # append mode keeps earlier campaigns
+    srv = await start_server("--request-log-jsonl", str(path), "--api-key", "topsecret", "--no-prefix-reuse",
+                             scripted=True)
+    runner = start_server.runner
+    secret_prompt = "zebra quokka"
+    auth = {"Authorization": "Bearer topsecret"}
+    async with httpx.AsyncClient(base_url=srv.url, headers=auth, timeout=30) as c:
+        ok = await c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 3, "messages": [
+            {"role": "user", "content": secret_prompt}]})
+        assert ok.status_code == 200
+        bad = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": LONG})
+        assert bad.status_code == 400
+        runner.gate.clear()
+        resp, _, _ = await open_stream(c)
+        await resp.aclose()
+        runner.gate.set()
+        await wait_for(lambda: srv.state.engine.stats().requests_total.get("cancelled", 0) == 1)
+    await trio.sleep(0.1)
+    raw = path.read_text()
+    assert secret_prompt not in raw and "topsecret" not in raw
+    records = [json.loads(line) for line in raw.splitlines()]
+    for rec in records:
+        assert rec["schema"] == SCHEMA and rec["schema_version"] == SCHEMA_VERSION
+        missing = [k for k in COMMON_FIELDS + EVENT_FIELDS[rec["event"]] if k not in rec]
+        assert not missing, (rec["event"], missing)
+    events = [r["event"] for r in records]
+    assert events[0] == "server_start" and "<redacted>" in records[0]["argv"]
+    assert events.count("request_start") == 2 and events.count("request_done") == 1
+    assert events.count("request_rejected") == 1 and events.count("request_error") == 1
+    done = next(r for r in records if r["event"] == "request_done")
+    assert done["result"]["completion_tokens"] == 3 and len(done["result"]["generated_token_ids"]) == 3
+    rejected = next(r for r in records if r["event"] == "request_rejected")
+    assert (rejected["status"], rejected["code"], rejected["phase"]) == (400, "context_length_exceeded", "prepare")
+    seqs = [r["request_seq"] for r in records if r["event"] == "request_start"]
+    assert seqs == sorted(seqs) and len({r["server_instance_id"] for r in records}) == 1
