@@ -354,6 +354,9 @@ class GenerationSession:
         rl = self.state.request_log
         if rl is None:
             return
+        for tr in fin.scheduling.transitions:  # pause/restore boundaries, delivered with the outcome
+            rl.write("request_scheduling", request_id=self.request_id, request_seq=self.seq,
+                     transition=attrs.asdict(tr))
         t = fin.timings
         rl.write(
             "request_done", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,

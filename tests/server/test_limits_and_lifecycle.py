@@ -208,3 +208,29 @@ async def test_request_log_jsonl(start_server, tmp_path):
     assert (rejected["status"], rejected["code"], rejected["phase"]) == (400, "context_length_exceeded", "prepare")
     seqs = [r["request_seq"] for r in records if r["event"] == "request_start"]
     assert seqs == sorted(seqs) and len({r["server_instance_id"] for r in records}) == 1
+
+
+async def test_kv_pressure_pause_is_logged_and_output_unchanged(start_server, tmp_path):
+    """Two requests that cannot both fit the KV pool: one pauses and resumes; both finish intact."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--kv-capacity", "256", "--max-concurrency", "2", "--no-prefix-reuse",
+                             "--request-log-jsonl", str(path))
+    body = {"model": MODEL, "messages": HI, "max_tokens": 200, "temperature": 0}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+        alone = (await c.post("/v1/chat/completions", json=body)).json()
+        results = []
+
+        async def one():
+            results.append((await c.post("/v1/chat/completions", json=body)).json())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one)
+            n.start_soon(one)
+    for r in results:  # greedy output is the same whether or not the request was paused
+        assert r["choices"][0]["message"] == alone["choices"][0]["message"]
+        assert r["usage"]["completion_tokens"] == 200
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = [r["transition"]["kind"] for r in records if r["event"] == "request_scheduling"]
+    assert "paused" in kinds and "restored" in kinds
+    for r in records:
+        assert not [k for k in COMMON_FIELDS + EVENT_FIELDS[r["event"]] if k not in r]
