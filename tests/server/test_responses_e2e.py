@@ -1,0 +1,188 @@
+"""OpenAI Responses end to end on the live server: the openai SDK, raw SSE, the local store."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server.test_messages_e2e import script
+from server.test_messages_e2e import sse_events
+
+MODEL = "random-tiny-qwen3"
+FN = {"type": "function", "name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
+NS = {"type": "namespace", "name": "mcp__wx", "description": "Weather service",
+      "tools": [{"type": "function", "name": "get_weather", "parameters": FN["parameters"]}]}
+
+
+def answer(tok):
+    return script(tok, "Let me think.", ("</think>",), "\n\nParis it is.", ("<|im_end|>",))
+
+
+def call(tok, name="get_weather"):
+    return script(tok, ("</think>",), "\n\nChecking.\n", ("<tool_call>",),
+                  f"\n<function={name}>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+                  "</parameter>\n</function>\n", ("</tool_call>",), ("<|im_end|>",))
+
+
+async def test_sdk_create_retrieve_delete_input_items(start_server):
+    srv = await start_server(scripted=True)
+    tok = srv.state.prompts.tokenizer
+    runner = start_server.runner
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    want = answer(tok)
+    runner.scripts.append(want)
+    r = await client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.",
+                                      max_output_tokens=64, metadata={"k": "v"})
+    assert r.status == "completed" and r.id.startswith("resp_") and r.completed_at is not None
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text.strip() == "Let me think." and r.output[0].summary == []
+    assert r.output_text == "Paris it is."
+    assert r.usage.output_tokens == len(want) and 0 < r.usage.output_tokens_details.reasoning_tokens < len(want)
+    assert r.usage.input_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.metadata == {"k": "v"} and r.instructions == "Be brief." and r.service_tier == "default"
+
+    got = await client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    items = await client.responses.input_items.list(r.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Hello there"
+    deleted = await client.responses.delete(r.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r.id)
+
+    # max_output_tokens exhaustion: incomplete, no completed_at, reasoning-only output stays reasoning-only.
+    runner.scripts.append(answer(tok))
+    r = await client.responses.create(model=MODEL, input="Hello there", max_output_tokens=2)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.completed_at is None and [i.type for i in r.output] == ["reasoning"]
+    await client.close()
+
+
+async def test_sdk_stream_and_raw_event_sequence(start_server):
+    srv = await start_server("--max-context", "1024", scripted=True)
+    tok = srv.state.prompts.tokenizer
+    runner = start_server.runner
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    runner.scripts.append(answer(tok))
+    async with client.responses.stream(model=MODEL, input="Hello there", max_output_tokens=64) as stream:
+        deltas = [ev.delta async for ev in stream if ev.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert "".join(deltas) == final.output_text == "Paris it is." and final.status == "completed"
+
+    runner.scripts.append(call(tok, "mcp__wx__get_weather"))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Weather?", "tools": [FN, NS],
+                                                "stream": True, "max_output_tokens": 100})
+    assert r.headers["content-type"].startswith("text/event-stream") and r.headers["x-request-id"]
+    assert "[DONE]" not in r.text
+    events = sse_events(r.text)
+    assert all(name == d["type"] for name, d in events)
+    seqs = [d["sequence_number"] for _, d in events]
+    assert seqs == list(range(len(seqs)))
+    names = [n for n, _ in events]
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
+    done = events[-1][1]["response"]
+    msg, fc = done["output"]
+    assert msg["content"][0]["text"] == "Checking.\n"
+    assert (fc["type"], fc["name"], fc["namespace"]) == ("function_call", "get_weather", "mcp__wx")
+    assert json.loads(fc["arguments"]) == {"city": "Paris", "days": 3}
+    arg_deltas = "".join(d["delta"] for n, d in events if n == "response.function_call_arguments.delta")
+    assert arg_deltas == fc["arguments"]
+    (args_done,) = [d for n, d in events if n == "response.function_call_arguments.done"]
+    assert args_done["item_id"] == fc["id"] and args_done["arguments"] == fc["arguments"]
+    added = [d["item"]["id"] for n, d in events if n == "response.output_item.added"]
+    assert added == [msg["id"], fc["id"]]
+    await client.close()
+
+
+async def test_store_rules_and_endpoints(start_server):
+    srv = await start_server("--response-store-max-records", "2")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        async def create(**kw):
+            body = {"model": MODEL, "input": "Hello there", "max_output_tokens": 1, **kw}
+            return await c.post("/v1/responses", json=body)
+
+        unstored = (await create(store=False)).json()
+        assert unstored["store"] is False
+        r = await c.get(f"/v1/responses/{unstored['id']}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+        r = await create(previous_response_id=unstored["id"])
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+        ids = [(await create(input=[{"role": "user", "content": f"q{i}", "id": f"msg_{i}"}])).json()["id"]
+               for i in range(3)]
+        assert (await c.get(f"/v1/responses/{ids[0]}")).status_code == 404  # LRU evicted at two records
+        assert (await c.get(f"/v1/responses/{ids[2]}")).status_code == 200
+
+        many = [{"role": "user", "content": f"m{i}", "id": f"it_{i}"} for i in range(5)]
+        rid = (await create(input=many)).json()["id"]
+        page = (await c.get(f"/v1/responses/{rid}/input_items")).json()
+        assert [i["id"] for i in page["data"]] == [f"it_{i}" for i in (4, 3, 2, 1, 0)]  # default desc
+        page = (await c.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "limit": 2})).json()
+        assert [i["id"] for i in page["data"]] == ["it_0", "it_1"] and page["has_more"] is True
+        assert page["first_id"] == "it_0" and page["last_id"] == "it_1"
+        page = (await c.get(f"/v1/responses/{rid}/input_items",
+                            params={"order": "asc", "after": "it_3"})).json()
+        assert [i["id"] for i in page["data"]] == ["it_4"] and page["has_more"] is False
+        for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "nope"}):
+            r = await c.get(f"/v1/responses/{rid}/input_items", params=bad)
+            assert r.status_code == 400, bad
+
+        r = await c.get(f"/v1/responses/{rid}", params={"stream": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        r = await c.post(f"/v1/responses/{rid}/cancel")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+        r = await c.post("/v1/responses/compact", json={"model": MODEL, "input": "x"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "compaction_not_supported"
+        r = await c.delete(f"/v1/responses/{rid}")
+        assert r.json() == {"id": rid, "object": "response.deleted", "deleted": True}
+        assert (await c.delete(f"/v1/responses/{rid}")).status_code == 404
+
+        r = await create(unknown_field=1)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+
+
+async def test_store_capacity_exceeded(start_server):
+    srv = await start_server("--response-store-max-mib", "0")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "response_store_capacity_exceeded"
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1,
+                                                "store": False})
+        assert r.status_code == 200
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1,
+                                                "stream": True})
+        last_name, last = sse_events(r.text)[-1]
+        assert last_name == "response.failed"
+        assert last["response"]["error"]["code"] == "response_store_capacity_exceeded"
+
+
+async def test_input_tokens_matches_create(start_server):
+    srv = await start_server("--max-context", "1024")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        body = {"model": MODEL, "input": "Count this prompt.", "instructions": "Be brief.", "tools": [FN, NS]}
+        n = (await c.post("/v1/responses/input_tokens", json=body)).json()
+        assert n["object"] == "response.input_tokens" and n["input_tokens"] > 0
+        r = (await c.post("/v1/responses", json={**body, "max_output_tokens": 1})).json()
+        assert r["usage"]["input_tokens"] == n["input_tokens"]
+        # The same path as create, continuation included.
+        child = {"model": MODEL, "input": "And now?", "previous_response_id": r["id"]}
+        n2 = (await c.post("/v1/responses/input_tokens", json=child)).json()["input_tokens"]
+        r2 = (await c.post("/v1/responses", json={**child, "max_output_tokens": 1})).json()
+        alone = (await c.post("/v1/responses/input_tokens", json={"model": MODEL, "input": "And now?"})).json()
+        assert r2["usage"]["input_tokens"] == n2 > alone["input_tokens"]  # the parent's Items are included
+        r = await c.post("/v1/responses/input_tokens", json={**body, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+
+
+async def test_sdk_input_tokens_count(start_server):
+    srv = await start_server()
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    n = await client.responses.input_tokens.count(model=MODEL, input="Count this prompt.")
+    r = await client.responses.create(model=MODEL, input="Count this prompt.", max_output_tokens=1)
+    assert n.input_tokens == r.usage.input_tokens > 0
+    await client.close()
