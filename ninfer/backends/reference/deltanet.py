@@ -102,11 +102,11 @@ def chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np
     k_beta = k * beta[..., None]
     # Within a chunk the delta rule's writes w solve (I + A) w = rhs with A strictly lower:
     # A[i, j] = beta_i (k_i . k_j) decay[i, j], j < i.
-    a = np.einsum("hnik,hnjk->hnij", k_beta, k) * decay
+    a = (k_beta @ np.swapaxes(k, -1, -2)) * decay
     rhs = np.concatenate([v * beta[..., None], k_beta * np.exp(cum)[..., None]], axis=-1)
     solved = _unit_lower_solve(a, rhs)
     new_values, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
-    intra = np.einsum("hnik,hnjk->hnij", q, k) * decay  # causal, diagonal included
+    intra = (q @ np.swapaxes(k, -1, -2)) * decay  # causal, diagonal included
     q_decayed = q * np.exp(cum)[..., None]
     k_to_end = k * np.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = np.exp(cum[..., -1])[..., None, None]  # [H, N, 1, 1]
