@@ -133,6 +133,19 @@ async def test_sdk_stream_accumulator_and_raw_lifecycle(start_server):
     final_delta = events[-2][1]
     assert final_delta["delta"]["stop_reason"] == "tool_use"
     assert final_delta["usage"]["input_tokens"] == start["usage"]["input_tokens"]
+
+    # The same request again: message_start already carries the exact cache-read split.
+    runner.scripts.append(tool_call(tok))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 100, "messages": HI, "tools": TOOLS,
+                                               "stream": True})
+    events = sse_events(r.text)
+    start_usage, end_usage = events[0][1]["message"]["usage"], events[-2][1]["usage"]
+    assert start_usage["cache_read_input_tokens"] > 0
+    for key in ("input_tokens", "cache_read_input_tokens"):
+        assert start_usage[key] == end_usage[key]
+    assert start_usage["input_tokens"] + start_usage["cache_read_input_tokens"] == \
+        start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"]
     await client.close()
 
 
