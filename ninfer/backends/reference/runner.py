@@ -40,8 +40,11 @@ class ReferenceRunner:
             if isinstance(artifact, (str, Path)):
                 from ninfer.artifact import open_artifact
 
-                artifact = open_artifact(artifact, components=("text",))
-            if is_hybrid_config(artifact.config):
+                with open_artifact(artifact, components=("text",)) as opened:  # only to read the config
+                    hybrid = is_hybrid_config(opened.config)
+            else:
+                hybrid = is_hybrid_config(artifact.config)
+            if hybrid:
                 return super().__new__(HybridRunner)
         return super().__new__(cls)
 
