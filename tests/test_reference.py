@@ -282,3 +282,16 @@ def test_a_closed_runner_says_so(model):
     with pytest.raises(RuntimeError, match="the reference runner is closed"):
         runner.prefill(PrefillChunk(lane=0, tokens=np.array([1], np.int32), start=0,
                                     page_table=np.array([0], np.int32)))
+
+
+def test_prefill_longer_than_one_forward_block(model):
+    """Chunks beyond PREFILL_BLOCK are split inside the runner; the result must not show it."""
+    from ninfer.backends.reference.forward import PREFILL_BLOCK
+
+    prompt = prompt_of(PREFILL_BLOCK + 45, seed=9)
+    table = np.arange(48, dtype=np.int32)
+    whole = generate(make_runner(model, max_context=512), prompt, table, steps=2)
+    parts = generate(make_runner(model, max_context=512), prompt, table, chunks=[100, 100, 100, 1000], steps=2)
+    assert whole[0].shape[0] == len(prompt)
+    np.testing.assert_allclose(whole[0], parts[0], rtol=RTOL, atol=ATOL)
+    assert whole[1] == parts[1]

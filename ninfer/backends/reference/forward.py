@@ -17,9 +17,10 @@ from ninfer.backends.reference.rope import apply_rope, rope_tables
 from ninfer.backends.reference.weights import LayerWeights, ModelWeights
 from ninfer.models.dense import DenseConfig
 
-# Queries per attention block in a long prefill: bounds the score matrix to
-# heads x block x context floats instead of heads x chunk x context.
-QUERY_BLOCK = 256
+# Longest run of tokens one forward call takes: the runner splits longer prefill chunks (same
+# result, chunked prefill is exact), which bounds the mask and score matrices to about
+# heads x PREFILL_BLOCK x context floats however long the prompt.
+PREFILL_BLOCK = 256
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -45,12 +46,6 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, sca
     ``mask`` is ``causal_mask``'s [S, 1, Q, 1, T]. Returns [S, Q, H * D].
     """
     s_count, q_count, heads, dim = q.shape
-    if q_count > QUERY_BLOCK:
-        blocks = [
-            attention(q[:, i : i + QUERY_BLOCK], k, v, mask[:, :, i : i + QUERY_BLOCK], scale)
-            for i in range(0, q_count, QUERY_BLOCK)
-        ]
-        return np.concatenate(blocks, axis=1)
     kv_heads = k.shape[2]
     group = heads // kv_heads
     # [S, Q, Hkv, G, D] -> [S, Hkv, Q * G, D]: each KV head serves its G query heads in one matmul.

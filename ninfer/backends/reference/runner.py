@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from ninfer.backends.reference.forward import DenseForward
+from ninfer.backends.reference.forward import PREFILL_BLOCK, DenseForward
 from ninfer.backends.reference.kv_cache import PagedKVCache
 from ninfer.backends.reference.weights import ModelWeights, load_weights, weights_from_mapping
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
@@ -147,7 +147,10 @@ class ReferenceRunner:
         positions = np.arange(chunk.start, chunk.start + tokens.size, dtype=np.int64)
         end = int(positions[-1]) + 1
         table = self._check_page_table(np.asarray(chunk.page_table).reshape(1, -1), [end], "prefill page_table")
-        hidden = self._forward.hidden(tokens, positions, table, seqs=1)
+        hidden = np.concatenate([
+            self._forward.hidden(tokens[i : i + PREFILL_BLOCK], positions[i : i + PREFILL_BLOCK], table, seqs=1)
+            for i in range(0, tokens.size, PREFILL_BLOCK)
+        ])
         if chunk.return_logits:
             logits = self._forward.logits(hidden)
             last = logits[-1]
