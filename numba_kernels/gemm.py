@@ -2,10 +2,10 @@
 
 ``gemv_m{M}``: the decode shape, ``rows <= M`` activation rows (M = 1..8 compile-time, so the
 accumulators stay in registers). One block of 128 threads per ``cols`` output columns (8; the
-manifest's ``meta``); the block streams those weight rows in 64-bit words (4 bf16), so
-weights are read exactly once per step for all rows and each x value loaded serves ``cols``
-columns; warp shuffles then shared memory reduce the partial sums in a fixed order.
-Launch: grid ``(ceil(N / cols),)``, block 128; ``K % 4 == 0``.
+manifest's ``meta``); the block streams those weight rows in 16-byte vector loads (8 bf16; x likewise as two
+``ld.v4.f32``), so weights are read exactly once per step for all rows and each x value loaded
+serves ``cols`` columns; warp shuffles then shared memory reduce the partial sums in a fixed order.
+Launch: grid ``(ceil(N / cols),)``, block 128; ``K % 8 == 0`` and 16-byte aligned rows.
 
 ``gemm_tiled``: the prefill shape (any ``rows``): 64x64 output tiles, K in steps of 16 through shared
 memory, 256 threads each owning a strided 4x4 block of outputs, fp32 FMA (no tensor cores yet).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32
+from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, load_f32x4, load_u64x2
 
 GEMV_ROWS = tuple(range(1, 9))
 
@@ -38,31 +38,33 @@ def make_gemv(M, COLS):
         for r in range(M):
             for c in range(COLS):
                 acc[r, c] = float32(0.0)
-        wv = cuda.local.array((COLS, 4), float32)
+        wv = cuda.local.array((COLS, 8), float32)
+        chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)
         words = k >> 2
-        # The whole block walks K together: 128 threads read 1 KiB of each weight row per step.
-        for j in range(tid, words, GEMV_THREADS):
+        # The whole block walks K together: 128 threads read 2 KiB of each weight row per step.
+        for j in range(tid, chunks, GEMV_THREADS):
             for c in range(COLS):
                 if col0 + c < n:
-                    word = w[int64(col0 + c) * words + j]
-                    lo = uint32(word & uint64(0xFFFFFFFF))
-                    hi = uint32(word >> uint64(32))
-                    wv[c, 0] = bf16_lo(lo)
-                    wv[c, 1] = bf16_hi(lo)
-                    wv[c, 2] = bf16_lo(hi)
-                    wv[c, 3] = bf16_hi(hi)
+                    a, b = load_u64x2(w, int64(col0 + c) * words + 2 * j)
+                    for h in range(2):
+                        word = a if h == 0 else b
+                        lo = uint32(word & uint64(0xFFFFFFFF))
+                        hi = uint32(word >> uint64(32))
+                        wv[c, 4 * h] = bf16_lo(lo)
+                        wv[c, 4 * h + 1] = bf16_hi(lo)
+                        wv[c, 4 * h + 2] = bf16_lo(hi)
+                        wv[c, 4 * h + 3] = bf16_hi(hi)
                 else:
-                    for e in range(4):
+                    for e in range(8):
                         wv[c, e] = float32(0.0)
             for r in range(M):
                 if r < rows:
-                    xb = r * k + 4 * j
-                    x0 = x[xb]
-                    x1 = x[xb + 1]
-                    x2 = x[xb + 2]
-                    x3 = x[xb + 3]
+                    xb = int64(r) * k + 8 * j
+                    x0, x1, x2, x3 = load_f32x4(x, xb)
+                    x4, x5, x6, x7 = load_f32x4(x, xb + 4)
                     for c in range(COLS):
-                        acc[r, c] += x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
+                        acc[r, c] += (x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
+                                      + x4 * wv[c, 4] + x5 * wv[c, 5] + x6 * wv[c, 6] + x7 * wv[c, 7])
         for r in range(M):
             for c in range(COLS):
                 v = acc[r, c]

@@ -16,6 +16,7 @@ from ninfer.backends.reference.rope import rope_tables
 from ninfer.models.dense import DenseConfig
 
 GEMV_MAX_ROWS = 8
+GEMV_VARIANT = "_c4"  # 4 columns per block: faster than 8 at every M on the H200 (tools/gpu_bench.py)
 # Keys per attention split. The split length is a step input (device memory), so one captured
 # graph serves every context: decode picks short splits for short contexts (enough blocks, short
 # serial chains per warp) and at most MAX_DECODE_SPLITS per row for long ones (a short combine);
@@ -43,8 +44,8 @@ def check_supported(config: DenseConfig, kv_dtype: str) -> None:
         raise ValueError(f"the CUDA backend supports num_heads / num_kv_heads in {GROUPS}, the model has "
                          f"{config.num_heads} / {config.num_kv_heads}")
     for field in ("hidden_size", "intermediate_size"):
-        if getattr(config, field) % 4:
-            raise ValueError(f"the CUDA backend needs {field} divisible by 4, got {getattr(config, field)}")
+        if getattr(config, field) % 8:  # 16-byte vector loads in the GEMV
+            raise ValueError(f"the CUDA backend needs {field} divisible by 8, got {getattr(config, field)}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
@@ -141,11 +142,11 @@ class Forward:
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
-        return names + [f"gemv_m{m}" for m in range(1, GEMV_MAX_ROWS + 1)]
+        return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
         if rows <= GEMV_MAX_ROWS:
-            kernel = self.k[f"gemv_m{rows}"]
+            kernel = self.k[f"gemv_m{rows}{GEMV_VARIANT}"]
             kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],), (y, x, w, rows, n, k, n), stream)
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
