@@ -1,7 +1,8 @@
 """``HybridRunner``: the ModelRunner protocol for hybrid models, plus StateImage access.
 
 It is the reference runner (same checks, sampling, BLAS limits and KV page operations) with the
-hybrid forward pass; the KV pool has one layer per full-attention layer only. On top of the
+hybrid forward pass; the KV pool has one layer per full-attention layer only, so ``read_pages``
+returns ``[2, attention_layers, pages, page_size, kv_heads, head_dim]``. On top of the
 protocol it owns ``max_batch + state_slots`` StateImage slots (``hybrid_state.py``): slot ``i <
 max_batch`` is lane ``i``'s live state.
 
@@ -164,10 +165,6 @@ class HybridRunner(ReferenceRunner):
         out = np.array([sample_row(logits[i], batch.sampling[i], self._counts[lanes[i]]) for i in range(rows)],
                        dtype=np.int32)
         return StepResult(tokens=out, logits=logits if batch.return_logits else None)
-
-    def read_pages(self, pages):
-        """``[2, attention_layers, len(pages), page_size, kv_heads, head_dim]`` float32: K then V."""
-        return self._cache.read_pages(pages)
 
     def close(self) -> None:
         super().close()
