@@ -9,7 +9,7 @@ float32 logits. Each goes the product's way (HF converter -> .ninfer -> ``Refere
 - the greedy continuation (16 tokens through decode steps: the recurrent delta rule, the conv
   state and the paged KV cache) is token-identical, and each step's logits are within tolerance
   of transformers recomputing the whole sequence.
-The largest relative error observed is about 1e-5 (fp32 against fp32 with other summation orders).
+The largest relative error observed is 1.4e-5 (fp32 against fp32 with other summation orders).
 """
 
 from __future__ import annotations
