@@ -112,3 +112,48 @@ def test_weight_bytes_per_token_counts_what_a_decode_step_reads():
     qwen = PRESETS["tiny-qwen3"]
     per_layer = (4 * 32 + 2 * 2 * 32) * 64 + 64 * 128 + 256 * 64 + 64 * 128 + 2 * 64 + 2 * 32
     assert weight_bytes_per_token(qwen) == 4 * (2 * per_layer + 64 + 1024 * 64)
+
+
+class ScriptedRunner:
+    """Answers prefill/decode with a fixed token script and records the positions it was fed."""
+
+    def __init__(self, script, max_context=64):
+        from ninfer.backends.runner import RunnerInfo, StepResult
+
+        self.info = RunnerInfo(page_size=16, num_pages=4, max_batch=1, vocab_size=100,
+                               max_context=max_context, backend="scripted")
+        self._result = lambda t: StepResult(tokens=np.array([t], np.int32))
+        self.script, self.fed = list(script), []
+
+    def bind_lane(self, lane, generated):
+        assert lane == 0 and list(generated) == []
+
+    def prefill(self, chunk):
+        self.fed.append(("prefill", chunk.start, len(chunk.tokens)))
+        return self._result(self.script.pop(0))
+
+    def decode(self, batch):
+        self.fed.append(("decode", int(batch.positions[0]), int(batch.tokens[0])))
+        return self._result(self.script.pop(0))
+
+
+def collect(runner, prompt_len, **kwargs):
+    from ninfer.commands.generate import Timing, generate_tokens
+
+    options = dict(max_tokens=10, temperature=0.0, seed=0, stop_ids=[99])
+    options.update(kwargs)
+    return list(generate_tokens(runner, list(range(prompt_len)), timing=Timing(), **options))
+
+
+def test_generation_loop_stops_at_eos_without_emitting_it():
+    runner = ScriptedRunner([5, 6, 99, 7])
+    assert collect(runner, 3) == [5, 6]
+    assert runner.fed == [("prefill", 0, 3), ("decode", 3, 5), ("decode", 4, 6)]
+
+
+def test_generation_loop_stops_at_max_tokens_and_context():
+    assert collect(ScriptedRunner([1, 2, 3, 4, 5]), 3, max_tokens=3) == [1, 2, 3]
+    runner = ScriptedRunner([1, 2, 3, 4, 5], max_context=6)
+    assert collect(runner, 4) == [1, 2]  # positions 4 and 5 fill the context
+    assert runner.fed[-1] == ("decode", 4, 1)
+    assert collect(ScriptedRunner([99]), 3) == []

@@ -147,24 +147,26 @@ def run(args: argparse.Namespace, out: Callable[[str], None] | None = None) -> i
     from ninfer.text import Tokenizer
     from ninfer.text.detokenizer import IncrementalDetokenizer
 
-    art = open_artifact(_resolve_artifact(args.artifact), components=("text",))
-    tokenizer = Tokenizer.from_artifact(art)
-    prompt = _prompt_ids(art, tokenizer, args.prompt, args.chat)
-    context = min(len(prompt) + args.max_tokens, int(art.config["max_position_embeddings"]))
-    if len(prompt) >= context:
-        raise SystemExit(f"ninfer generate: the prompt has {len(prompt)} tokens, the model's context is {context}")
-    runner = ReferenceRunner(art, page_size=PAGE_SIZE, num_pages=-(-context // PAGE_SIZE), max_batch=1,
-                             max_context=context)
+    with open_artifact(_resolve_artifact(args.artifact), components=("text",)) as art:
+        tokenizer = Tokenizer.from_artifact(art)
+        prompt = _prompt_ids(art, tokenizer, args.prompt, args.chat)
+        context = min(len(prompt) + args.max_tokens, int(art.config["max_position_embeddings"]))
+        if len(prompt) >= context:
+            raise SystemExit(f"ninfer generate: the prompt has {len(prompt)} tokens, the model's context is {context}")
+        runner = ReferenceRunner(art, page_size=PAGE_SIZE, num_pages=-(-context // PAGE_SIZE), max_batch=1,
+                                 max_context=context)
     write = out or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     detokenizer = IncrementalDetokenizer(tokenizer.decode)
     timing = Timing()
     tokens = generate_tokens(runner, prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                              seed=args.seed, stop_ids=tokenizer.eos_token_ids, timing=timing)
+    generated = 0
     for token in tokens:
+        generated += 1
         write(detokenizer.push([token]))
     write(detokenizer.flush() + "\n")
     print(f"prompt: {timing.prompt_tokens} tokens, {_rate(timing.prompt_tokens, timing.prefill_s)}; "
-          f"decode: {timing.decode_tokens + 1} tokens, {_rate(timing.decode_tokens, timing.decode_s)}"
+          f"decode: {generated} tokens, {_rate(timing.decode_tokens, timing.decode_s)}"
           f"{_bandwidth(runner.config, timing.decode_tokens, timing.decode_s)} (reference backend)", file=sys.stderr)
     runner.close()
     return 0
