@@ -77,11 +77,13 @@ def test_greedy_tokens_and_logits_match_transformers(name, artifacts):
 
 
 def test_fixtures_cover_the_required_features():
-    """The parity set must keep covering: Llama + Qwen3, tied + untied, each rope scaling, biases."""
+    """The parity set must keep covering: Llama + Qwen3, tied + untied, each rope scaling, biases,
+    grouped and multi-query attention."""
     configs = [dense_config_from_hf(json.loads((FIXTURES / n / "config.json").read_text())) for n in NAMES]
     assert {c.architecture for c in configs} == {"LlamaForCausalLM", "Qwen3ForCausalLM"}
     assert {c.tie_word_embeddings for c in configs} == {True, False}
-    assert {"llama3", "linear", "yarn"} <= {c.rope_scaling.kind for c in configs}
+    assert {"none", "llama3", "linear", "yarn"} <= {c.rope_scaling.kind for c in configs}
     assert any(c.attention_bias for c in configs) and any(c.qk_norm for c in configs)
+    assert {c.num_heads // c.num_kv_heads for c in configs} >= {2, 4}  # GQA and multi-query
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     assert total < 2 * 1024 * 1024, f"parity fixtures grew to {total} bytes"

@@ -92,6 +92,17 @@ MODELS = {
             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
         ),
     ),
+    # The common case: no rope scaling, untied head; one KV head (multi-query attention).
+    "qwen3_plain": (
+        "Qwen3ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+        ),
+    ),
 }
 
 
