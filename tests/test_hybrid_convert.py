@@ -180,6 +180,15 @@ def test_unsupported_configs_are_refused(change, message):
         hybrid_config_from_hf(base_config() | change)
 
 
+def test_rope_spellings():
+    classic = base_config() | dict(rope_parameters=None, rope_theta=5e6, partial_rotary_factor=0.5,
+                                   rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]))
+    config = hybrid_config_from_hf(classic)
+    assert (config.rope_theta, config.rotary_dim, config.mrope_section) == (5e6, 16, (2, 3, 3))
+    bare = {k: v for k, v in base_config().items() if k != "rope_parameters"}
+    assert hybrid_config_from_hf(bare).rotary_dim == 8  # partial_rotary_factor defaults to 0.25
+
+
 def test_real_model_shapes_and_state_sizes():
     """Qwen3.6-27B's published text config: derived shapes and per-sequence sizes."""
     text = dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,

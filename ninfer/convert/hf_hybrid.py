@@ -66,7 +66,8 @@ def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, int, list[int] | N
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind not in ("default", None):
+    # "mrope" (the Qwen2-VL spelling) is unscaled multi-axis RoPE: for text it is the default.
+    if kind not in ("default", "mrope", None):
         raise ConversionError(f"config.json: rope type {kind!r} is not supported for hybrid models "
                               f"(only the default)")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
