@@ -26,7 +26,7 @@ import numpy as np
 from ninfer.artifact import TensorSource, write_artifact
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.convert.errors import ConversionError
-from ninfer.convert.hf_checkpoint import CheckpointWeights, read_json
+from ninfer.convert.hf_checkpoint import CheckpointWeights
 from ninfer.models.hybrid import (
     ARCHITECTURES, DENSE, FULL, LINEAR, MOE, HybridConfig, tensor_dtype, tensor_names,
 )
@@ -45,14 +45,12 @@ PRESETS = {
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's fields: ``text_config`` of the multimodal classes, else the top level."""
     text = cfg.get("text_config")
-    if isinstance(text, dict):
-        merged = dict(text)
-        # The wrapper carries tie_word_embeddings for the whole model.
-        merged.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-        if "tie_word_embeddings" in cfg:
-            merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-        return merged
-    return cfg
+    if not isinstance(text, dict):
+        return cfg
+    merged = dict(text)
+    if "tie_word_embeddings" in cfg:  # the wrapper's value is the one transformers applies
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -353,7 +351,3 @@ def convert_hf_hybrid(directory: Path, cfg: dict[str, Any], out: str | os.PathLi
     if not fields["generation"]["presets"]:
         fields["generation"]["presets"] = PRESETS
     return write_artifact(out, fields, sources, progress=progress)
-
-
-def read_hybrid_config(directory: Path) -> HybridConfig:
-    return hybrid_config_from_hf(read_json(directory / "config.json"))
