@@ -171,3 +171,14 @@ def _names(art):
     from ninfer.models.hybrid import tensor_names
 
     return tensor_names(HybridConfig.from_json(art.config))
+
+
+def test_router_softmax_top_k_and_renormalisation():
+    from ninfer.backends.reference.hybrid import route
+
+    logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]], np.float32))
+    top, weights = route(logits, 2, renormalise=False)
+    assert top.tolist() == [[1, 3], [0, 1]]  # ties go to the lower expert id
+    np.testing.assert_allclose(weights, [[0.4, 0.3], [0.25, 0.25]], rtol=1e-6)
+    _, weights = route(logits, 2, renormalise=True)
+    np.testing.assert_allclose(weights, [[4 / 7, 3 / 7], [0.5, 0.5]], rtol=1e-6)
