@@ -22,7 +22,7 @@ import math
 
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, U32P, NEG_BIG, bf16_hi, bf16_lo
+from numba_kernels.common import F32P, I32P, U32P, NEG_BIG, bf16_hi, bf16_lo, load_f32x4, load_u32x2
 
 WARPS = 4
 VARIANTS = [(g, d) for d in (64, 128) for g in (1, 2, 4, 8)]
@@ -40,9 +40,22 @@ def load_pair_f32(pool, element):
     return pool[element], pool[element + 1]
 
 
-def make_attention(G, D, load_pair):
+@cuda.jit(device=True, inline=True)
+def load_quad_bf16(pool, element):
+    """Four bf16 (``element`` a multiple of 4) in one 8-byte load."""
+    w0, w1 = load_u32x2(pool, element >> 1)
+    return bf16_lo(w0), bf16_hi(w0), bf16_lo(w1), bf16_hi(w1)
+
+
+@cuda.jit(device=True, inline=True)
+def load_quad_f32(pool, element):
+    return load_f32x4(pool, element)
+
+
+def make_attention(G, D, load_pair, load_quad):
     E = D // 32  # dims per lane (even: D is a multiple of 64)
     EW = E // 2  # uint32 words per lane
+    QUADS = E % 4 == 0  # D = 128: each lane's K (and V) slice of a key is one vector load
     U = 2 if G * D > 512 else 4  # keys in flight per warp (fewer for the widest groups: registers)
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
@@ -86,13 +99,26 @@ def make_attention(G, D, load_pair):
                 if t < end:
                     page = int64(page_tables[table + t // page_size])
                     kbase = page * page_stride + head_off + int64(t % page_size) * D + lane * E
-                    for w in range(EW):
-                        k0, k1 = load_pair(kc, kbase + 2 * w)
-                        kb[u, 2 * w] = k0
-                        kb[u, 2 * w + 1] = k1
-                        v0, v1 = load_pair(kc, kbase + v_off + 2 * w)
-                        vb[u, 2 * w] = v0
-                        vb[u, 2 * w + 1] = v1
+                    if QUADS:
+                        for qd in range(E // 4):
+                            k0, k1, k2, k3 = load_quad(kc, kbase + 4 * qd)
+                            v0, v1, v2, v3 = load_quad(kc, kbase + v_off + 4 * qd)
+                            kb[u, 4 * qd] = k0
+                            kb[u, 4 * qd + 1] = k1
+                            kb[u, 4 * qd + 2] = k2
+                            kb[u, 4 * qd + 3] = k3
+                            vb[u, 4 * qd] = v0
+                            vb[u, 4 * qd + 1] = v1
+                            vb[u, 4 * qd + 2] = v2
+                            vb[u, 4 * qd + 3] = v3
+                    else:
+                        for w in range(EW):
+                            k0, k1 = load_pair(kc, kbase + 2 * w)
+                            kb[u, 2 * w] = k0
+                            kb[u, 2 * w + 1] = k1
+                            v0, v1 = load_pair(kc, kbase + v_off + 2 * w)
+                            vb[u, 2 * w] = v0
+                            vb[u, 2 * w + 1] = v1
                 else:
                     for e in range(E):
                         kb[u, e] = float32(0.0)
@@ -208,7 +234,8 @@ def _signature(pool):
 
 KERNELS = {}
 for _g, _d in VARIANTS:
-    KERNELS[f"attention_g{_g}_d{_d}_bf16"] = (make_attention(_g, _d, load_pair_bf16), _signature(U32P))
-    KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32), _signature(F32P))
+    KERNELS[f"attention_g{_g}_d{_d}_bf16"] = (make_attention(_g, _d, load_pair_bf16, load_quad_bf16),
+                                               _signature(U32P))
+    KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32, load_quad_f32), _signature(F32P))
 KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, I32P),
                                 {"threads_per_dim": COMBINE_GROUPS})

@@ -81,7 +81,7 @@ def block_sum(value, scratch):
 # NVVM turns into ld.v4.f32 / ld.v2.u64 (one instruction, 16 bytes per lane). The caller guarantees
 # 16-byte alignment (element index a multiple of 4 for f32, 2 for u64, on a 16-byte-aligned base).
 
-def _vector_load(element: ir.Type, count: int, result_type):
+def _vector_load(element: ir.Type, count: int, result_type, align: int = 16):
     @intrinsic
     def load(typingctx, ptr, index):
         sig = types.UniTuple(result_type, count)(ptr, index)
@@ -89,7 +89,7 @@ def _vector_load(element: ir.Type, count: int, result_type):
         def codegen(context, builder, signature, args):
             base, idx = args
             addr = builder.gep(base, [idx])
-            vec = builder.load(builder.bitcast(addr, ir.VectorType(element, count).as_pointer()), align=16)
+            vec = builder.load(builder.bitcast(addr, ir.VectorType(element, count).as_pointer()), align=align)
             parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), j)) for j in range(count)]
             return context.make_tuple(builder, signature.return_type, parts)
 
@@ -100,3 +100,4 @@ def _vector_load(element: ir.Type, count: int, result_type):
 
 load_f32x4 = _vector_load(ir.FloatType(), 4, float32)
 load_u64x2 = _vector_load(ir.IntType(64), 2, uint64)
+load_u32x2 = _vector_load(ir.IntType(32), 2, uint32, align=8)  # 4 bf16; 8-byte aligned
