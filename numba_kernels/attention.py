@@ -57,6 +57,8 @@ def make_attention(G, D, load_pair, load_quad):
     EW = E // 2  # uint32 words per lane
     QUADS = E % 4 == 0  # D = 128: each lane's K (and V) slice of a key is one vector load
     U = 2 if G * D > 512 else 4  # keys in flight per warp (fewer for the widest groups: registers)
+    NV = U * G  # scores per warp step, a power of two <= 32
+    LOG = NV.bit_length() - 1
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
                   part_ml, n_heads, n_kv, page_size, split_ptr, n_splits, scale):
@@ -80,6 +82,7 @@ def make_attention(G, D, load_pair, load_quad):
         m = cuda.local.array(G, float32)
         l = cuda.local.array(G, float32)
         s = cuda.local.array((U, G), float32)
+        vals = cuda.local.array(NV, float32)
         kb = cuda.local.array((U, E), float32)
         vb = cuda.local.array((U, E), float32)
         for g in range(G):
@@ -123,13 +126,31 @@ def make_attention(G, D, load_pair, load_quad):
                     for e in range(E):
                         kb[u, e] = float32(0.0)
                         vb[u, e] = float32(0.0)
+            # U * G dot products, reduced over the warp by a transposing butterfly: each step
+            # sends half of the values and keeps the other half, so NV values cost
+            # NV - 1 + (5 - LOG) shuffles plus NV broadcasts instead of 5 * NV.
             for u in range(U):
                 for g in range(G):
                     v = float32(0.0)
                     for e in range(E):
                         v += q[g, e] * kb[u, e]
-                    for offset in (16, 8, 4, 2, 1):
-                        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                    vals[u * G + g] = v
+            for step in range(LOG):
+                half = NV >> (step + 1)
+                upper = (lane >> (4 - step)) & 1
+                for i in range(half):
+                    a = vals[i]
+                    b = vals[i + half]
+                    send = a if upper else b
+                    keep = b if upper else a
+                    vals[i] = keep + cuda.shfl_xor_sync(0xFFFFFFFF, send, 16 >> step)
+            total = vals[0]
+            for step in range(LOG, 5):
+                total += cuda.shfl_xor_sync(0xFFFFFFFF, total, 16 >> step)
+            # Lane l now holds value (l >> (5 - LOG)); every lane needs all of them.
+            for u in range(U):
+                for g in range(G):
+                    v = cuda.shfl_sync(0xFFFFFFFF, total, (u * G + g) << (5 - LOG))
                     # The reference scales the scores, not q; missing keys get no weight.
                     s[u, g] = v * scale if t0 + u < end else NEG_BIG
             for g in range(G):

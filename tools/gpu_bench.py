@@ -142,6 +142,49 @@ def profile_decode(runner, batch: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+ABLATIONS = {
+    "attention": ("attention_g", "attention_combine"),
+    "norms": ("rmsnorm", "add_rmsnorm"),
+    "rope_kv": ("rope_kv",),
+    "silu_mul": ("silu_mul",),
+    "gemv": ("gemv_m",),
+    "sample+count": ("sample", "count_tokens"),
+}
+
+
+def ablate(runner, batch: int, context: int, reps: int = 20) -> dict[str, float]:
+    """GPU ms per decode step with each kernel family left out of the graph (METHOD.md's
+    leave-one-out timing); the difference to "full" is that family's share of the step."""
+    max_pages = runner.buffers.max_pages
+    tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
+    runner.decode(DecodeBatch(lanes=np.arange(batch, dtype=np.int32), tokens=np.full(batch, 7, np.int32),
+                              positions=np.full(batch, context, np.int32), page_tables=tables,
+                              sampling=[SamplingRow()] * batch))  # leaves the step inputs in place
+    dev, stream = runner.device, runner.stream
+    start, stop = dev.event(timing=True), dev.event(timing=True)
+    original = rt.Kernel.launch
+    out = {}
+    for name, prefixes in [("full", ())] + list(ABLATIONS.items()):
+        def launch(self, *args, _prefixes=prefixes, **kwargs):
+            if not self.name.startswith(_prefixes) or not _prefixes:
+                original(self, *args, **kwargs)
+
+        rt.Kernel.launch = launch
+        try:
+            graph = rt.Graph.capture(stream, lambda: runner.forward.decode(batch, stream))
+        finally:
+            rt.Kernel.launch = original
+        graph.launch(stream)
+        rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+        for _ in range(reps):
+            graph.launch(stream)
+        rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+        rt.synchronize(stream)
+        out[name] = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
+        graph.destroy()
+    return out
+
+
 def bench_gemv(runner, tensors_bytes: rt.DevicePtr, n: int, k: int, reps: int = 20) -> dict[str, float]:
     """GB/s of the decode GEMV alone on one [n, k] bf16 weight, for each row count M."""
     dev, stream, fwd = runner.device, runner.stream, runner.forward
@@ -223,6 +266,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="512,8192")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--peer", choices=("eager", "none"), default="eager")
+    parser.add_argument("--ablation", action="store_true", help="leave-one-out timing of kernel families")
     args = parser.parse_args(argv)
     import torch
 
@@ -256,6 +300,13 @@ def main(argv=None) -> int:
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
                   "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores".format(**r), flush=True)
+    if args.ablation:
+        report["ablation"] = {}
+        for batch, context in ((1, 512), (max(batches), 512), (max(batches), max(contexts))):
+            r = ablate(runner, batch, context)
+            report["ablation"][f"b{batch}_ctx{context}"] = r
+            print(f"ablation b={batch} ctx={context} GPU ms: full {r['full']:.3f}; without: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "full"), flush=True)
     c = config
     report["gemv_gb_s"] = bench_gemv(runner, ptrs["layers.0.gate_up"], 2 * c.intermediate_size, c.hidden_size)
     print("gemv gate_up [24576 x 4096] alone, GB/s:", json.dumps(report["gemv_gb_s"]), flush=True)
