@@ -93,17 +93,22 @@ class EngineCore:
 
     # -- one step -------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, before_run: Callable[[], None] | None = None) -> None:
+        """One step. ``before_run`` (the worker's event delivery) runs between scheduling and
+        the runner calls, so consumers wake while the model computes; it times itself."""
         c = self.counters
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if before_run is not None:
+            before_run()
+        t1b = time.perf_counter()
         device = self._execute(plan)
         t2 = time.perf_counter()
         self._postprocess(plan)
         t3 = time.perf_counter()
         c.host_work["engine_boundary"] += t1 - t0
-        c.host_work["program_submit"] += (t2 - t1) - device
+        c.host_work["program_submit"] += (t2 - t1b) - device
         c.host_work["program_post"] += t3 - t2
         c.device_wait += device
         self.last_step_seconds = t3 - t0

@@ -85,8 +85,11 @@ class Worker:
                 self._expire(core.clock())
                 work["engine_maintenance"] += time.perf_counter() - t0
                 if core.has_work():
-                    core.step()
-                self._deliver()
+                    # Events of the previous step are delivered once this step is planned,
+                    # right before the runner calls: the consumers' wake-up overlaps model math.
+                    core.step(before_run=self._deliver)
+                if not core.has_work():
+                    self._deliver()  # nothing follows: deliver before the worker idles
         except BaseException as exc:  # an engine-wide failure: every live request learns of it
             self.failure = exc
             self._shutdown(EngineUnavailable(f"engine failed: {type(exc).__name__}: {exc}"))
