@@ -186,3 +186,27 @@ async def test_sdk_input_tokens_count(start_server):
     r = await client.responses.create(model=MODEL, input="Count this prompt.", max_output_tokens=1)
     assert n.input_tokens == r.usage.input_tokens > 0
     await client.close()
+
+
+async def test_session_keys_follow_the_stored_chain(start_server, monkeypatch):
+    from ninfer.server import generation
+
+    srv = await start_server()
+    seen = []
+    real = generation.GenerationRequest
+
+    def recording(**kw):
+        seen.append((kw["session_key"], kw["capture_endpoint"]))
+        return real(**kw)
+
+    monkeypatch.setattr(generation, "GenerationRequest", recording)
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    root = await client.responses.create(model=MODEL, input="Hello", max_output_tokens=1)
+    child = await client.responses.create(model=MODEL, input="More", previous_response_id=root.id,
+                                          max_output_tokens=1)
+    await client.responses.create(model=MODEL, input="Aside", previous_response_id=child.id, store=False,
+                                  max_output_tokens=1)
+    await client.responses.create(model=MODEL, input="Anonymous", store=False, max_output_tokens=1)
+    key = "resp:" + root.id
+    assert seen == [(key, True), (key, True), (key, False), (None, True)]
+    await client.close()
