@@ -211,3 +211,42 @@ async def test_default_thinking_budget_forces_the_close(start_server):
     assert "Considering the limited time" in msg["reasoning_content"]  # the guidance streams as reasoning
     assert "</think>" not in msg["reasoning_content"] and msg["content"]  # generation continued after it
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] > 3  # forced guidance counts
+
+
+async def test_zero_max_tokens_is_prompt_processing_only(start_server):
+    srv = await start_server()
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = (await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 0})).json()
+    assert r["usage"]["completion_tokens"] == 0 and r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["message"]["content"] == ""
+    t = r["timings"]
+    assert t["predicted_n"] == 0 and t["predicted_per_second"] == 0.0 and t["predicted_per_token_ms"] == 0.0
+    check_timings(t, r["usage"])
+
+
+async def test_cache_hints_become_exact_token_boundaries(start_server, tmp_path):
+    log = tmp_path / "log.jsonl"
+    srv = await start_server("--max-context", "1024", "--request-log-jsonl", str(log))
+    enc = srv.state.prompts.tokenizer.encode
+    closing = 3 + len(enc("\n")) * 2 + len(enc("assistant\n"))  # <|im_end|>\n<|im_start|>assistant\n<think>\n
+    body_text = ("The capital of France is Paris and the capital of Germany is Berlin. " * 6).strip()
+    marked = [{"role": "system", "content": [{"type": "text", "text": "Be brief.",
+                                              "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+              {"role": "user", "content": body_text}]
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        async def ask(messages, **extra):
+            return (await c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                               "max_tokens": 1, **extra})).json()
+
+        r1 = await ask([{"role": "user", "content": body_text}])
+        r2 = await ask([{"role": "user", "content": body_text + " What about Spain?"}])
+        r3 = await ask(marked)
+        r4 = await ask(marked, prompt_cache_options={"mode": "explicit"})
+    starts = [json.loads(line) for line in log.read_text().splitlines()]
+    bounds = [r["cache_boundaries"] for r in starts if r["event"] == "request_start"]
+    # The implicit boundary ends the latest content part, before the message's closing tokens.
+    assert bounds[0] == [r1["usage"]["prompt_tokens"] - closing]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == bounds[0][0]  # the grown message reuses it
+    system_end = len(enc("Be brief.")) + 1 + len(enc("system\n"))  # <|im_start|>system\nBe brief.
+    assert bounds[2] == [system_end, r3["usage"]["prompt_tokens"] - closing]  # explicit first, then implicit
+    assert bounds[3] == [system_end]  # mode explicit: no implicit write
