@@ -236,18 +236,28 @@ class EngineCore:
     def _post_prompt(self, unit, now: float) -> None:
         c, seq = self.counters, unit.seq
         seq.computed = unit.end
-        seq.prefill_units += 1
-        c.prefill_units += 1
-        fresh_from = max(unit.start, seq.prompt_high)
-        if unit.replay or fresh_from > unit.start:
-            replayed = (unit.end - unit.start) if unit.replay else min(unit.end, seq.prompt_high) - unit.start
-            seq.replayed_tokens += replayed
-            c.replayed_tokens += replayed
-        if not unit.replay and unit.end > seq.prompt_high:
-            c.prefill_tokens += unit.end - fresh_from
-            seq.prompt_high = unit.end
-            self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, unit.end,
-                                           (now - seq.t_admit) * 1000.0))
+        if not unit.control:
+            seq.prefill_units += 1
+            c.prefill_units += 1
+        if unit.control:
+            seq.control_units += 1
+            c.control_units += 1
+            if not seq.needs_prompt_work:
+                seq.in_control = False
+        elif unit.replay:
+            seq.replayed_tokens += unit.end - unit.start
+            c.replayed_tokens += unit.end - unit.start
+        else:
+            # Prompt positions below the high-water mark were computed before a pause: recovery.
+            fresh_from = max(unit.start, seq.prompt_high)
+            if fresh_from > unit.start:
+                seq.replayed_tokens += min(unit.end, seq.prompt_high) - unit.start
+                c.replayed_tokens += min(unit.end, seq.prompt_high) - unit.start
+            if unit.end > seq.prompt_high:
+                c.prefill_tokens += unit.end - fresh_from
+                seq.prompt_high = unit.end
+                self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, unit.end,
+                                               (now - seq.t_admit) * 1000.0))
         while seq.pending_captures and seq.pending_captures[0] <= seq.computed:
             self.scheduler.capture(seq, seq.pending_captures.pop(0))
             c.prefix_captures += 1
@@ -263,12 +273,6 @@ class EngineCore:
         if seq.phase is not Phase.RESIDENT:
             return
         c = self.counters
-        forced = bool(seq.forced)
-        if forced:
-            token = seq.forced.popleft()
-            seq.forced_total += 1
-            seq.control_units += 1
-            c.forced_tokens += 1
         seq.append(token)
         c.generation_tokens += 1
         if seq.t_first is None:
@@ -278,24 +282,42 @@ class EngineCore:
         self._emit(seq, TokenDelta((token,)))
         thinking = seq.request.thinking
         if seq.in_thinking:
-            if forced:
-                if not seq.forced:
-                    seq.in_thinking = False  # the close marker is committed
-            else:
-                seq.thinking_count += 1
-                if token == thinking.end_think_id:
-                    seq.in_thinking = False
-        if not forced and token in seq.stop_ids:
+            seq.thinking_count += 1
+            if token == thinking.end_think_id:
+                seq.in_thinking = False
+        if token in seq.stop_ids:
             self._finish(seq, "stop", "eos")
-        elif seq.n_output >= seq.request.max_tokens:
+        elif not self._finish_at_limits(seq) and (
+                seq.in_thinking and thinking.budget is not None and seq.thinking_count >= thinking.budget):
+            self._force_close(seq, thinking.close_ids, now)
+
+    def _finish_at_limits(self, seq: Sequence) -> bool:
+        if seq.n_output >= seq.request.max_tokens:
             self._finish(seq, "length", "max_tokens")
         elif len(seq.tokens) >= seq.limit:
             self._finish(seq, "length", "context")
-        elif (seq.in_thinking and not seq.forced and thinking.budget is not None
-              and seq.thinking_count >= thinking.budget):
-            seq.forced.extend(thinking.close_ids)
-            seq.budget_applied += 1
-            c.thinking_budget_applied += 1
+        else:
+            return False
+        return True
+
+    def _force_close(self, seq: Sequence, ids: tuple[int, ...], now: float) -> None:
+        """The thinking budget is spent: commit the close suffix without sampling it. The
+        sequence's frontier moves past its KV, so its next unit is one control chunk that writes
+        the suffix's KV (the prompt-work path), after which it decodes normally."""
+        c = self.counters
+        for token in ids:
+            seq.append(token)
+        n = len(ids)
+        c.generation_tokens += n
+        c.forced_tokens += n
+        c.thinking_budget_applied += 1
+        seq.forced_total += n
+        seq.budget_applied += 1
+        seq.in_thinking = False
+        seq.in_control = True
+        seq.t_last = now
+        self._emit(seq, TokenDelta(tuple(ids)))
+        self._finish_at_limits(seq)
 
     def _emit(self, seq: Sequence, event) -> None:
         # Always mark: the consumer may drain the outbox concurrently, so "was empty" is unsound.
@@ -380,7 +402,8 @@ class EngineCore:
             forced_tokens_total=c.forced_tokens, preemptions_total=c.preemptions,
             snapshot_restores_total=c.snapshot_restores, replay_restores_total=c.replay_restores,
             decode_rounds_total=c.decode_rounds, decode_row_rounds_total=c.decode_row_rounds,
-            prefill_units_total=c.prefill_units, prefix_hits_total=c.prefix_hits,
+            prefill_units_total=c.prefill_units, control_units_total=c.control_units,
+            prefix_hits_total=c.prefix_hits,
             prefix_captures_total=c.prefix_captures, cow_copies_total=c.cow_copies,
             thinking_budget_applied_total=c.thinking_budget_applied,
             context_transfer_bytes_total=dict(c.transfer_bytes),

@@ -49,7 +49,8 @@ class PromptUnit:
     start: int
     end: int
     sample: bool
-    replay: bool
+    replay: bool  # rebuilding committed tokens after a pause
+    control: bool = False  # writing the KV of forced (not sampled) tokens
     result: np.ndarray | None = None  # sampled token (when ``sample``), set by execution
 
 
@@ -132,17 +133,33 @@ class Scheduler:
         self._reserve_residents(plan)
         if self.waiting or self.paused:
             self._admit(plan)
-        owner = self.owner
-        if owner is not None:
-            end = min(owner.computed + self.config.prefill_chunk, owner.frontier)
-            self._ensure_pages(owner, end)
-            sample = owner.n_output == 0 and end == owner.prompt_len and owner.request.max_tokens > 0
-            plan.prompt = PromptUnit(owner, owner.computed, end, sample, owner.n_output > 0)
+        unit = self._control_unit(plan) or self.owner
+        if unit is not None:
+            end = min(unit.computed + self.config.prefill_chunk, unit.frontier)
+            self._ensure_pages(unit, end)
+            sample = unit.n_output == 0 and end == unit.prompt_len and unit.request.max_tokens > 0
+            control = unit.n_output > 0 and unit.in_control
+            plan.prompt = PromptUnit(unit, unit.computed, end, sample,
+                                     replay=unit.n_output > 0 and not control, control=control)
         for seq in self.residents():
-            if seq is not owner and seq.computed == seq.frontier:
+            if seq.computed == seq.frontier:
                 self._ensure_pages(seq, seq.computed + 1)
                 plan.decode.append(seq)
         return plan
+
+    def _control_unit(self, plan: Plan) -> Sequence | None:
+        """A resident whose committed tokens outran its KV (a forced thinking-close suffix) needs
+        one control chunk. When it is older than the prompt-work owner it runs first — the owner
+        skips one step — so the oldest resident keeps progressing. Its penalty counts are
+        rebound to include the suffix (prefill does not count tokens)."""
+        owner = self.owner
+        for seq in self.residents():
+            if owner is not None and seq.rid > owner.rid:
+                return None
+            if seq.in_control and seq.needs_prompt_work:
+                plan.binds.append((seq.lane, seq.output[:-1]))
+                return seq
+        return None
 
     def _unit_end(self, seq: Sequence) -> int:
         """Positions covered once ``seq``'s next unit ran."""
@@ -201,6 +218,7 @@ class Scheduler:
         else:
             plan.pauses.append(Pause(seq, route, []))
             seq.computed = 0
+            seq.in_control = False  # everything past the prompt is now replay work
         seq.route = route
         self._unbind(seq)
         self.pool.decref(seq.pages)

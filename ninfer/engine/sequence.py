@@ -58,7 +58,7 @@ class Sequence:
         # Thinking budget.
         self.in_thinking = request.thinking.starts_in_thinking
         self.thinking_count = 0
-        self.forced: collections.deque[int] = collections.deque()
+        self.in_control = False  # forced ids committed whose KV a control chunk still writes
         self.budget_applied = 0
         self.forced_total = 0
         # Pause state.

@@ -64,6 +64,7 @@ class Counters:
         self.decode_rounds = 0
         self.decode_row_rounds = 0
         self.prefill_units = 0
+        self.control_units = 0
         self.prefix_hits = 0
         self.prefix_captures = 0
         self.cow_copies = 0
@@ -122,6 +123,7 @@ class StatsSnapshot:
     decode_rounds_total: int
     decode_row_rounds_total: int
     prefill_units_total: int
+    control_units_total: int
     prefix_hits_total: int
     prefix_captures_total: int
     cow_copies_total: int

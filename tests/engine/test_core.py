@@ -201,6 +201,11 @@ def test_thinking_budget_forces_the_close_suffix():
     f = finished(s)
     assert f.scheduling.thinking_budget_applied == 1 and f.scheduling.forced_tokens == 3
     assert f.usage.completion_tokens == 12
+    # The suffix is committed at once (one delta) and its KV written by one control unit.
+    assert (11, 12, 13) in [e.token_ids for e in s.outbox if isinstance(e, TokenDelta)]
+    assert f.engine_timing.control_units == 1 and f.engine_timing.decode_rounds == 12 - 1 - 3 - 1 + 1
+    # After the suffix the model continues from the context that now holds it.
+    assert out[8:] == alone(prompt(9, 20) + out[:8], 4)
 
 
 def test_natural_end_of_thinking_cancels_the_budget():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ninfer.engine import EngineConfig
+from ninfer.engine import EngineConfig, ThinkingControl
 from ninfer.engine.events import Finished, TokenDelta
 from ninfer.engine.scheduler import MAX_BYPASS
 from ninfer.engine.sequence import Phase
@@ -19,7 +19,9 @@ request_st = st.tuples(
     st.integers(0, 40),  # max tokens
     st.integers(0, 3),  # prompt family (shared prefixes)
     st.one_of(st.none(), st.integers(0, 60)),  # cancel this many steps after arrival
+    st.one_of(st.none(), st.integers(1, 12)),  # thinking budget (the request starts thinking)
 )
+CLOSE = (61, 62)
 
 
 def prompt(family: int, n: int) -> list[int]:
@@ -33,12 +35,18 @@ def outputs(seq) -> list[int]:
 _alone_cache: dict = {}
 
 
-def alone(p: tuple, max_tokens: int) -> list[int]:
-    key = (p, max_tokens)
+def thinking(budget):
+    if budget is None:
+        return ThinkingControl()
+    return ThinkingControl(starts_in_thinking=True, budget=budget, close_ids=CLOSE, end_think_id=63)
+
+
+def alone(p: tuple, max_tokens: int, budget=None) -> list[int]:
+    key = (p, max_tokens, budget)
     if key not in _alone_cache:
         d = CoreDriver(EngineConfig(max_concurrency=1, max_context=128, kv_capacity=128, page_size=8,
                                     prefix_reuse=False, prefill_chunk=16))
-        s = d.submit(list(p), max_tokens)
+        s = d.submit(list(p), max_tokens, thinking=thinking(budget))
         d.run()
         _alone_cache[key] = outputs(s)
     return _alone_cache[key]
@@ -54,13 +62,17 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, kv_pages, host
     d = CoreDriver(cfg)
     core, sched = d.core, d.core.scheduler
     arrivals = sorted(enumerate(requests), key=lambda x: (x[1][0], x[0]))
-    seqs, admitted_order = {}, []
+    seqs, admitted_order, budgets = {}, [], {}
     step = 0
     while step < 5000:
-        for i, (at, n, mt, fam, _) in arrivals:
+        for i, (at, n, mt, fam, _, budget) in arrivals:
             if at == step and i not in seqs:
                 n = min(n, core.limit - 1)
-                seqs[i] = d.submit(prompt(fam, n), mt)
+                capacity = min(mt, core.limit - n)
+                if budget is not None and budget < capacity < budget + len(CLOSE) + 1:
+                    budget = None  # preparation would reject it (tested elsewhere)
+                budgets[i] = budget
+                seqs[i] = d.submit(prompt(fam, n), mt, thinking=thinking(budget))
         for i, s in seqs.items():
             cancel_after = requests[i][4]
             if cancel_after is not None and step == requests[i][0] + cancel_after:
@@ -95,11 +107,12 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, kv_pages, host
         assert list(f.generated_token_ids) == outputs(s)
         if f.reason != "cancelled":
             # Whatever happened around it, greedy output equals the request run alone.
-            assert outputs(s) == alone(tuple(s.request.prompt), s.request.max_tokens)[: len(outputs(s))]
-            assert len(outputs(s)) == len(alone(tuple(s.request.prompt), s.request.max_tokens))
+            expected = alone(tuple(s.request.prompt), s.request.max_tokens, budgets[i])
+            assert outputs(s) == expected
     event(f"preemptions>0: {core.counters.preemptions > 0}")
     event(f"snapshot restores>0: {core.counters.snapshot_restores > 0}")
     event(f"prefix hits>0: {core.counters.prefix_hits > 0}")
+    event(f"thinking budget applied: {core.counters.thinking_budget_applied > 0}")
     # Every page, slot and Host byte is back once the retained prefixes are dropped.
     assert core.slots.used == 0 and core.host.used == 0
     if core.cache is not None:
