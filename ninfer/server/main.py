@@ -79,10 +79,31 @@ def _artifact_path(args: argparse.Namespace) -> str:
     from ninfer import demo
 
     log.info("no artifact given: loading the demo model %s", demo.MODEL_NAME)
+    # First use converts the GGUF: a redrawn bar on a terminal only; redirected stderr stays records.
+    bar = _TerminalProgress() if sys.stderr.isatty() else None
     try:
-        return os.fspath(demo.default_artifact())
+        path = os.fspath(demo.default_artifact(bar))
     except demo.DemoModelMissing as e:
         raise StartupError(str(e)) from None
+    if bar is not None:
+        bar.close()
+    return path
+
+
+class _TerminalProgress:
+    def __init__(self) -> None:
+        from ninfer.convert.progress import Progress
+
+        self._bar = Progress("converting the demo model")
+        self._used = False
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        self._used = True
+        self._bar(done, total, name)
+
+    def close(self) -> None:
+        if self._used:
+            self._bar.finish()
 
 
 def _text_side(path: str, args: argparse.Namespace):
