@@ -7,6 +7,7 @@ progress event), so the uncached/cache-read split in it is already exact.
 
 from __future__ import annotations
 
+import logging
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -17,6 +18,8 @@ from ninfer.server.sse import data_frame
 from protocols import anthropic_messages as am
 from protocols.anthropic_output import BlockAssembler
 from protocols.errors import ProtocolError
+
+log = logging.getLogger("ninfer.server")
 
 
 def _shape(req: am.MessagesRequest) -> dict:
@@ -96,8 +99,13 @@ async def _stream(ex: Exchange, session: GenerationSession, req: am.MessagesRequ
                     raise RuntimeError("output before admission progress")
                 for e in asm.feed(ev):
                     yield _frame(e)
-    except ProtocolError as err:
-        # The stream has started: the failure becomes an Anthropic error event.
+    except Exception as exc:
+        # The stream has started: the failure becomes an Anthropic error event. Invariant
+        # failures stay internal: logged with their traceback, reported without details.
+        err = exc if isinstance(exc, ProtocolError) else None
+        if err is None:
+            log.error("internal error in Messages stream (request %s)", ex.request_id, exc_info=exc)
+            err = ProtocolError("internal_error", "The server failed while generating this message.")
         yield _frame(err.anthropic_body(ex.request_id))
 
 

@@ -8,6 +8,7 @@ HTTP errors; after it starts they become ``response.failed``.
 
 from __future__ import annotations
 
+import logging
 import time
 import urllib.parse
 from contextlib import aclosing
@@ -27,6 +28,7 @@ from protocols.conversation import Conversation
 from protocols.errors import ProtocolError, invalid_value, unsupported
 
 SESSION_PREFIX = "resp:"
+log = logging.getLogger("ninfer.server")
 
 
 @attrs.define
@@ -147,10 +149,17 @@ async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: st
                     continue
                 for e in asm.feed(ev):
                     yield frame(e)
-    except ProtocolError as err:
+    except Exception as exc:  # the stream has started: every failure ends it with response.failed
+        err = exc if isinstance(exc, ProtocolError) else _internal(ex, exc)
         error = {"code": err.code, "message": err.message}
         failed = out.response_object(rid, plan.req, created, "failed", asm.items, None, error)
         yield frame({"type": "response.failed", "response": failed})
+
+
+def _internal(ex: Exchange, exc: Exception) -> ProtocolError:
+    # An invariant failure stays internal: logged with its traceback, reported without details.
+    log.error("internal error in Responses stream (request %s)", ex.request_id, exc_info=exc)
+    return ProtocolError("internal_error", "The server failed while generating this Response.")
 
 
 # --- the local store --------------------------------------------------------------------------

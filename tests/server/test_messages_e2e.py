@@ -244,3 +244,22 @@ async def test_queue_timeout_is_504(start_server):
             r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 1, "messages": HI})
             assert r.status_code == 504
             assert r.json()["error"]["type"] == "timeout_error" and r.json()["request_id"] == r.headers["request-id"]
+
+
+async def test_internal_failure_mid_stream_is_an_error_event(start_server, monkeypatch):
+    from protocols.anthropic_output import BlockAssembler
+
+    srv = await start_server(scripted=True)
+    start_server.runner.scripts.append(script(srv.state.prompts.tokenizer, "Hi there"))
+
+    def broken(self, ev):
+        raise RuntimeError("assembler invariant broken")
+
+    monkeypatch.setattr(BlockAssembler, "feed", broken)
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 3, "messages": HI, "stream": True})
+    events = sse_events(r.text)
+    assert [n for n, _ in events] == ["message_start", "ping", "error"]
+    err = events[-1][1]
+    assert err["error"]["type"] == "api_error" and err["request_id"] == r.headers["request-id"]
+    assert "invariant" not in r.text

@@ -210,3 +210,24 @@ async def test_session_keys_follow_the_stored_chain(start_server, monkeypatch):
     key = "resp:" + root.id
     assert seen == [(key, True), (key, True), (key, False), (None, True)]
     await client.close()
+
+
+async def test_internal_failure_mid_stream_is_response_failed(start_server, monkeypatch, caplog):
+    from protocols.responses_output import OutputAssembler
+
+    srv = await start_server(scripted=True)
+    start_server.runner.scripts.append(script(srv.state.prompts.tokenizer, "Hi there"))
+
+    def broken(self, ev):
+        raise RuntimeError("assembler invariant broken")
+
+    monkeypatch.setattr(OutputAssembler, "feed", broken)
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 3,
+                                                "stream": True})
+    events = sse_events(r.text)
+    assert [n for n, _ in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "internal_error"
+    assert "invariant" not in r.text  # internals are logged, not sent
+    assert any("assembler invariant broken" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
