@@ -154,7 +154,11 @@ class Worker:
     def _shutdown(self, error: EngineUnavailable) -> None:
         self.ready = False
         for seq in list(self._live.values()):
-            self.core.fail(seq, error, "error")
+            try:
+                self.core.fail(seq, error, "error")
+            except Exception:  # the failure may have left pools mid-update: still tell the request
+                seq.outbox.append(error)
+                self.core.touched.append(seq)
         with self._cond:
             for command, arg in self._inbox:
                 if command == "submit":

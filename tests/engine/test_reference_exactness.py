@@ -120,3 +120,18 @@ async def test_engine_opens_an_artifact_path_on_the_reference_backend(artifact, 
     cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
     assert ids == expected[:cut]
     assert events[-1].reason == ("stop" if cut < len(expected) else "length")
+
+
+def test_penalties_and_thinking_budget_survive_a_replay_pause(artifact, alone):
+    from ninfer.engine import ThinkingControl
+
+    sampled = SamplingOverrides(temperature=0.8, seed=7, presence_penalty=1.0, frequency_penalty=0.5)
+    think = ThinkingControl(starts_in_thinking=True, budget=6, close_ids=(900, 901, 902), end_think_id=902)
+    d = driver(artifact, max_concurrency=2, kv_capacity=96, max_context=96, host_context_mib=0, prefix_reuse=False)
+    older = d.submit(prompt(8, 40), 30)
+    young = d.submit(prompt(9, 40), 30, sampling=sampled, thinking=think)
+    d.run()
+    assert end(young).scheduling.replay_restores >= 1
+    assert out(older) == alone(prompt(8, 40), 30)
+    expected = alone(prompt(9, 40), 30, sampling=sampled, thinking=think)
+    assert out(young) == expected and tuple(expected[6:9]) == (900, 901, 902)
