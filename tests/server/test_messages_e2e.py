@@ -263,3 +263,13 @@ async def test_internal_failure_mid_stream_is_an_error_event(start_server, monke
     err = events[-1][1]
     assert err["error"]["type"] == "api_error" and err["request_id"] == r.headers["request-id"]
     assert "invariant" not in r.text
+
+
+async def test_context_exhaustion_is_model_context_window_exceeded(start_server):
+    srv = await start_server("--max-context", "64")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 1000, "messages": HI})
+    body = r.json()
+    assert body["stop_reason"] == "model_context_window_exceeded"
+    u = body["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] + u["output_tokens"] == 64
