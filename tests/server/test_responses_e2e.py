@@ -231,3 +231,11 @@ async def test_internal_failure_mid_stream_is_response_failed(start_server, monk
     assert failed["status"] == "failed" and failed["error"]["code"] == "internal_error"
     assert "invariant" not in r.text  # internals are logged, not sent
     assert any("assembler invariant broken" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
+
+
+async def test_context_exhaustion_is_incomplete(start_server):
+    srv = await start_server("--max-context", "64")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = (await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1000})).json()
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert r["usage"]["total_tokens"] == 64 and r["completed_at"] is None
