@@ -73,6 +73,12 @@ async def test_sdk_stream_and_raw_event_sequence(start_server):
         final = await stream.get_final_response()
     assert "".join(deltas) == final.output_text == "Paris it is." and final.status == "completed"
 
+    runner.scripts.append(call(tok, "mcp__wx__get_weather"))  # the SDK accumulator over a namespaced call
+    async with client.responses.stream(model=MODEL, input="Weather?", tools=[FN, NS]) as stream:
+        final = await stream.get_final_response()
+    (fc,) = [i for i in final.output if i.type == "function_call"]
+    assert (fc.name, fc.namespace, json.loads(fc.arguments)) == ("get_weather", "mcp__wx", {"city": "Paris", "days": 3})
+
     runner.scripts.append(call(tok, "mcp__wx__get_weather"))
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Weather?", "tools": [FN, NS],
