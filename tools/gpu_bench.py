@@ -4,8 +4,9 @@
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator), decode tok/s at batch 1/4/8 for contexts 512 and 8192 (CUDA Graph replay),
-achieved GB/s and % of roofline (weights + KV bytes read per step / copy bandwidth), host time per
-step, prefill tok/s for one prompt, and the Hugging Face transformers peer on the same shape.
+achieved GB/s and % of roofline (weights + KV bytes read per step / copy bandwidth), host time and
+host CPU per step, the GEMV alone, with ``--ablation`` the step time with each kernel family left
+out of the graph, prefill tok/s for one prompt, and the Hugging Face transformers peer.
 torch is used only to make the random weights on the GPU and to run the peer; NInfer itself runs
 through cuda.bindings and our PTX. KV contents are whatever the pool holds (zeros at start): our
 kernels' time does not depend on the values.
@@ -48,9 +49,8 @@ def copy_bandwidth(device: rt.Device, stream, nbytes: int = 4 << 30, reps: int =
         ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime")
         if i >= 2:
             times.append(ms / 1e3)
-    rt.check(rt.cu.cuMemFree(a.addr), "cuMemFree")
-    rt.check(rt.cu.cuMemFree(b.addr), "cuMemFree")
-    device._allocations = [x for x in device._allocations if x not in (a.addr, b.addr)]
+    device.free(a)
+    device.free(b)
     return 2 * nbytes / float(np.median(times))
 
 
@@ -185,9 +185,9 @@ def ablate(runner, batch: int, context: int, reps: int = 20) -> dict[str, float]
     return out
 
 
-def bench_gemv(runner, tensors_bytes: rt.DevicePtr, n: int, k: int, reps: int = 20) -> dict[str, float]:
+def bench_gemv(runner, weight: rt.DevicePtr, n: int, k: int, reps: int = 20) -> dict[str, float]:
     """GB/s of the decode GEMV alone on one [n, k] bf16 weight, for each row count M."""
-    dev, stream, fwd = runner.device, runner.stream, runner.forward
+    dev, stream = runner.device, runner.stream
     start, stop = dev.event(timing=True), dev.event(timing=True)
     out = {}
     b = runner.buffers
@@ -195,7 +195,7 @@ def bench_gemv(runner, tensors_bytes: rt.DevicePtr, n: int, k: int, reps: int = 
         for rows in (1, 2, 4, 8):
             kernel = runner.kernels[f"gemv_m{rows}{variant}"]
             grid, block = (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],)
-            args = (b.gate_up, b.h, tensors_bytes, rows, n, k, n)
+            args = (b.gate_up, b.h, weight, rows, n, k, n)
             kernel.launch(grid, block, args, stream)  # warm-up
             rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
             for _ in range(reps):

@@ -148,6 +148,13 @@ class Device:
         self._allocations.append(int(addr))
         return DevicePtr(int(addr), nbytes, label)
 
+    def free(self, ptr: DevicePtr) -> None:
+        """Return a whole allocation made by ``alloc`` (not a sub-range of one)."""
+        if ptr.addr not in self._allocations:
+            raise ValueError(f"{ptr.label}: 0x{ptr.addr:x} is not an allocation of this device")
+        check(cu.cuMemFree(ptr.addr), f"cuMemFree({ptr.label})")
+        self._allocations.remove(ptr.addr)
+
     def pinned(self, nbytes: int) -> np.ndarray:
         """Page-locked host memory as a uint8 array (staging for uploads and step inputs)."""
         addr = check(cu.cuMemHostAlloc(max(1, nbytes), 0), "cuMemHostAlloc")
