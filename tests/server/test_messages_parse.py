@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from protocols.anthropic_messages import TOOL_ERROR_MARK, parse_request, stop_reason, usage
 from protocols.anthropic_output import BlockAssembler
 from protocols.errors import ProtocolError
-from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 
 HI = [{"role": "user", "content": "hi"}]
 TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
@@ -45,7 +45,8 @@ def test_system_string_array_and_billing_header_rule():
     assert roles(parse(system="Be brief.")) == [("system", "Be brief."), ("user", "hi")]
     arr = [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]
     assert roles(parse(system=arr))[0] == ("system", "AB")  # blocks join without separators
-    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0", "cache_control": {"type": "ephemeral"}}
+    header = {"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0",
+              "cache_control": {"type": "ephemeral"}}
     req = parse(system=[header, {"type": "text", "text": "Rules."}])
     assert roles(req)[0] == ("system", "Rules.")
     assert not any(p.cache_breakpoint for m in req.conversation.messages for p in m.parts)  # consumed with it
@@ -59,7 +60,8 @@ def test_system_string_array_and_billing_header_rule():
 
 
 def test_history_joins_same_role_turns_and_keeps_system_positions():
-    req = parse(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
+    req = parse(messages=[{"role": "user", "content": "a"},
+                          {"role": "user", "content": [{"type": "text", "text": "b"}]},
                           {"role": "assistant", "content": "c"}, {"role": "system", "content": "s"},
                           {"role": "user", "content": "d"}])
     assert roles(req) == [("user", "ab"), ("assistant", "c"), ("system", "s"), ("user", "d")]
@@ -101,7 +103,8 @@ def _result(cid: str, content="r", **kw) -> dict:
 
 def test_tool_results_matched_reordered_and_marked():
     msgs = [*HI, {"role": "assistant", "content": [_call("t1"), _call("t2")]},
-            {"role": "user", "content": [_result("t2", "two", is_error=True), _result("t1", [{"type": "text", "text": "one"}]),
+            {"role": "user", "content": [_result("t2", "two", is_error=True),
+                                         _result("t1", [{"type": "text", "text": "one"}]),
                                          {"type": "text", "text": "next"}]}]
     conv = parse(messages=msgs).conversation
     assert [(m.role, m.tool_call_id, m.text) for m in conv.messages[2:]] == [

@@ -8,8 +8,7 @@ import httpx
 import openai
 import pytest
 
-from server.test_messages_e2e import script
-from server.test_messages_e2e import sse_events
+from server.test_messages_e2e import script, sse_events
 
 MODEL = "random-tiny-qwen3"
 FN = {"type": "function", "name": "get_weather",

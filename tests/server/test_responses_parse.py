@@ -125,7 +125,8 @@ def test_message_items_roles_parts_and_replay():
              {"role": "developer", "content": [{"type": "input_text", "text": "D"}]},
              {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
              {"type": "message", "role": "assistant", "status": "completed", "phase": "final_answer",
-              "content": [{"type": "output_text", "text": "x", "annotations": []}, {"type": "refusal", "refusal": "r"}]},
+              "content": [{"type": "output_text", "text": "x", "annotations": []},
+                          {"type": "refusal", "refusal": "r"}]},
              {"role": "user", "content": "next"}]
     c = conv(input=items)
     assert [(m.role, m.text) for m in c.messages] == [("system", "S"), ("developer", "D"), ("user", "ab"),
@@ -175,7 +176,8 @@ def test_assistant_grouping_and_result_reordering():
              _out("c1", [{"type": "input_text", "text": "sunny"}])]
     c = conv(input=items, tools=[FN, NS])
     assert msgs(c) == [("user", "q", None, (), None),
-                       ("assistant", "Checking.", "think", (("c1", "get_weather"), ("c2", "mcp__weather__alerts")), None),
+                       ("assistant", "Checking.", "think",
+                        (("c1", "get_weather"), ("c2", "mcp__weather__alerts")), None),
                        ("tool", "sunny", None, (), "c1"), ("tool", "none", None, (), "c2")]
     assert c.messages[1].tool_calls[0].arguments == {"city": "Paris"}
     # A reasoning-only turn is retained; multiple message Items append their parts.
