@@ -197,3 +197,52 @@ async def test_malformed_context_cost_presets_abort_startup(tmp_path):
     cfg = config(context_cost_presets=str(good))
     async with Engine.open(runner_for(cfg), cfg) as engine:
         assert engine.stats().context_cost_source.endswith("prefill[1]")
+
+
+async def test_many_concurrent_requests_with_cancels_and_stops_end_cleanly():
+    """Worker/trio races: 40 requests over 4 lanes and a small KV pool, some cancelled
+    mid-stream, some stopped, some timing out; every handle ends once and nothing leaks."""
+    cfg = config(max_concurrency=4, max_pending_requests=40, kv_capacity=256, max_context=128,
+                 prefill_chunk=16, host_context_mib=1, pending_timeout_ms=20000)
+    runner = runner_for(cfg)
+    outcomes = []
+
+    async def one(i: int):
+        with engine.reserve() as ticket:
+            handle = ticket.submit(GenerationRequest(prompt=[(i % 7) + 1] * (10 + i % 30), max_tokens=20 + i % 25,
+                                                     sampling=GREEDY))
+            seen = 0
+            with trio.move_on_after(0.002 * (i % 5)) if i % 3 == 0 else _null():
+                async for event in handle:
+                    if isinstance(event, TokenDelta):
+                        seen += len(event.token_ids)
+                        if i % 4 == 1 and seen >= 3:
+                            handle.stop()
+                    if isinstance(event, Finished):
+                        outcomes.append(event.reason)
+                        return
+            outcomes.append("left")
+
+    async with Engine.open(runner, cfg) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(one, i)
+        for _ in range(200):
+            stats = engine.stats()
+            if sum(stats.requests_total.values()) == 40 and stats.requests_running == 0:
+                break
+            await trio.sleep(0.01)
+        assert sum(stats.requests_total.values()) == 40
+        assert stats.device_state_used_slots == 0 and stats.host_context_used_bytes == 0
+        assert engine._core.cache.reclaim(10**6) == stats.device_kv_used_pages
+    assert len(outcomes) == 40 and set(outcomes) <= {"stop", "length", "cancelled", "left"}
+    # A consumer may leave after the engine already finished its request: that one is not "cancelled".
+    assert 0 < stats.requests_total.get("cancelled", 0) <= outcomes.count("left")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
