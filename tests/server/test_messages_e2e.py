@@ -273,3 +273,27 @@ async def test_context_exhaustion_is_model_context_window_exceeded(start_server)
     assert body["stop_reason"] == "model_context_window_exceeded"
     u = body["usage"]
     assert u["input_tokens"] + u["cache_read_input_tokens"] + u["output_tokens"] == 64
+
+
+async def test_thinking_budget_reaches_the_engine(start_server, monkeypatch):
+    from ninfer.server import generation
+
+    srv = await start_server("--max-context", "1024", "--default-thinking-budget", "64", scripted=True)
+    for _ in range(3):  # short answers: the budget is a cap, not a length
+        start_server.runner.scripts.append(script(srv.state.prompts.tokenizer, "Hi", ("<|im_end|>",)))
+    seen = []
+    real = generation.GenerationRequest
+
+    def recording(**kw):
+        seen.append((kw["thinking"].starts_in_thinking, kw["thinking"].budget, kw["max_tokens"]))
+        return real(**kw)
+
+    monkeypatch.setattr(generation, "GenerationRequest", recording)
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}, {"type": "disabled"}):
+            r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 2000, "messages": HI,
+                                                   "thinking": thinking})
+            assert r.status_code == 200, r.text
+    # enabled: the request's budget; adaptive: the server default; disabled: no thinking, no cap.
+    assert [s[:2] for s in seen] == [(True, 1024), (True, 64), (False, None)]
+    assert all(s[2] == 2000 for s in seen)
