@@ -113,15 +113,25 @@ class App:
                 self._authenticate(request)
             await handler(ex)
         except ProtocolError as err:
-            if not ex.started:
+            if ex.started:
+                self._response_failed()
+            else:
                 await ex.send_error(err)
         except ClientGone:
             pass
         except Exception:
             # Internal invariant failures stay 500s and are logged; the client sees no internals.
             log.exception("internal error on %s %s (request %s)", request.method, request.path, ex.request_id)
-            if not ex.started:
+            if ex.started:
+                self._response_failed()
+            else:
                 await ex.send_error(ProtocolError("internal_error", "The server failed to process the request."))
+
+    def _response_failed(self) -> None:
+        """A failure after the response began (ninfer_response_failures_total)."""
+        metrics = getattr(self.state, "metrics", None)
+        if metrics is not None:
+            metrics.response_failures += 1
 
     def _match(self, request: Request):
         allowed = False

@@ -107,6 +107,7 @@ async def _stream(session: GenerationSession, req: oc.ChatRequest, cid: str, cre
                 yield chunk([oc.chunk_choice(delta)], **extra)
     except ProtocolError as err:
         # The stream has started: a failure becomes an error frame (the SDKs raise it).
+        session.state.metrics.response_failures += 1
         yield data_frame(err.openai_body())
         return
     yield b"data: [DONE]\n\n"

@@ -18,10 +18,12 @@ the JSONL request_start / request_rejected / request_done / request_error events
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, AsyncIterator
 
 import attrs
+import trio
 
 from ninfer.engine import GenerationRequest, SamplingOverrides, ThinkingControl
 from ninfer.engine import errors as engine_errors
@@ -62,13 +64,26 @@ class PromptBuilder:
         self.formatter = formatter
         self.defaults = defaults
         self.eos_ids = eos_ids
+        # The formatter is not thread-safe: every rendering holds this lock, whoever calls.
+        self._lock = threading.Lock()
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def prepare_async(self, conv: Conversation) -> PreparedPrompt:
+        """``prepare`` on a worker thread: a long prompt takes milliseconds to seconds to render and
+        tokenize, and the event loop must keep other streams flowing meanwhile."""
+        return await trio.to_thread.run_sync(self.prepare, conv, limiter=self._limiter)
 
     def prepare(self, conv: Conversation) -> PreparedPrompt:
+        with self._lock:
+            return self._prepare(conv)
+
+    def _prepare(self, conv: Conversation) -> PreparedPrompt:
         kwargs = conv.template_kwargs(thinking_default=self.defaults.thinking,
                                       preserve_default=self.defaults.preserve_thinking)
         messages = conv.template_messages()
         try:
-            prompt = self.formatter.render(messages, conv.template_tools(), add_generation_prompt=True, boundary_messages=(), **kwargs)
+            prompt = self.formatter.render(messages, conv.template_tools(), add_generation_prompt=True,
+                                           boundary_messages=(), **kwargs)
         except TemplateKwargError as e:
             raise ProtocolError("invalid_value", str(e), f"chat_template_kwargs.{e.name}") from None
         except TemplateError as e:
@@ -84,15 +99,15 @@ class PromptBuilder:
         marks = conv.cache_marks()
         if not marks:
             return ()
+        # Render once more with a sentinel after each marked part to find the marks' text offsets.
+        at = {(m.message, m.part) for m in marks}
         marked = [dict(m) for m in messages]
-        for mark in marks:
-            msg = conv.messages[mark.message]
-            # Rebuild the message text with a sentinel after the marked part.
-            pieces = [p.text + (SENTINEL if (mark.message, i) in {(k.message, k.part) for k in marks} else "")
-                      for i, p in enumerate(msg.parts)]
-            marked[mark.message]["content"] = "".join(pieces)
+        for mi in {m.message for m in marks}:
+            parts = conv.messages[mi].parts
+            marked[mi]["content"] = "".join(p.text + (SENTINEL if (mi, i) in at else "") for i, p in enumerate(parts))
         try:
-            text = self.formatter.render(marked, conv.template_tools(), add_generation_prompt=True, boundary_messages=(), **kwargs).text
+            text = self.formatter.render(marked, conv.template_tools(), add_generation_prompt=True,
+                                         boundary_messages=(), **kwargs).text
         except TemplateError:
             return ()
         if text.replace(SENTINEL, "") != prompt.text:
@@ -197,18 +212,17 @@ class GenerationSession:
         except engine_errors.EngineUnavailable:
             self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
         try:
-            self._submit(ticket, conv, gen)
+            try:
+                prepared = await state.prompts.prepare_async(conv)
+            except ProtocolError as err:
+                self._reject(err, conv)
+            self._submit(ticket, conv, gen, prepared)
         except BaseException:
             ticket.release()
             raise
 
-    def _submit(self, ticket: Any, conv: Conversation, gen: GenerationOptions) -> None:
-        state = self.state
-        builder: PromptBuilder = state.prompts
-        try:
-            prepared = builder.prepare(conv)
-        except ProtocolError as err:
-            self._reject(err, conv)
+    def _submit(self, ticket: Any, conv: Conversation, gen: GenerationOptions, prepared: PreparedPrompt) -> None:
+        builder: PromptBuilder = self.state.prompts
         max_tokens = gen.max_tokens if gen.max_tokens is not None else builder.defaults.max_tokens
         budget = gen.thinking_budget if gen.thinking_budget is not None else builder.defaults.thinking_budget
         request = GenerationRequest(
@@ -382,6 +396,4 @@ class GenerationSession:
 
 
 def _is_cancel(e: BaseException) -> bool:
-    import trio
-
     return isinstance(e, (trio.Cancelled, GeneratorExit))

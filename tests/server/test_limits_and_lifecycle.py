@@ -60,6 +60,14 @@ async def test_overload_is_429_and_queue_timeout_is_503(start_server):
         assert overloaded.headers["x-request-id"]
         assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "request_queue_timeout"
         assert (await c.get("/health")).status_code == 200  # saturation is not unavailability
+        # A stream has already started when the deadline passes: the error arrives as a frame.
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "stream": True})
+        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+        assert json.loads(lines[-1][6:])["error"]["code"] == "request_queue_timeout"
+        assert "data: [DONE]" not in lines
+        metrics = (await c.get("/metrics")).text
+        assert "ninfer_response_failures_total 1.0" in metrics
         await busy.aclose()
 
 
