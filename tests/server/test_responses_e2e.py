@@ -244,3 +244,20 @@ async def test_context_exhaustion_is_incomplete(start_server):
         r = (await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1000})).json()
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
     assert r["usage"]["total_tokens"] == 64 and r["completed_at"] is None
+
+
+async def test_undeclared_or_disabled_calls_stay_text(start_server):
+    srv = await start_server("--max-context", "1024", scripted=True)
+    tok = srv.state.prompts.tokenizer
+    runner = start_server.runner
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    for tools, choice, name in (([FN], "auto", "not_declared"), ([FN], "none", "get_weather"),
+                                ([FN, NS], {"type": "allowed_tools", "mode": "auto",
+                                            "tools": [{"type": "function", "name": "get_weather"}]},
+                                 "mcp__wx__get_weather")):
+        runner.scripts.append(call(tok, name))
+        r = await client.responses.create(model=MODEL, input="Weather?", tools=tools, tool_choice=choice)
+        assert [i.type for i in r.output] == ["message"], (choice, name)
+        text = r.output_text
+        assert text.startswith("Checking.\n") and f"<function={name}>" in text and "Paris" in text
+    await client.close()
