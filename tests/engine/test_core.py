@@ -75,7 +75,8 @@ def test_pressure_pauses_the_youngest_and_restores_exactly(host_mib, route):
     assert sched[0].preemptions == 0  # the oldest always progresses
     assert sum(x.preemptions for x in sched) > 0
     if route == "snapshot":
-        assert sum(x.snapshot_restores for x in sched) > 0 and d.core.counters.transfer_bytes[("main_kv", "device_to_host")] > 0
+        assert sum(x.snapshot_restores for x in sched) > 0
+        assert d.core.counters.transfer_bytes[("main_kv", "device_to_host")] > 0
     else:
         assert sum(x.replay_restores for x in sched) > 0 and sum(x.replayed_tokens for x in sched) > 0
         assert d.core.counters.replayed_tokens == sum(x.replayed_tokens for x in sched)

@@ -23,7 +23,8 @@ def config(**kw):
 
 
 def runner_for(cfg: EngineConfig, **kw) -> SimulatedRunner:
-    return SimulatedRunner(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_batch=cfg.max_concurrency, vocab_size=256,
+    return SimulatedRunner(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_batch=cfg.max_concurrency,
+                           vocab_size=256,
                            max_context=cfg.max_context, **kw)
 
 
