@@ -309,6 +309,7 @@ class EngineCore:
             seq.append(token)
         n = len(ids)
         c.generation_tokens += n
+        c.decode_tokens += n  # the spec counts injected control outputs as decode/control output
         c.forced_tokens += n
         c.thinking_budget_applied += 1
         seq.forced_total += n

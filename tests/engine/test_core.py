@@ -205,6 +205,8 @@ def test_thinking_budget_forces_the_close_suffix():
     # The suffix is committed at once (one delta) and its KV written by one control unit.
     assert (11, 12, 13) in [e.token_ids for e in s.outbox if isinstance(e, TokenDelta)]
     assert f.engine_timing.control_units == 1 and f.engine_timing.decode_rounds == 12 - 1 - 3 - 1 + 1
+    # generation = every committed id; decode = all but the first (forced control ids included).
+    assert d.core.counters.generation_tokens == 12 and d.core.counters.decode_tokens == 11
     # After the suffix the model continues from the context that now holds it.
     assert out[8:] == alone(prompt(9, 20) + out[:8], 4)
 
