@@ -10,7 +10,7 @@ import math
 
 from numba import cuda, float32, int32
 
-from numba_kernels.common import F32P, I32P, U16P, bf16_to_f32, block_sum
+from numba_kernels.common import F32P, I32P, U16P, bf16_to_f32, block_sum, f32_to_bf16
 
 
 def embed(out, table, tokens, hidden):
@@ -65,6 +65,15 @@ def silu_mul(out, gate_up, ffn):
         out[row * ffn + i] = g * sig * u
 
 
+def to_bf16(out, x, count):
+    """out[i] = bf16(x[i]), round to nearest even: prefill activations for the tensor-core GEMM.
+
+    Launch: grid ``(ceil(count / 256),)``, block 256."""
+    i = cuda.grid(1)
+    if i < count:
+        out[i] = f32_to_bf16(x[i])
+
+
 def count_tokens(counts, lanes, tokens, rows, vocab):
     """counts[lanes[r], tokens[r]] += 1: a decode input is the lane's previous output token.
 
@@ -82,4 +91,5 @@ KERNELS = {
     "add_rmsnorm": (add_rmsnorm, (F32P, F32P, F32P, F32P, int32, float32)),
     "silu_mul": (silu_mul, (F32P, F32P, int32)),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
+    "to_bf16": (to_bf16, (U16P, F32P, int32)),
 }

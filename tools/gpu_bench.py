@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     max_pages = -(-max_context // PAGE)
     runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
                                             num_pages=max(batches) * max_pages, max_batch=max(batches),
-                                            max_context=max_context, max_prefill_rows=512)
+                                            max_context=max_context, max_prefill_rows=512, prefill_gemm="cublaslt")
     report["startup"] = runner.startup
     report["setup_s"] = time.perf_counter() - t0
     print("startup", json.dumps(runner.startup), flush=True)
@@ -315,8 +315,13 @@ def main(argv=None) -> int:
     for key in ("profile_b1", f"profile_b{max(batches)}"):
         print(key, "us per step:", ", ".join(f"{k} {v:.0f}" for k, v in report[key].items()), flush=True)
     if args.prefill:
-        report["prefill"] = bench_prefill(runner, args.prefill)
-        print("prefill {tokens} tokens: {seconds:.2f} s = {tok_s:.0f} tok/s".format(**report["prefill"]), flush=True)
+        lt = runner.forward.lt
+        for name, engine in (("cublaslt", lt), ("fp32", None)):  # tensor-core GEMMs, then our fp32 kernel
+            runner.forward.lt = engine
+            report[f"prefill_{name}"] = r = bench_prefill(runner, args.prefill)
+            print(f"prefill ({name} GEMMs) {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s",
+                  flush=True)
+        runner.forward.lt = lt
     runner.close()
     del tensors
     torch.cuda.empty_cache()

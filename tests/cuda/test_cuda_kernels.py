@@ -57,6 +57,26 @@ def test_gemv_fewer_rows_than_compiled(gpu):
     assert np.isnan(got[3:]).all()
 
 
+@pytest.mark.parametrize("rows,n,k", [(9, 72, 104), (64, 64, 16), (130, 264, 304)])
+def test_cublaslt_bf16_gemm_and_conversion(gpu, rows, n, k):
+    from ninfer.backends.cuda.cublaslt import WORKSPACE_BYTES, LtMatmul
+
+    rng = np.random.default_rng(rows * n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = from_float32(rng.standard_normal((n, k)))
+    xb = gpu.empty(rows * k * 2)
+    gpu.launch("to_bf16", (-(-(rows * k) // 256),), (256,), (xb, gpu.put(x), rows * k))
+    assert np.array_equal(gpu.get(xb, np.uint16, (rows, k)), from_float32(x))
+    lt = LtMatmul(gpu.device.alloc(WORKSPACE_BYTES, "lt"))
+    try:
+        y = gpu.empty(rows * n * 4)
+        lt.matmul(y, xb, gpu.put(w), rows, n, k, gpu.stream)
+        want = to_float32(from_float32(x)).astype(np.float64) @ to_float32(w).T.astype(np.float64)
+        assert _err(gpu.get(y, np.float32, (rows, n)), want) < 1e-5
+    finally:
+        lt.close()
+
+
 @pytest.mark.parametrize("rows,n,k", [(9, 70, 100), (64, 64, 16), (130, 257, 300)])
 def test_gemm_tiled_matches_numpy(gpu, rows, n, k):
     rng = np.random.default_rng(rows + n + k)

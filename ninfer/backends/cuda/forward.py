@@ -33,6 +33,8 @@ KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 SAMPLE_THREADS = 1024
+LT_WORKSPACE_BYTES = 32 << 20
+PREFILL_GEMMS = ("fp32", "cublaslt")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
 
 
@@ -78,7 +80,7 @@ class Inputs:
 
 class StepBuffers:
     def __init__(self, device: rt.Device, config: DenseConfig, *, page_size: int, num_pages: int,
-                 max_batch: int, max_context: int, max_rows: int, kv_dtype: str):
+                 max_batch: int, max_context: int, max_rows: int, kv_dtype: str, tensor_core_prefill: bool = False):
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
@@ -101,6 +103,9 @@ class StepBuffers:
             "cos": max_context * c.head_dim // 2 * f32, "sin": max_context * c.head_dim // 2 * f32,
             "kv": num_pages * self.page_elems * self.kv_itemsize,
         }
+        if tensor_core_prefill:  # bf16 copies of prefill activations and cuBLASLt's workspace
+            plan["x_bf16"] = R * max(c.hidden_size, c.intermediate_size, c.q_size) * 2
+            plan["lt_workspace"] = LT_WORKSPACE_BYTES
         inputs_bytes = 8 * (3 * R + max_batch * (self.max_pages + 12)) + 256
         self.workspace_bytes = sum(-(-n // 256) * 256 for n in plan.values()) + inputs_bytes + 4096
         self.arena = rt.Arena(device.alloc(self.workspace_bytes, "workspace"))
@@ -127,7 +132,8 @@ class Forward:
     """Enqueues the launches of one step; reads inputs and weights only from static addresses."""
 
     def __init__(self, kernels: rt.Kernels, config: DenseConfig, weights: dict[str, rt.DevicePtr],
-                 buffers: StepBuffers, *, page_size: int, kv_dtype: str):
+                 buffers: StepBuffers, *, page_size: int, kv_dtype: str, lt=None):
+        self.lt = lt  # cublaslt.LtMatmul for prefill GEMMs on the tensor cores, or None (fp32 tiled kernel)
         self.k = kernels
         self.c = config
         self.w = weights
@@ -140,7 +146,7 @@ class Forward:
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
 
     def kernel_names(self) -> list[str]:
-        names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample",
+        names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample", "to_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
 
@@ -148,6 +154,10 @@ class Forward:
         if rows <= GEMV_MAX_ROWS:
             kernel = self.k[f"gemv_m{rows}{GEMV_VARIANT}"]
             kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],), (y, x, w, rows, n, k, n), stream)
+        elif self.lt is not None:
+            xb = self.b.x_bf16
+            self.k["to_bf16"].launch((-(-(rows * k) // 256),), (256,), (xb, x, rows * k), stream)
+            self.lt.matmul(y, xb, w, rows, n, k, stream)
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
 

@@ -21,7 +21,8 @@ import numpy as np
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
-from ninfer.backends.cuda.forward import PREFILL_SPLIT, Forward, StepBuffers, check_supported, decode_split
+from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, PREFILL_GEMMS, PREFILL_SPLIT, Forward, StepBuffers, check_supported,
+                                          decode_split)
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.backends.sampling import TOP_K_CAP
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
@@ -34,7 +35,7 @@ class CudaRunner:
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int, max_batch: int,
                  max_context: int, device: int | rt.Device = 0, kv_dtype: str = "bf16",
-                 cuda_graph: bool = True, max_prefill_rows: int = 512):
+                 cuda_graph: bool = True, max_prefill_rows: int = 512, prefill_gemm: str = "fp32"):
         """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one."""
         if isinstance(artifact, (str, Path)):
             from ninfer.artifact import open_artifact
@@ -47,7 +48,7 @@ class CudaRunner:
         weights, report = wt.upload(dev, stream, config, artifact.tensor)
         self._setup(config, dev, stream, weights, page_size=page_size, num_pages=num_pages,
                     max_batch=max_batch, max_context=max_context, kv_dtype=kv_dtype,
-                    cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows)
+                    cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm)
         self.startup["weights_bytes"] = report.nbytes
         self.startup["weights_upload_gb_per_s"] = round(report.gb_per_s, 2)
 
@@ -55,24 +56,29 @@ class CudaRunner:
     def from_device_weights(cls, config: DenseConfig, weights: Mapping[str, rt.DevicePtr], *,
                             device: rt.Device, page_size: int = 16, num_pages: int, max_batch: int,
                             max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
-                            max_prefill_rows: int = 512) -> CudaRunner:
+                            max_prefill_rows: int = 512, prefill_gemm: str = "fp32") -> CudaRunner:
         """A runner over weights already on ``device`` in the layout of ``weights.device_layout``."""
         check_supported(config, kv_dtype)
         wt.check_device_weights(config, weights)
         runner = cls.__new__(cls)
         runner._setup(config, device, device.stream(), dict(weights), page_size=page_size,
                       num_pages=num_pages, max_batch=max_batch, max_context=max_context,
-                      kv_dtype=kv_dtype, cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows)
+                      kv_dtype=kv_dtype, cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows,
+                      prefill_gemm=prefill_gemm)
         return runner
 
     def _setup(self, config, device, stream, weights, *, page_size, num_pages, max_batch, max_context,
-               kv_dtype, cuda_graph, max_prefill_rows):
+               kv_dtype, cuda_graph, max_prefill_rows, prefill_gemm):
+        if prefill_gemm not in PREFILL_GEMMS:
+            raise ValueError(f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, got {prefill_gemm!r}")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         for name, value in (("num_pages", num_pages), ("max_batch", max_batch), ("max_context", max_context),
                             ("max_prefill_rows", max_prefill_rows)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if max_batch > GEMV_MAX_ROWS:
+            raise ValueError(f"max_batch {max_batch}: the CUDA backend's decode GEMVs take at most {GEMV_MAX_ROWS} rows")
         self.config = config
         self.device = device
         self.stream = stream
@@ -80,9 +86,16 @@ class CudaRunner:
         self.kernels = rt.Kernels(device)
         self.buffers = StepBuffers(device, config, page_size=page_size, num_pages=num_pages,
                                    max_batch=max_batch, max_context=max_context,
-                                   max_rows=max_prefill_rows, kv_dtype=kv_dtype)
+                                   max_rows=max_prefill_rows, kv_dtype=kv_dtype,
+                                   tensor_core_prefill=prefill_gemm == "cublaslt")
         self.buffers.init(stream)
-        self.forward = Forward(self.kernels, config, weights, self.buffers, page_size=page_size, kv_dtype=kv_dtype)
+        self._lt = None
+        if prefill_gemm == "cublaslt":
+            from ninfer.backends.cuda.cublaslt import LtMatmul
+
+            self._lt = LtMatmul(self.buffers.lt_workspace)
+        self.forward = Forward(self.kernels, config, weights, self.buffers, page_size=page_size, kv_dtype=kv_dtype,
+                               lt=self._lt)
         for name in self.forward.kernel_names():  # module loads are not allowed during capture
             self.kernels[name]
         self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
@@ -91,6 +104,7 @@ class CudaRunner:
         self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
         self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
         self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
+                                        "prefill_gemm": prefill_gemm,
                                         "workspace_bytes": self.buffers.workspace_bytes}
         self.graphs: dict[int, rt.Graph] = {}
         if cuda_graph:
@@ -233,6 +247,8 @@ class CudaRunner:
             rt.synchronize(self.stream)
 
     def close(self) -> None:
+        if self._lt is not None:
+            self._lt.close()
         for graph in self.graphs.values():
             graph.destroy()
         self.graphs = {}

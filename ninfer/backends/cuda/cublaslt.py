@@ -1,0 +1,78 @@
+"""bf16 GEMMs on the tensor cores through cuBLASLt (``nvmath.bindings.cublasLt``), for prefill.
+
+``y[rows, n] (fp32) = x[rows, k] (bf16) @ W[n, k].T (bf16)``, accumulated in fp32. In cuBLAS's
+column-major terms that is ``y^T = op(W^T) @ x^T`` with ``W`` seen as a ``k x n`` matrix and
+transposed ("TN"). One descriptor set and the heuristic's first algorithm are cached per shape, so a
+call costs the cuBLASLt launch only. Decode never comes here: its GEMVs keep fp32 activations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer.backends.cuda import runtime as rt
+
+CUDA_R_32F = 0  # cudaDataType_t
+CUDA_R_16BF = 14
+CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+WORKSPACE_BYTES = 32 << 20
+
+
+class LtMatmul:
+    def __init__(self, workspace: rt.DevicePtr):
+        from nvmath.bindings import cublasLt  # the cuda extra; loaded only when prefill asks for it
+
+        self.lt = cublasLt
+        self.workspace = workspace
+        self.handle = cublasLt.create()
+        self._plans: dict[tuple[int, int, int], tuple] = {}
+        self._alpha = np.ones(1, np.float32)
+        self._beta = np.zeros(1, np.float32)
+
+    def _set(self, setter, obj, attr, value: int) -> None:
+        buf = np.array([value], np.int32 if attr != self.lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES else np.uint64)
+        setter(obj, attr, buf.ctypes.data, buf.nbytes)
+
+    def _plan(self, rows: int, n: int, k: int) -> tuple:
+        key = (rows, n, k)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        lt = self.lt
+        desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
+        self._set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.TRANSA, CUBLAS_OP_T)
+        self._set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.TRANSB, CUBLAS_OP_N)
+        a = lt.matrix_layout_create(CUDA_R_16BF, k, n, k)  # W: k x n column-major
+        b = lt.matrix_layout_create(CUDA_R_16BF, k, rows, k)  # x: k x rows column-major
+        c = lt.matrix_layout_create(CUDA_R_32F, n, rows, n)  # y^T: n x rows column-major
+        pref = lt.matmul_preference_create()
+        self._set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                  self.workspace.nbytes)
+        results = lt.MatmulHeuristicResult(1)
+        count = np.zeros(1, np.int32)
+        lt.matmul_algo_get_heuristic(self.handle, desc, a, b, c, c, pref, 1, results.ptr, count.ctypes.data)
+        if count[0] < 1:
+            raise RuntimeError(f"cuBLASLt has no algorithm for bf16 {rows}x{k} @ {k}x{n} -> fp32")
+        plan = self._plans[key] = (desc, a, b, c, pref, results)
+        return plan
+
+    def matmul(self, y: rt.DevicePtr, x_bf16: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int,
+               stream) -> None:
+        if y.nbytes < rows * n * 4 or x_bf16.nbytes < rows * k * 2 or w.nbytes < n * k * 2:
+            raise ValueError(f"cuBLASLt {rows}x{k} @ {k}x{n}: a buffer is too small")
+        desc, a, b, c, _, results = self._plan(rows, n, k)
+        # The algorithm is the first field of cublasLtMatmulHeuristicResult_t.
+        self.lt.matmul(self.handle, desc, self._alpha.ctypes.data, w.addr, a, x_bf16.addr, b,
+                       self._beta.ctypes.data, y.addr, c, y.addr, c, results.ptr, self.workspace.addr,
+                       self.workspace.nbytes, int(stream))
+
+    def close(self) -> None:
+        lt = self.lt
+        for desc, a, b, c, pref, _ in self._plans.values():
+            lt.matmul_preference_destroy(pref)
+            for layout in (a, b, c):
+                lt.matrix_layout_destroy(layout)
+            lt.matmul_desc_destroy(desc)
+        self._plans = {}
+        lt.destroy(self.handle)
