@@ -28,7 +28,8 @@ async def wait_for(predicate, timeout=10.0):
 
 
 async def open_stream(c: httpx.AsyncClient, max_tokens=200, **extra):
-    """Start a streaming request and return (response, first data line) once the role chunk arrived."""
+    """Start a streaming request; return (response, line iterator, first line) once the role chunk
+    arrived. Keep the iterator referenced: when it is garbage-collected httpx closes the response."""
     req = c.build_request("POST", "/v1/chat/completions", json={
         "model": MODEL, "messages": HI, "max_tokens": max_tokens, "stream": True, **extra})
     resp = await c.send(req, stream=True)
@@ -43,7 +44,7 @@ async def test_overload_is_429_and_queue_timeout_is_503(start_server):
     runner = start_server.runner
     runner.delay = 0.05  # 200 tokens keep the one lane busy for ~10 s; the worker still checks deadlines
     async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
-        busy, _, first = await open_stream(c)
+        busy, busy_lines, first = await open_stream(c)
         assert first.startswith("data: ")
         results = []
 
@@ -242,3 +243,21 @@ async def test_kv_pressure_pause_is_logged_and_output_unchanged(start_server, tm
     assert "paused" in kinds and "restored" in kinds
     for r in records:
         assert not [k for k in COMMON_FIELDS + EVENT_FIELDS[r["event"]] if k not in r]
+
+
+async def test_disconnect_while_waiting_cancels_and_frees_the_slot(start_server):
+    srv = await start_server("--max-concurrency", "1", "--max-pending-requests", "1", scripted=True)
+    runner, engine = start_server.runner, srv.state.engine
+    runner.delay = 0.02  # the resident request stays busy; the worker keeps scheduling
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        # Keep the line iterators referenced: a collected iterator closes its response.
+        busy, busy_lines, _ = await open_stream(c)
+        waiting, waiting_lines, _ = await open_stream(c)  # queued behind the busy lane
+        await waiting.aclose()
+        await wait_for(lambda: engine.stats().requests_total.get("cancelled", 0) == 1)
+        assert engine.stats().requests_waiting == 0
+        # Its pending slot is free again: a newcomer queues instead of getting 429.
+        with trio.move_on_after(0.5) as scope:
+            r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1})
+        assert scope.cancelled_caught or r.status_code == 200
+        await busy.aclose()
