@@ -133,7 +133,8 @@ class Scheduler:
         self._reserve_residents(plan)
         if self.waiting or self.paused:
             self._admit(plan)
-        unit = self._control_unit(plan) or self.owner
+        residents = self.residents()
+        unit = self._control_unit(plan, residents) or self.owner
         if unit is not None:
             end = min(unit.computed + self.config.prefill_chunk, unit.frontier)
             self._ensure_pages(unit, end)
@@ -141,19 +142,19 @@ class Scheduler:
             control = unit.n_output > 0 and unit.in_control
             plan.prompt = PromptUnit(unit, unit.computed, end, sample,
                                      replay=unit.n_output > 0 and not control, control=control)
-        for seq in self.residents():
+        for seq in residents:
             if seq.computed == seq.frontier:
                 self._ensure_pages(seq, seq.computed + 1)
                 plan.decode.append(seq)
         return plan
 
-    def _control_unit(self, plan: Plan) -> Sequence | None:
+    def _control_unit(self, plan: Plan, residents: list[Sequence]) -> Sequence | None:
         """A resident whose committed tokens outran its KV (a forced thinking-close suffix) needs
         one control chunk. When it is older than the prompt-work owner it runs first — the owner
         skips one step — so the oldest resident keeps progressing. Its penalty counts are
         rebound to include the suffix (prefill does not count tokens)."""
         owner = self.owner
-        for seq in self.residents():
+        for seq in residents:
             if owner is not None and seq.rid > owner.rid:
                 return None
             if seq.in_control and seq.needs_prompt_work:
