@@ -397,7 +397,8 @@ def _tool_result(block: dict, where: str, slots: _Breakpoints) -> tuple[str, tup
             inner_mark = slots.read(inner, iw, iw)
             parts.append(_Keyed(text, inner_mark, key=iw))
         if marked and parts:
-            parts[-1] = attrs.evolve(parts[-1], cache_breakpoint=True)
+            # The block's marker ends at its last text; request-level cache_control finds it by the block key.
+            parts[-1] = attrs.evolve(parts[-1], cache_breakpoint=True, key=where)
     else:
         raise invalid_type(f"{where}.content", "a string or an array of blocks")
     if is_error:

@@ -273,3 +273,12 @@ def test_block_assembler_lifecycle():
     assert asm.blocks[2]["input"] == {"a": 1} and asm.saw_tool_use
     parts = "".join(e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta")
     assert parts == '{"a": 1}'
+
+
+def test_request_level_merges_with_a_tool_result_block_marker():
+    msgs = [*HI, {"role": "assistant", "content": [_call("t1")]},
+            {"role": "user", "content": [_result("t1", [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                                                 cache_control=EPH)]}]
+    req = parse(messages=msgs, cache_control=EPH)
+    assert _marks(req) == [("tool", "b")]
+    fails("invalid_value", "cache_control", messages=msgs, cache_control={"type": "ephemeral", "ttl": "1h"})
