@@ -18,6 +18,17 @@ def tiny_artifact(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def smollm2_artifact():
+    """The real demo model (converted once into the shared NINFER_CACHE); skipped when not installed."""
+    from ninfer import demo
+
+    try:
+        return str(demo.default_artifact())
+    except demo.DemoModelMissing as e:
+        pytest.skip(str(e))
+
+
 def serve_args(artifact: str, *extra: str):
     return build_parser().parse_args(["serve", artifact, "--port", "0", "--max-context", "256",
                                       "--log-stats-interval-ms", "0", "--log-level", "warning", *extra])

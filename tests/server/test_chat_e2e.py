@@ -250,3 +250,21 @@ async def test_cache_hints_become_exact_token_boundaries(start_server, tmp_path)
     system_end = len(enc("Be brief.")) + 1 + len(enc("system\n"))  # <|im_start|>system\nBe brief.
     assert bounds[2] == [system_end, r3["usage"]["prompt_tokens"] - closing]  # explicit first, then implicit
     assert bounds[3] == [system_end]  # mode explicit: no implicit write
+
+
+@pytest.mark.slow
+async def test_smollm2_answers_over_http(start_server, smollm2_artifact):
+    """The real SmolLM2 and its own template through the SDK: a greedy streamed answer names Paris."""
+    srv = await start_server("--max-context", "512", artifact=smollm2_artifact)
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    stream = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    text, usage = "", None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    assert "Paris" in text and usage.completion_tokens <= 16
+    await client.close()
