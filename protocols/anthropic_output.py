@@ -20,7 +20,9 @@ class BlockAssembler:
     def __init__(self) -> None:
         self.blocks: list[dict] = []
         self._open: dict | None = None
-        self._json: dict[int, str] = {}  # block index -> input JSON text so far (tool_use)
+        # The open block's text (or tool input JSON) as pieces, joined when it closes: appending
+        # to one growing string would copy the whole output on every token.
+        self._buf: list[str] = []
         self._calls: dict[int, int] = {}  # decoder call index -> block index
 
     @property
@@ -38,7 +40,8 @@ class BlockAssembler:
             return self._tool_delta(self._calls[ev.index], ev.text) if ev.text else []
         if isinstance(ev, ToolCallEnd):
             idx = self._calls[ev.index]
-            seen = self._json[idx]
+            seen = "".join(self._buf)
+            self._buf = [seen]
             assert ev.arguments.startswith(seen), "tool-call deltas diverged from the final arguments"
             events = self._tool_delta(idx, ev.arguments[len(seen):]) if len(ev.arguments) > len(seen) else []
             return events + self.close()
@@ -48,21 +51,25 @@ class BlockAssembler:
         block = self._open
         if block is None:
             return []
-        self._open = None
-        idx = self.blocks.index(block)
+        text = "".join(self._buf)
+        self._open, self._buf = None, []
+        idx = len(self.blocks) - 1  # the open block is always the latest
         events: list[dict] = []
         if block["type"] == "thinking":
-            block["signature"] = thinking_signature(block["thinking"])
+            block["thinking"] = text
+            block["signature"] = thinking_signature(text)
             events.append(_delta(idx, {"type": "signature_delta", "signature": block["signature"]}))
         elif block["type"] == "tool_use":
-            text = self._json[idx]
             block["input"] = json.loads(text) if text.strip() else {}
+        else:
+            block["text"] = text
         return events + [{"type": "content_block_stop", "index": idx}]
 
     def _start(self, block: dict, wire: dict) -> list[dict]:
         events = self.close()
         self.blocks.append(block)
         self._open = block
+        self._buf = []
         return events + [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": wire}]
 
     def _text(self, kind: str, text: str) -> list[dict]:
@@ -71,8 +78,7 @@ class BlockAssembler:
             empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
                 {"type": "text", "text": ""}
             events += self._start(dict(empty), dict(empty))
-        block = self._open
-        block[kind if kind == "thinking" else "text"] += text
+        self._buf.append(text)
         idx = len(self.blocks) - 1
         delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
             {"type": "text_delta", "text": text}
@@ -83,11 +89,11 @@ class BlockAssembler:
         events = self._start(block, dict(block, input={}))
         idx = len(self.blocks) - 1
         self._calls[ev.index] = idx
-        self._json[idx] = ""
         return events
 
     def _tool_delta(self, idx: int, text: str) -> list[dict]:
-        self._json[idx] += text
+        assert self._open is self.blocks[idx], "input deltas for a tool_use block that is not open"
+        self._buf.append(text)
         return [_delta(idx, {"type": "input_json_delta", "partial_json": text})]
 
 

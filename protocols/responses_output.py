@@ -26,6 +26,9 @@ class OutputAssembler:
         self.tools = tools
         self.items: list[dict] = []
         self._open: dict | None = None  # the Item receiving deltas
+        # The open Item's text (or arguments) as pieces, joined when it closes: appending to one
+        # growing string would copy the whole output on every token.
+        self._buf: list[str] = []
         self._calls: dict[int, int] = {}  # decoder call index -> output index
 
     def feed(self, ev: Any) -> list[dict]:
@@ -49,6 +52,24 @@ class OutputAssembler:
     def has_calls(self) -> bool:
         return bool(self._calls)
 
+    def output(self) -> list[dict]:
+        """The output Items so far, the open one included with its text up to now."""
+        if self._open is not None:
+            self._store("".join(self._buf))
+        return self.items
+
+    def _joined(self) -> str:
+        text = "".join(self._buf)
+        self._buf = [text]
+        return text
+
+    def _store(self, text: str) -> None:
+        item = self._open
+        if item["type"] == "function_call":
+            item["arguments"] = text
+        else:
+            item["content"][0]["text"] = text
+
     # -- text Items ------------------------------------------------------------------------------
 
     def _text(self, kind: str, text: str) -> list[dict]:
@@ -57,8 +78,7 @@ class OutputAssembler:
             events += self._close("completed")
             events += self._start_text(kind)
         item = self._open
-        part = item["content"][0]
-        part["text"] += text
+        self._buf.append(text)
         idx = len(self.items) - 1
         if kind == "reasoning":
             events.append({"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": idx,
@@ -83,6 +103,7 @@ class OutputAssembler:
         item["content"].append(part)
         self.items.append(item)
         self._open = item
+        self._buf = []
         return events
 
     # -- function calls --------------------------------------------------------------------------
@@ -97,6 +118,7 @@ class OutputAssembler:
         idx = len(self.items)
         self.items.append(item)
         self._open = item
+        self._buf = []
         self._calls[ev.index] = idx
         events.append({"type": "response.output_item.added", "output_index": idx, "item": _copy(item)})
         return events
@@ -104,7 +126,8 @@ class OutputAssembler:
     def _call_delta(self, ev: ToolCallArgumentsDelta) -> list[dict]:
         idx = self._calls[ev.index]
         item = self.items[idx]
-        item["arguments"] += ev.text
+        assert item is self._open, "argument deltas for a call that is not open"
+        self._buf.append(ev.text)
         return [{"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": idx,
                  "delta": ev.text}]
 
@@ -112,12 +135,13 @@ class OutputAssembler:
         idx = self._calls[ev.index]
         item = self.items[idx]
         events: list[dict] = []
-        if ev.arguments != item["arguments"]:
+        seen = self._joined()
+        if ev.arguments != seen:
             # The decoder guarantees deltas concatenate to the final text; send any remainder so
             # the stream still adds up even if it did not.
-            assert ev.arguments.startswith(item["arguments"]), "tool-call deltas diverged from the final arguments"
-            rest = ev.arguments[len(item["arguments"]):]
-            item["arguments"] = ev.arguments
+            assert ev.arguments.startswith(seen), "tool-call deltas diverged from the final arguments"
+            rest = ev.arguments[len(seen):]
+            self._buf = [ev.arguments]
             events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
                            "output_index": idx, "delta": rest})
         return events + self._close("completed")
@@ -128,8 +152,9 @@ class OutputAssembler:
         item = self._open
         if item is None:
             return []
-        self._open = None
-        idx = self.items.index(item)
+        self._store("".join(self._buf))
+        self._open, self._buf = None, []
+        idx = len(self.items) - 1  # the open Item is always the latest
         item["status"] = status
         if item["type"] == "function_call":
             return [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": idx,

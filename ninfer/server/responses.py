@@ -99,7 +99,7 @@ def _terminal(ex: Exchange, plan: _Plan, rid: str, created: float, asm: out.Outp
     events = asm.finish(status)
     u = done.usage
     use = out.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"], u["reasoning_tokens"])
-    response = out.response_object(rid, plan.req, created, status, asm.items, use)
+    response = out.response_object(rid, plan.req, created, status, asm.output(), use)
     if plan.req.store:
         _store(ex).put(response, plan.req.items, plan.history, plan.conv.options.preserve_thinking,
                        plan.session_key)
@@ -152,7 +152,7 @@ async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: st
     except Exception as exc:  # the stream has started: every failure ends it with response.failed
         err = exc if isinstance(exc, ProtocolError) else _internal(ex, exc)
         error = {"code": err.code, "message": err.message}
-        failed = out.response_object(rid, plan.req, created, "failed", asm.items, None, error)
+        failed = out.response_object(rid, plan.req, created, "failed", asm.output(), None, error)
         yield frame({"type": "response.failed", "response": failed})
 
 
