@@ -135,3 +135,24 @@ async def test_demo_model_multi_turn_reuses_prefix(start_server, demo_artifact):
     m2 = await ant.messages.create(model="local", max_tokens=4, messages=turn)
     assert m2.usage.cache_read_input_tokens > 0
     await ant.close()
+
+
+async def test_messages_thinking_history_reuses_the_input_checkpoint(start_server):
+    """Turn two replays turn one's thinking; the template drops closed reasoning, so reuse comes from
+    the input checkpoint captured before turn one's assistant turn."""
+    srv = await start_server("--max-context", "1024", scripted=True)
+    tok = srv.state.prompts.tokenizer
+    client = anthropic.AsyncAnthropic(base_url=srv.url, api_key="x")
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    start_server.runner.scripts.append(script(tok, "Recall.", ("</think>",), "\n\nParis.", ("<|im_end|>",)))
+    m1 = await client.messages.create(model="m", max_tokens=2000, thinking=thinking, messages=messages)
+    assert [b.type for b in m1.content] == ["thinking", "text"]
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in m1.content]},
+                 {"role": "user", "content": "And of Spain?"}]
+    start_server.runner.scripts.append(script(tok, "Recall.", ("</think>",), "\n\nMadrid.", ("<|im_end|>",)))
+    m2 = await client.messages.create(model="m", max_tokens=2000, thinking=thinking, messages=messages)
+    assert m2.content[-1].text == "Madrid."
+    first_prompt = m1.usage.input_tokens + m1.usage.cache_read_input_tokens
+    assert 0 < m2.usage.cache_read_input_tokens <= first_prompt
+    await client.close()
