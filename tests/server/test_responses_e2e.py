@@ -261,3 +261,21 @@ async def test_undeclared_or_disabled_calls_stay_text(start_server):
         text = r.output_text
         assert text.startswith("Checking.\n") and f"<function={name}>" in text and "Paris" in text
     await client.close()
+
+
+async def test_preserve_thinking_is_inherited_by_children(start_server):
+    srv = await start_server("--max-context", "1024", scripted=True)
+    start_server.runner.scripts.append(answer(srv.state.prompts.tokenizer))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        root = (await c.post("/v1/responses", json={"model": MODEL, "input": "Hello there", "preserve_thinking": True,
+                                                    "max_output_tokens": 64})).json()
+        assert root["output"][0]["type"] == "reasoning"
+
+        async def count(**kw):
+            body = {"model": MODEL, "input": "Next?", "previous_response_id": root["id"], **kw}
+            return (await c.post("/v1/responses/input_tokens", json=body)).json()["input_tokens"]
+
+        inherited, kept, dropped = await count(), await count(preserve_thinking=True), \
+            await count(preserve_thinking=False)
+    # The child keeps the parent's reasoning unless it explicitly branches with false.
+    assert inherited == kept > dropped
