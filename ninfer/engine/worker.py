@@ -20,6 +20,7 @@ from ninfer.engine.sequence import Phase, Sequence
 from ninfer.engine.stats import StatsSnapshot
 
 PUBLISH_INTERVAL = 0.02  # seconds between stats snapshots while busy
+DELIVERY_INTERVAL = 0.001  # seconds between consumer wake-ups for ordinary token deltas
 
 
 class Worker:
@@ -37,6 +38,8 @@ class Worker:
         self.snapshot: StatsSnapshot | None = None
         self._published_at = time.monotonic()
         self._started = threading.Event()
+        self._undelivered: dict[int, Sequence] = {}
+        self._delivered_at = 0.0
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
 
@@ -89,7 +92,7 @@ class Worker:
                     # right before the runner calls: the consumers' wake-up overlaps model math.
                     core.step(before_run=self._deliver)
                 if not core.has_work():
-                    self._deliver()  # nothing follows: deliver before the worker idles
+                    self._deliver(force=True)  # nothing follows: deliver before the worker idles
         except BaseException as exc:  # an engine-wide failure: every live request learns of it
             self.failure = exc
             self._shutdown(EngineUnavailable(f"engine failed: {type(exc).__name__}: {exc}"))
@@ -129,18 +132,27 @@ class Worker:
             if seq.expire():
                 self.core.fail(seq, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")
 
-    def _deliver(self) -> None:
+    def _deliver(self, force: bool = False) -> None:
+        """Wake the consumers of requests with new events. Every wake-up hands the GIL to the
+        trio thread, so ordinary token deltas are coalesced to one wake per DELIVERY_INTERVAL;
+        a first token, a terminal event, or an idle worker wakes at once."""
         t0 = time.perf_counter()
         touched = self.core.take_touched()
-        if touched:
-            unique = list({id(s): s for s in touched}.values())
-            finished = False
-            for seq in unique:
-                if seq.phase is Phase.DONE:
-                    self._live.pop(seq.rid, None)
-                    finished = True
-            self._publish(force=finished)
-            self._wake(unique)
+        urgent = force
+        for seq in touched:
+            if seq.rid not in self._undelivered:
+                self._undelivered[seq.rid] = seq
+            if seq.phase is Phase.DONE:
+                self._live.pop(seq.rid, None)
+                urgent = True
+            elif seq.t_first is not None and seq.t_first == seq.t_last and seq.n_output <= 1:
+                urgent = True  # the first token: time to first token is not coalesced
+        now = time.monotonic()
+        if self._undelivered and (urgent or now - self._delivered_at >= DELIVERY_INTERVAL):
+            self._publish(force=urgent)
+            self._wake(list(self._undelivered.values()))
+            self._undelivered.clear()
+            self._delivered_at = now
         else:
             self._publish(force=False)
         self.core.counters.host_work["engine_commit_output"] += time.perf_counter() - t0
@@ -170,6 +182,4 @@ class Worker:
         finally:
             self._live.clear()
             self._publish(force=True)
-            touched = self.core.take_touched()
-            if touched:
-                self._wake(list({id(s): s for s in touched}.values()))
+            self._deliver(force=True)
