@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -156,3 +157,21 @@ async def test_messages_thinking_history_reuses_the_input_checkpoint(start_serve
     first_prompt = m1.usage.input_tokens + m1.usage.cache_read_input_tokens
     assert 0 < m2.usage.cache_read_input_tokens <= first_prompt
     await client.close()
+
+
+async def test_request_log_names_each_protocol(start_server, tmp_path):
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 2})
+        rid = r.headers["x-request-id"]
+        m = await c.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Hello"}]})
+        mid = m.headers["request-id"]
+        await c.post("/v1/responses/input_tokens", json={"model": MODEL, "input": "Hello"})
+        await c.post("/v1/messages/count_tokens", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    starts = [(r["protocol"], r["request_id"]) for r in records if r["event"] == "request_start"]
+    dones = [(r["protocol"], r["request_id"]) for r in records if r["event"] == "request_done"]
+    # One start and one terminal per generation; token counting is not a measured request.
+    assert starts == dones == [("openai_responses", rid), ("anthropic_messages", mid)]
