@@ -237,6 +237,7 @@ def test_prefill_rejects_bad_input(small_runner, chunk, message):
         (dict(positions=[3]), r"one entry per row"),
         (dict(page_tables=[[0, -1], [1, -1]], positions=[8, 2]), r"row 0 uses page ids \[0, -1\]"),
         (dict(lanes=[0, 1, 0], tokens=[1, 2, 3], positions=[0, 0, 0]), "3 rows exceed max_batch 2"),
+        (dict(page_tables=[[0, 1], [0, 1]], positions=[5, 5]), "two rows write the same KV slot"),
     ],
 )
 def test_decode_rejects_bad_input(small_runner, batch, message):

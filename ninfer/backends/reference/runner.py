@@ -184,6 +184,13 @@ class ReferenceRunner:
             raise ValueError(f"decode positions must be >= 0, got {positions.tolist()}")
         tables = np.asarray(batch.page_tables).reshape(rows, -1)
         tables = self._check_page_table(tables, (positions + 1).tolist(), "decode page_tables")
+        if rows > 1:
+            # Two rows writing one KV slot means a page is shared without copy-on-write.
+            targets = tables[np.arange(rows), positions // self.info.page_size] * self.info.page_size
+            targets += positions % self.info.page_size
+            if np.unique(targets).size != rows:
+                raise ValueError("decode page_tables: two rows write the same KV slot (a shared page "
+                                 "needs copy_pages before it is written)")
         # The protocol: a decode input token is the lane's previous output, counted from now on.
         np.add.at(self._counts, (lanes, tokens), 1)
         logits = self._forward.logits(self._forward.hidden(tokens, positions, tables, seqs=rows))
