@@ -24,6 +24,8 @@ REPLACEMENT = "\ufffd"
 # Ids of already-emitted text kept as left context when the window is cut back. A partial UTF-8
 # character has at most three bytes, so four ids always reach past its start.
 CONTEXT_IDS = 4
+# How many ids one character may span: the cut search looks this far left of CONTEXT_IDS.
+MAX_CHAR_IDS = 4
 # The window is cut back to CONTEXT_IDS once it holds this many ids and its text ends cleanly.
 TRIM_AT = 16
 # A window whose text has ended in U+FFFD for this many ids is a stream of invalid bytes, not a
@@ -55,9 +57,24 @@ class IncrementalDetokenizer:
         out = text[self._emitted:stable] if stable > self._emitted else ""
         self._emitted = max(self._emitted, stable)
         if not held and len(self._window) >= TRIM_AT:
-            self._window = self._window[-CONTEXT_IDS:]
-            self._emitted = len(self._decode(self._window))
+            self._trim(text)
         return out
+
+    def _trim(self, text: str) -> None:
+        """Cut the window back to a few ids of left context that decode to a suffix of ``text``.
+
+        A cut inside a multi-byte character would make the context decode differently (a byte
+        fallback decoder turns a whole run of byte tokens into U+FFFD once the run is invalid), so
+        try cut points further left until the context reads as the tail of what was emitted; keep
+        the window whole when none does.
+        """
+        last = len(self._window) - CONTEXT_IDS
+        for cut in range(last, max(last - MAX_CHAR_IDS, 0) - 1, -1):
+            context = self._decode(self._window[cut:])
+            if text.endswith(context):
+                self._window = self._window[cut:]
+                self._emitted = len(context)
+                return
 
     def flush(self) -> str:
         """End of output: return whatever is still held (an incomplete character decodes as U+FFFD)."""
