@@ -121,16 +121,31 @@ class PromptBuilder:
         return tuple(out)
 
     def _token_frontier(self, prompt: Any, char_offset: int) -> int | None:
-        ids = prompt.token_ids
-        lo, hi = 0, len(ids)
-        while lo < hi:  # the largest k whose decoded text is no longer than the offset
-            mid = (lo + hi + 1) // 2
-            if len(self.tokenizer.decode(ids[:mid])) <= char_offset:
+        """The token count whose decoded prefix is exactly ``text[:char_offset]``, or None.
+
+        Hints usually sit near the end of the prompt (the implicit one ends the latest message), so
+        the search runs on suffixes from the end, galloping outwards: its cost follows the distance
+        from the end rather than the prompt length. One full-prefix decode confirms the answer.
+        """
+        ids, text = prompt.token_ids, prompt.text
+        n, want = len(ids), len(text) - char_offset
+
+        def suffix_len(k: int) -> int:
+            return len(self.tokenizer.decode(ids[k:]))
+
+        hi, lo, step = n, n - 1, 1  # suffix_len(hi) < want <= suffix_len(lo) once the gallop stops
+        while lo > 0 and suffix_len(lo) < want:
+            hi, step = lo, step * 2
+            lo = max(0, n - step)
+        while hi - lo > 1:  # the largest k whose suffix still covers ``want`` characters
+            mid = (lo + hi) // 2
+            if suffix_len(mid) >= want:
                 lo = mid
             else:
-                hi = mid - 1
-        if lo < len(ids) and self.tokenizer.decode(ids[:lo]) == prompt.text[:char_offset]:
-            return lo
+                hi = mid
+        k = lo if want > 0 else n
+        if 0 < k <= n and self.tokenizer.decode(ids[:k]) == text[:char_offset]:
+            return k
         return None
 
     def thinking_control(self, prepared: PreparedPrompt, budget: int | None) -> ThinkingControl:
