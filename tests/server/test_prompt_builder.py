@@ -1,0 +1,45 @@
+"""PromptBuilder: cache hints map to exact token frontiers or are dropped; the prompt never changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer.artifact import open_artifact
+from ninfer.server.generation import PromptBuilder, ServeDefaults
+from ninfer.text import ChatFormatter, Tokenizer
+from protocols.openai_chat import parse_request
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_artifact):
+    art = open_artifact(tiny_artifact)
+    tok = Tokenizer.from_artifact(art)
+    return PromptBuilder(tok, ChatFormatter(tok, art.chat_template, art.special_tokens), ServeDefaults(), ())
+
+
+def prepare(builder, parts, **extra):
+    content = [{"type": "text", "text": t, **({"prompt_cache_breakpoint": {"mode": "explicit"}} if bp else {})}
+               for t, bp in parts]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+    return builder.prepare(parse_request(body, "m").conversation)
+
+
+def test_boundaries_are_exact_frontiers(builder):
+    tok = builder.tokenizer
+    parts = [("Paris is big.", True), (" Berlin too. 東京 🙂", True), (" The end.", False)]
+    p = prepare(builder, parts, prompt_cache_options={"mode": "explicit"})
+    plain = prepare(builder, [(t, False) for t, _ in parts], prompt_cache_options={"mode": "explicit"})
+    assert p.token_ids == plain.token_ids  # hints never change the prompt
+    assert len(p.cache_boundaries) == 2
+    for k, upto in zip(p.cache_boundaries, ("Paris is big.", "Paris is big. Berlin too. 東京 🙂")):
+        assert tok.decode(p.token_ids[:k]).endswith(upto)
+
+
+def test_a_boundary_inside_a_token_is_dropped(builder):
+    tok = builder.tokenizer
+    assert len(tok.encode("Hello")) == 1  # "Hel" + "lo" tokenizes as one piece, no frontier between
+    p = prepare(builder, [("Hel", True), ("lo", False)], prompt_cache_options={"mode": "explicit"})
+    assert p.cache_boundaries == ()
+    # The implicit candidate (end of the latest part) still maps.
+    p = prepare(builder, [("Hel", True), ("lo", False)])
+    assert len(p.cache_boundaries) == 1 and tok.decode(p.token_ids[:p.cache_boundaries[0]]).endswith("Hello")
