@@ -261,3 +261,20 @@ async def test_disconnect_while_waiting_cancels_and_frees_the_slot(start_server)
             r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1})
         assert scope.cancelled_caught or r.status_code == 200
         await busy.aclose()
+
+
+async def test_throughput_records_only_for_busy_intervals(start_server, tmp_path):
+    path = tmp_path / "tp.jsonl"
+    srv = await start_server("--log-stats-interval-ms", "50", "--request-log-jsonl", str(path), scripted=True)
+    start_server.runner.delay = 0.01
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 30})
+    await trio.sleep(0.3)  # a few idle intervals: they add nothing
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    tp = [r for r in records if r["event"] == "throughput"]
+    assert tp and all(not [k for k in COMMON_FIELDS + EVENT_FIELDS["throughput"] if k not in t] for t in tp)
+    assert sum(t["generation_tokens"] for t in tp) == r.json()["usage"]["completion_tokens"]
+    assert sum(t["decode_tokens"] for t in tp) == r.json()["usage"]["completion_tokens"] - 1  # first is prefill's
+    n = len(tp)
+    await trio.sleep(0.3)
+    assert len([line for line in path.read_text().splitlines() if '"throughput"' in line]) == n
