@@ -12,6 +12,8 @@ into an online softmax. The block writes an unnormalised partial (``o``, max ``m
 (row, head, split). ``G`` and ``D`` are compile-time so the per-lane arrays stay in registers.
 A captured graph launches a fixed grid; blocks of splits past a row's length exit at once.
 
+Pages hold ``2**page_shift`` tokens (the launcher passes the shift, not the size).
+
 ``attention_combine``: grid ``(n_heads, rows)``, block ``4 * D``: four groups of ``D`` threads
 merge every 4th active split each (online softmax), then the groups merge in shared memory.
 """
@@ -61,7 +63,7 @@ def make_attention(G, D, load_pair, load_quad):
     LOG = NV.bit_length() - 1
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
-                  part_ml, n_heads, n_kv, page_size, split_ptr, n_splits, scale):
+                  part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
         sh_m = cuda.shared.array((WARPS, G), float32)
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
@@ -92,6 +94,10 @@ def make_attention(G, D, load_pair, load_quad):
                 q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e]
                 acc[g, e] = float32(0.0)
         table = row_table[row] * max_pages
+        # Pages hold 2**page_shift tokens: shifts and masks instead of the 64-bit divisions that
+        # `t // page_size` compiles to (tens of instructions per key in an issue-bound loop).
+        page_size = int64(1) << page_shift
+        page_mask = page_size - 1
         head_off = int64(kvh) * page_size * D
         v_off = int64(n_kv) * page_size * D
         # Each warp takes U consecutive keys per step and issues all their K and V loads before
@@ -100,8 +106,8 @@ def make_attention(G, D, load_pair, load_quad):
             for u in range(U):
                 t = t0 + u
                 if t < end:
-                    page = int64(page_tables[table + t // page_size])
-                    kbase = page * page_stride + head_off + int64(t % page_size) * D + lane * E
+                    page = int64(page_tables[table + (t >> page_shift)])
+                    kbase = page * page_stride + head_off + (t & page_mask) * D + lane * E
                     if QUADS:
                         for qd in range(E // 4):
                             k0, k1, k2, k3 = load_quad(kc, kbase + 4 * qd)

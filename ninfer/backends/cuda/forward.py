@@ -139,6 +139,7 @@ class Forward:
         self.w = weights
         self.b = buffers
         self.page_size = page_size
+        self.page_shift = page_size.bit_length() - 1  # page_size is a power of two (checked by the runner)
         group = config.num_heads // config.num_kv_heads
         self.attention_name = f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
         self.rope_name = f"rope_kv_{kv_dtype}"
@@ -191,7 +192,7 @@ class Forward:
             k[self.attention_name].launch(
                 (KV, rows, n_splits), (128,),
                 (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
-                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_size, inp.d_split, n_splits,
+                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits,
                  self.scale), stream)
             combine.launch((H, rows), (D * combine.meta["threads_per_dim"],), (b.attn, b.part_o, b.part_ml, inp.d_positions, H,
                                                              n_splits, D, inp.d_split), stream)
