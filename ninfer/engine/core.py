@@ -15,8 +15,8 @@ import numpy as np
 from ninfer.backends.runner import DecodeBatch, ModelRunner, PrefillChunk, SamplingRow
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.context_cost import ContextCost
-from ninfer.engine.events import (EngineTiming, Finished, PromptProgress, SchedulingCounters, Timings,
-                                  TokenDelta, Transition, Usage)
+from ninfer.engine.events import (EngineTiming, Finished, FirstOutputTiming, PromptProgress,
+                                  SchedulingCounters, Timings, TokenDelta, Transition, Usage)
 from ninfer.engine.pools import HostBudget, KVPool, StateSlots
 from ninfer.engine.prefix_cache import PrefixCache
 from ninfer.engine.scheduler import Plan, Scheduler
@@ -278,6 +278,7 @@ class EngineCore:
         if seq.t_first is None:
             seq.t_first = now
             c.ttft.observe(now - seq.t_reserve)  # includes preparation and queueing
+            seq.first_output = self._first_output(seq, now)
         seq.t_last = now
         self._emit(seq, TokenDelta((token,)))
         thinking = seq.request.thinking
@@ -290,6 +291,16 @@ class EngineCore:
         elif not self._finish_at_limits(seq) and (
                 seq.in_thinking and thinking.budget is not None and seq.thinking_count >= thinking.budget):
             self._force_close(seq, thinking.close_ids, now)
+
+    @staticmethod
+    def _first_output(seq: Sequence, now: float) -> FirstOutputTiming:
+        elapsed = now - seq.t_submit
+        queue = (seq.t_admit if seq.t_admit is not None else now) - seq.t_submit
+        return FirstOutputTiming(
+            elapsed_seconds=elapsed, queue_seconds=queue, paused_seconds=seq.paused_seconds,
+            resident_seconds=max(0.0, elapsed - queue - seq.paused_seconds),
+            host_exposed_seconds=seq.host_seconds, device_wait_exposed_seconds=seq.device_seconds,
+            prefill_tokens=max(0, seq.prompt_high - seq.cached), replayed_tokens=seq.replayed_tokens)
 
     def _finish_at_limits(self, seq: Sequence) -> bool:
         if seq.n_output >= seq.request.max_tokens:
@@ -363,6 +374,7 @@ class EngineCore:
             prefix_reuse_path="checkpoint" if seq.cached else "root",
             generated_token_ids=tuple(seq.output),
             seed=seq.row.seed,
+            first_output=seq.first_output,
         )
 
     def _transition(self, seq: Sequence, kind: str, route: str | None) -> None:

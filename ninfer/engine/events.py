@@ -94,6 +94,22 @@ class EngineTiming:
 
 
 @attrs.frozen(kw_only=True)
+class FirstOutputTiming:
+    """Observations frozen just before the first output token was published (spec
+    request_done.first_output_timing). Elapsed time starts at submission; queue ends at
+    admission; paused covers pause, waiting and restore; the rest is resident time."""
+
+    elapsed_seconds: float
+    queue_seconds: float
+    paused_seconds: float
+    resident_seconds: float
+    host_exposed_seconds: float  # worker host time of the steps this request took part in
+    device_wait_exposed_seconds: float
+    prefill_tokens: int  # this request's prompt tokens computed (reused prefix excluded)
+    replayed_tokens: int
+
+
+@attrs.frozen(kw_only=True)
 class Finished:
     """The one terminal event. ``reason`` is "stop", "length" or "cancelled".
 
@@ -110,3 +126,4 @@ class Finished:
     prefix_reuse_path: str  # "root" (no reuse) or "checkpoint"
     generated_token_ids: tuple[int, ...]
     seed: int  # the seed actually used (request, process flag, or fresh random)
+    first_output: FirstOutputTiming | None = None  # None when no output token was committed

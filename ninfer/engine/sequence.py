@@ -81,6 +81,7 @@ class Sequence:
         self.t_reserve = submitted if reserved is None else reserved  # preparation started
         self.t_admit: float | None = None
         self.t_first: float | None = None
+        self.first_output: Any = None  # events.FirstOutputTiming
         self.t_last: float | None = None
         self.preemptions = 0
         self.snapshot_restores = 0

@@ -167,6 +167,20 @@ def test_stop_token_max_tokens_and_context_finishes():
     assert 40 + len(tokens(ctx)) == 48
 
 
+def test_first_output_timing_freezes_at_the_first_token():
+    d = CoreDriver(cfg(max_concurrency=1, prefill_chunk=16))
+    s = d.submit(prompt(7, 40), 5)
+    d.now = 0.5  # queued half a second before admission
+    d.run()
+    first = finished(s).first_output
+    assert first.queue_seconds == pytest.approx(0.5) and first.prefill_tokens == 40
+    assert first.elapsed_seconds == pytest.approx(first.queue_seconds + first.resident_seconds)
+    assert first.elapsed_seconds < finished(s).timings.total
+    empty = d.submit(prompt(8, 10), 0)
+    d.run()
+    assert finished(empty).first_output is None
+
+
 def test_zero_max_tokens_processes_the_prompt_only():
     d = CoreDriver(cfg(max_concurrency=1))
     s = d.submit(prompt(7, 70), 0)
