@@ -93,9 +93,10 @@ class EngineCore:
 
     # -- one step -------------------------------------------------------------------------
 
-    def step(self, before_run: Callable[[], None] | None = None) -> None:
-        """One step. ``before_run`` (the worker's event delivery) runs between scheduling and
-        the runner calls, so consumers wake while the model computes; it times itself."""
+    def step(self, before_run: Callable[[], None] | None = None) -> bool:
+        """One step; False when the plan was empty. ``before_run`` (the worker's event delivery)
+        runs between scheduling and the runner calls, so consumers wake while the model
+        computes; it times itself."""
         c = self.counters
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -120,6 +121,7 @@ class EngineCore:
         if plan.prompt is not None:
             plan.prompt.seq.host_seconds += host
             plan.prompt.seq.device_seconds += device
+        return not plan.empty
 
     def _execute(self, plan: Plan) -> float:
         """Run the plan's mechanism on the runner; return seconds spent inside runner calls."""

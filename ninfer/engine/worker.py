@@ -77,8 +77,12 @@ class Worker:
         core = self.core
         work = core.counters.host_work
         try:
+            stalled = False
             while True:
-                commands = self._take(block=not core.has_work())
+                # A step that planned nothing cannot happen by design (the oldest resident always
+                # advances; with none resident the head request fits); if it ever does, wait for
+                # a command or a millisecond instead of spinning a core.
+                commands = self._take(block=not core.has_work() or stalled, stall=stalled)
                 t0 = time.perf_counter()  # idle waiting is not host work
                 for command, arg in commands:
                     if command == "close":
@@ -90,18 +94,18 @@ class Worker:
                 if core.has_work():
                     # Events of the previous step are delivered once this step is planned,
                     # right before the runner calls: the consumers' wake-up overlaps model math.
-                    core.step(before_run=self._deliver)
+                    stalled = not core.step(before_run=self._deliver)
                 if not core.has_work():
                     self._deliver(force=True)  # nothing follows: deliver before the worker idles
         except BaseException as exc:  # an engine-wide failure: every live request learns of it
             self.failure = exc
             self._shutdown(EngineUnavailable(f"engine failed: {type(exc).__name__}: {exc}"))
 
-    def _take(self, block: bool) -> list:
+    def _take(self, block: bool, stall: bool = False) -> list:
         with self._cond:
             if block and not self._inbox:
                 self._publish(force=True)
-                self._cond.wait(timeout=self._idle_timeout())
+                self._cond.wait(timeout=0.001 if stall else self._idle_timeout())
             commands = list(self._inbox)
             self._inbox.clear()
         return commands

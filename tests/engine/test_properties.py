@@ -83,6 +83,7 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, kv_pages, host
         waiting_before = list(sched.waiting)
         if core.has_work():
             plan = sched.schedule()
+            assert not plan.empty, "a step with work planned nothing"
             # The oldest resident is never paused; the oldest resident after admission (a
             # restored older request takes that place) advances in this step.
             if residents:
