@@ -7,7 +7,8 @@ for exactly that batch size (or launches directly with ``cuda_graph=False``), an
 sampled token ids. Prefill runs direct launches in sub-chunks of ``max_prefill_rows`` rows.
 
 Requests are validated like the reference backend's: a wrong lane, token, position or page table
-raises ``ValueError`` naming the field before anything reaches the GPU.
+raises ``ValueError`` naming the field before anything reaches the GPU. Every call makes the
+runner's context current first (about a microsecond), so the runner may be driven from any thread.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class CudaRunner:
     # -- the protocol -------------------------------------------------------------------------
 
     def bind_lane(self, lane: int, generated: Sequence[int]) -> None:
+        self.device.make_current()
         self._check_lane(lane, "bind_lane lane")
         ids = self._check_tokens(np.asarray(generated, dtype=np.int64).reshape(-1), "bind_lane generated")
         self._count_staging[:] = np.bincount(ids, minlength=self.info.vocab_size)
@@ -127,6 +129,7 @@ class CudaRunner:
         rt.synchronize(self.stream)
 
     def prefill(self, chunk: PrefillChunk) -> StepResult:
+        self.device.make_current()
         self._check_lane(chunk.lane, "prefill lane")
         tokens = self._check_tokens(np.asarray(chunk.tokens).reshape(-1), "prefill tokens")
         if tokens.size == 0:
@@ -164,6 +167,7 @@ class CudaRunner:
         return StepResult(tokens=out, logits=logits)
 
     def decode(self, batch: DecodeBatch) -> StepResult:
+        self.device.make_current()
         lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
         rows = lanes.size
         if rows == 0:
@@ -206,6 +210,7 @@ class CudaRunner:
         return StepResult(tokens=self._out[:rows].copy(), logits=logits)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.device.make_current()
         src_i, dst_i = self._pages(src), self._pages(dst)
         if len(src_i) != len(dst_i):
             raise ValueError(f"copy_pages: {len(src_i)} source pages but {len(dst_i)} destination pages")
@@ -220,6 +225,7 @@ class CudaRunner:
 
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
         """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]`` float32, the reference layout."""
+        self.device.make_current()
         idx = self._pages(pages)
         raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
         for i, page in enumerate(idx):
@@ -233,6 +239,7 @@ class CudaRunner:
         return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
 
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
+        self.device.make_current()
         idx = self._pages(pages)
         c = self.config
         expected = (2, c.num_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
