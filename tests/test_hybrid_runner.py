@@ -146,6 +146,30 @@ def test_a_chunk_that_does_not_continue_the_state_is_refused(runner):
     prefill(runner, 0, ids[8:], 8, table(0))
 
 
+def test_decode_rows_that_write_one_kv_slot_are_refused(runner):
+    """The protocol checks are the dense runner's: a page shared without copy-on-write is refused."""
+    for lane in (0, 1):
+        prefill(runner, lane, prompt(5), 0, table(0), sample=False)
+    with pytest.raises(ValueError, match="two rows write the same KV slot"):
+        decode(runner, [0, 1], [5, 6], [5, 5], [table(0), table(0)])
+
+
+def test_a_prefill_longer_than_one_block_equals_shorter_chunks(artifact):
+    """Chunks beyond PREFILL_BLOCK are split inside the runner; the DeltaNet state carries over."""
+    from ninfer.backends.reference.forward import PREFILL_BLOCK
+
+    ids = prompt(PREFILL_BLOCK + 30, seed=4)
+    big = HybridRunner(artifact, page_size=PAGE, num_pages=128, max_batch=1,
+                       max_context=PREFILL_BLOCK + 64)
+    pages = np.arange(128, dtype=np.int32)
+    whole = prefill(big, 0, ids, 0, pages).logits
+    split = 128  # a multiple of the delta rule's chunk, as PREFILL_BLOCK is: the same chunks either way
+    first = prefill(big, 0, ids[:split], 0, pages).logits
+    rest = prefill(big, 0, ids[split:], split, pages).logits
+    # As in test_prefill_in_chunks_equals_one_shot: other matrix shapes, other fp32 rounding.
+    np.testing.assert_allclose(whole, np.concatenate([first, rest]), rtol=0, atol=1e-4)
+
+
 def test_state_calls_check_their_arguments(runner):
     with pytest.raises(ValueError, match=r"state slot in \[0, 5\)"):
         runner.read_state(5)

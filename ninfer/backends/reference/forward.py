@@ -73,24 +73,16 @@ class DenseForward:
         self.cos, self.sin = rope_tables(config, max_context)
         self.scale = config.head_dim**-0.5
 
-    def hidden(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray, seqs: int) -> np.ndarray:
-        """Final-norm hidden states [S * Q] of ``tokens`` laid out as ``seqs`` sequences.
+    def hidden(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray, lanes: np.ndarray,
+               decode: bool) -> np.ndarray:
+        """Final-norm hidden states [S * Q] of ``tokens`` laid out as one sequence per lane.
 
         ``positions`` [S * Q] are absolute; ``page_tables`` [S, pages] covers each sequence's
         positions. K/V of every token are written to the pool before its sequence attends.
+        Prefill is one lane with the chunk's tokens, decode one token per lane (``decode`` only
+        matters to models with per-lane state).
         """
-        rows = tokens.shape[0]
-        query_pos = positions.reshape(seqs, rows // seqs)
-        length = int(positions.max()) + 1
-        # Everything that is the same for every layer is worked out once per step.
-        step = _Step(
-            slots=self.cache.token_slots(page_tables, positions, np.repeat(np.arange(seqs), rows // seqs)),
-            context=self.cache.context_index(page_tables, length),
-            mask=causal_mask(query_pos, length),
-            cos=self.cos[positions],
-            sin=self.sin[positions],
-            seqs=seqs,
-        )
+        step = AttentionStep.of(self.cache, self.cos, self.sin, positions, page_tables, lanes.size)
         x = self.weights.embed[tokens]
         for index, layer in enumerate(self.weights.layers):
             x = self._layer(index, layer, x, step)
@@ -99,7 +91,7 @@ class DenseForward:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return np.matmul(hidden, self.weights.lm_head)
 
-    def _layer(self, index: int, w: LayerWeights, x: np.ndarray, step: _Step) -> np.ndarray:
+    def _layer(self, index: int, w: LayerWeights, x: np.ndarray, step: AttentionStep) -> np.ndarray:
         c = self.config
         rows = x.shape[0]
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
@@ -119,15 +111,19 @@ class DenseForward:
         q = q.reshape(step.seqs, rows // step.seqs, c.num_heads, c.head_dim)
         attn = attention(q, keys, values, step.mask, self.scale)
         x = x + attn.reshape(rows, c.q_size) @ w.o
-        h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-        gate_up = h @ w.gate_up
-        act = silu(gate_up[:, : c.intermediate_size]) * gate_up[:, c.intermediate_size :]
-        return x + act @ w.down
+        return x + swiglu(w.gate_up, w.down, rms_norm(x, w.mlp_norm, c.rms_norm_eps))
+
+
+def swiglu(gate_up: np.ndarray, down: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """``(silu(h @ gate) * (h @ up)) @ down`` with gate and up fused: ``gate_up`` [h, 2I], ``down`` [I, h]."""
+    fused = h @ gate_up
+    inner = fused.shape[1] // 2
+    return (silu(fused[:, :inner]) * fused[:, inner:]) @ down
 
 
 @attrs.define(slots=True)
-class _Step:
-    """Per-step values shared by every layer."""
+class AttentionStep:
+    """Per-step values every attention layer shares, worked out once per step."""
 
     slots: np.ndarray  # flat KV slot of each row's token
     context: np.ndarray | slice  # where each sequence's keys live (PagedKVCache.context_index)
@@ -135,3 +131,18 @@ class _Step:
     cos: np.ndarray
     sin: np.ndarray
     seqs: int
+
+    @classmethod
+    def of(cls, cache: PagedKVCache, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+           page_tables: np.ndarray, seqs: int) -> AttentionStep:
+        """``positions`` [S * Q]: ``seqs`` sequences of equally many query tokens."""
+        per_seq = positions.shape[0] // seqs
+        length = int(positions.max()) + 1
+        return cls(
+            slots=cache.token_slots(page_tables, positions, np.repeat(np.arange(seqs), per_seq)),
+            context=cache.context_index(page_tables, length),
+            mask=causal_mask(positions.reshape(seqs, per_seq), length),
+            cos=cos[positions],
+            sin=sin[positions],
+            seqs=seqs,
+        )

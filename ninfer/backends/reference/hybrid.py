@@ -21,22 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from ninfer.backends.reference import deltanet
-from ninfer.backends.reference.forward import attention, causal_mask, rms_norm, silu
+from ninfer.backends.reference.forward import AttentionStep, attention, rms_norm, silu, swiglu
 from ninfer.backends.reference.hybrid_state import StateStore
 from ninfer.backends.reference.hybrid_weights import (
     AttentionWeights, DeltaNetWeights, DenseMlpWeights, HybridWeights, MoeWeights,
 )
 from ninfer.backends.reference.kv_cache import PagedKVCache
-from ninfer.backends.reference.rope import apply_rope
+from ninfer.backends.reference.rope import apply_rope, base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import LINEAR, HybridConfig
-
-
-def partial_rope_tables(config: HybridConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 cos/sin [max_positions, rotary_dim / 2] (angles in float64, rounded once)."""
-    dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 class HybridForward:
@@ -48,7 +40,9 @@ class HybridForward:
         self.weights = weights
         self.cache = cache
         self.states = states
-        self.cos, self.sin = partial_rope_tables(config, max_context)
+        # Unscaled RoPE over the first rotary_dim dimensions of each head.
+        self.cos, self.sin = cos_sin_tables(base_inverse_frequencies(config.rope_theta, config.rotary_dim),
+                                            max_context)
         self.scale = config.head_dim**-0.5
         # Layer index -> its index among the attention layers (KV pool) or DeltaNet layers (states).
         self.kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
@@ -61,17 +55,7 @@ class HybridForward:
         Prefill (``decode=False``): one sequence, ``lanes`` = [lane], the chunk's tokens in order.
         Decode: one token per lane. DeltaNet layers continue from and update the lanes' states.
         """
-        seqs = lanes.size
-        rows = tokens.shape[0]
-        length = int(positions.max()) + 1
-        step = {
-            "slots": self.cache.token_slots(page_tables, positions, np.repeat(np.arange(seqs), rows // seqs)),
-            "context": self.cache.context_index(page_tables, length),
-            "mask": causal_mask(positions.reshape(seqs, rows // seqs), length),
-            "cos": self.cos[positions],
-            "sin": self.sin[positions],
-            "seqs": seqs,
-        }
+        step = AttentionStep.of(self.cache, self.cos, self.sin, positions, page_tables, lanes.size)
         x = self.weights.embed[tokens]
         eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.weights.layers):
@@ -81,7 +65,7 @@ class HybridForward:
             else:
                 x = x + self._attention(self.kv_index[index], layer.mixer, h, step)
             h = rms_norm(x, layer.mlp_norm, eps)
-            x = x + (self._moe(layer.mlp, h) if isinstance(layer.mlp, MoeWeights) else _swiglu(layer.mlp, h))
+            x = x + (self._moe(layer.mlp, h) if isinstance(layer.mlp, MoeWeights) else _dense_mlp(layer.mlp, h))
         return rms_norm(x, self.weights.final_norm, eps)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -120,7 +104,7 @@ class HybridForward:
         out = deltanet.gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
         return out.reshape(rows, c.value_dim) @ w.out
 
-    def _attention(self, kv: int, w: AttentionWeights, h: np.ndarray, step: dict) -> np.ndarray:
+    def _attention(self, kv: int, w: AttentionWeights, h: np.ndarray, step: AttentionStep) -> np.ndarray:
         c = self.config
         rows = h.shape[0]
         qkv = h @ w.qkv
@@ -132,13 +116,12 @@ class HybridForward:
         q = rms_norm(q, w.q_norm, c.rms_norm_eps)
         k = rms_norm(k, w.k_norm, c.rms_norm_eps)
         rot = c.rotary_dim
-        q[..., :rot] = apply_rope(q[..., :rot], step["cos"], step["sin"])
-        k[..., :rot] = apply_rope(k[..., :rot], step["cos"], step["sin"])
-        self.cache.write(kv, step["slots"], k, v)
-        keys, values = self.cache.gather(kv, step["context"])
-        seqs = step["seqs"]
-        q = q.reshape(seqs, rows // seqs, c.num_heads, c.head_dim)
-        out = attention(q, keys, values, step["mask"], self.scale).reshape(rows, c.q_size)
+        q[..., :rot] = apply_rope(q[..., :rot], step.cos, step.sin)
+        k[..., :rot] = apply_rope(k[..., :rot], step.cos, step.sin)
+        self.cache.write(kv, step.slots, k, v)
+        keys, values = self.cache.gather(kv, step.context)
+        q = q.reshape(step.seqs, rows // step.seqs, c.num_heads, c.head_dim)
+        out = attention(q, keys, values, step.mask, self.scale).reshape(rows, c.q_size)
         return (out * deltanet.sigmoid(gate)) @ w.o
 
     # -- MLPs -----------------------------------------------------------------------------------
@@ -149,11 +132,8 @@ class HybridForward:
         out = np.zeros_like(h)
         for expert in np.unique(top):
             rows, slot = np.nonzero(top == expert)
-            gate_up = h[rows] @ w.gate_up[expert]
-            inner = gate_up.shape[1] // 2
-            y = (silu(gate_up[:, :inner]) * gate_up[:, inner:]) @ w.down[expert]
-            out[rows] += y * weights[rows, slot, None]
-        shared = _swiglu(w.shared, h) * deltanet.sigmoid(h @ w.shared_gate)
+            out[rows] += swiglu(w.gate_up[expert], w.down[expert], h[rows]) * weights[rows, slot, None]
+        shared = _dense_mlp(w.shared, h) * deltanet.sigmoid(h @ w.shared_gate)
         return out + shared
 
 
@@ -169,7 +149,5 @@ def route(logits: np.ndarray, top_k: int, renormalise: bool) -> tuple[np.ndarray
     return top, weights
 
 
-def _swiglu(w: DenseMlpWeights, h: np.ndarray) -> np.ndarray:
-    gate_up = h @ w.gate_up
-    inner = gate_up.shape[1] // 2
-    return (silu(gate_up[:, :inner]) * gate_up[:, inner:]) @ w.down
+def _dense_mlp(w: DenseMlpWeights, h: np.ndarray) -> np.ndarray:
+    return swiglu(w.gate_up, w.down, h)

@@ -7,12 +7,12 @@ load so the forward pass reads as the math: the zero-centred RMSNorm weights bec
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import attrs
 import numpy as np
 
-from ninfer.backends.reference.weights import _checked
+from ninfer.backends.reference.weights import CheckedReader
 from ninfer.models.hybrid import DENSE, LINEAR, HybridConfig, tensor_names
 
 
@@ -66,16 +66,15 @@ class HybridWeights:
 
 
 def load_hybrid_weights(config: HybridConfig, get: Callable[[str], np.ndarray]) -> HybridWeights:
-    shapes = tensor_names(config)
-
-    def t(name: str) -> np.ndarray:
-        return _checked(name, get(name), shapes[name])
-
-    def tr(name: str) -> np.ndarray:
-        return np.ascontiguousarray(t(name).T)
+    """Read every canonical tensor through ``get(name)``, check its shape, upcast and lay it out."""
+    read = CheckedReader(tensor_names(config), get)
+    t, tr = read.vector, read.transposed
 
     def one_plus(name: str) -> np.ndarray:
         return np.float32(1.0) + t(name)
+
+    def experts(name: str) -> np.ndarray:  # [E, out, in] -> [E, in, out]
+        return np.ascontiguousarray(np.swapaxes(t(name), 1, 2))
 
     layers = []
     for i in range(config.num_layers):
@@ -92,8 +91,8 @@ def load_hybrid_weights(config: HybridConfig, get: Callable[[str], np.ndarray]) 
         else:
             mlp = MoeWeights(
                 router=tr(p + "router"),
-                gate_up=np.ascontiguousarray(np.swapaxes(t(p + "experts.gate_up"), 1, 2)),
-                down=np.ascontiguousarray(np.swapaxes(t(p + "experts.down"), 1, 2)),
+                gate_up=experts(p + "experts.gate_up"),
+                down=experts(p + "experts.down"),
                 shared=DenseMlpWeights(gate_up=tr(p + "shared.gate_up"), down=tr(p + "shared.down")),
                 shared_gate=tr(p + "shared_gate"))
         layers.append(HybridLayerWeights(attn_norm=one_plus(p + "attn_norm"), mixer=mixer,
@@ -101,12 +100,3 @@ def load_hybrid_weights(config: HybridConfig, get: Callable[[str], np.ndarray]) 
     embed = t("embed")
     lm_head = embed.T if config.tie_word_embeddings else tr("lm_head")
     return HybridWeights(embed=embed, layers=layers, final_norm=one_plus("final_norm"), lm_head=lm_head)
-
-
-def hybrid_weights_from_mapping(config: HybridConfig, tensors: Mapping[str, np.ndarray]) -> HybridWeights:
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"weights: canonical tensor {name!r} is missing")
-        return tensors[name]
-
-    return load_hybrid_weights(config, get)

@@ -15,7 +15,8 @@ import numpy as np
 from ninfer.models.dense import DenseConfig, RopeScaling
 
 
-def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
+def base_inverse_frequencies(theta: float, dim: int) -> np.ndarray:
+    """float64 [dim / 2] unscaled inverse frequencies ``theta ** (-2i / dim)``."""
     return 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
 
 
@@ -53,7 +54,7 @@ def _yarn(inv_freq: np.ndarray, s: RopeScaling, theta: float, dim: int, max_posi
 def inverse_frequencies(config: DenseConfig) -> np.ndarray:
     """float64 [head_dim / 2] inverse frequencies after rope scaling."""
     s, dim = config.rope_scaling, config.head_dim
-    inv_freq = _base_inv_freq(config.rope_theta, dim)
+    inv_freq = base_inverse_frequencies(config.rope_theta, dim)
     if s.kind == "none":
         return inv_freq
     if s.kind == "linear":
@@ -75,11 +76,15 @@ def attention_factor(config: DenseConfig) -> float:
     return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
 
 
+def cos_sin_tables(inv_freq: np.ndarray, max_positions: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``scale * cos`` and ``scale * sin`` [max_positions, len(inv_freq)] of every angle."""
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
+
+
 def rope_tables(config: DenseConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 cos and sin [max_positions, head_dim / 2], attention factor included."""
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inverse_frequencies(config)[None, :]
-    scale = attention_factor(config)
-    return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
+    return cos_sin_tables(inverse_frequencies(config), max_positions, attention_factor(config))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

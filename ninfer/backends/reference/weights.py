@@ -47,50 +47,61 @@ class ModelWeights:
     lm_head: np.ndarray  # [h, vocab]; a transposed view of ``embed`` when tied
 
 
+class CheckedReader:
+    """Reads canonical tensors through ``get(name)``, checks each shape against the model
+    description and returns contiguous float32 copies (``transposed``: ``[in, out]``)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], get: Callable[[str], np.ndarray]):
+        self.shapes = shapes
+        self._get = get
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def vector(self, name: str) -> np.ndarray:
+        array, shape = self._get(name), tuple(self.shapes[name])
+        if tuple(array.shape) != shape:
+            raise ValueError(f"weights: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
+        return np.ascontiguousarray(to_float32(array))
+
+    def transposed(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self.vector(name).T)
+
+
+def mapping_getter(tensors: Mapping[str, np.ndarray]) -> Callable[[str], np.ndarray]:
+    """``get(name)`` over in-memory canonical tensors, naming the one that is missing."""
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"weights: canonical tensor {name!r} is missing")
+        return tensors[name]
+
+    return get
+
+
 def load_weights(config: DenseConfig, get: Callable[[str], np.ndarray]) -> ModelWeights:
     """Read every canonical tensor through ``get(name)``, check its shape, upcast and lay it out."""
-    shapes = tensor_names(config)
-
-    def vector(name: str) -> np.ndarray:
-        return _checked(name, get(name), shapes[name])
-
-    def transposed(name: str) -> np.ndarray:
-        return np.ascontiguousarray(vector(name).T)
+    read = CheckedReader(tensor_names(config), get)
 
     def optional(name: str) -> np.ndarray | None:
-        return vector(name) if name in shapes else None
+        return read.vector(name) if name in read else None
 
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
         layers.append(
             LayerWeights(
-                attn_norm=vector(p + "attn_norm"),
-                qkv=transposed(p + "qkv"),
+                attn_norm=read.vector(p + "attn_norm"),
+                qkv=read.transposed(p + "qkv"),
                 qkv_bias=optional(p + "qkv_bias"),
                 q_norm=optional(p + "q_norm"),
                 k_norm=optional(p + "k_norm"),
-                o=transposed(p + "o"),
-                mlp_norm=vector(p + "mlp_norm"),
-                gate_up=transposed(p + "gate_up"),
-                down=transposed(p + "down"),
+                o=read.transposed(p + "o"),
+                mlp_norm=read.vector(p + "mlp_norm"),
+                gate_up=read.transposed(p + "gate_up"),
+                down=read.transposed(p + "down"),
             )
         )
-    embed = vector("embed")
-    lm_head = embed.T if config.tie_word_embeddings else transposed("lm_head")
-    return ModelWeights(embed=embed, layers=layers, final_norm=vector("final_norm"), lm_head=lm_head)
-
-
-def weights_from_mapping(config: DenseConfig, tensors: Mapping[str, np.ndarray]) -> ModelWeights:
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"weights: canonical tensor {name!r} is missing")
-        return tensors[name]
-
-    return load_weights(config, get)
-
-
-def _checked(name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    if tuple(array.shape) != tuple(shape):
-        raise ValueError(f"weights: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
-    return np.ascontiguousarray(to_float32(array))
+    embed = read.vector("embed")
+    lm_head = embed.T if config.tie_word_embeddings else read.transposed("lm_head")
+    return ModelWeights(embed=embed, layers=layers, final_norm=read.vector("final_norm"), lm_head=lm_head)
