@@ -214,11 +214,23 @@ class Handle:
         self._seq = seq
         self._event: trio.Event | None = None
         self._done = False  # the terminal item was consumed (or the request was cancelled)
+        self._received = 0  # output token ids yielded so far
+        self._stopped_at: int | None = None
 
     def __aiter__(self) -> "Handle":
         return self
 
     async def __anext__(self) -> PromptProgress | TokenDelta | Finished:
+        while True:
+            item = await self._next_item()
+            # After stop(), tokens the worker committed before it saw the stop are not output.
+            if not (self._stopped_at is not None and isinstance(item, TokenDelta)):
+                break
+        if isinstance(item, TokenDelta):
+            self._received += len(item.token_ids)
+        return item
+
+    async def _next_item(self) -> PromptProgress | TokenDelta | Finished:
         if self._done:
             self._end()
             raise StopAsyncIteration
@@ -265,9 +277,12 @@ class Handle:
         return item
 
     def stop(self) -> None:
-        """A stop string matched in the text layer: finish "stop" at the next boundary."""
-        if not self._done:
-            self._ticket._engine._worker.post("stop", self._seq)
+        """A stop string matched in the text layer within the tokens received so far: finish
+        "stop" at the next boundary. Output (usage, generated ids, the retained endpoint) ends
+        at the tokens this handle has yielded; later deltas are dropped."""
+        if not self._done and self._stopped_at is None:
+            self._stopped_at = self._received
+            self._ticket._engine._worker.post("stop", (self._seq, self._received))
 
     async def aclose(self) -> None:
         self._cancel()

@@ -70,10 +70,13 @@ class EngineCore:
         if seq.phase is not Phase.DONE:
             self._finish(seq, "cancelled", "cancelled")
 
-    def stop(self, seq: Sequence) -> None:
-        """A stop string matched in the text layer: finish "stop" now, publish nothing more."""
+    def stop(self, seq: Sequence, accepted: int | None = None) -> None:
+        """A stop string matched in the text layer: finish "stop" now. ``accepted`` output
+        tokens (what the consumer had received) are the request's output; tokens committed
+        after them are dropped from usage, generated ids and the retained endpoint."""
         if seq.phase is not Phase.DONE:
-            seq.stop_requested = True
+            if accepted is not None:
+                seq.accepted = min(accepted, seq.n_output)
             self._finish(seq, "stop", "stop_string")
 
     def fail(self, seq: Sequence, error: BaseException, outcome: str) -> None:
@@ -341,8 +344,9 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
         now = self.clock()
         if reason != "cancelled" and seq.request.capture_endpoint and seq.phase is Phase.RESIDENT:
-            if seq.computed > seq.cached:
-                self.scheduler.capture(seq, seq.computed, session=True)
+            end = seq.computed if seq.accepted is None else min(seq.computed, seq.prompt_len + seq.accepted)
+            if end > seq.cached:
+                self.scheduler.capture(seq, end, session=True)
                 self.counters.prefix_captures += 1
         self.scheduler.release(seq)
         seq.finish = (reason, detail)
@@ -353,12 +357,13 @@ class EngineCore:
     def _finished_event(self, seq: Sequence, reason: str, detail: str, now: float) -> Finished:
         admit = seq.t_admit if seq.t_admit is not None else now
         first = seq.t_first
+        output = seq.output if seq.accepted is None else seq.output[: seq.accepted]
         prompt_end = first if first is not None else (seq.t_prompt_done or now)
         return Finished(
             reason=reason,
             detail=detail,
             usage=Usage(prompt_tokens=seq.prompt_len, cached_tokens=seq.cached,
-                        completion_tokens=seq.n_output),
+                        completion_tokens=len(output)),
             timings=Timings(queue=admit - seq.t_submit, prompt=max(0.0, prompt_end - admit),
                             generation=(seq.t_last - first) if first is not None else 0.0,
                             total=now - seq.t_submit,
@@ -374,7 +379,7 @@ class EngineCore:
                 device_wait_exposed_seconds=seq.device_seconds, decode_rounds=seq.decode_rounds,
                 prefill_units=seq.prefill_units, control_units=seq.control_units),
             prefix_reuse_path="checkpoint" if seq.cached else "root",
-            generated_token_ids=tuple(seq.output),
+            generated_token_ids=tuple(output),
             seed=seq.row.seed,
             first_output=seq.first_output,
         )

@@ -69,8 +69,7 @@ class Sequence:
         # Captures still due: prompt boundaries (sorted) retained once computed reaches them.
         self.pending_captures: list[int] = []
         # Control from the request's task.
-        self.cancel_requested = False
-        self.stop_requested = False
+        self.accepted: int | None = None  # output tokens the consumer accepted before stop()
         # Outcome and events.
         self.finish: tuple[str, str] | None = None
         self.outbox: collections.deque = collections.deque()

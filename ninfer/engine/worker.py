@@ -124,7 +124,7 @@ class Worker:
         elif command == "cancel":
             core.cancel(arg)
         elif command == "stop":
-            core.stop(arg)
+            core.stop(*arg)
         elif command == "expire":
             if arg.phase is Phase.WAITING:
                 self.core.fail(arg, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")

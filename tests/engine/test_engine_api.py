@@ -149,7 +149,11 @@ async def test_stop_finishes_with_stop_string():
                     handle.stop()  # posted while the worker is held in the next decode
                     runner.gate.set()
     assert (events[-1].reason, events[-1].detail) == ("stop", "stop_string")
-    assert events[-1].usage.completion_tokens <= 2
+    # The worker committed one more token before it saw the stop: it is not output.
+    received = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert events[-1].usage.completion_tokens == len(received) == 1
+    assert events[-1].generated_token_ids == tuple(received)
+    assert engine.stats().generation_tokens_total == 2
 
 
 async def test_preparation_rejections_are_typed():
