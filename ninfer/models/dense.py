@@ -11,6 +11,8 @@ from typing import Any
 
 import attrs
 
+from ninfer.models.names import decoder_tensor_names
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -95,10 +97,4 @@ def layer_tensor_names(config: DenseConfig, layer: int) -> dict[str, tuple[int, 
 
 def tensor_names(config: DenseConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor of the ``text`` component with its shape, in file order."""
-    names: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, config.hidden_size)}
-    for layer in range(config.num_layers):
-        names.update(layer_tensor_names(config, layer))
-    names["final_norm"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        names["lm_head"] = (config.vocab_size, config.hidden_size)
-    return names
+    return decoder_tensor_names(config, layer_tensor_names)

@@ -30,6 +30,8 @@ from typing import Any
 
 import attrs
 
+from ninfer.models.names import decoder_tensor_names
+
 # Hugging Face class names; the text backbone of the ConditionalGeneration classes is what we run.
 ARCHITECTURES = (
     "Qwen3NextForCausalLM",
@@ -218,13 +220,7 @@ def layer_tensor_names(config: HybridConfig, layer: int) -> dict[str, tuple[int,
 
 def tensor_names(config: HybridConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor of the ``text`` component with its shape, in file order."""
-    names: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, config.hidden_size)}
-    for layer in range(config.num_layers):
-        names.update(layer_tensor_names(config, layer))
-    names["final_norm"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        names["lm_head"] = (config.vocab_size, config.hidden_size)
-    return names
+    return decoder_tensor_names(config, layer_tensor_names)
 
 
 # Stored as float32 whatever the checkpoint dtype: the decay exponent is sensitive to rounding
