@@ -95,8 +95,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--log-stats-interval-ms", "aggregate throughput report interval; 0 disables it", 5000,
            _int_range(0, None), "N"),
     Option("--log-level", "pretty stderr verbosity", "info", str, "LEVEL", _LEVELS),
-    Option("--device", "CUDA device index (needs the CUDA backend)", None, _int_range(0, None), "N",
-           default_text="0"),
+    Option("--device", "serve on this CUDA device (the CUDA backend); omitted: the reference CPU backend", None, _int_range(0, None), "N",
+           default_text="reference backend"),
     Option("--context-cost-presets", "optional runtime context-cost preset registry", None, metavar="FILE",
            default_text="generic + compiled defaults"),
     Option("--max-request-mib", "body-size limit before JSON parsing", 384, _int_range(1, None), "N"),
@@ -158,7 +158,6 @@ _NOT_BUILT = {
     "draft_tokens": "speculative decoding is not built yet, so draft tokens cannot be set",
     "lm_head_draft": "the optimized proposal head belongs to speculative decoding, which is not built yet",
     "vision": "Vision (image/video input) is not built yet",
-    "context_cost_presets": "context-cost presets belong to the CUDA backend, which is not built yet",
 }
 
 
@@ -170,10 +169,10 @@ def check_capabilities(args: argparse.Namespace, *, cuda_available: bool = False
     if args.kv_dtype != "bf16":
         raise OptionError(f"--kv-dtype {args.kv_dtype}: only bf16 KV storage is built yet.")
     if args.device is not None and not cuda_available:
-        raise OptionError("--device: the CUDA backend is not available in this build; the server runs the "
-                          "reference (CPU) backend.")
-    if args.kv_capacity == "auto" and not cuda_available:
-        raise OptionError("--kv-capacity auto sizes from GPU memory, which needs the CUDA backend; give a number.")
+        raise OptionError("--device: no CUDA GPU is usable here (needs the cuda extra and a driver); without "
+                          "--device the server runs the reference (CPU) backend.")
+    if args.kv_capacity == "auto":
+        raise OptionError("--kv-capacity auto (sizing from free GPU memory) is not built yet; give a number.")
 
 
 def markdown_table() -> str:

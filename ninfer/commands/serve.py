@@ -20,7 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        options.check_capabilities(args)
+        cuda = False
+        if args.device is not None:
+            from ninfer.server.backend import cuda_available
+
+            cuda = cuda_available()
+        options.check_capabilities(args, cuda_available=cuda)
     except options.OptionError as e:
         print(f"ninfer serve: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from ninfer.observability.request_log import RequestLog, redact_argv
 from ninfer.observability.throughput import throughput_loop
 from ninfer.server import listen, routes
 from ninfer.server.app import App
+from ninfer.server.backend import cuda_runner
 from ninfer.server.generation import PromptBuilder, ServeDefaults
 from ninfer.server.response_store import ResponseStore
 from ninfer.server.sse import KEEPALIVE_SECONDS
@@ -59,7 +60,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_concurrency=args.max_concurrency, max_pending_requests=args.max_pending_requests,
         pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk, max_context=args.max_context,
         kv_capacity=args.kv_capacity, prefix_reuse=not args.no_prefix_reuse, host_context_mib=args.host_context_mib,
-        device_state_slots=args.device_state_slots, temperature=args.temperature, top_p=args.top_p,
+        device_state_slots=args.device_state_slots, context_cost_presets=args.context_cost_presets,
+        temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, greedy=args.greedy,
     )
@@ -148,10 +150,16 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
         except OSError as e:
             raise StartupError(str(e)) from None
     config = engine_config(args)
-    log.info("loading %s (%s) on the reference backend", model_id, art.metadata["architecture"])
+    log.info("loading %s (%s)", model_id, art.metadata["architecture"])
+    if runner_factory is None and args.device is not None:
+        def runner_factory(art: Any, config: EngineConfig) -> Any:
+            return cuda_runner(path, args, config)
+
+        log.info("backend: CUDA on device %d", args.device)
     if runner_factory is None:
+        log.info("backend: reference (CPU)")
         source, extra = path, {}  # the Engine loads the artifact on the reference backend
-    else:  # tests: a runner of their own over the same artifact
+    else:  # CUDA, or a test's runner over the same artifact
         source = runner_factory(art, config)
         extra = {"eos_token_ids": art.special_tokens.get("eos_token_ids") or [], "generation": art.generation}
     try:
@@ -214,9 +222,11 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
             await run_server(args, argv, shutdown_trigger=on_signal)
 
+    from ninfer.engine.errors import EngineError
+
     try:
         trio.run(run)
-    except StartupError as e:
+    except (StartupError, EngineError) as e:  # e.g. a malformed --context-cost-presets file
         print(f"ninfer serve: {e}", file=sys.stderr)
         return 1
     return 0

@@ -47,3 +47,11 @@ def test_startup_failures_are_clear(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(tmp_path / "missing.ninfer")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "does not exist" in r.stderr
+
+
+def test_malformed_context_cost_presets_abort_startup(tiny_artifact, tmp_path):
+    bad = tmp_path / "presets.json"
+    bad.write_text("{not json")
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+                        "--context-cost-presets", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "presets" in r.stderr.lower() and "Traceback" not in r.stderr

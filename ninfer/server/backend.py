@@ -1,0 +1,75 @@
+"""Which ModelRunner serves: the reference backend, or the CUDA backend with ``--device N``.
+
+A CUDA context is current per thread, and the Engine makes every runner call on its worker
+thread; so the CUDA runner is built lazily, on its first use, which is the worker building the
+engine core. ``WorkerBuiltRunner`` is that deferral and forwards the ModelRunner protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from ninfer.engine import EngineConfig
+
+
+class WorkerBuiltRunner:
+    def __init__(self, build: Callable[[], Any]):
+        self._build = build
+        self._runner: Any = None
+
+    @property
+    def runner(self) -> Any:
+        if self._runner is None:
+            self._runner = self._build()
+        return self._runner
+
+    @property
+    def info(self):
+        return self.runner.info
+
+    def bind_lane(self, lane, generated):
+        self.runner.bind_lane(lane, generated)
+
+    def prefill(self, chunk):
+        return self.runner.prefill(chunk)
+
+    def decode(self, batch):
+        return self.runner.decode(batch)
+
+    def copy_pages(self, src, dst):
+        self.runner.copy_pages(src, dst)
+
+    def read_pages(self, pages):
+        return self.runner.read_pages(pages)
+
+    def write_pages(self, pages, data):
+        self.runner.write_pages(pages, data)
+
+    def close(self):
+        if self._runner is not None:
+            self._runner.close()
+
+
+def cuda_available() -> bool:
+    """Whether the cuda extra is installed and a GPU answers (no context is created)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return False
+    err, = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return False
+    err, count = driver.cuDeviceGetCount()
+    return err == driver.CUresult.CUDA_SUCCESS and count > 0
+
+
+def cuda_runner(path: str, args: argparse.Namespace, config: EngineConfig) -> WorkerBuiltRunner:
+    def build():
+        from ninfer.backends.cuda import CudaRunner
+
+        return CudaRunner(path, page_size=config.page_size, num_pages=config.kv_pages,
+                          max_batch=config.max_concurrency, max_context=config.max_context,
+                          device=args.device, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph)
+
+    return WorkerBuiltRunner(build)
