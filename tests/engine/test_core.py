@@ -263,3 +263,25 @@ def test_cancellation_at_every_stage_frees_everything(stage):
     for s in (a, b, c):
         assert sum(isinstance(e, Finished) for e in s.outbox) == 1
     assert_no_leaks(d)
+
+
+def test_fifo_with_a_bounded_bypass():
+    from ninfer.engine.scheduler import MAX_BYPASS
+
+    # 8 pages of 16 tokens. A holds most of them; B's first chunk (3 pages) cannot fit until A
+    # ends, while each small C (1 page) can: at most MAX_BYPASS of them pass B.
+    d = CoreDriver(cfg(max_concurrency=2, kv_capacity=128, max_context=128, prefill_chunk=48, prefix_reuse=False))
+    a = d.submit(prompt(1, 90), 30)
+    b = d.submit(prompt(2, 60), 2)
+    cs = [d.submit(prompt(10 + i, 10), 1) for i in range(MAX_BYPASS + 2)]
+    order = []
+    while d.core.has_work():
+        plan = d.core.scheduler.schedule()
+        order.extend(s.rid for s in plan.admitted)
+        d.core._execute(plan)
+        d.core._postprocess(plan)
+    rid = {s.rid: name for name, s in [("a", a), ("b", b)] + [(f"c{i}", c) for i, c in enumerate(cs)]}
+    names = [rid[r] for r in order]
+    assert names[:1 + MAX_BYPASS] == ["a"] + [f"c{i}" for i in range(MAX_BYPASS)]
+    assert names[1 + MAX_BYPASS] == "b" and b.bypassed == MAX_BYPASS
+    assert all(finished(s).reason == "length" for s in [a, b, *cs])
