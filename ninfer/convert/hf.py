@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from ninfer.artifact import TensorSource, write_artifact
-from ninfer.artifact.bf16 import from_float32
 from ninfer.convert.errors import ConversionError
 from ninfer.convert.hf_checkpoint import CheckpointWeights, chat_template, read_json, tokenizer_json
 from ninfer.convert.hf_config import dense_config_from_hf
@@ -37,9 +36,6 @@ _LAYER_SOURCES: dict[str, tuple[str, ...]] = {
 }
 _GLOBAL_SOURCES = {"embed": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",),
                    "lm_head": ("lm_head.weight",)}
-# Present in some checkpoints but not weights of the model (recomputed buffers).
-_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
-_FLOAT_SOURCES = ("BF16", "F16", "F32")
 
 # Sampler presets the model publishers recommend (Qwen3 model cards); the engine applies them.
 _PRESETS: dict[str, dict[str, dict[str, float]]] = {
@@ -59,10 +55,6 @@ def source_names(canonical: str) -> tuple[str, ...]:
     return _GLOBAL_SOURCES[canonical]
 
 
-def _to_bf16(array: np.ndarray, st_dtype: str) -> np.ndarray:
-    return array if st_dtype == "BF16" else from_float32(array)
-
-
 def _plan_sources(config: DenseConfig, weights: CheckpointWeights) -> list[TensorSource]:
     """One lazy TensorSource per canonical tensor, after checking every source's presence and shape."""
     plan, used = [], set()
@@ -70,13 +62,7 @@ def _plan_sources(config: DenseConfig, weights: CheckpointWeights) -> list[Tenso
         names = source_names(canonical)
         rows = 0
         for name in names:
-            if name not in weights.where:
-                raise ConversionError(f"{weights.directory}: tensor {name!r} missing "
-                                      f"(needed for {canonical!r} of {config.architecture})")
-            info = weights.info(name)
-            if info.dtype not in _FLOAT_SOURCES:
-                raise ConversionError(f"{weights.directory}: tensor {name!r} has dtype {info.dtype}; "
-                                      f"expected one of {', '.join(_FLOAT_SOURCES)}")
+            info = weights.checked(name, f"for {canonical!r} of {config.architecture}")
             if info.shape[1:] != shape[1:]:
                 raise ConversionError(f"{weights.directory}: tensor {name!r} has shape {list(info.shape)}, "
                                       f"incompatible with {canonical!r} {list(shape)}")
@@ -86,29 +72,17 @@ def _plan_sources(config: DenseConfig, weights: CheckpointWeights) -> list[Tenso
                                   f"needs {shape[0]} for {canonical!r}")
         used.update(names)
         plan.append(TensorSource(canonical, "text", "bf16", shape, _loader(weights, names)))
-    _refuse_unknown(config, weights, used)
+    # Dropping is exact for all-zero biases too, e.g. Llama's o_proj.bias under attention_bias.
+    weights.refuse_unknown(used, config.architecture, config.tie_word_embeddings,
+                           droppable=lambda name: name.endswith(".bias") and not np.any(weights.get(name)))
     return plan
 
 
 def _loader(weights: CheckpointWeights, names: tuple[str, ...]) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
-        parts = [_to_bf16(weights.get(n), weights.info(n).dtype) for n in names]
+        parts = [weights.bf16(n) for n in names]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     return load
-
-
-def _refuse_unknown(config: DenseConfig, weights: CheckpointWeights, used: set[str]) -> None:
-    """A tensor we do not map would be silently dropped; that hides a model we do not run.
-    Dropping is exact only for buffers and all-zero biases, so only those are let through."""
-    for name in weights.names():
-        if name in used or name.endswith(_IGNORABLE_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied checkpoints sometimes store the shared matrix twice
-        if name.endswith(".bias") and not np.any(weights.get(name)):
-            continue  # e.g. Llama's o_proj.bias under attention_bias: all zeros adds nothing
-        raise ConversionError(f"{weights.directory}: unexpected tensor {name!r} in the checkpoint "
-                              f"(not part of {config.architecture} as NInfer describes it)")
 
 
 def _special_tokens(directory: Path, cfg: dict[str, Any], gen: dict[str, Any], tok_json: str) -> dict[str, Any]:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.convert.errors import ConversionError
 from ninfer.convert.safetensors import SafetensorInfo, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
+FLOAT_SOURCES = ("BF16", "F16", "F32")  # weight dtypes the converters read
+# Present in some checkpoints but not weights of the model (recomputed buffers).
+IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
@@ -73,6 +78,41 @@ class CheckpointWeights:
 
     def get(self, name: str) -> np.ndarray:
         return self._file(self.where[name]).get(name)
+
+    def checked(self, name: str, needed: str) -> SafetensorInfo:
+        """The info of a weight the model needs (``needed`` says what for); present and float."""
+        if name not in self.where:
+            raise ConversionError(f"{self.directory}: tensor {name!r} missing (needed {needed})")
+        info = self.info(name)
+        if info.dtype not in FLOAT_SOURCES:
+            raise ConversionError(f"{self.directory}: tensor {name!r} has dtype {info.dtype}; "
+                                  f"expected one of {', '.join(FLOAT_SOURCES)}")
+        return info
+
+    def bf16(self, name: str) -> np.ndarray:
+        """bf16 bit patterns of a float weight (narrowed from f16/f32 when needed)."""
+        array = self.get(name)
+        return array if self.info(name).dtype == "BF16" else from_float32(array)
+
+    def f32(self, name: str) -> np.ndarray:
+        """float32 values of a float weight (bf16 widened exactly)."""
+        array = self.get(name)
+        return to_float32(array) if self.info(name).dtype == "BF16" else np.asarray(array, np.float32)
+
+    def refuse_unknown(self, used: set[str], architecture: str, tied: bool,
+                       droppable: Callable[[str], bool] = lambda name: False) -> None:
+        """A tensor we do not map would be silently dropped; that hides a model we do not run.
+        Let through only buffers, a tied checkpoint's second copy of the shared matrix and what
+        ``droppable`` says is exact to drop."""
+        for name in self.names():
+            if name in used or name.endswith(IGNORABLE_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and tied:
+                continue  # tied checkpoints sometimes store the shared matrix twice
+            if droppable(name):
+                continue
+            raise ConversionError(f"{self.directory}: unexpected tensor {name!r} in the checkpoint "
+                                  f"(not part of {architecture} as NInfer describes it)")
 
     @property
     def total_bytes(self) -> int:

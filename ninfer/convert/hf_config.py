@@ -12,7 +12,7 @@ from ninfer.convert.errors import ConversionError
 from ninfer.models import ARCHITECTURES, DenseConfig, RopeScaling
 
 
-def _require(cfg: dict[str, Any], key: str) -> Any:
+def require(cfg: dict[str, Any], key: str) -> Any:
     if key not in cfg:
         raise ConversionError(f"config.json: missing {key!r}")
     return cfg[key]
@@ -75,16 +75,16 @@ def architecture_of(cfg: dict[str, Any]) -> str:
 def dense_config_from_hf(cfg: dict[str, Any]) -> DenseConfig:
     architecture = architecture_of(cfg)
     _refuse_unsupported(cfg)
-    hidden = int(_require(cfg, "hidden_size"))
-    heads = int(_require(cfg, "num_attention_heads"))
+    hidden = int(require(cfg, "hidden_size"))
+    heads = int(require(cfg, "num_attention_heads"))
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, scaling = _rope_parameters(cfg)
     return DenseConfig(
         architecture=architecture,
-        vocab_size=int(_require(cfg, "vocab_size")),
+        vocab_size=int(require(cfg, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size")),
-        num_layers=int(_require(cfg, "num_hidden_layers")),
+        intermediate_size=int(require(cfg, "intermediate_size")),
+        num_layers=int(require(cfg, "num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),

@@ -24,15 +24,13 @@ from typing import Any
 import numpy as np
 
 from ninfer.artifact import TensorSource, write_artifact
-from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.convert.errors import ConversionError
 from ninfer.convert.hf_checkpoint import CheckpointWeights
+from ninfer.convert.hf_config import require
 from ninfer.models.hybrid import (
     ARCHITECTURES, DENSE, FULL, LINEAR, MOE, HybridConfig, tensor_dtype, tensor_names,
 )
 
-_FLOAT_SOURCES = ("BF16", "F16", "F32")
-_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 # Sampler presets from the Qwen3.5 / 3.6 model cards (thinking and instruct modes).
 PRESETS = {
     "thinking": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
@@ -51,12 +49,6 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if "tie_word_embeddings" in cfg:  # the wrapper's value is the one transformers applies
         merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return merged
-
-
-def _require(cfg: dict[str, Any], key: str) -> Any:
-    if key not in cfg:
-        raise ConversionError(f"config.json: missing {key!r}")
-    return cfg[key]
 
 
 def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, int, list[int] | None]:
@@ -114,16 +106,16 @@ def hybrid_config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
         raise ConversionError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
     if text.get("attention_bias"):
         raise ConversionError("config.json: attention_bias=true is not supported for hybrid models")
-    layers = int(_require(text, "num_hidden_layers"))
-    heads = int(_require(text, "num_attention_heads"))
-    head_dim = int(text.get("head_dim") or int(_require(text, "hidden_size")) // heads)
+    layers = int(require(text, "num_hidden_layers"))
+    heads = int(require(text, "num_attention_heads"))
+    head_dim = int(text.get("head_dim") or int(require(text, "hidden_size")) // heads)
     theta, rotary_dim, section = _rope(text, head_dim)
     mlp_types = _mlp_types(architecture, text, layers)
     try:
         return HybridConfig(
             architecture=architecture,
-            vocab_size=int(_require(text, "vocab_size")),
-            hidden_size=int(_require(text, "hidden_size")),
+            vocab_size=int(require(text, "vocab_size")),
+            hidden_size=int(require(text, "hidden_size")),
             num_layers=layers,
             layer_types=_layer_types(text, layers),
             mlp_types=mlp_types,
@@ -134,10 +126,10 @@ def hybrid_config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
             rotary_dim=rotary_dim,
             rope_theta=theta,
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            linear_num_k_heads=int(_require(text, "linear_num_key_heads")),
-            linear_num_v_heads=int(_require(text, "linear_num_value_heads")),
-            linear_k_head_dim=int(_require(text, "linear_key_head_dim")),
-            linear_v_head_dim=int(_require(text, "linear_value_head_dim")),
+            linear_num_k_heads=int(require(text, "linear_num_key_heads")),
+            linear_num_v_heads=int(require(text, "linear_num_value_heads")),
+            linear_k_head_dim=int(require(text, "linear_key_head_dim")),
+            linear_v_head_dim=int(require(text, "linear_value_head_dim")),
             conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
             intermediate_size=int(text.get("intermediate_size") or 0) if DENSE in mlp_types else 0,
             num_experts=int(text.get("num_experts", 0)) if MOE in mlp_types else 0,
@@ -158,7 +150,7 @@ def hybrid_config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
 # -- tensors ------------------------------------------------------------------------------------
 
 class _Plan:
-    """Looks up source tensors with checks, and builds lazy loaders over them."""
+    """The checkpoint, its key prefix and the source tensors used so far (each looked up with checks)."""
 
     def __init__(self, config: HybridConfig, weights: CheckpointWeights):
         self.config = config
@@ -168,28 +160,13 @@ class _Plan:
         self.prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in names else "model."
 
     def src(self, name: str, shape: tuple[int, ...] | None = None) -> str:
-        w = self.weights
-        if name not in w.where:
-            raise ConversionError(f"{w.directory}: tensor {name!r} missing (needed by {self.config.architecture})")
-        info = w.info(name)
-        if info.dtype not in _FLOAT_SOURCES:
-            raise ConversionError(f"{w.directory}: tensor {name!r} has dtype {info.dtype}; "
-                                  f"expected one of {', '.join(_FLOAT_SOURCES)}")
+        """``name`` after checking it is a float weight of ``shape``; marks it used."""
+        info = self.weights.checked(name, f"by {self.config.architecture}")
         if shape is not None and tuple(info.shape) != tuple(shape):
-            raise ConversionError(f"{w.directory}: tensor {name!r} has shape {list(info.shape)}, "
+            raise ConversionError(f"{self.weights.directory}: tensor {name!r} has shape {list(info.shape)}, "
                                   f"expected {list(shape)}")
         self.used.add(name)
         return name
-
-    def f32(self, name: str) -> np.ndarray:
-        array = self.weights.get(name)
-        return to_float32(array) if self.weights.info(name).dtype == "BF16" else np.asarray(array, np.float32)
-
-    def bits(self, name: str) -> np.ndarray:
-        """bf16 bit patterns of a source tensor (narrowed from f16/f32 when needed)."""
-        array = self.weights.get(name)
-        return array if self.weights.info(name).dtype == "BF16" else from_float32(np.asarray(array, np.float32))
-
 
 def _layer_loader(plan: _Plan, canonical: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
     c = plan.config
@@ -205,10 +182,10 @@ def _layer_loader(plan: _Plan, canonical: str, shape: tuple[int, ...]) -> Callab
         return _in_proj(plan, p + "linear_attn.")
     if suffix == "conv":
         name = plan.src(p + "linear_attn.conv1d.weight", (c.conv_dim, 1, c.conv_kernel))
-        return lambda: plan.bits(name).reshape(c.conv_dim, c.conv_kernel)
+        return lambda: plan.weights.bf16(name).reshape(c.conv_dim, c.conv_kernel)
     if suffix in ("dt_bias", "A_log"):
         name = plan.src(p + f"linear_attn.{suffix}", shape)
-        return lambda: plan.f32(name)
+        return lambda: plan.weights.f32(name)
     if suffix == "linear_norm":
         return _rows(plan, [plan.src(p + "linear_attn.norm.weight", shape)])
     if suffix == "out":
@@ -249,7 +226,7 @@ def _mlp_loader(plan: _Plan, m: str, suffix: str, shape: tuple[int, ...]) -> Cal
 
 def _rows(plan: _Plan, names: list[str]) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
-        parts = [plan.bits(n) for n in names]
+        parts = [plan.weights.bf16(n) for n in names]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     return load
 
@@ -263,9 +240,9 @@ def _in_proj(plan: _Plan, a: str) -> Callable[[], np.ndarray]:
 
         def load_grouped() -> np.ndarray:
             dk, r_dv, r = c.linear_k_head_dim, (nv // nk) * c.linear_v_head_dim, nv // nk
-            g = plan.bits(qkvz).reshape(nk, 2 * dk + 2 * r_dv, h)
+            g = plan.weights.bf16(qkvz).reshape(nk, 2 * dk + 2 * r_dv, h)
             q, k, v, z = np.split(g, np.cumsum([dk, dk, r_dv]), axis=1)
-            g = plan.bits(ba).reshape(nk, 2 * r, h)
+            g = plan.weights.bf16(ba).reshape(nk, 2 * r, h)
             b, a_ = g[:, :r], g[:, r:]
             # Concatenating the groups in order gives head g*r + j at row block g*r + j, which is
             # how transformers reshapes [.., nk, r*dv] into [.., nv, dv].
@@ -283,13 +260,13 @@ def _experts(plan: _Plan, e: str, which: str, shape: tuple[int, ...]) -> Callabl
     fused = e + ("gate_up_proj" if which == "gate_up" else "down_proj")
     if fused in plan.weights.where:
         name = plan.src(fused, shape)
-        return lambda: plan.bits(name)
+        return lambda: plan.weights.bf16(name)
     if which == "gate_up":
         per = [(plan.src(f"{e}{x}.gate_proj.weight", (i, h)), plan.src(f"{e}{x}.up_proj.weight", (i, h)))
                for x in range(c.num_experts)]
-        return lambda: np.stack([np.concatenate([plan.bits(g), plan.bits(u)]) for g, u in per])
+        return lambda: np.stack([np.concatenate([plan.weights.bf16(g), plan.weights.bf16(u)]) for g, u in per])
     per_down = [plan.src(f"{e}{x}.down_proj.weight", (h, i)) for x in range(c.num_experts)]
-    return lambda: np.stack([plan.bits(d) for d in per_down])
+    return lambda: np.stack([plan.weights.bf16(d) for d in per_down])
 
 
 def _global_loader(plan: _Plan, canonical: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
@@ -323,18 +300,8 @@ def plan_sources(config: HybridConfig, weights: CheckpointWeights) -> list[Tenso
             load = _global_loader(plan, canonical, shape)
         sources.append(TensorSource(canonical, "text", tensor_dtype(canonical), shape, load))
     sources.extend(_extra_components(plan))
-    _refuse_unknown(plan)
+    weights.refuse_unknown(plan.used, config.architecture, config.tie_word_embeddings)
     return sources
-
-
-def _refuse_unknown(plan: _Plan) -> None:
-    for name in plan.weights.names():
-        if name in plan.used or name.endswith(_IGNORABLE_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and plan.config.tie_word_embeddings:
-            continue
-        raise ConversionError(f"{plan.weights.directory}: unexpected tensor {name!r} in the checkpoint "
-                              f"(not part of {plan.config.architecture} as NInfer describes it)")
 
 
 def convert_hf_hybrid(directory: Path, cfg: dict[str, Any], out: str | os.PathLike[str], progress=None
