@@ -55,3 +55,10 @@ def test_malformed_context_cost_presets_abort_startup(tiny_artifact, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
                         "--context-cost-presets", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "presets" in r.stderr.lower() and "Traceback" not in r.stderr
+
+
+def test_request_log_path_checks(tiny_artifact, tmp_path):
+    for path, why in ((tmp_path / "missing" / "log.jsonl", "does not exist"), (tiny_artifact, "artifact")):
+        r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+                            "--request-log-jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr
