@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import tracemalloc
 
 import numpy as np

@@ -20,7 +20,8 @@ import numpy as np
 from ninfer.artifact import TensorSource, write_artifact
 from ninfer.artifact.bf16 import from_float32
 from ninfer.convert.special_tokens import special_tokens_record
-from ninfer.models import DenseConfig, RopeScaling, tensor_names
+from ninfer.models import DenseConfig, tensor_names
+from ninfer.text import synthetic
 
 PRESETS: dict[str, DenseConfig] = {
     "tiny-llama": DenseConfig(
@@ -75,39 +76,8 @@ def random_sources(config: DenseConfig, seed: int) -> list[TensorSource]:
 
 
 def synthetic_text_assets() -> tuple[str, str]:
-    """(tokenizer JSON, chat template): the project's synthetic Qwen-style test assets when
-    ninfer.text.synthetic exists, otherwise a minimal byte-level tokenizer and ChatML template."""
-    try:
-        from ninfer.text import synthetic  # type: ignore[attr-defined]
-    except ImportError:
-        return _fallback_tokenizer_json(), _FALLBACK_TEMPLATE
-    template = synthetic.QWEN3_TEMPLATE
-    if isinstance(template, Path) or (isinstance(template, str) and "\n" not in template
-                                      and Path(template).is_file()):
-        template = Path(template).read_text()
-    return synthetic.build_test_tokenizer_json(), template
-
-
-_FALLBACK_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-                      "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
-_FALLBACK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _fallback_tokenizer_json() -> str:
-    """Byte-level BPE with the 256 byte symbols and no merges, plus ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {sym: i for i, sym in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(_FALLBACK_SPECIALS)
-    return tok.to_str()
+    """(tokenizer JSON, chat template): the project's synthetic Qwen-style test assets."""
+    return synthetic.build_test_tokenizer_json(), synthetic.QWEN3_TEMPLATE
 
 
 def random_header_fields(config: DenseConfig, seed: int, preset: str | None) -> dict[str, Any]:
@@ -140,4 +110,4 @@ def make_random_artifact(path: str | os.PathLike[str], config: DenseConfig | str
     return write_artifact(path, fields, random_sources(resolved, seed), progress=progress)
 
 
-__all__ = ["PRESETS", "RopeScaling", "make_random_artifact", "random_weight", "resolve_config"]
+__all__ = ["PRESETS", "make_random_artifact", "random_weight", "resolve_config"]
