@@ -16,7 +16,6 @@ Tensor data is read through one read-only ``mmap``; dequantization is vectorized
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -25,7 +24,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ninfer.artifact import bf16
 from ninfer.convert.errors import ConversionError
+from ninfer.convert.mapped import map_readonly
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -129,11 +130,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 24:
-                raise GGUFError(f"{self.path}: too short to be a GGUF file ({size} bytes)")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = map_readonly(self.path, 24, "too short to be a GGUF file", GGUFError)
         try:
             self._parse(memoryview(self._map))
         except BaseException:
@@ -261,7 +258,7 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def _bf16(raw: np.ndarray) -> np.ndarray:
-    return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return bf16.to_float32(raw.view("<u2"))
 
 
 # np.multiply(..., dtype=float32) widens the small integers inside the multiply; converting the

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ import attrs
 import numpy as np
 
 from ninfer.convert.errors import ConversionError
+from ninfer.convert.mapped import map_readonly
 
 # safetensors dtype → NumPy view dtype (BF16 is read as its uint16 bit patterns).
 ST_DTYPES: dict[str, np.dtype] = {
@@ -45,11 +45,15 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise ConversionError(f"{self.path}: not a safetensors file (only {size} bytes)")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = map_readonly(self.path, 8, "not a safetensors file")
+        try:
+            self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self) -> None:
+        size = len(self._map)
         (hlen,) = struct.unpack_from("<Q", self._map, 0)
         if hlen > min(size - 8, _HEADER_LIMIT):
             raise ConversionError(f"{self.path}: not a safetensors file (header length {hlen} "
@@ -76,6 +80,12 @@ class SafetensorsFile:
 
     def keys(self) -> list[str]:
         return list(self.infos)
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a view; the map closes when that view is released
 
     def get(self, name: str) -> np.ndarray:
         info = self.infos[name]
