@@ -5,7 +5,7 @@ of Qwen3NextForCausalLM (MoE + one dense layer, per-expert tensors), Qwen3_5ForC
 (dense, tied, vision + mtp tensors) and Qwen3_5MoeForCausalLM (fused experts), with transformers'
 float32 logits. Each goes the product's way (HF converter -> .ninfer -> ``ReferenceRunner``), and:
 - every prompt logit (one prefill chunk: the chunked delta rule; the 70-token prompt crosses the
-  64-token chunk boundary) is within ``LOGIT_TOLERANCE`` x the row's largest |logit|;
+  64-token chunk boundary) is within ``parity_testing.LOGIT_TOLERANCE`` x the row's largest |logit|;
 - the greedy continuation (16 tokens through decode steps: the recurrent delta rule, the conv
   state and the paged KV cache) is token-identical, and each step's logits are within tolerance
   of transformers recomputing the whole sequence.
@@ -18,32 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from parity_testing import convert_fixtures, replay_golden
 
 from ninfer.backends.reference import HybridRunner, ReferenceRunner
-from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow
-from ninfer.convert.hf import convert_hf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hybrid"
 NAMES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-LOGIT_TOLERANCE = 1e-4
 PAGE_SIZE = 8
-GREEDY = SamplingRow(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hybrid")
-    paths = {}
-    for name in NAMES:
-        paths[name] = out / f"{name}.ninfer"
-        convert_hf(FIXTURES / name, paths[name])
-    return paths
-
-
-def assert_logits_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
-    scale = np.maximum(np.abs(expected).max(axis=-1, keepdims=True), 1.0)
-    error = (np.abs(actual - expected) / scale).max()
-    assert error <= LOGIT_TOLERANCE, f"{what}: max relative logit error {error:.2e} > {LOGIT_TOLERANCE}"
+    return convert_fixtures(FIXTURES, NAMES, tmp_path_factory.mktemp("hybrid"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -53,22 +39,7 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(name, artifacts):
     assert isinstance(runner, HybridRunner)  # the reference runner dispatches on the architecture
     pages = np.arange(16, dtype=np.int32)[::-1].copy()  # non-identity page order on purpose
     for i in range(3):
-        prompt = golden[f"prompt_{i}"]
-        result = runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=pages, sample=GREEDY,
-                                             return_logits=True))
-        assert_logits_close(result.logits, golden[f"prompt_logits_{i}"], f"{name} prompt {i}")
-        expected = golden[f"greedy_{i}"]
-        tokens, step_logits = [int(result.tokens[0])], [result.logits[-1]]
-        position = prompt.size
-        while len(tokens) < expected.size:
-            step = runner.decode(DecodeBatch(lanes=np.array([0]), tokens=np.array([tokens[-1]]),
-                                             positions=np.array([position]), page_tables=pages[None],
-                                             sampling=[GREEDY], return_logits=True))
-            tokens.append(int(step.tokens[0]))
-            step_logits.append(step.logits[0])
-            position += 1
-        assert tokens == expected.tolist(), f"{name} prompt {i}: greedy tokens differ"
-        assert_logits_close(np.stack(step_logits), golden[f"greedy_logits_{i}"], f"{name} greedy {i}")
+        replay_golden(runner, golden, i, pages, name)
 
 
 def test_cli_generate_prints_the_greedy_continuation(artifacts, capsys):
