@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ninfer.text.synthetic import byte_alphabet  # GPT-2 byte spelling, not part of the GGUF reader
+
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q5_0": 6, "Q4_K": 12, "BF16": 30}
 
 # Metadata value type ids of the GGUF format.
@@ -156,20 +158,6 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 # --- a tiny byte-level BPE vocabulary in GGUF form -----------------------------------------------------
-
-def byte_alphabet() -> list[str]:
-    """GPT-2's printable spelling of the 256 byte values, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    extra = 0
-    spelling = {}
-    for b in range(256):
-        if b in keep:
-            spelling[b] = chr(b)
-        else:
-            spelling[b] = chr(256 + extra)
-            extra += 1
-    return [spelling[b] for b in range(256)]
-
 
 def tiny_tokenizer_metadata(pre: str = "gpt2") -> dict[str, Any]:
     """256 byte tokens, a few merges ("Ġ" + "t", "h" + "e", "Ġt" + "he"), ChatML control tokens."""

@@ -116,7 +116,7 @@ blank lines above and below
 """
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """The byte-level alphabet indexed by byte value (the GPT-2 byte-to-unicode table)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(
         range(0xAE, 0xFF + 1))
@@ -172,7 +172,7 @@ def _learn_merges(corpus: str, num_merges: int) -> list[tuple[str, str]]:
 @functools.lru_cache(maxsize=1)
 def build_test_tokenizer_json() -> str:
     """The test tokenizer as a `tokenizers` JSON string (deterministic, cached per process)."""
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     num_merges = TEST_VOCAB_SIZE - len(alphabet) - len(ADDED_TOKENS)
     merges = _learn_merges(_CORPUS, num_merges)
     vocab = {ch: i for i, ch in enumerate(alphabet)}
