@@ -25,7 +25,7 @@ from ninfer.observability.throughput import throughput_loop
 from ninfer.server import listen, routes
 from ninfer.server.app import App
 from ninfer.server.backend import cuda_runner
-from ninfer.server.generation import PromptBuilder, ServeDefaults
+from ninfer.server.prompt import PromptBuilder, ServeDefaults
 from ninfer.server.response_store import ResponseStore
 from ninfer.server.sse import KEEPALIVE_SECONDS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ninfer.artifact import open_artifact
-from ninfer.server.generation import PromptBuilder, ServeDefaults
+from ninfer.server.prompt import PromptBuilder, ServeDefaults
 from ninfer.text import ChatFormatter, Tokenizer
 from protocols.openai_chat import parse_request
 

@@ -1,0 +1,140 @@
+"""Conversation → prompt token ids: the chat template, cache-hint frontiers and thinking control.
+
+``PromptBuilder.prepare`` renders a normalized ``Conversation`` with the server's template defaults,
+tokenizes it, and maps the conversation's prompt-cache hints to exact token frontiers (a hint that
+is not one is dropped; hints never change the prompt). Every family prepares through it; token
+counting endpoints use it without generating.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import attrs
+import trio
+
+from ninfer.engine import ThinkingControl
+from ninfer.text.chat_template import TemplateError, TemplateKwargError, early_close_ids
+from protocols.conversation import Conversation
+from protocols.errors import ProtocolError
+
+SENTINEL = "\ue000"  # a private-use character marks cache-hint positions in a text-only rendering
+
+
+@attrs.frozen
+class ServeDefaults:
+    """Process-wide request defaults from the command line."""
+
+    max_tokens: int = 8192
+    thinking: bool | None = None  # False with --no-thinking; None leaves the template default
+    preserve_thinking: bool | None = None  # True with --preserve-thinking
+    thinking_budget: int | None = None
+
+
+@attrs.frozen
+class PreparedPrompt:
+    token_ids: tuple[int, ...]
+    starts_in_thinking: bool
+    cache_boundaries: tuple[int, ...]
+    input_checkpoint: int | None
+
+
+class PromptBuilder:
+    """Conversation → token ids through the chat template (runs on the request's task)."""
+
+    def __init__(self, tokenizer: Any, formatter: Any, defaults: ServeDefaults, eos_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.formatter = formatter
+        self.defaults = defaults
+        self.eos_ids = eos_ids
+        # The formatter is not thread-safe: every rendering holds this lock, whoever calls.
+        self._lock = threading.Lock()
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def prepare_async(self, conv: Conversation) -> PreparedPrompt:
+        """``prepare`` on a worker thread: a long prompt takes milliseconds to seconds to render and
+        tokenize, and the event loop must keep other streams flowing meanwhile."""
+        return await trio.to_thread.run_sync(self.prepare, conv, limiter=self._limiter)
+
+    def prepare(self, conv: Conversation) -> PreparedPrompt:
+        with self._lock:
+            return self._prepare(conv)
+
+    def _prepare(self, conv: Conversation) -> PreparedPrompt:
+        kwargs = conv.template_kwargs(thinking_default=self.defaults.thinking,
+                                      preserve_default=self.defaults.preserve_thinking)
+        messages = conv.template_messages()
+        try:
+            prompt = self.formatter.render(messages, conv.template_tools(), add_generation_prompt=True,
+                                           boundary_messages=(), **kwargs)
+        except TemplateKwargError as e:
+            raise ProtocolError("invalid_value", str(e), f"chat_template_kwargs.{e.name}") from None
+        except TemplateError as e:
+            raise ProtocolError("invalid_prompt", f"The conversation cannot be rendered: {e}") from None
+        boundaries = self._cache_boundaries(conv, messages, kwargs, prompt)
+        ids = prompt.token_ids
+        if conv.prefill:  # Anthropic assistant prefill: generation continues this client text
+            ids = ids + tuple(self.tokenizer.encode(conv.prefill))
+        return PreparedPrompt(ids, prompt.thinking and not conv.prefill, boundaries, prompt.prefix_before_generation)
+
+    def _cache_boundaries(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> tuple[int, ...]:
+        """Token frontiers of the cache hints; a hint that is no exact token frontier is ignored."""
+        marks = conv.cache_marks()
+        if not marks:
+            return ()
+        # Render once more with a sentinel after each marked part to find the marks' text offsets.
+        at = {(m.message, m.part) for m in marks}
+        marked = [dict(m) for m in messages]
+        for mi in {m.message for m in marks}:
+            parts = conv.messages[mi].parts
+            marked[mi]["content"] = "".join(p.text + (SENTINEL if (mi, i) in at else "") for i, p in enumerate(parts))
+        try:
+            text = self.formatter.render(marked, conv.template_tools(), add_generation_prompt=True,
+                                         boundary_messages=(), **kwargs).text
+        except TemplateError:
+            return ()
+        if text.replace(SENTINEL, "") != prompt.text:
+            return ()  # the template moved or rewrote marked text: no exact frontiers to offer
+        offsets, removed = [], 0
+        for i, ch in enumerate(text):
+            if ch == SENTINEL:
+                offsets.append(i - removed)
+                removed += 1
+        out = sorted({b for b in (self._token_frontier(prompt, o) for o in offsets) if b})
+        return tuple(out)
+
+    def _token_frontier(self, prompt: Any, char_offset: int) -> int | None:
+        """The token count whose decoded prefix is exactly ``text[:char_offset]``, or None.
+
+        Hints usually sit near the end of the prompt (the implicit one ends the latest message), so
+        the search runs on suffixes from the end, galloping outwards: its cost follows the distance
+        from the end rather than the prompt length. One full-prefix decode confirms the answer.
+        """
+        ids, text = prompt.token_ids, prompt.text
+        n, want = len(ids), len(text) - char_offset
+
+        def suffix_len(k: int) -> int:
+            return len(self.tokenizer.decode(ids[k:]))
+
+        hi, lo, step = n, n - 1, 1  # suffix_len(hi) < want <= suffix_len(lo) once the gallop stops
+        while lo > 0 and suffix_len(lo) < want:
+            hi, step = lo, step * 2
+            lo = max(0, n - step)
+        while hi - lo > 1:  # the largest k whose suffix still covers ``want`` characters
+            mid = (lo + hi) // 2
+            if suffix_len(mid) >= want:
+                lo = mid
+            else:
+                hi = mid
+        k = lo if want > 0 else n
+        if 0 < k <= n and self.tokenizer.decode(ids[:k]) == text[:char_offset]:
+            return k
+        return None
+
+    def thinking_control(self, prepared: PreparedPrompt, budget: int | None) -> ThinkingControl:
+        if not prepared.starts_in_thinking or budget is None:
+            return ThinkingControl(starts_in_thinking=prepared.starts_in_thinking)
+        return ThinkingControl(starts_in_thinking=True, budget=budget,
+                               close_ids=early_close_ids(self.tokenizer),
+                               end_think_id=self.tokenizer.added_tokens.get("</think>"))
