@@ -28,7 +28,7 @@ the same numbers. A seed whose greedy choice is ever nearly tied is skipped for 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -38,10 +38,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+# The sibling tool (this script's folder is on sys.path): oracle loop, seeds, tokenizer.
+from make_parity_fixtures import first_seed_without_tie, golden, write_tokenizer
+
 GREEDY_TOKENS = 16
 PROMPT_LENGTHS = (1, 9, 70)
-MIN_MARGIN = 1e-2
-SEED = 20261202
 
 TEXT = dict(
     vocab_size=256,
@@ -113,37 +114,6 @@ def build_model(architecture: str, fields: dict) -> torch.nn.Module:
     return model.eval()
 
 
-@torch.no_grad()
-def logits_of(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    out = model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False)
-    return out.logits[0].float().numpy()
-
-
-class NearTie(Exception):
-    pass
-
-
-def golden(model: torch.nn.Module, vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    arrays = {}
-    for i, length in enumerate(PROMPT_LENGTHS):
-        prompt = rng.integers(3, vocab, size=length).tolist()
-        arrays[f"prompt_{i}"] = np.array(prompt, dtype=np.int32)
-        arrays[f"prompt_logits_{i}"] = logits_of(model, prompt)
-        ids, chosen, step_logits = list(prompt), [], []
-        for _ in range(GREEDY_TOKENS):
-            last = logits_of(model, ids)[-1]
-            top2 = np.sort(last)[-2:]
-            if top2[1] - top2[0] < MIN_MARGIN:
-                raise NearTie(f"top-2 margin {top2[1] - top2[0]:.2e}")
-            token = int(np.argmax(last))
-            chosen.append(token)
-            step_logits.append(last)
-            ids.append(token)
-        arrays[f"greedy_{i}"] = np.array(chosen, dtype=np.int32)
-        arrays[f"greedy_logits_{i}"] = np.stack(step_logits).astype(np.float32)
-    return arrays
-
-
 def fuse_experts(path: Path) -> None:
     """Rewrite per-expert MoE tensors into the fused on-disk layout (gate rows, then up rows)."""
     tensors = load_file(path)
@@ -171,18 +141,11 @@ def add_mtp(path: Path, hidden: int) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    spec = importlib.util.spec_from_file_location("parity", Path(__file__).with_name("make_parity_fixtures.py"))
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
-    parity.write_tokenizer(path, vocab_size)
-
-
 def write_fixture(name: str, architecture: str, fields: dict, out_dir: Path, seed: int) -> None:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model = build_model(architecture, fields)
-    arrays = golden(model, TEXT["vocab_size"], rng)
+    arrays = golden(model, TEXT["vocab_size"], rng, PROMPT_LENGTHS, GREEDY_TOKENS)
     target = out_dir / name
     if target.exists():
         shutil.rmtree(target)
@@ -209,14 +172,7 @@ def main() -> None:
     for name, (architecture, fields) in MODELS.items():
         if args.only and name not in args.only:
             continue
-        for seed in range(SEED, SEED + 50):
-            try:
-                write_fixture(name, architecture, fields, args.out, seed)
-                break
-            except NearTie as tie:
-                print(f"{name}: seed {seed} has a near-tie ({tie}); trying the next seed")
-        else:
-            raise SystemExit(f"{name}: every seed has a near-tie")
+        first_seed_without_tie(name, functools.partial(write_fixture, name, architecture, fields, args.out))
 
 
 if __name__ == "__main__":

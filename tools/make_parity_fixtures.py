@@ -27,8 +27,10 @@ but the tool prints the seed it used.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -133,14 +135,16 @@ def logits_of(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
-def golden(model: torch.nn.Module, vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def golden(model: torch.nn.Module, vocab: int, rng: np.random.Generator, prompt_lengths=PROMPT_LENGTHS,
+           greedy_tokens: int = GREEDY_TOKENS) -> dict[str, np.ndarray]:
+    """The golden.npz arrays (module docstring); raises NearTie when a greedy choice is nearly tied."""
     arrays = {}
-    for i, length in enumerate(PROMPT_LENGTHS):
+    for i, length in enumerate(prompt_lengths):
         prompt = rng.integers(3, vocab, size=length).tolist()
         arrays[f"prompt_{i}"] = np.array(prompt, dtype=np.int32)
         arrays[f"prompt_logits_{i}"] = logits_of(model, prompt)
         ids, chosen, step_logits = list(prompt), [], []
-        for _ in range(GREEDY_TOKENS):
+        for _ in range(greedy_tokens):
             last = logits_of(model, ids)[-1]
             top2 = np.sort(last)[-2:]
             if top2[1] - top2[0] < MIN_MARGIN:
@@ -195,10 +199,11 @@ class NearTie(Exception):
     pass
 
 
-def make_fixture(name: str, architecture: str, fields: dict, out_dir: Path) -> None:
+def first_seed_without_tie(name: str, write: Callable[[int], None]) -> None:
+    """``write(seed)`` for SEED, SEED + 1, ... until one has no near-tie (the same order every run)."""
     for seed in range(SEED, SEED + 50):
         try:
-            return write_fixture(name, architecture, fields, out_dir, seed)
+            return write(seed)
         except NearTie as tie:
             print(f"{name}: seed {seed} has a near-tie ({tie}); trying the next seed")
     raise SystemExit(f"{name}: every seed tried has a near-tie; make the logits larger")
@@ -233,7 +238,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     for name, (architecture, fields) in MODELS.items():
-        make_fixture(name, architecture, fields, args.out)
+        first_seed_without_tie(name, functools.partial(write_fixture, name, architecture, fields, args.out))
 
 
 if __name__ == "__main__":
