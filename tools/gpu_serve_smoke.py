@@ -60,7 +60,8 @@ def main() -> int:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             answer = ask(args.port, proc)
-            answers[name] = answer["choices"][0]["message"]["content"]
+            message = answer["choices"][0]["message"]  # content, and reasoning for thinking templates
+            answers[name] = {k: message.get(k) for k in ("content", "reasoning_content")}
             print(f"{name}: {answers[name]!r} usage={answer.get('usage')}", flush=True)
         except Exception as exc:  # noqa: BLE001 - report the server's own output with the failure
             proc.terminate()
