@@ -1,9 +1,11 @@
 """The reference sampling rule (ninfer/backends/sampling.py)."""
 
 import numpy as np
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from ninfer.backends.runner import SamplingRow
-from ninfer.backends.sampling import sample_row, uniform
+from ninfer.backends.sampling import sample_row, top_k_order, uniform
 
 
 def test_greedy_takes_lowest_index_on_ties():
@@ -40,3 +42,14 @@ def test_top_p_and_min_p_cut_the_tail():
     assert set(top_p) == {0}
     min_p = [sample_row(logits, SamplingRow(temperature=1.0, min_p=0.4, seed=1, step=s)) for s in range(400)]
     assert set(min_p) == {0, 1}
+
+
+@settings(max_examples=300, deadline=None)
+@example([1.0, 2.0, np.nan, 3.0, 4.0], 2)
+@given(st.lists(st.sampled_from([-np.inf, -1.0, 0.0, 0.5, 2.0, np.inf, np.nan]), min_size=1, max_size=40),
+       st.integers(1, 45))
+def test_top_k_order_is_the_head_of_the_full_stable_sort(values, k):
+    """Ties (many equal logits around the k-th) keep the lowest indices, as a full sort does."""
+    logits = np.array(values, dtype=np.float32)
+    full = np.lexsort((np.arange(logits.size), -logits))[:k]
+    assert top_k_order(logits, k).tolist() == full.tolist()

@@ -46,6 +46,23 @@ def apply_penalties(logits: np.ndarray, counts: np.ndarray, row: SamplingRow) ->
     return logits - row.presence_penalty * (counts > 0) - row.frequency_penalty * counts
 
 
+def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest logits, value descending then index ascending.
+
+    The same as the first ``k`` of a full stable sort, but a partition finds the k-th value first
+    and only the logits at or above it are sorted: a full sort of a 150k vocabulary cost 14 ms a
+    row, the reference decode step's largest item after the GEMMs.
+    """
+    vocab = logits.shape[0]
+    k = min(k, vocab)
+    candidates = np.arange(vocab)
+    # A partition ranks NaN above every number, the stable sort below: such rows take the sort.
+    if k < vocab and not np.isnan(logits).any():
+        threshold = np.partition(logits, vocab - k)[vocab - k]
+        candidates = np.flatnonzero(logits >= threshold)
+    return candidates[np.lexsort((candidates, -logits[candidates]))[:k]]
+
+
 def sample_row(logits: np.ndarray, row: SamplingRow, counts: np.ndarray | None = None) -> int:
     """Sample one token id from fp32 ``logits`` [vocab]; ``counts`` are generated-token counts."""
     logits = np.asarray(logits, dtype=np.float32)
@@ -54,9 +71,7 @@ def sample_row(logits: np.ndarray, row: SamplingRow, counts: np.ndarray | None =
     if row.temperature <= 0.0:
         return int(np.argmax(logits))
     k = row.top_k if 1 <= row.top_k <= TOP_K_CAP else TOP_K_CAP
-    k = min(k, logits.shape[0])
-    # Stable order: value descending, index ascending.
-    order = np.lexsort((np.arange(logits.shape[0]), -logits))[:k]
+    order = top_k_order(logits, k)
     scaled = logits[order] / np.float32(row.temperature)
     probs = np.exp(scaled - scaled[0])
     probs /= probs.sum()
