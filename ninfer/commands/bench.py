@@ -5,6 +5,9 @@ the runner inputs, committing tokens and delivering events through the worker to
 with model math excluded (time inside runner calls is measured separately and subtracted). By
 default it runs 8 lanes on the zero-cost simulated runner; ``--runner reference`` uses the NumPy
 backend on a tiny random model instead (its model math is then reported beside the host time).
+
+``http URL``: N concurrent streaming Chat Completions clients against a running server
+(ninfer/server/load.py): requests/s, TTFT and inter-token p50/p99, and a check of every answer.
 """
 
 from __future__ import annotations
@@ -30,9 +33,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--repeat", type=int, default=5, help="runs; the median is the figure (default 5)")
     engine.set_defaults(_mode=bench_engine)
 
+    http = modes.add_parser("http", help="load a running server with concurrent streaming clients")
+    http.add_argument("url", help="base URL of a running `ninfer serve`, e.g. http://127.0.0.1:8080")
+    http.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (default 4)")
+    http.add_argument("--requests", type=int, default=16, help="requests in all (default 16)")
+    http.add_argument("--prompt-words", type=_ints, default=(8, 64, 200), help="comma-separated prompt mix")
+    http.add_argument("--max-tokens", type=_ints, default=(8, 32, 64), help="comma-separated output mix")
+    http.add_argument("--api-key")
+    http.add_argument("--model", help="default: the server's advertised model id")
+    http.add_argument("--seed", type=int, default=0)
+    http.set_defaults(_mode=bench_http)
+
 
 def run(args: argparse.Namespace) -> int:
     return args._mode(args)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def bench_http(args: argparse.Namespace) -> int:
+    """Every answer is checked; exit status 1 when any was incorrect (a correct 429 is correct)."""
+    import json
+
+    import trio
+
+    from ninfer.server.load import run_load
+
+    report = trio.run(lambda: run_load(args.url, model=args.model, clients=args.clients,
+                                       requests=args.requests, prompt_words=args.prompt_words,
+                                       max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+    print(json.dumps(report, indent=2))
+    return 1 if report["incorrect"] else 0
 
 
 def bench_engine(args: argparse.Namespace) -> int:
