@@ -4,7 +4,8 @@ A GGUF stores no tokenizer.json, only llama.cpp's pieces of one: the tokens (alr
 GPT-2 byte alphabet, "Ġ" for a space), the merges ("Ġ t"), a type per token, and a
 ``tokenizer.ggml.pre`` name that says how text is split into words before BPE. This module puts
 those pieces back together so the rebuilt tokenizer encodes and decodes exactly like the original
-(tests/test_gguf_tokenizer.py checks it against a golden made by an independent implementation).
+(tests/test_gguf_smollm2.py checks SmolLM2's against ids llama.cpp gives; tests/test_gguf_tokenizer.py
+checks a tiny vocabulary).
 
 Only ``tokenizer.ggml.model == "gpt2"`` exists here; SentencePiece vocabularies ("llama") and
 unknown pre-tokenizer names are refused with an error that lists what is supported.
