@@ -60,8 +60,9 @@ class Tokenizer:
         try:
             spec = json.loads(tokenizer_json)
             self._full = _HFTokenizer.from_str(tokenizer_json)
-            self._plain = _HFTokenizer.from_str(json.dumps(_plain_spec(spec)))
-            rest = _without_first_prefix(_plain_spec(spec))
+            plain = _plain_spec(spec)
+            self._plain = _HFTokenizer.from_str(json.dumps(plain))
+            rest = _without_first_prefix(plain)
             self._plain_rest = self._plain if rest is None else _HFTokenizer.from_str(json.dumps(rest))
         except Exception as exc:  # json or tokenizers parse errors: one clear type
             raise TokenizerError(f"invalid tokenizer JSON: {exc}") from exc
