@@ -131,19 +131,23 @@ class PrefixCache:
 
     # -- reclamation ----------------------------------------------------------------------
 
-    def reclaim(self, pages_needed: int) -> int:
+    def reclaim(self, pages_needed: int, force: bool = False) -> int:
         """Evict unlocked leaves, least recently used first (session endpoints last), until
-        ``pages_needed`` pages became free or nothing is evictable; return pages freed."""
+        ``pages_needed`` pages became free or nothing is evictable; return pages freed.
+
+        ``force`` (the last resort of a lone resident) evicts locked leaves too, unlocked ones
+        first: locks only keep in-use prefixes retained, page references keep them correct, so
+        a sequence that still locks an evicted node merely stops pinning it."""
         if pages_needed <= 0:
             return 0
-        heap = [(_priority(n), id(n), n) for n in self._leaves() if n.locks == 0]
+        heap = [(_priority(n), id(n), n) for n in self._leaves() if force or n.locks == 0]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < pages_needed:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             freed += self._evict(node)
-            if parent is not self.root and not parent.children and parent.locks == 0:
+            if parent is not self.root and not parent.children and (force or parent.locks == 0):
                 heapq.heappush(heap, (_priority(parent), id(parent), parent))
         return freed
 
@@ -151,7 +155,7 @@ class PrefixCache:
         self.reclaim(self.pool.capacity + 1)
 
     def _evict(self, node: Node) -> int:
-        assert not node.children and node.locks == 0
+        assert not node.children
         del node.parent.children[node.tokens]
         if node.sessions:
             for key in [k for k, v in self._sessions.items() if v is node]:
@@ -170,8 +174,8 @@ class PrefixCache:
                 yield n
 
 
-def _priority(node: Node) -> tuple[int, int]:
-    return (1 if node.sessions else 0, node.last_use)
+def _priority(node: Node) -> tuple[int, int, int]:
+    return (1 if node.locks else 0, 1 if node.sessions else 0, node.last_use)
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -200,7 +200,13 @@ class Scheduler:
                 self._pause(residents.pop(), plan)
                 if self._make_room(total):
                     break
-            assert self._make_room(total), "the oldest resident cannot advance: KV pool smaller than one sequence"
+            if not self._make_room(total) and self.cache is not None:
+                # Alone, the oldest resident may still be short because it locks retained nodes
+                # whose pages it does not use (another request computed them): drop those too.
+                self.cache.reclaim(total - self.pool.free_count, force=True)
+            # The pool holds one sequence at the ceiling, and every page no resident uses is
+            # free now, so this holds by construction.
+            assert total <= self.pool.free_count, "the oldest resident cannot advance: KV pool smaller than one sequence"
         if total:
             for seq, n in zip(residents, need):
                 if n:
@@ -288,24 +294,31 @@ class Scheduler:
             # last committed token, which the next decode feeds.
             limit = seq.prompt_len - 1 if seq.n_output == 0 else seq.frontier
             match = self.cache.match(seq.tokens, limit)
-            self.cache.lock(match.nodes)
         shared = match.length // self.ps
+        # Lock the fully shared nodes while room is made: reclaiming one would free a page the
+        # sequence is about to share. A partial node's page is only the source of a copy, which
+        # runs before any page is written and reads its sources before writing, so reclaiming
+        # it (even into this sequence's own pages) is harmless; keeping it locked could leave a
+        # lone request short of pages in a pool that holds exactly one sequence.
+        held = match.nodes[:shared]
+        if self.cache is not None:
+            self.cache.lock(held)
         end = min(match.length + self.config.prefill_chunk, seq.frontier) if fresh else seq.frontier + 1
         need = -(-end // self.ps) - shared
         if not self._make_room(need):
             if self.cache is not None:
-                self.cache.unlock(match.nodes)
+                self.cache.unlock(held)
             if fresh:
                 seq.unclaim()
             return False
         seq.pages = list(match.pages[:shared])
         self.pool.incref(seq.pages)
+        seq.locked = list(held)
         if match.length % self.ps:
             # The match ends inside a retained page: write past it in a private copy.
             cow = self.pool.alloc(1)[0]
             plan.copies.append((match.pages[shared], cow))
             seq.pages.append(cow)
-        seq.locked = list(match.nodes)
         seq.computed = match.length
         self._ensure_pages(seq, end)
         if fresh:

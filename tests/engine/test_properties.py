@@ -16,7 +16,7 @@ from .conftest import CoreDriver
 request_st = st.tuples(
     st.integers(0, 12),  # arrival step
     st.integers(1, 70),  # prompt length
-    st.integers(0, 40),  # max tokens
+    st.one_of(st.integers(0, 40), st.just(1000)),  # max tokens (1000: run to the context limit)
     st.integers(0, 3),  # prompt family (shared prefixes)
     st.one_of(st.none(), st.integers(0, 60)),  # cancel this many steps after arrival
     st.one_of(st.none(), st.integers(1, 12)),  # thinking budget (the request starts thinking)
@@ -41,10 +41,10 @@ def thinking(budget):
     return ThinkingControl(starts_in_thinking=True, budget=budget, close_ids=CLOSE, end_think_id=63)
 
 
-def alone(p: tuple, max_tokens: int, budget=None) -> list[int]:
-    key = (p, max_tokens, budget)
+def alone(p: tuple, max_tokens: int, budget=None, context: int = 128) -> list[int]:
+    key = (p, max_tokens, budget, context)
     if key not in _alone_cache:
-        d = CoreDriver(EngineConfig(max_concurrency=1, max_context=128, kv_capacity=128, page_size=8,
+        d = CoreDriver(EngineConfig(max_concurrency=1, max_context=context, kv_capacity=context, page_size=8,
                                     prefix_reuse=False, prefill_chunk=16))
         s = d.submit(list(p), max_tokens, thinking=thinking(budget))
         d.run()
@@ -54,11 +54,14 @@ def alone(p: tuple, max_tokens: int, budget=None) -> list[int]:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(request_st, min_size=1, max_size=10),
-       lanes=st.integers(1, 4), kv_pages=st.integers(16, 40), host_mib=st.sampled_from([0, 1]),
+       lanes=st.integers(1, 4), context=st.sampled_from([48, 128]),
+       # Extra pages beyond one max_context sequence; 0 (a pool of exactly one sequence) is the
+       # tightest legal pool and is drawn often.
+       extra_pages=st.one_of(st.just(0), st.integers(0, 24)), host_mib=st.sampled_from([0, 1]),
        reuse=st.booleans(), chunk=st.sampled_from([8, 16, 64]))
-def test_random_workloads_end_once_without_leaks(requests, lanes, kv_pages, host_mib, reuse, chunk):
-    cfg = EngineConfig(max_concurrency=lanes, max_context=128, kv_capacity=kv_pages * 8, page_size=8,
-                       prefix_reuse=reuse, host_context_mib=host_mib, prefill_chunk=chunk)
+def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra_pages, host_mib, reuse, chunk):
+    cfg = EngineConfig(max_concurrency=lanes, max_context=context, kv_capacity=context + extra_pages * 8,
+                       page_size=8, prefix_reuse=reuse, host_context_mib=host_mib, prefill_chunk=chunk)
     d = CoreDriver(cfg)
     core, sched = d.core, d.core.scheduler
     arrivals = sorted(enumerate(requests), key=lambda x: (x[1][0], x[0]))
@@ -109,12 +112,13 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, kv_pages, host
         assert list(f.generated_token_ids) == outputs(s)
         if f.reason != "cancelled":
             # Whatever happened around it, greedy output equals the request run alone.
-            expected = alone(tuple(s.request.prompt), s.request.max_tokens, budgets[i])
+            expected = alone(tuple(s.request.prompt), s.request.max_tokens, budgets[i], context)
             assert outputs(s) == expected
     event(f"preemptions>0: {core.counters.preemptions > 0}")
     event(f"snapshot restores>0: {core.counters.snapshot_restores > 0}")
     event(f"prefix hits>0: {core.counters.prefix_hits > 0}")
     event(f"thinking budget applied: {core.counters.thinking_budget_applied > 0}")
+    event(f"reached the context limit: {any(s.finish == ('length', 'context') for s in seqs.values())}")
     # Every page, slot and Host byte is back once the retained prefixes are dropped.
     assert core.slots.used == 0 and core.host.used == 0
     if core.cache is not None:
