@@ -39,7 +39,7 @@ class Artifact:
 
     # ----- opening
 
-    def _map_file(self) -> mmap.mmap | None:
+    def _map_file(self) -> mmap.mmap:
         size = os.fstat(self._file.fileno()).st_size
         if size < PREAMBLE.size:
             raise ArtifactError(f"{self._where}: truncated: {size} bytes is shorter than the "

@@ -115,10 +115,6 @@ class CheckpointWeights:
                                   f"(not part of {architecture} as NInfer describes it)")
 
     @property
-    def total_bytes(self) -> int:
-        return sum(self.info(n).end - self.info(n).begin for n in self.where)
-
-    @property
     def shard_names(self) -> list[str]:
         return sorted(set(self.where.values()))
 
