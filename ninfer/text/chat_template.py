@@ -19,6 +19,7 @@ import jinja2
 
 from ninfer.text import client_text
 from ninfer.text.client_text import Marks
+from ninfer.text.reasoning import CLOSE_MARKER as THINK_CLOSE, OPEN_MARKER as THINK_OPEN
 from ninfer.text.template_env import TemplateError, make_environment
 from ninfer.text.tokenizer import Tokenizer
 
@@ -39,8 +40,6 @@ STANDARD_OPTIONS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
 # Message ends whose token offsets render() computes unless told which (one rendering each).
 DEFAULT_BOUNDARY_MESSAGES = 8
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 # Qwen's canonical guidance when a thinking budget runs out: committed to the sequence, then the
 # close marker (spec, --default-thinking-budget).
 QWEN_THINKING_EARLY_CLOSE = ("\n\nConsidering the limited time, I have to give the solution based on "
