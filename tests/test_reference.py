@@ -252,7 +252,7 @@ def test_decode_rejects_bad_input(small_runner, batch, message):
 
 
 def test_page_operations_reject_bad_pages(small_runner):
-    with pytest.raises(ValueError, match=r"page ids must lie in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"copy_pages dst: page ids must lie in \[0, 4\)"):
         small_runner.copy_pages([0], [4])
     with pytest.raises(ValueError, match="2 source pages but 1 destination pages"):
         small_runner.copy_pages([0, 1], [2])

@@ -60,7 +60,7 @@ class PagedKVCache:
         return self._k_flat[layer][index], self._v_flat[layer][index]
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        src_i, dst_i = self._pages(src), self._pages(dst)
+        src_i, dst_i = self._pages(src, "copy_pages src"), self._pages(dst, "copy_pages dst")
         if len(src_i) != len(dst_i):
             raise ValueError(f"copy_pages: {len(src_i)} source pages but {len(dst_i)} destination pages")
         # Fancy indexing on the right makes a copy first, so overlapping lists are safe.
@@ -69,19 +69,19 @@ class PagedKVCache:
 
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
         """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]`` float32: K then V."""
-        idx = self._pages(pages)
+        idx = self._pages(pages, "read_pages")
         return np.stack([self.k[:, idx], self.v[:, idx]])
 
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
-        idx = self._pages(pages)
+        idx = self._pages(pages, "write_pages")
         expected = (2, self.k.shape[0], len(idx), *self.k.shape[2:])
         if data.shape != expected:
             raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
         self.k[:, idx] = data[0]
         self.v[:, idx] = data[1]
 
-    def _pages(self, pages: Sequence[int]) -> np.ndarray:
+    def _pages(self, pages: Sequence[int], field: str) -> np.ndarray:
         idx = np.asarray(pages, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_pages):
-            raise ValueError(f"page ids must lie in [0, {self.num_pages}), got {idx.tolist()}")
+            raise ValueError(f"{field}: page ids must lie in [0, {self.num_pages}), got {idx.tolist()}")
         return idx
