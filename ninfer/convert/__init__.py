@@ -1,8 +1,8 @@
 """Converters that write `.ninfer` artifacts: Hugging Face directories, GGUF files, random weights.
 
 ``convert(src, out)`` picks the converter from the source: a directory is a Hugging Face
-checkpoint, a ``*.gguf`` file goes to the GGUF converter. Converters are imported only when used,
-so one missing optional piece does not break the others.
+checkpoint, a ``*.gguf`` file goes to the GGUF converter. Each converter is imported only when
+used, so the CLI starts without loading the others.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def convert(src: str | os.PathLike[str], out: str | os.PathLike[str], progress=N
 
         return convert_hf(path, out, progress=progress)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from ninfer.convert.gguf import convert_gguf  # written by the GGUF converter
+        from ninfer.convert.gguf import convert_gguf
 
         return convert_gguf(path, out, progress=progress)
     if not path.exists():
