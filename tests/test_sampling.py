@@ -53,3 +53,12 @@ def test_top_k_order_is_the_head_of_the_full_stable_sort(values, k):
     logits = np.array(values, dtype=np.float32)
     full = np.lexsort((np.arange(logits.size), -logits))[:k]
     assert top_k_order(logits, k).tolist() == full.tolist()
+
+
+def test_penalties_stay_in_fp32_like_the_device_sampler():
+    from ninfer.backends.sampling import apply_penalties
+
+    row = SamplingRow(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(np.zeros(3, dtype=np.float32), np.array([0, 1, 2]), row)
+    assert out.dtype == np.float32
+    assert out.tolist() == [0.0, -0.75, -1.0]

@@ -42,8 +42,10 @@ def uniform(seed: int, step: int) -> float:
 def apply_penalties(logits: np.ndarray, counts: np.ndarray, row: SamplingRow) -> np.ndarray:
     if row.presence_penalty == 0.0 and row.frequency_penalty == 0.0:
         return logits
+    # fp32 throughout, as the device sampler computes it (a bool mask times a Python float is fp64).
     counts = counts.astype(np.float32)
-    return logits - row.presence_penalty * (counts > 0) - row.frequency_penalty * counts
+    presence = np.float32(row.presence_penalty) * (counts > 0).astype(np.float32)
+    return logits - presence - np.float32(row.frequency_penalty) * counts
 
 
 def top_k_order(logits: np.ndarray, k: int) -> np.ndarray:
