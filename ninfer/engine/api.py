@@ -341,8 +341,12 @@ def _load_reference(path: str, config: EngineConfig):
     from ninfer.artifact import open_artifact
     from ninfer.backends.reference import ReferenceRunner
 
+    from ninfer.backends.reference.hybrid_runner import is_hybrid_config
+
     art = open_artifact(path, components=("text",))
+    # A hybrid model's extra StateImage slots (beyond one per lane) hold retained checkpoints.
+    extra = {"state_slots": config.state_slots - config.max_concurrency} if is_hybrid_config(art.config) else {}
     runner = ReferenceRunner(art, page_size=config.page_size, num_pages=config.kv_pages,
-                             max_batch=config.max_concurrency, max_context=config.max_context)
+                             max_batch=config.max_concurrency, max_context=config.max_context, **extra)
     eos = art.special_tokens.get("eos_token_ids") or []
     return runner, eos, art.generation

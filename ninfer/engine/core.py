@@ -39,15 +39,24 @@ class EngineCore:
         self.clock = clock
         self.cost = cost
         self.limit = min(config.sequence_limit, info.max_context)
+        # A runner with StateImages (a hybrid model) keeps recurrent state per lane.
+        self.recurrent = callable(getattr(runner, "copy_state", None))
+        extra = config.state_slots - config.max_concurrency
+        if self.recurrent and runner.num_state_slots < info.max_batch + extra:
+            raise ValueError(f"runner has {runner.num_state_slots} StateImage slots; {info.max_batch} lanes "
+                             f"and device_state_slots {extra} need {info.max_batch + extra}")
+        self.state_bytes = int(runner.state_floats) * 4 if self.recurrent else 0  # float32 images
         self.pool = KVPool(config.kv_pages)
-        self.slots = StateSlots(config.state_slots)
+        self.slots = StateSlots(config.state_slots, lanes=config.max_concurrency, first_checkpoint=info.max_batch,
+                                checkpoints=self.recurrent)
         self.host = HostBudget(config.host_context_bytes)
-        self.cache = PrefixCache(self.pool, config.page_size) if config.prefix_reuse else None
+        self.cache = (PrefixCache(self.pool, config.page_size, slots=self.slots if self.recurrent else None)
+                      if config.prefix_reuse else None)
         # Bytes one KV page occupies on the Host: read one page once (its content is irrelevant).
         # The core is built on the thread that owns the runner, so this call is allowed here.
         self.page_bytes = int(runner.read_pages([0]).nbytes)
         self.scheduler = Scheduler(config, self.pool, self.slots, self.host, self.cache, cost,
-                                   self.page_bytes, clock)
+                                   self.page_bytes, clock, state_bytes=self.state_bytes)
         self.counters = Counters()
         self.scheduler.on_transition = self._transition
         self.touched: list[Sequence] = []
@@ -133,15 +142,22 @@ class EngineCore:
         for pause in plan.pauses:
             if pause.route == "snapshot":
                 t = pc()
-                pause.seq.snapshot = runner.read_pages(pause.pages)
+                pages = runner.read_pages(pause.pages)
+                pause.seq.snapshot = pages if pause.lane is None else (pages, runner.read_state(pause.lane))
                 device += pc() - t
         if plan.copies:
             t = pc()
             runner.copy_pages([s for s, _ in plan.copies], [d for _, d in plan.copies])
             device += pc() - t
+        for src, lane in plan.state_copies:
+            t = pc()
+            runner.copy_state(src, lane)
+            device += pc() - t
         for restore in plan.restores:
             t = pc()
             runner.write_pages(restore.pages, restore.data)
+            if restore.state is not None:
+                runner.write_state(restore.seq.lane, restore.state, length=restore.seq.computed)
             device += pc() - t
         for lane, generated in plan.binds:
             self._synced[lane] = 0
@@ -204,13 +220,22 @@ class EngineCore:
             if pause.route == "snapshot":
                 nbytes = pause.seq.snapshot_bytes
                 pause.seq.transfer_bytes += nbytes
-                c.transfer_bytes[("main_kv", "device_to_host")] += nbytes
+                c.transfer_bytes[("main_kv", "device_to_host")] += nbytes - self.state_bytes
+                if pause.lane is not None:
+                    c.transfer_bytes[("state", "device_to_host")] += self.state_bytes
+                    c.state_ops["snapshot"] += 1
         for restore in plan.restores:
             c.snapshot_restores += 1
             c.transfer_bytes[("main_kv", "host_to_device")] += int(restore.data.nbytes)
+            if restore.state is not None:
+                c.transfer_bytes[("state", "host_to_device")] += int(restore.state.nbytes)
+                c.state_ops["restore"] += 1
         if plan.copies:
             c.cow_copies += len(plan.copies)
             c.transfer_bytes[("main_kv", "device_to_device")] += len(plan.copies) * self.page_bytes
+        if plan.state_copies:
+            c.state_ops["reuse"] += len(plan.state_copies)
+            c.transfer_bytes[("state", "device_to_device")] += len(plan.state_copies) * self.state_bytes
         c.replay_restores += len(plan.replays)
         for seq in plan.admitted:
             if not seq.cached_reported:
@@ -264,8 +289,12 @@ class EngineCore:
                 self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, unit.end,
                                                (now - seq.t_admit) * 1000.0))
         while seq.pending_captures and seq.pending_captures[0] <= seq.computed:
-            self.scheduler.capture(seq, seq.pending_captures.pop(0))
-            c.prefix_captures += 1
+            self._capture(seq, seq.pending_captures.pop(0))
+        if (self.recurrent and self.cache is not None and not unit.replay and not unit.control
+                and seq.needs_prompt_work and self.slots.has_free_checkpoint):
+            # A long prefill keeps its chunk boundaries while spare slots last (never evicting a
+            # checkpoint for them), so an interrupted or repeated long prompt resumes mid-way.
+            self._capture(seq, seq.computed)
         if unit.replay and not seq.needs_prompt_work:
             self._transition(seq, "replay_complete", "replay")
         if unit.sample:
@@ -336,6 +365,28 @@ class EngineCore:
         self._emit(seq, TokenDelta(tuple(ids)))
         self._finish_at_limits(seq)
 
+    def _capture(self, seq: Sequence, length: int, session: bool = False) -> None:
+        """Retain ``seq``'s first ``length`` tokens. A recurrent model's retained prefix is
+        reusable only with a checkpoint: the lane's StateImage, copied into a checkpoint slot,
+        which exists only right after a unit ended exactly at ``length``."""
+        if self.recurrent and (length != seq.computed or seq.lane is None):
+            return  # no state at this boundary: its KV alone could never be resumed
+        path = self.scheduler.capture(seq, length, session)
+        if not path:
+            return
+        self.counters.prefix_captures += 1
+        node = path[-1]
+        if self.recurrent and node.state is None:
+            slot = self.cache.checkpoint_slot()
+            if slot is not None:
+                t = time.perf_counter()
+                self.runner.copy_state(seq.lane, slot)
+                self.counters.device_wait += time.perf_counter() - t
+                self.cache.set_checkpoint(node, slot)
+                c = self.counters
+                c.state_ops["capture"] += 1
+                c.transfer_bytes[("state", "device_to_device")] += self.state_bytes
+
     def _emit(self, seq: Sequence, event) -> None:
         # Always mark: the consumer may drain the outbox concurrently, so "was empty" is unsound.
         self.touched.append(seq)
@@ -346,8 +397,7 @@ class EngineCore:
         if reason != "cancelled" and seq.request.capture_endpoint and seq.phase is Phase.RESIDENT:
             end = seq.computed if seq.accepted is None else min(seq.computed, seq.prompt_len + seq.accepted)
             if end > seq.cached:
-                self.scheduler.capture(seq, end, session=True)
-                self.counters.prefix_captures += 1
+                self._capture(seq, end, session=True)
         self.scheduler.release(seq)
         seq.finish = (reason, detail)
         self.counters.outcome(reason)
@@ -411,7 +461,7 @@ class EngineCore:
             requests_decode_ready=len(residents) - prefilling - replaying,
             requests_replaying=replaying, requests_materializing=0,
             device_kv_used_pages=self.pool.used_count, device_kv_capacity_pages=self.pool.capacity,
-            device_state_used_slots=self.slots.used, device_state_capacity_slots=self.slots.capacity,
+            device_state_used_slots=self.slots.occupied, device_state_capacity_slots=self.slots.capacity,
             host_context_used_bytes=self.host.used, host_context_reserved_bytes=0,
             host_context_capacity_bytes=self.host.capacity, host_context_peak_bytes=self.host.peak,
             prefix_cache_nodes=self.cache.nodes if self.cache else 0,
@@ -427,6 +477,7 @@ class EngineCore:
             prefix_captures_total=c.prefix_captures, cow_copies_total=c.cow_copies,
             thinking_budget_applied_total=c.thinking_budget_applied,
             context_transfer_bytes_total=dict(c.transfer_bytes),
+            state_image_operations_total=dict(c.state_ops),
             host_work_seconds_total=dict(c.host_work), device_wait_seconds_total=c.device_wait,
             requests_total=dict(c.requests), time_to_first_token_seconds=c.ttft.freeze(),
             request_duration_seconds=c.duration.freeze(), request_queue_seconds=c.queue.freeze(),

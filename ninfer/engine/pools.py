@@ -57,23 +57,49 @@ class KVPool:
 
 
 class StateSlots:
-    """Device StateImage slot accounting (max_concurrency + device_state_slots).
+    """Device StateImage slots (max_concurrency + device_state_slots).
 
-    Dense models keep no recurrent state, so a slot is held per resident request only to keep
-    the accounting (and /metrics) true; the hybrid backend fills the slots with real state.
+    Every resident request holds one (for a hybrid model, its lane's live recurrent state: runner
+    slot = lane). The ``device_state_slots`` extra ones hold retained checkpoints; their runner
+    slot ids start at ``first_checkpoint`` (the runner's lane count) and only a recurrent model
+    hands them out. A dense model keeps no state: its slots are accounting (and /metrics) only.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, lanes: int | None = None, first_checkpoint: int = 0,
+                 checkpoints: bool = False) -> None:
         self.capacity = capacity
-        self.used = 0
+        self.used = 0  # resident requests
+        extra = capacity - (capacity if lanes is None else lanes)
+        self._free = list(range(first_checkpoint + extra - 1, first_checkpoint - 1, -1)) if checkpoints else []
+        self.checkpoints = 0  # extra slots holding a checkpoint
+
+    @property
+    def has_free_checkpoint(self) -> bool:
+        return bool(self._free)
+
+    @property
+    def occupied(self) -> int:
+        return self.used + self.checkpoints
 
     def acquire(self) -> None:
-        assert self.used < self.capacity, "StateImage slots over-allocated"
+        assert self.used + self.checkpoints < self.capacity, "StateImage slots over-allocated"
         self.used += 1
 
     def release(self) -> None:
         assert self.used > 0, "StateImage slot released twice"
         self.used -= 1
+
+    def alloc_checkpoint(self) -> int | None:
+        """A free extra slot's runner id, or None when all hold checkpoints."""
+        if not self._free:
+            return None
+        self.checkpoints += 1
+        return self._free.pop()
+
+    def free_checkpoint(self, slot: int) -> None:
+        assert slot not in self._free, f"checkpoint slot {slot} freed twice"
+        self.checkpoints -= 1
+        self._free.append(slot)
 
 
 class HostBudget:

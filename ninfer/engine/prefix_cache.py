@@ -8,6 +8,11 @@ node lock it, so reclamation (LRU over unlocked leaves) never drops a prefix tha
 KV at position ``i`` depends only on tokens ``0..i``, so any prefix of a retained path is valid
 dense-attention context: a match may end inside a node, and the caller then copies that page
 (copy-on-write) before writing past the match.
+
+A recurrent (hybrid) model can resume only where its StateImage was kept: a node may own a
+checkpoint (a StateImage slot summarising exactly the tokens up to the node's end), and a
+recurrent match returns the deepest fully matched node that has one. Checkpoint slots are
+reclaimed least recently used first, and freed with their node.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from typing import Sequence
 
 import attrs
 
-from ninfer.engine.pools import KVPool
+from ninfer.engine.pools import KVPool, StateSlots
 
 
 class Node:
-    __slots__ = ("tokens", "page", "parent", "children", "locks", "last_use", "sessions")
+    __slots__ = ("tokens", "page", "parent", "children", "locks", "last_use", "sessions", "state")
 
     def __init__(self, tokens: tuple[int, ...], page: int, parent: "Node | None") -> None:
         self.tokens = tokens
@@ -32,6 +37,7 @@ class Node:
         self.locks = 0
         self.last_use = 0
         self.sessions = 0  # session keys whose latest endpoint is this node
+        self.state: int | None = None  # StateImage checkpoint slot at this node's end
 
 
 @attrs.frozen
@@ -39,14 +45,18 @@ class Match:
     length: int  # reused tokens
     pages: tuple[int, ...]  # pages covering positions 0..length-1
     nodes: tuple[Node, ...]  # to lock while the sequence uses them
+    state: int | None = None  # checkpoint slot to copy into the lane (recurrent matches)
 
 
 EMPTY_MATCH = Match(0, (), ())
 
 
 class PrefixCache:
-    def __init__(self, pool: KVPool, page_size: int, max_sessions: int = 1024) -> None:
+    def __init__(self, pool: KVPool, page_size: int, max_sessions: int = 1024,
+                 slots: StateSlots | None = None) -> None:
         self.pool = pool
+        self.slots = slots  # checkpoint slots (recurrent models); None: KV-only reuse
+        self._checkpoints: dict[int, Node] = {}  # slot -> node
         self.page_size = page_size
         self.root = Node((), -1, None)
         self._clock = itertools.count(1)
@@ -54,6 +64,7 @@ class PrefixCache:
         self._max_sessions = max_sessions
         self.nodes = 0
         self.evictions = 0
+        self.checkpoint_evictions = 0
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -80,6 +91,64 @@ class PrefixCache:
         for n in path:
             n.last_use = now
         return Match(pos, tuple(n.page for n in path), tuple(path))
+
+    def match_checkpoint(self, tokens: Sequence[int], limit: int) -> Match:
+        """Longest prefix of ``tokens[:limit]`` that ends at a node holding a checkpoint: full
+        nodes along the path, or a tail node (an exact boundary inside a page) hanging off it."""
+        ps = self.page_size
+        node, pos, path = self.root, 0, []
+        best: tuple[int, int, Node] | None = None  # (length, path nodes before it, node)
+        while True:
+            for child in node.children.values():
+                n = len(child.tokens)
+                if (n < ps and child.state is not None and pos + n <= limit
+                        and tuple(tokens[pos : pos + n]) == child.tokens):
+                    if best is None or pos + n > best[0]:
+                        best = (pos + n, len(path), child)
+            if limit - pos < ps:
+                break
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            path.append(child)
+            node, pos = child, pos + ps
+            if child.state is not None:
+                best = (pos, len(path) - 1, child)
+        if best is None:
+            return EMPTY_MATCH
+        length, depth, end = best
+        nodes = tuple(path[:depth]) + (end,)
+        now = next(self._clock)
+        for n in nodes:
+            n.last_use = now
+        return Match(length, tuple(n.page for n in nodes), nodes, end.state)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def checkpoint_slot(self) -> int | None:
+        """A StateImage slot for a new checkpoint: a free one, else the least recently used
+        checkpoint's (unlocked nodes first); None without checkpoint slots."""
+        if self.slots is None:
+            return None
+        slot = self.slots.alloc_checkpoint()
+        if slot is None and self._checkpoints:
+            victim = min(self._checkpoints.values(), key=_priority)
+            slot = victim.state
+            victim.state = None
+            del self._checkpoints[slot]
+            self.checkpoint_evictions += 1  # the slot passes to the new checkpoint, still occupied
+        return slot
+
+    def set_checkpoint(self, node: Node, slot: int) -> None:
+        assert node.state is None and slot not in self._checkpoints
+        node.state = slot
+        self._checkpoints[slot] = node
+
+    def _drop_checkpoint(self, node: Node) -> None:
+        if node.state is not None:
+            del self._checkpoints[node.state]
+            self.slots.free_checkpoint(node.state)
+            node.state = None
 
     # -- capture --------------------------------------------------------------------------
 
@@ -160,6 +229,7 @@ class PrefixCache:
         if node.sessions:
             for key in [k for k, v in self._sessions.items() if v is node]:
                 del self._sessions[key]
+        self._drop_checkpoint(node)
         self.nodes -= 1
         self.evictions += 1
         return self.pool.decref([node.page])

@@ -7,8 +7,9 @@ free pages, then by reclaiming unlocked retained prefixes, then by pausing the y
 never the oldest, so it always progresses. Freed lanes go to paused and waiting requests in
 arrival order; a later request may pass one that does not fit at most ``MAX_BYPASS`` times.
 
-The plan lists runner mechanism in execution order: snapshot reads of paused pages, page copies
-(copy-on-write of a reused partial page), snapshot writes, lane binds, the prompt unit, decode.
+The plan lists runner mechanism in execution order: snapshot reads of paused pages (and
+StateImages), page copies (copy-on-write of a reused partial page), checkpoint StateImage copies
+into lanes, snapshot writes, lane binds, the prompt unit, decode.
 Pages freed by a pause may be reused in the same plan because their reads come first.
 """
 
@@ -34,6 +35,7 @@ class Pause:
     seq: Sequence
     route: str  # "snapshot" or "replay"
     pages: list[int]  # pages to read into the snapshot (snapshot route)
+    lane: int | None = None  # lane whose StateImage the snapshot reads (recurrent models)
 
 
 @attrs.define(slots=True)
@@ -41,6 +43,7 @@ class Restore:
     seq: Sequence
     pages: list[int]
     data: np.ndarray
+    state: np.ndarray | None = None  # the lane's StateImage (recurrent models)
 
 
 @attrs.define(slots=True)
@@ -58,6 +61,7 @@ class PromptUnit:
 class Plan:
     pauses: list[Pause] = attrs.Factory(list)
     copies: list[tuple[int, int]] = attrs.Factory(list)
+    state_copies: list[tuple[int, int]] = attrs.Factory(list)  # (checkpoint slot, lane): reuse
     restores: list[Restore] = attrs.Factory(list)
     binds: list[tuple[int, list[int]]] = attrs.Factory(list)  # (lane, generated so far)
     admitted: list[Sequence] = attrs.Factory(list)  # bound this step (fresh or restored)
@@ -74,8 +78,12 @@ class Plan:
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: KVPool, slots: StateSlots, host: HostBudget,
                  cache: PrefixCache | None, cost: ContextCost, page_bytes: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], state_bytes: int = 0) -> None:
         self.config = config
+        # A recurrent (hybrid) model: each lane holds a StateImage of ``state_bytes``, reuse
+        # lands only on checkpoints, and prompt chunks end exactly on capture boundaries.
+        self.recurrent = state_bytes > 0
+        self.state_bytes = state_bytes
         self.ps = config.page_size
         self.pool, self.slots, self.host, self.cache = pool, slots, host, cache
         self.cost = cost
@@ -113,16 +121,18 @@ class Scheduler:
             seq.pages = []
         seq.phase = Phase.DONE
 
-    def capture(self, seq: Sequence, length: int, session: bool = False) -> None:
-        """Retain ``seq``'s first ``length`` tokens (their KV is computed) in the prefix cache."""
+    def capture(self, seq: Sequence, length: int, session: bool = False) -> list:
+        """Retain ``seq``'s first ``length`` tokens (their KV is computed) in the prefix cache;
+        return the retained path (empty when nothing was retained)."""
         if self.cache is None or length <= 0:
-            return
+            return []
         assert length <= seq.computed
         path = self.cache.insert(seq.tokens, seq.pages, length)
         self.cache.lock(path)
         seq.locked.extend(path)
         if session and seq.request.session_key is not None:
             self.cache.set_session(seq.request.session_key, path[-1])
+        return path
 
     # -- the step -------------------------------------------------------------------------
 
@@ -136,7 +146,7 @@ class Scheduler:
         residents = self.residents()
         unit = self._control_unit(plan, residents) or self.owner
         if unit is not None:
-            end = min(unit.computed + self.config.prefill_chunk, unit.frontier)
+            end = self._chunk_end(unit, unit.computed)
             self._ensure_pages(unit, end)
             sample = unit.n_output == 0 and end == unit.prompt_len and unit.request.max_tokens > 0
             control = unit.n_output > 0 and unit.in_control
@@ -165,8 +175,18 @@ class Scheduler:
     def _unit_end(self, seq: Sequence) -> int:
         """Positions covered once ``seq``'s next unit ran."""
         if seq.needs_prompt_work:
-            return min(seq.computed + self.config.prefill_chunk, seq.frontier)
+            return self._chunk_end(seq, seq.computed)
         return seq.computed + 1
+
+    def _chunk_end(self, seq: Sequence, start: int) -> int:
+        """End of the prompt chunk that starts at ``start``. A recurrent model's state can be
+        kept only where a chunk ends, so its chunks also end on every capture boundary."""
+        end = min(start + self.config.prefill_chunk, seq.frontier)
+        if self.recurrent:
+            for b in seq.pending_captures:
+                if start < b:
+                    return min(b, end)
+        return end
 
     def _deficit(self, seq: Sequence, end: int, have: int | None = None) -> int:
         have = len(seq.pages) if have is None else have
@@ -215,13 +235,16 @@ class Scheduler:
     # -- pause and restore ----------------------------------------------------------------
 
     def _pause(self, seq: Sequence, plan: Plan) -> None:
-        nbytes = len(seq.pages) * self.page_bytes
+        # A snapshot keeps the pages and, for a recurrent model, the lane's StateImage (which
+        # summarises exactly ``computed`` tokens).
+        nbytes = len(seq.pages) * self.page_bytes + self.state_bytes
         route = "replay"
         if (seq.computed > 0 and self.cost.prefer_snapshot(nbytes, seq.computed)
                 and self.host.try_reserve(nbytes)):
             route = "snapshot"
             seq.snapshot_bytes = nbytes
-            plan.pauses.append(Pause(seq, route, list(seq.pages)))
+            seq.snapshot_pages = len(seq.pages)
+            plan.pauses.append(Pause(seq, route, list(seq.pages), seq.lane if self.recurrent else None))
         else:
             plan.pauses.append(Pause(seq, route, []))
             seq.computed = 0
@@ -293,7 +316,10 @@ class Scheduler:
             # token (or finishes a max_tokens=0 request). With output, the frontier excludes the
             # last committed token, which the next decode feeds.
             limit = seq.prompt_len - 1 if seq.n_output == 0 else seq.frontier
-            match = self.cache.match(seq.tokens, limit)
+            if self.recurrent:
+                match = self.cache.match_checkpoint(seq.tokens, limit)
+            else:
+                match = self.cache.match(seq.tokens, limit)
         shared = match.length // self.ps
         # Lock the fully shared nodes while room is made: reclaiming one would free a page the
         # sequence is about to share. A partial node's page is only the source of a copy, which
@@ -303,7 +329,7 @@ class Scheduler:
         held = match.nodes[:shared]
         if self.cache is not None:
             self.cache.lock(held)
-        end = min(match.length + self.config.prefill_chunk, seq.frontier) if fresh else seq.frontier + 1
+        end = self._chunk_end(seq, match.length) if fresh else seq.frontier + 1
         need = -(-end // self.ps) - shared
         if not self._make_room(need):
             if self.cache is not None:
@@ -332,19 +358,22 @@ class Scheduler:
             plan.replays.append(seq)
             seq.paused_seconds += self.clock() - seq.paused_at
         self._bind(seq, plan)
+        if match.state is not None:
+            plan.state_copies.append((match.state, seq.lane))
         if seq.needs_prompt_work:
             self.owner = seq
         return True
 
     def _restore_snapshot(self, seq: Sequence, plan: Plan) -> bool:
-        n_snap = seq.snapshot_bytes // self.page_bytes
+        n_snap = seq.snapshot_pages
         if seq.needs_prompt_work and self.owner is not None:
             return False
         end = self._unit_end(seq)
         if not self._make_room(max(n_snap, -(-end // self.ps))):
             return False
         seq.pages = self.pool.alloc(n_snap)
-        plan.restores.append(Restore(seq, list(seq.pages), seq.snapshot))
+        pages, state = seq.snapshot if self.recurrent else (seq.snapshot, None)
+        plan.restores.append(Restore(seq, list(seq.pages), pages, state))
         self._ensure_pages(seq, end)
         seq.transfer_bytes += seq.snapshot_bytes
         self._drop_snapshot(seq)

@@ -62,8 +62,9 @@ class Sequence:
         self.budget_applied = 0
         self.forced_total = 0
         # Pause state.
-        self.snapshot: Any = None  # host copy of pages when paused by snapshot
-        self.snapshot_bytes = 0
+        self.snapshot: Any = None  # host copy of pages (and StateImage) when paused by snapshot
+        self.snapshot_bytes = 0  # Host bytes it holds
+        self.snapshot_pages = 0
         self.route: str | None = None
         self.paused_at = 0.0
         # Captures still due: prompt boundaries (sorted) retained once computed reaches them.

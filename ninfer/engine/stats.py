@@ -12,6 +12,7 @@ from typing import Mapping
 
 import attrs
 
+STATE_OPERATIONS = ("capture", "reuse", "snapshot", "restore")
 HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
 # Prometheus-style upper bounds in seconds (the +Inf bucket is implied by ``count``).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -70,7 +71,11 @@ class Counters:
         self.cow_copies = 0
         self.thinking_budget_applied = 0
         self.transfer_bytes = {("main_kv", "device_to_host"): 0, ("main_kv", "host_to_device"): 0,
-                               ("main_kv", "device_to_device"): 0}
+                               ("main_kv", "device_to_device"): 0, ("state", "device_to_host"): 0,
+                               ("state", "host_to_device"): 0, ("state", "device_to_device"): 0}
+        # StateImage operations of a recurrent model: checkpoint captures (lane -> slot), reuses
+        # (slot -> lane), pause snapshots (lane -> Host) and snapshot restores (Host -> lane).
+        self.state_ops = dict.fromkeys(STATE_OPERATIONS, 0)
         self.host_work = dict.fromkeys(HOST_PHASES, 0.0)
         self.device_wait = 0.0
         self.requests = {}  # outcome -> count
@@ -133,6 +138,7 @@ class StatsSnapshot:
     spec_decode_accepted_tokens_total: int = 0
     spec_decode_fallback_steps_total: int = 0
     context_transfer_bytes_total: Mapping[tuple[str, str], int]
+    state_image_operations_total: Mapping[str, int] = attrs.field(factory=dict)
     host_work_seconds_total: Mapping[str, float]
     device_wait_seconds_total: float
     requests_total: Mapping[str, int]

@@ -1,0 +1,187 @@
+"""The Engine on a hybrid model (reference HybridRunner, the tiny ``qwen3_next`` fixture): lanes
+carry real StateImages, reuse lands only on checkpoints, pauses keep or rebuild the state, and
+greedy tokens never change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ninfer.backends.reference import HybridRunner, ReferenceRunner
+from ninfer.convert.hf import convert_hf
+from ninfer.engine import EngineConfig
+from ninfer.engine.events import Finished, TokenDelta
+
+from .conftest import CoreDriver
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "hybrid" / "qwen3_next"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid_engine") / "m.ninfer"
+    convert_hf(FIXTURE, path)
+    return str(path)
+
+
+def driver(artifact, **kw) -> CoreDriver:
+    base = dict(max_concurrency=4, max_context=160, kv_capacity=1024, prefill_chunk=24, page_size=16)
+    base.update(kw)
+    cfg = EngineConfig(**base)
+    runner = ReferenceRunner(artifact, page_size=cfg.page_size, num_pages=cfg.kv_pages, max_batch=cfg.max_concurrency,
+                             max_context=cfg.max_context, state_slots=cfg.state_slots - cfg.max_concurrency)
+    assert isinstance(runner, HybridRunner)
+    return CoreDriver(cfg, runner=runner)
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(i * 31 + j * 17) % 250 + 3 for j in range(n)]
+
+
+def out(seq) -> list[int]:
+    return [t for e in seq.outbox if isinstance(e, TokenDelta) for t in e.token_ids]
+
+
+def end(seq) -> Finished:
+    ends = [e for e in seq.outbox if isinstance(e, Finished)]
+    assert len(ends) == 1
+    return ends[0]
+
+
+@pytest.fixture(scope="module")
+def alone(artifact):
+    memo = {}
+
+    def run(p, n):
+        key = (tuple(p), n)
+        if key not in memo:
+            d = driver(artifact, max_concurrency=1, prefix_reuse=False, prefill_chunk=1024)
+            s = d.submit(p, n)
+            d.run()
+            memo[key] = out(s)
+        return memo[key]
+
+    return run
+
+
+def no_leaks(d: CoreDriver) -> None:
+    core = d.core
+    assert core.slots.used == 0 and core.host.used == 0
+    if core.cache is not None:
+        core.cache.clear()
+        assert core.cache.nodes == 0
+    assert core.slots.occupied == 0 and core.pool.free_count == core.pool.capacity
+
+
+def test_batch_matches_alone_and_lanes_hold_state_slots(artifact, alone):
+    d = driver(artifact, prefix_reuse=False)
+    seqs = [d.submit(prompt(i, 9 + 13 * i), 10) for i in range(4)]
+    d.core.step()
+    assert d.core.snapshot(True).device_state_used_slots == 1  # the first admitted request
+    d.run()
+    for i, s in enumerate(seqs):
+        assert out(s) == alone(prompt(i, 9 + 13 * i), 10)
+    snap = d.core.snapshot(True)
+    assert snap.device_state_capacity_slots == 8 and snap.device_state_used_slots == 0
+    no_leaks(d)
+
+
+@pytest.mark.parametrize("host_mib, route", [(16, "snapshot"), (0, "replay")])
+def test_pause_and_restore_match_alone(artifact, alone, host_mib, route):
+    # 6 pages of 16 tokens: two requests growing to 70 tokens cannot both stay resident.
+    d = driver(artifact, max_concurrency=2, kv_capacity=96, max_context=96, host_context_mib=host_mib,
+               prefix_reuse=False)
+    seqs = [d.submit(prompt(i, 40), 30) for i in range(2)]
+    d.run()
+    for i, s in enumerate(seqs):
+        assert out(s) == alone(prompt(i, 40), 30)
+    young = end(seqs[1]).scheduling
+    assert young.preemptions >= 1
+    snap = d.core.snapshot(True)
+    if route == "snapshot":
+        assert young.snapshot_restores >= 1
+        assert snap.state_image_operations_total["snapshot"] >= 1
+        assert snap.state_image_operations_total["restore"] >= 1
+        state_bytes = d.runner.state_floats * 4
+        assert snap.context_transfer_bytes_total[("state", "device_to_host")] >= state_bytes
+        assert snap.context_transfer_bytes_total[("state", "host_to_device")] >= state_bytes
+    else:
+        assert young.replay_restores >= 1 and snap.state_image_operations_total["snapshot"] == 0
+    no_leaks(d)
+
+
+def test_reuse_lands_only_on_checkpointed_boundaries(artifact, alone):
+    d = driver(artifact, max_concurrency=1, device_state_slots=4)
+    base = prompt(3, 45)
+    first = d.submit(base, 6, cache_boundaries=(21,))  # 21 and 45 are not chunk (24) ends
+    d.run()
+    # KV-only reuse would take 44 tokens here; the state exists at 21 (hint) and at the endpoint.
+    inside = d.submit(base[:44] + [9, 9], 6)
+    d.run()
+    assert end(inside).usage.cached_tokens == 21
+    assert out(inside) == alone(base[:44] + [9, 9], 6)
+    cont = base + out(first)[:-1] + [7, 8]
+    second = d.submit(cont, 6)
+    d.run()
+    assert end(second).usage.cached_tokens == 45 + 5 and end(second).prefix_reuse_path == "checkpoint"
+    assert out(second) == alone(cont, 6)
+    ops = d.core.snapshot(True).state_image_operations_total
+    assert ops["reuse"] == 2 and ops["capture"] >= 3
+    no_leaks(d)
+
+
+def test_a_multi_turn_chat_reuses_its_previous_turn(artifact, alone):
+    d = driver(artifact, max_concurrency=2, prefill_chunk=16)
+    turn1 = prompt(5, 30)
+    a = d.submit(turn1, 8, input_checkpoint=27)
+    d.run()
+    answer = out(a)
+    d.submit(prompt(6, 12), 4)  # another conversation uses the lane in between
+    d.run()
+    turn2 = turn1 + answer + [11, 12, 13, 14]
+    b = d.submit(turn2, 8, input_checkpoint=len(turn1) + len(answer))
+    d.run()
+    assert end(b).usage.cached_tokens == len(turn1) + len(answer) - 1
+    assert out(b) == alone(turn2, 8)
+    no_leaks(d)
+
+
+def test_checkpoints_are_reclaimed_lru_when_slots_run_out(artifact, alone):
+    d = driver(artifact, max_concurrency=1, device_state_slots=1)
+    p0, p1 = prompt(7, 20), prompt(8, 20)
+    firsts = []
+    for p in (p0, p1):
+        firsts.append(d.submit(p, 3))
+        d.run()
+    assert d.core.slots.checkpoints == 1  # p1's endpoint took p0's slot
+    c1 = p1 + out(firsts[1])[:2] + [4]
+    c0 = p0 + out(firsts[0])[:2] + [4]
+    again1 = d.submit(c1, 3)  # admitted first: its checkpoint is still there
+    again0 = d.submit(c0, 3)
+    d.run()
+    assert end(again1).usage.cached_tokens == 20 + 2
+    assert end(again0).usage.cached_tokens == 0
+    assert out(again1) == alone(c1, 3) and out(again0) == alone(c0, 3)
+    assert d.core.cache.checkpoint_evictions >= 2
+    no_leaks(d)
+
+
+async def test_engine_opens_a_hybrid_artifact_with_checkpoint_slots(artifact, alone):
+    from ninfer.engine import Engine, GenerationRequest
+
+    cfg = EngineConfig(max_concurrency=2, max_context=160, prefill_chunk=16, device_state_slots=3, greedy=True)
+    turn1 = prompt(9, 26)
+    async with Engine.open(artifact, cfg) as engine:
+        assert engine.stats().device_state_capacity_slots == 5
+        with engine.reserve() as ticket:
+            first = [e async for e in ticket.submit(GenerationRequest(prompt=turn1, max_tokens=5))]
+        answer = [t for e in first if isinstance(e, TokenDelta) for t in e.token_ids]
+        turn2 = turn1 + answer + [21, 22, 23]
+        with engine.reserve() as ticket:
+            second = [e async for e in ticket.submit(GenerationRequest(prompt=turn2, max_tokens=5))]
+        stats = engine.stats()
+    assert first[-1].reason == "length"  # the fixture's EOS did not end turn one early
+    assert second[-1].usage.cached_tokens == len(turn1) + len(answer) - 1
+    assert list(second[-1].generated_token_ids) == alone(turn2, 5)
+    assert stats.state_image_operations_total["reuse"] == 1
