@@ -62,3 +62,28 @@ def test_request_log_path_checks(tiny_artifact, tmp_path):
         r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
                             "--request-log-jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cuda_bindings_without_a_driver_mean_no_gpu(monkeypatch, capsys):
+    """cuda-bindings installed on a machine without libcuda: cuInit raises; that is "no GPU", not a crash."""
+    import argparse
+    import types
+
+    from ninfer.commands import serve
+    from ninfer.server.backend import cuda_available
+
+    def no_driver(flags):
+        raise RuntimeError("Failed to dlopen libcuda.so.1")
+
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = types.SimpleNamespace(cuInit=no_driver)
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", bindings.driver)
+    assert cuda_available() is False
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve.run(parser.parse_args(["--device", "0"])) == 2
+    assert "--device: no CUDA GPU is usable here" in capsys.readouterr().err
