@@ -8,11 +8,9 @@ from typing import Any, AsyncIterator
 
 from ninfer.server.app import Exchange
 from ninfer.server.generation import Done, GenerationSession, Progress
-from ninfer.server.http import run_until_disconnect
 from ninfer.server.sse import data_frame
 from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from protocols import openai_chat as oc
-from protocols.errors import ProtocolError
 
 
 def _finish_reason(done: Done, saw_tool_call: bool) -> str:
@@ -34,34 +32,29 @@ async def chat_completions(ex: Exchange) -> None:
     await session.start(req.conversation, req.generation, shape=_shape(req))
     cid = oc.completion_id()
     created = int(time.time())
-    try:
-        if req.stream:
-            await run_until_disconnect(ex.request, lambda: ex.send_sse(_stream(session, req, cid, created)))
-        else:
-            await run_until_disconnect(ex.request, lambda: _aggregate(ex, session, req, cid, created))
-    finally:
-        await session.aclose()  # covers a response that failed before its events were consumed
+    if req.stream:
+        await session.respond(ex.request, lambda: ex.send_sse(_stream(session, req, cid, created)))
+    else:
+        await session.respond(ex.request, lambda: _aggregate(ex, session, req, cid, created))
 
 
 async def _aggregate(ex: Exchange, session: GenerationSession, req: oc.ChatRequest, cid: str, created: int) -> None:
     reasoning: list[str] = []
     content: list[str] = []
     calls: dict[int, dict] = {}
-    done: Done | None = None
-    async with aclosing(session.events()) as events:
-        async for ev in events:
-            if isinstance(ev, ReasoningDelta):
-                reasoning.append(ev.text)
-            elif isinstance(ev, ContentDelta):
-                content.append(ev.text)
-            elif isinstance(ev, ToolCallStart):
-                calls[ev.index] = {"id": oc.tool_call_id(), "type": "function",
-                                   "function": {"name": ev.name, "arguments": ""}}
-            elif isinstance(ev, ToolCallEnd):
-                calls[ev.index]["function"]["arguments"] = ev.arguments
-            elif isinstance(ev, Done):
-                done = ev
-    assert done is not None
+
+    def feed(ev: Any) -> None:
+        if isinstance(ev, ReasoningDelta):
+            reasoning.append(ev.text)
+        elif isinstance(ev, ContentDelta):
+            content.append(ev.text)
+        elif isinstance(ev, ToolCallStart):
+            calls[ev.index] = {"id": oc.tool_call_id(), "type": "function",
+                               "function": {"name": ev.name, "arguments": ""}}
+        elif isinstance(ev, ToolCallEnd):
+            calls[ev.index]["function"]["arguments"] = ev.arguments
+
+    done = await session.collect(feed)
     text = "".join(content)
     body = oc.envelope(cid, created, req.model, "chat.completion")
     message = oc.message(text if (text or not calls) else None, "".join(reasoning) or None,
@@ -105,10 +98,9 @@ async def _stream(session: GenerationSession, req: oc.ChatRequest, cid: str, cre
                     saw_tool_call = True
                 extra = {"timings": session.timings_snapshot()} if req.timings_per_token and "tool_calls" not in delta else {}
                 yield chunk([oc.chunk_choice(delta)], **extra)
-    except ProtocolError as err:
-        # The stream has started: a failure becomes an error frame (the SDKs raise it).
-        session.state.metrics.response_failures += 1
-        yield data_frame(err.openai_body())
+    except Exception as exc:
+        # The stream has started: a failure becomes an error frame (the SDKs raise it), never [DONE].
+        yield data_frame(session.stream_failure(exc, "chat completion").openai_body())
         return
     yield b"data: [DONE]\n\n"
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import attrs
 import trio
@@ -27,6 +28,7 @@ import trio
 from ninfer.engine import GenerationRequest, SamplingOverrides
 from ninfer.engine import errors as engine_errors
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
+from ninfer.server.http import Request, run_until_disconnect
 from ninfer.server.prompt import PreparedPrompt, PromptBuilder, ServeDefaults  # noqa: F401 (re-exported)
 from ninfer.text.output import OutputDecoder, StopMatched
 from protocols.conversation import Conversation, GenerationOptions
@@ -225,6 +227,41 @@ class GenerationSession:
         """Cancel the engine request if it is still running and give its capacity back (idempotent)."""
         if self.handle is not None:
             await self.handle.aclose()
+
+    async def respond(self, request: Request, work: Callable[[], Awaitable[None]]) -> None:
+        """Run the family's response ``work`` until it ends or the client goes away.
+
+        The engine request never outlives it, even when ``work`` fails before consuming ``events``
+        (a stream whose first send finds the client gone never starts its generator).
+        """
+        try:
+            await run_until_disconnect(request, work)
+        finally:
+            await self.aclose()
+
+    async def collect(self, feed: Callable[[Any], object]) -> "Done":
+        """Run to the end for an aggregate response: output events go to ``feed``; returns the ``Done``."""
+        done: Done | None = None
+        async with aclosing(self.events()) as events:
+            async for ev in events:
+                if isinstance(ev, Done):
+                    done = ev
+                elif not isinstance(ev, Progress):
+                    feed(ev)
+        assert done is not None, "events() ends with Done or raises"
+        return done
+
+    def stream_failure(self, exc: Exception, what: str) -> ProtocolError:
+        """The error to report in-band for a failure after a stream started (the status is already sent).
+
+        It counts in ninfer_response_failures_total. An internal failure stays internal: logged with its
+        traceback, reported as internal_error without details.
+        """
+        self.state.metrics.response_failures += 1
+        if isinstance(exc, ProtocolError):
+            return exc
+        log.error("internal error in %s stream (request %s)", what, self.request_id, exc_info=exc)
+        return ProtocolError("internal_error", f"The server failed while generating this {what}.")
 
     def timings_snapshot(self) -> dict:
         """The cumulative llama.cpp timings so far (timings_per_token)."""

@@ -7,19 +7,14 @@ progress event), so the uncached/cache-read split in it is already exact.
 
 from __future__ import annotations
 
-import logging
 from contextlib import aclosing
 from typing import AsyncIterator
 
 from ninfer.server.app import Exchange
 from ninfer.server.generation import Done, GenerationSession, Progress
-from ninfer.server.http import run_until_disconnect
 from ninfer.server.sse import data_frame
 from protocols import anthropic_messages as am
 from protocols.anthropic_output import BlockAssembler
-from protocols.errors import ProtocolError
-
-log = logging.getLogger("ninfer.server")
 
 
 def _shape(req: am.MessagesRequest) -> dict:
@@ -34,9 +29,9 @@ async def create(ex: Exchange) -> None:
     await session.start(req.conversation, req.generation, shape=_shape(req))
     mid = am.message_id()
     if req.stream:
-        await run_until_disconnect(ex.request, lambda: ex.send_sse(_stream(ex, session, req, mid)))
+        await session.respond(ex.request, lambda: ex.send_sse(_stream(ex, session, req, mid)))
     else:
-        await run_until_disconnect(ex.request, lambda: _aggregate(ex, session, req, mid))
+        await session.respond(ex.request, lambda: _aggregate(ex, session, req, mid))
 
 
 def _final(done: Done, asm: BlockAssembler) -> tuple[str, str | None, dict]:
@@ -48,14 +43,7 @@ def _final(done: Done, asm: BlockAssembler) -> tuple[str, str | None, dict]:
 
 async def _aggregate(ex: Exchange, session: GenerationSession, req: am.MessagesRequest, mid: str) -> None:
     asm = BlockAssembler()
-    done: Done | None = None
-    async with aclosing(session.events()) as events:
-        async for ev in events:
-            if isinstance(ev, Done):
-                done = ev
-            elif not isinstance(ev, Progress):
-                asm.feed(ev)
-    assert done is not None
+    done = await session.collect(asm.feed)
     asm.close()
     reason, stop_seq, use = _final(done, asm)
     await ex.send_json(200, am.message(mid, req.model, asm.blocks, reason, stop_seq, use))
@@ -99,14 +87,8 @@ async def _stream(ex: Exchange, session: GenerationSession, req: am.MessagesRequ
                     raise RuntimeError("output before admission progress")
                 for e in asm.feed(ev):
                     yield _frame(e)
-    except Exception as exc:
-        # The stream has started: the failure becomes an Anthropic error event. Invariant
-        # failures stay internal: logged with their traceback, reported without details.
-        err = exc if isinstance(exc, ProtocolError) else None
-        if err is None:
-            log.error("internal error in Messages stream (request %s)", ex.request_id, exc_info=exc)
-            err = ProtocolError("internal_error", "The server failed while generating this message.")
-        yield _frame(err.anthropic_body(ex.request_id))
+    except Exception as exc:  # the stream has started: the failure becomes an Anthropic error event
+        yield _frame(session.stream_failure(exc, "message").anthropic_body(ex.request_id))
 
 
 async def count_tokens(ex: Exchange) -> None:

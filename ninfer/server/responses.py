@@ -8,7 +8,6 @@ HTTP errors; after it starts they become ``response.failed``.
 
 from __future__ import annotations
 
-import logging
 import time
 import urllib.parse
 from contextlib import aclosing
@@ -18,7 +17,6 @@ import attrs
 
 from ninfer.server.app import Exchange
 from ninfer.server.generation import Done, GenerationSession, Progress
-from ninfer.server.http import run_until_disconnect
 from ninfer.server.response_store import ResponseStore, StoredResponse, page
 from ninfer.server.sse import data_frame
 from protocols import fields as f
@@ -28,7 +26,6 @@ from protocols.conversation import Conversation
 from protocols.errors import ProtocolError, invalid_value, unsupported
 
 SESSION_PREFIX = "resp:"
-log = logging.getLogger("ninfer.server")
 
 
 @attrs.define
@@ -87,9 +84,9 @@ async def create(ex: Exchange) -> None:
                         capture_endpoint=plan.capture_endpoint)
     created = time.time()
     if req.stream:
-        await run_until_disconnect(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))
+        await session.respond(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))
     else:
-        await run_until_disconnect(ex.request, lambda: _aggregate(ex, session, plan, rid, created))
+        await session.respond(ex.request, lambda: _aggregate(ex, session, plan, rid, created))
 
 
 def _terminal(ex: Exchange, plan: _Plan, rid: str, created: float, asm: out.OutputAssembler,
@@ -108,14 +105,7 @@ def _terminal(ex: Exchange, plan: _Plan, rid: str, created: float, asm: out.Outp
 
 async def _aggregate(ex: Exchange, session: GenerationSession, plan: _Plan, rid: str, created: float) -> None:
     asm = out.OutputAssembler(plan.req.tools)
-    done: Done | None = None
-    async with aclosing(session.events()) as events:
-        async for ev in events:
-            if isinstance(ev, Done):
-                done = ev
-            elif not isinstance(ev, Progress):
-                asm.feed(ev)
-    assert done is not None
+    done = await session.collect(asm.feed)
     response, _ = _terminal(ex, plan, rid, created, asm, done)
     await ex.send_json(200, response)
 
@@ -150,16 +140,10 @@ async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: st
                 for e in asm.feed(ev):
                     yield frame(e)
     except Exception as exc:  # the stream has started: every failure ends it with response.failed
-        err = exc if isinstance(exc, ProtocolError) else _internal(ex, exc)
+        err = session.stream_failure(exc, "Response")
         error = {"code": err.code, "message": err.message}
         failed = out.response_object(rid, plan.req, created, "failed", asm.output(), None, error)
         yield frame({"type": "response.failed", "response": failed})
-
-
-def _internal(ex: Exchange, exc: Exception) -> ProtocolError:
-    # An invariant failure stays internal: logged with its traceback, reported without details.
-    log.error("internal error in Responses stream (request %s)", ex.request_id, exc_info=exc)
-    return ProtocolError("internal_error", "The server failed while generating this Response.")
 
 
 # --- the local store --------------------------------------------------------------------------

@@ -268,3 +268,25 @@ async def test_smollm2_answers_over_http(start_server, smollm2_artifact):
             text += chunk.choices[0].delta.content or ""
     assert "Paris" in text and usage.completion_tokens <= 16
     await client.close()
+
+
+async def test_internal_failure_mid_stream_is_an_error_frame(start_server, monkeypatch, caplog):
+    from ninfer.server import chat
+
+    srv = await start_server(scripted=True)
+    start_server.runner.scripts.append(script(srv.state.prompts.tokenizer, "Hi there"))
+
+    def broken(ev):
+        raise RuntimeError("delta invariant broken")
+
+    monkeypatch.setattr(chat, "_delta", broken)
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 3,
+                                                       "stream": True})
+        metrics = (await c.get("/metrics")).text
+    frames = sse_json(r.text)
+    assert frames[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert frames[-1]["error"]["code"] == "internal_error" and "[DONE]" not in frames
+    assert "invariant" not in r.text  # internals are logged, not sent
+    assert any("delta invariant broken" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
+    assert "ninfer_response_failures_total 1.0" in metrics

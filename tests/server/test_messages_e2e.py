@@ -258,6 +258,8 @@ async def test_internal_failure_mid_stream_is_an_error_event(start_server, monke
     monkeypatch.setattr(BlockAssembler, "feed", broken)
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 3, "messages": HI, "stream": True})
+        metrics = (await c.get("/metrics")).text
+    assert "ninfer_response_failures_total 1.0" in metrics  # a failure after the response started
     events = sse_events(r.text)
     assert [n for n, _ in events] == ["message_start", "ping", "error"]
     err = events[-1][1]

@@ -230,6 +230,8 @@ async def test_internal_failure_mid_stream_is_response_failed(start_server, monk
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 3,
                                                 "stream": True})
+        metrics = (await c.get("/metrics")).text
+    assert "ninfer_response_failures_total 1.0" in metrics  # a failure after the response started
     events = sse_events(r.text)
     assert [n for n, _ in events] == ["response.created", "response.in_progress", "response.failed"]
     failed = events[-1][1]["response"]
