@@ -297,6 +297,8 @@ class Scheduler:
             if self._try_bind(seq, plan):
                 for earlier in passed:
                     earlier.bypassed += 1
+                if any(earlier.bypassed >= MAX_BYPASS for earlier in passed):
+                    return  # its allowance is spent: nobody else passes it, in this step either
                 continue
             if seq.bypassed >= MAX_BYPASS:
                 return  # nobody may pass it any more

@@ -43,7 +43,7 @@ class SimulatedRunner:
         self._write(chunk.page_table, chunk.start, chunk.tokens)
         if chunk.sample is None:
             return StepResult(tokens=np.empty(0, np.int32))
-        token = self._next(chunk.page_table, end, chunk.sample, self.counts[chunk.lane])
+        token = self._next(chunk.page_table, end, chunk.sample, self.counts[chunk.lane], chunk.lane)
         return StepResult(tokens=np.array([token], np.int32))
 
     def decode(self, batch: DecodeBatch) -> StepResult:
@@ -57,7 +57,7 @@ class SimulatedRunner:
             token = int(batch.tokens[i])
             self.counts[lane][token] += 1  # a decode input is the previous committed output
             self._write(table, pos, [token])
-            out[i] = self._next(table, pos + 1, batch.sampling[i], self.counts[lane])
+            out[i] = self._next(table, pos + 1, batch.sampling[i], self.counts[lane], lane)
         return StepResult(tokens=out)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -93,10 +93,73 @@ class SimulatedRunner:
         assert (ctx >= 0).all(), "context position read before it was written"
         return ctx
 
-    def _next(self, table: np.ndarray, n: int, row: SamplingRow, counts: collections.Counter) -> int:
-        h = zlib.crc32(self._context(table, n).tobytes())
+    def _salt(self, lane: int) -> int:
+        return 0  # no recurrent state
+
+    def _next(self, table: np.ndarray, n: int, row: SamplingRow, counts: collections.Counter, lane: int) -> int:
+        h = zlib.crc32(self._context(table, n).tobytes(), self._salt(lane))
         if row.temperature > 0:
             h = zlib.crc32(np.float64(uniform(row.seed, row.step)).tobytes(), h)
         if row.presence_penalty or row.frequency_penalty:
             h = zlib.crc32(repr(sorted(counts.items())).encode(), h)
         return h % self.info.vocab_size
+
+
+class SimulatedHybridRunner(SimulatedRunner):
+    """A simulated runner with StateImages, as a hybrid model has (``HybridRunner``'s rules).
+
+    Each slot's image is a running hash of the tokens fed to it plus their count; slot ``i <
+    max_batch`` is lane ``i``. A prefill at ``start == 0`` starts from the zero state, a later
+    chunk or a decode must continue a state of exactly that many tokens (else ``ValueError``),
+    and every sampled token also depends on the state, so a lost, stale or misplaced image
+    changes the output exactly as it would on a real model.
+    """
+
+    state_floats = 2  # [hash (24 bits, exact in float32), tokens summarised]
+
+    def __init__(self, *, state_slots: int = 0, **kw) -> None:
+        super().__init__(**kw)
+        self.num_state_slots = self.info.max_batch + state_slots
+        self.states = np.zeros((self.num_state_slots, 2), dtype=np.int64)
+
+    def prefill(self, chunk: PrefillChunk) -> StepResult:
+        if chunk.start == 0:
+            self.states[chunk.lane] = 0
+        self._continue(chunk.lane, chunk.start, "prefill start")
+        self._feed(chunk.lane, chunk.tokens)
+        return super().prefill(chunk)
+
+    def decode(self, batch: DecodeBatch) -> StepResult:
+        for lane, pos, token in zip(batch.lanes.tolist(), batch.positions.tolist(), batch.tokens.tolist()):
+            self._continue(lane, pos, "decode position")
+            self._feed(lane, [token])
+        return super().decode(batch)
+
+    def read_state(self, slot: int) -> np.ndarray:
+        self.calls["read_state"] += 1
+        return self.states[slot].astype(np.float32)
+
+    def write_state(self, slot: int, data: np.ndarray, length: int | None = None) -> None:
+        self.calls["write_state"] += 1
+        self.states[slot] = [int(data[0]), -1 if length is None else length]
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.calls["copy_state"] += 1
+        self.states[dst] = self.states[src]
+
+    def state_length(self, slot: int) -> int:
+        return int(self.states[slot, 1])
+
+    def _continue(self, lane: int, position: int, field: str) -> None:
+        have = int(self.states[lane, 1])
+        if have >= 0 and have != position:
+            raise ValueError(f"{field} {position}: lane {lane}'s state summarises {have} tokens")
+
+    def _feed(self, lane: int, tokens) -> None:
+        h = int(self.states[lane, 0])
+        for t in np.asarray(tokens).tolist():
+            h = zlib.crc32(int(t).to_bytes(4, "little"), h) % (1 << 24)
+        self.states[lane] = [h, int(self.states[lane, 1]) + len(tokens)]
+
+    def _salt(self, lane: int) -> int:
+        return int(self.states[lane, 0])

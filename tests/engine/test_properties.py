@@ -10,6 +10,7 @@ from ninfer.engine import EngineConfig, ThinkingControl
 from ninfer.engine.events import Finished, TokenDelta
 from ninfer.engine.scheduler import MAX_BYPASS
 from ninfer.engine.sequence import Phase
+from ninfer.engine.simulated import SimulatedHybridRunner
 
 from .conftest import CoreDriver
 
@@ -41,11 +42,19 @@ def thinking(budget):
     return ThinkingControl(starts_in_thinking=True, budget=budget, close_ids=CLOSE, end_think_id=63)
 
 
-def alone(p: tuple, max_tokens: int, budget=None, context: int = 128) -> list[int]:
-    key = (p, max_tokens, budget, context)
+def driver(cfg: EngineConfig, recurrent: bool) -> CoreDriver:
+    if not recurrent:
+        return CoreDriver(cfg)
+    runner = SimulatedHybridRunner(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_batch=cfg.max_concurrency,
+                                   max_context=cfg.max_context, state_slots=cfg.state_slots - cfg.max_concurrency)
+    return CoreDriver(cfg, runner=runner)
+
+
+def alone(p: tuple, max_tokens: int, budget=None, context: int = 128, recurrent: bool = False) -> list[int]:
+    key = (p, max_tokens, budget, context, recurrent)
     if key not in _alone_cache:
-        d = CoreDriver(EngineConfig(max_concurrency=1, max_context=context, kv_capacity=context, page_size=8,
-                                    prefix_reuse=False, prefill_chunk=16))
+        d = driver(EngineConfig(max_concurrency=1, max_context=context, kv_capacity=context, page_size=8,
+                                prefix_reuse=False, prefill_chunk=16), recurrent)
         s = d.submit(list(p), max_tokens, thinking=thinking(budget))
         d.run()
         _alone_cache[key] = outputs(s)
@@ -58,11 +67,16 @@ def alone(p: tuple, max_tokens: int, budget=None, context: int = 128) -> list[in
        # Extra pages beyond one max_context sequence; 0 (a pool of exactly one sequence) is the
        # tightest legal pool and is drawn often.
        extra_pages=st.one_of(st.just(0), st.integers(0, 24)), host_mib=st.sampled_from([0, 1]),
-       reuse=st.booleans(), chunk=st.sampled_from([8, 16, 64]))
-def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra_pages, host_mib, reuse, chunk):
+       reuse=st.booleans(), chunk=st.sampled_from([8, 16, 64]),
+       # A recurrent (hybrid-like) runner with this many checkpoint slots, or None: dense.
+       state_slots=st.one_of(st.none(), st.integers(0, 3)))
+def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra_pages, host_mib, reuse, chunk,
+                                                 state_slots):
+    recurrent = state_slots is not None
     cfg = EngineConfig(max_concurrency=lanes, max_context=context, kv_capacity=context + extra_pages * 8,
-                       page_size=8, prefix_reuse=reuse, host_context_mib=host_mib, prefill_chunk=chunk)
-    d = CoreDriver(cfg)
+                       page_size=8, prefix_reuse=reuse, host_context_mib=host_mib, prefill_chunk=chunk,
+                       device_state_slots=state_slots)
+    d = driver(cfg, recurrent)
     core, sched = d.core, d.core.scheduler
     arrivals = sorted(enumerate(requests), key=lambda x: (x[1][0], x[0]))
     seqs, admitted_order, budgets = {}, [], {}
@@ -75,7 +89,9 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra
                 if budget is not None and budget < capacity < budget + len(CLOSE) + 1:
                     budget = None  # preparation would reject it (tested elsewhere)
                 budgets[i] = budget
-                seqs[i] = d.submit(prompt(fam, n), mt, thinking=thinking(budget))
+                # Every other request names a cache hint (a checkpoint boundary for recurrent runs).
+                hints = (n // 2,) if i % 2 and n > 1 else ()
+                seqs[i] = d.submit(prompt(fam, n), mt, thinking=thinking(budget), cache_boundaries=hints)
         for i, s in seqs.items():
             cancel_after = requests[i][4]
             if cancel_after is not None and step == requests[i][0] + cancel_after:
@@ -112,16 +128,18 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra
         assert list(f.generated_token_ids) == outputs(s)
         if f.reason != "cancelled":
             # Whatever happened around it, greedy output equals the request run alone.
-            expected = alone(tuple(s.request.prompt), s.request.max_tokens, budgets[i], context)
+            expected = alone(tuple(s.request.prompt), s.request.max_tokens, budgets[i], context, recurrent)
             assert outputs(s) == expected
     event(f"preemptions>0: {core.counters.preemptions > 0}")
     event(f"snapshot restores>0: {core.counters.snapshot_restores > 0}")
     event(f"prefix hits>0: {core.counters.prefix_hits > 0}")
     event(f"thinking budget applied: {core.counters.thinking_budget_applied > 0}")
+    event(f"recurrent, checkpoint reused: {recurrent and core.counters.state_ops['reuse'] > 0}")
     event(f"reached the context limit: {any(s.finish == ('length', 'context') for s in seqs.values())}")
     # Every page, slot and Host byte is back once the retained prefixes are dropped.
     assert core.slots.used == 0 and core.host.used == 0
     if core.cache is not None:
         core.cache.clear()
         assert core.cache.nodes == 0
+    assert core.slots.occupied == 0
     assert core.pool.free_count == core.pool.capacity
