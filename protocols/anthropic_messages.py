@@ -26,7 +26,17 @@ from protocols.conversation import (
     ToolCall,
     resolve_thinking_options,
 )
-from protocols.errors import ProtocolError, invalid_type, invalid_value, missing, unsupported
+from protocols.errors import (
+    NO_CONSTRAINED_OUTPUT,
+    NO_SINGLE_CALL,
+    ProtocolError,
+    invalid_type,
+    invalid_value,
+    missing,
+    unsupported,
+    vision_disabled,
+)
+from protocols.tools import Result, answer_calls, check_executable
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 CACHE_TTLS = ("5m", "1h")
@@ -54,7 +64,7 @@ _UNSUPPORTED_BLOCKS = {
 _UNSUPPORTED_FIELDS = {
     "container": "code-execution containers are not available.",
     "mcp_servers": "NInfer has no remote MCP connector.",
-    "output_format": "Structured Outputs need constrained decoding, which NInfer does not have.",
+    "output_format": NO_CONSTRAINED_OUTPUT,
     "context_management": "server-side context editing is not available.",
 }
 
@@ -150,8 +160,7 @@ def _parse_effort(body: dict) -> str | None:
     if oc is None:
         return None
     if oc.get("format") is not None:
-        raise unsupported("output_config.format", "Structured Outputs need constrained decoding, which NInfer "
-                          "does not have.")
+        raise unsupported("output_config.format", NO_CONSTRAINED_OUTPUT)
     effort = oc.get("effort")
     if effort is not None and effort not in EFFORTS:
         raise invalid_value("output_config.effort", f"must be one of {', '.join(EFFORTS)}.")
@@ -166,12 +175,13 @@ class _Breakpoints:
     def __init__(self) -> None:
         self.targets: dict[str, str] = {}  # target key -> ttl
 
-    def read(self, block: dict, where: str, key: str) -> bool:
+    def read(self, block: dict, where: str) -> bool:
+        """Record the block's marker, if any; a block's target key is its location ``where``."""
         cc = block.get("cache_control")
         if cc is None:
             return False
         ttl = _ttl(cc, f"{where}.cache_control")
-        self.targets[key] = ttl
+        self.targets[where] = ttl
         if len(self.targets) > MAX_BREAKPOINTS:
             raise invalid_value(f"{where}.cache_control", f"at most {MAX_BREAKPOINTS} cache_control breakpoints "
                                 "are allowed.")
@@ -252,7 +262,7 @@ def _parse_system(system: Any, slots: _Breakpoints) -> list[Message]:
             raise invalid_type(f"{where}.text", "a string")
         if i == 0 and text.startswith(BILLING_HEADER):
             continue  # Claude Code attribution: consumed with its cache_control, never prompt content
-        marked = slots.read(block, where, where)
+        marked = slots.read(block, where)
         parts.append(_Keyed(text, marked, key=where))
     return [Message("system", tuple(parts))] if parts else []
 
@@ -268,7 +278,7 @@ class _Turn:
     reasoning: list[str] = attrs.Factory(list)
     parts: list[Part] = attrs.Factory(list)
     calls: list[ToolCall] = attrs.Factory(list)
-    results: list[tuple[str, tuple[Part, ...], str]] = attrs.Factory(list)  # (id, parts, where)
+    results: list[Result] = attrs.Factory(list)
 
 
 def _parse_messages(raw: Any, slots: _Breakpoints) -> tuple[list[Message], str | None]:
@@ -323,12 +333,11 @@ def _add_block(turn: _Turn, block: Any, where: str, slots: _Breakpoints) -> None
             raise invalid_type(f"{where}.text", "a string")
         if role == "assistant" and turn.calls:
             _assistant_order(where)
-        marked = slots.read(block, where, where)
+        marked = slots.read(block, where)
         turn.parts.append(_Keyed(text, marked, key=where))
     elif kind == "image":
-        slots.read(block, where, where)
-        raise ProtocolError("vision_disabled", "This server was started without --vision; image input is disabled.",
-                            where)
+        slots.read(block, where)
+        raise vision_disabled(where, "image")
     elif kind == "thinking" and role == "assistant":
         text = block.get("thinking")
         if not isinstance(text, str):
@@ -340,7 +349,7 @@ def _add_block(turn: _Turn, block: Any, where: str, slots: _Breakpoints) -> None
             _assistant_order(where)
         turn.reasoning.append(text)
     elif kind == "tool_use" and role == "assistant":
-        slots.read(block, where, where)  # a legal marker inside a call has no exact text frontier
+        slots.read(block, where)  # a legal marker inside a call has no exact text frontier
         turn.calls.append(_tool_use(block, where))
     elif kind == "tool_result" and role == "user":
         if turn.parts:
@@ -369,12 +378,12 @@ def _tool_use(block: dict, where: str) -> ToolCall:
     return ToolCall(call_id, name, args)
 
 
-def _tool_result(block: dict, where: str, slots: _Breakpoints) -> tuple[str, tuple[Part, ...], str]:
+def _tool_result(block: dict, where: str, slots: _Breakpoints) -> Result:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
         raise invalid_type(f"{where}.tool_use_id", "a non-empty string")
     is_error = f.opt_bool(block, "is_error", f"{where}.is_error")
-    marked = slots.read(block, where, where)
+    marked = slots.read(block, where)
     content = block.get("content", "")
     parts: list[Part] = []
     if isinstance(content, str):
@@ -385,8 +394,7 @@ def _tool_result(block: dict, where: str, slots: _Breakpoints) -> tuple[str, tup
             if not isinstance(inner, dict):
                 raise invalid_type(iw, "an object")
             if inner.get("type") == "image":
-                raise ProtocolError("vision_disabled", "This server was started without --vision; image input is "
-                                    "disabled.", iw)
+                raise vision_disabled(iw, "image")
             if inner.get("type") != "text":
                 if inner.get("type") in _UNSUPPORTED_BLOCKS:
                     raise unsupported(iw, _UNSUPPORTED_BLOCKS[inner["type"]])
@@ -394,7 +402,7 @@ def _tool_result(block: dict, where: str, slots: _Breakpoints) -> tuple[str, tup
             text = inner.get("text")
             if not isinstance(text, str):
                 raise invalid_type(f"{iw}.text", "a string")
-            inner_mark = slots.read(inner, iw, iw)
+            inner_mark = slots.read(inner, iw)
             parts.append(_Keyed(text, inner_mark, key=iw))
         if marked and parts:
             # The block's marker ends at its last text; request-level cache_control finds it by the block key.
@@ -403,7 +411,7 @@ def _tool_result(block: dict, where: str, slots: _Breakpoints) -> tuple[str, tup
         raise invalid_type(f"{where}.content", "a string or an array of blocks")
     if is_error:
         parts.insert(0, Part(TOOL_ERROR_MARK))
-    return call_id, tuple(parts), where
+    return Result(call_id, tuple(parts), where)
 
 
 def _prefill(turns: list[_Turn]) -> str | None:
@@ -418,15 +426,17 @@ def _prefill(turns: list[_Turn]) -> str | None:
 
 def _lower(turns: list[_Turn]) -> list[Message]:
     out: list[Message] = []
-    pending: list[str] | None = None  # the call ids the next user turn must answer
+    pending: list[str] = []  # the call ids the next user turn must answer
     for t in turns:
         if t.role == "assistant":
             out.append(Message("assistant", tuple(t.parts), reasoning="".join(t.reasoning) if t.reasoning else None,
                                tool_calls=tuple(t.calls)))
-            pending = [c.id for c in t.calls] or None
+            pending = [c.id for c in t.calls]
             continue
         if t.role == "user":
-            out.extend(_results(t, pending, first=not out or all(m.role == "system" for m in out)))
+            # The leading results of a user turn, in the order of the calls they answer.
+            out.extend(answer_calls(pending, t.results, id_field="tool_use_id", missing_where=t.where,
+                                    opens_history=all(m.role == "system" for m in out)))
             if t.parts:
                 out.append(Message("user", tuple(t.parts)))
         else:
@@ -434,32 +444,8 @@ def _lower(turns: list[_Turn]) -> list[Message]:
                 raise ProtocolError("invalid_tool_history", "the tool_use calls must be answered by the next "
                                     "user turn.", t.where)
             out.append(Message("system", tuple(t.parts)))
-        pending = None
+        pending = []
     return out
-
-
-def _results(t: _Turn, pending: list[str] | None, first: bool) -> list[Message]:
-    """The leading results of a user turn, in the order of the calls they answer."""
-    if pending is None:
-        if t.results and not first:
-            raise ProtocolError("invalid_tool_history", "tool_result blocks must answer the tool_use blocks of "
-                                "the preceding assistant turn.", t.results[0][2])
-        # A conversation that begins with results is a truncated or imported history: keep them.
-        return [Message("tool", parts, tool_call_id=cid) for cid, parts, _ in t.results]
-    by_id: dict[str, tuple[Part, ...]] = {}
-    for cid, parts, where in t.results:
-        if cid not in pending:
-            raise ProtocolError("invalid_tool_history", f"tool_use_id {cid!r} answers no call of the preceding "
-                                "assistant turn.", f"{where}.tool_use_id")
-        if cid in by_id:
-            raise ProtocolError("invalid_tool_history", f"tool_use_id {cid!r} is answered twice.",
-                                f"{where}.tool_use_id")
-        by_id[cid] = parts
-    missing_ids = [c for c in pending if c not in by_id]
-    if missing_ids:
-        raise ProtocolError("invalid_tool_history", f"the user turn after tool_use must lead with one tool_result "
-                            f"for every call; missing {', '.join(missing_ids)}.", t.where)
-    return [Message("tool", by_id[c], tool_call_id=c) for c in pending]
 
 
 # --- tools ------------------------------------------------------------------------------------
@@ -487,8 +473,7 @@ def _parse_tools(body: dict, slots: _Breakpoints) -> tuple[tuple[Tool, ...], tup
         raise invalid_value("tool_choice.type", "must be 'auto', 'none', 'any' or 'tool'.")
     callable_names = tuple(names) if kind == "auto" else ()
     if f.opt_bool(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use") and callable_names:
-        raise unsupported("tool_choice.disable_parallel_tool_use", "single-call enforcement needs constrained "
-                          "decoding; parallel calls cannot be disabled while tools are callable.")
+        raise unsupported("tool_choice.disable_parallel_tool_use", NO_SINGLE_CALL)
     return tuple(tools), callable_names
 
 
@@ -502,14 +487,7 @@ def _parse_tool(t: Any, where: str, slots: _Breakpoints) -> Tool:
     name = t.get("name")
     if not isinstance(name, str) or not name:
         raise invalid_type(f"{where}.name", "a non-empty string")
-    if t.get("strict") is True:
-        raise unsupported(f"{where}.strict", "strict schema adherence needs constrained decoding.")
-    if t.get("defer_loading") is True:
-        raise unsupported(f"{where}.defer_loading", "deferred tool loading needs a tool-search executor.")
-    callers = t.get("allowed_callers")
-    if callers is not None and (not isinstance(callers, list) or "direct" not in callers):
-        raise unsupported(f"{where}.allowed_callers", "a tool the model cannot call directly needs an executor "
-                          "NInfer does not have.")
+    check_executable(t, where)
     schema = t.get("input_schema")
     if schema is None:
         raise missing(f"{where}.input_schema")
@@ -518,7 +496,7 @@ def _parse_tool(t: Any, where: str, slots: _Breakpoints) -> Tool:
     examples = t.get("input_examples")
     if examples is not None and (not isinstance(examples, list) or not all(isinstance(e, dict) for e in examples)):
         raise invalid_type(f"{where}.input_examples", "an array of objects")
-    slots.read(t, where, where)  # tool definitions render before messages; a marker here has no text frontier
+    slots.read(t, where)  # tool definitions render before messages; a marker here has no text frontier
     return Tool(name, f.opt_str(t, "description", f"{where}.description"), schema)
 
 

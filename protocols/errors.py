@@ -115,3 +115,17 @@ def missing(param: str) -> ProtocolError:
 def unsupported(param: str, guarantee: str) -> ProtocolError:
     """A recognized request NInfer cannot execute; ``guarantee`` says what it cannot provide."""
     return ProtocolError("unsupported_parameter", f"'{param}' is not supported: {guarantee}", param)
+
+
+def vision_disabled(param: str, media: str = "image and video") -> ProtocolError:
+    return ProtocolError("vision_disabled", f"This server was started without --vision; {media} input is disabled.",
+                         param)
+
+
+# Guarantees NInfer cannot give, named the same way by every family's capability rejections.
+NO_CONSTRAINED_OUTPUT = "NInfer has no constrained decoding, so the output cannot be guaranteed to match it."
+NO_STRICT_TOOLS = "strict schema adherence needs constrained decoding."
+NO_SINGLE_CALL = ("single-call enforcement needs constrained decoding; parallel calls cannot be disabled while tools "
+                  "are callable.")
+NO_LOGPROBS = "NInfer does not return token log probabilities."
+NO_MODERATION = "NInfer has no moderation service."

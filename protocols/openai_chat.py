@@ -8,7 +8,6 @@ top-level fields are ignored.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -24,11 +23,24 @@ from protocols.conversation import (
     ToolCall,
     resolve_thinking_options,
 )
-from protocols.errors import ProtocolError, invalid_type, invalid_value, missing, unsupported
+from protocols.errors import (
+    NO_CONSTRAINED_OUTPUT,
+    NO_LOGPROBS,
+    NO_MODERATION,
+    NO_SINGLE_CALL,
+    NO_STRICT_TOOLS,
+    ProtocolError,
+    invalid_type,
+    invalid_value,
+    missing,
+    unsupported,
+    vision_disabled,
+)
+from protocols.openai_shared import cache_breakpoint, check_model, check_text_format, check_verbosity, implicit_cache
+from protocols.tools import arguments
 
 CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                        "guided_grammar")
-_NO_CONSTRAINTS = "NInfer has no constrained decoding, so the output cannot be guaranteed to match it."
 
 
 @attrs.frozen
@@ -45,15 +57,7 @@ class ChatRequest:
 def parse_request(body: Any, public_model_id: str) -> ChatRequest:
     if not isinstance(body, dict):
         raise ProtocolError("invalid_json", "The request body must be a JSON object.")
-    model = body.get("model")
-    if model is None:
-        raise missing("model")
-    if not isinstance(model, str):
-        raise invalid_type("model", "a string")
-    if model != public_model_id:
-        raise ProtocolError(
-            "model_not_found", f"The model '{model}' does not exist; this server serves '{public_model_id}'.", "model"
-        )
+    model = check_model(body, public_model_id)
     _reject_unsupported(body)
     tools, callable_names = _parse_tools(body)
     messages = _parse_messages(body)
@@ -62,7 +66,7 @@ def parse_request(body: Any, public_model_id: str) -> ChatRequest:
         f.opt_bool(body, "enable_thinking"), f.opt_bool(body, "preserve_thinking"),
         f.opt_str(body, "reasoning_effort"), kwargs,
     )
-    conversation = Conversation(messages, tools, callable_names, options, _implicit_cache(body))
+    conversation = Conversation(messages, tools, callable_names, options, implicit_cache(body))
     stream = bool(f.opt_bool(body, "stream"))
     stream_options = f.opt_object(body, "stream_options") or {}
     include_usage = bool(f.opt_bool(stream_options, "include_usage", "stream_options.include_usage"))
@@ -94,7 +98,7 @@ def _reject_unsupported(body: dict) -> None:
     """Capability checks: each names the field and the guarantee NInfer cannot provide."""
     for alias in CONSTRAINED_ALIASES:
         if body.get(alias) is not None:
-            raise unsupported(alias, _NO_CONSTRAINTS)
+            raise unsupported(alias, NO_CONSTRAINED_OUTPUT)
     n = f.opt_int(body, "n")
     if n is not None and n != 1:
         raise unsupported("n", "only one choice (n: 1) is generated per request.")
@@ -106,11 +110,7 @@ def _reject_unsupported(body: dict) -> None:
             raise unsupported("modalities", "NInfer generates text only; audio output is not available.")
     rf = f.opt_object(body, "response_format")
     if rf is not None:
-        kind = rf.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise unsupported("response_format", _NO_CONSTRAINTS)
-        if kind != "text":
-            raise invalid_value("response_format.type", "must be 'text', 'json_object' or 'json_schema'.")
+        check_text_format(rf, "response_format")
     bias = f.opt_object(body, "logit_bias")
     if bias:
         if not all(f.is_number(v) for v in bias.values()):
@@ -118,18 +118,14 @@ def _reject_unsupported(body: dict) -> None:
         if any(v != 0 for v in bias.values()):
             raise unsupported("logit_bias", "token logit biasing is not implemented; only all-zero biases are accepted.")
     if f.opt_bool(body, "logprobs"):
-        raise unsupported("logprobs", "NInfer does not return token log probabilities.")
+        raise unsupported("logprobs", NO_LOGPROBS)
     if f.opt_int(body, "top_logprobs", 0, 20):
-        raise unsupported("top_logprobs", "NInfer does not return token log probabilities.")
-    verbosity = f.opt_str(body, "verbosity")
-    if verbosity not in (None, "medium"):
-        if verbosity not in ("low", "high"):
-            raise invalid_value("verbosity", "must be 'low', 'medium' or 'high'.")
-        raise unsupported("verbosity", "the model has no verbosity control; only 'medium' is accepted.")
+        raise unsupported("top_logprobs", NO_LOGPROBS)
+    check_verbosity(f.opt_str(body, "verbosity"), "verbosity")
     if body.get("web_search_options") is not None:
         raise unsupported("web_search_options", "NInfer has no web search tool.")
     if body.get("moderation") not in (None, False):
-        raise unsupported("moderation", "NInfer has no moderation service.")
+        raise unsupported("moderation", NO_MODERATION)
     if f.opt_bool(body, "store"):
         raise unsupported("store", "stored Chat Completions are not kept by this server.")
     functions = body.get("functions")
@@ -264,13 +260,7 @@ def _function_body(fn: dict, where: str) -> tuple[str, dict]:
         return name, raw
     if not isinstance(raw, str):
         raise invalid_type(f"{where}.arguments", "a JSON object string")
-    try:
-        args = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError as e:
-        raise invalid_value(f"{where}.arguments", f"not valid JSON ({e.msg}).") from None
-    if not isinstance(args, dict):
-        raise invalid_value(f"{where}.arguments", "must encode a JSON object.")
-    return name, args
+    return name, arguments(raw, f"{where}.arguments")
 
 
 def _parse_content(content: Any, role: str, where: str) -> tuple[Part, ...]:
@@ -293,42 +283,21 @@ def _parse_part(p: Any, role: str, where: str) -> Part:
         text = p.get("text")
         if not isinstance(text, str):
             raise invalid_type(f"{where}.text", "a string")
-        return Part(text, _breakpoint(p, where))
+        return Part(text, cache_breakpoint(p, where))
     if kind == "refusal" and role == "assistant":
         text = p.get("refusal")
         if not isinstance(text, str):
             raise invalid_type(f"{where}.refusal", "a string")
-        return Part(text, _breakpoint(p, where))
+        return Part(text, cache_breakpoint(p, where))
     if kind in ("image_url", "video_url") and role in ("user", "tool"):
         media = p.get(kind)
         detail = media.get("detail") if isinstance(media, dict) else None
         if detail not in (None, "auto"):
             raise unsupported(f"{where}.{kind}.detail", "only 'auto' detail is supported.")
-        raise ProtocolError(
-            "vision_disabled", "This server was started without --vision; image and video input is disabled.", where
-        )
+        raise vision_disabled(where)
     if kind in ("input_audio", "file"):
         raise unsupported(where, f"'{kind}' content is not supported: NInfer accepts text (and images with --vision).")
     raise invalid_value(f"{where}.type", f"content part type {kind!r} is not valid for a {role} message.")
-
-
-def _breakpoint(p: dict, where: str) -> bool:
-    bp = p.get("prompt_cache_breakpoint")
-    if bp is None:
-        return False
-    if not isinstance(bp, dict) or bp.get("mode") != "explicit":
-        raise invalid_value(f"{where}.prompt_cache_breakpoint", "must be {\"mode\": \"explicit\"}.")
-    return True
-
-
-def _implicit_cache(body: dict) -> bool:
-    opts = f.opt_object(body, "prompt_cache_options")
-    if opts is None:
-        return True
-    mode = opts.get("mode", "implicit")
-    if mode not in ("implicit", "explicit"):
-        raise invalid_value("prompt_cache_options.mode", "must be 'implicit' or 'explicit'.")
-    return mode == "implicit"
 
 
 # --- tools ------------------------------------------------------------------------------------
@@ -347,8 +316,7 @@ def _parse_tools(body: dict) -> tuple[tuple[Tool, ...], tuple[str, ...]]:
     callable_names = _tool_choice(body.get("tool_choice"), names)
     ptc = f.opt_bool(body, "parallel_tool_calls")
     if ptc is False and callable_names:
-        raise unsupported("parallel_tool_calls", "single-call enforcement needs constrained decoding; "
-                          "parallel calls cannot be disabled while tools are callable.")
+        raise unsupported("parallel_tool_calls", NO_SINGLE_CALL)
     return tuple(tools), callable_names
 
 
@@ -365,7 +333,7 @@ def _parse_tool(t: Any, where: str) -> Tool:
     if not isinstance(name, str) or not name:
         raise invalid_type(f"{where}.function.name", "a non-empty string")
     if fn.get("strict") is True:
-        raise unsupported(f"{where}.function.strict", "strict schema adherence needs constrained decoding.")
+        raise unsupported(f"{where}.function.strict", NO_STRICT_TOOLS)
     desc = f.opt_str(fn, "description", f"{where}.function.description")
     params = f.opt_object(fn, "parameters", f"{where}.function.parameters")
     return Tool(name, desc, params)

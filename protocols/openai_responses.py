@@ -11,7 +11,6 @@ that ``ToolSet`` maps back to the separate ``namespace`` and ``name`` fields.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -28,7 +27,19 @@ from protocols.conversation import (
     ToolCall,
     resolve_thinking_options,
 )
-from protocols.errors import ProtocolError, invalid_type, invalid_value, missing, unsupported
+from protocols.errors import (
+    NO_LOGPROBS,
+    NO_MODERATION,
+    NO_SINGLE_CALL,
+    ProtocolError,
+    invalid_type,
+    invalid_value,
+    missing,
+    unsupported,
+    vision_disabled,
+)
+from protocols.openai_shared import cache_breakpoint, check_model, check_text_format, check_verbosity, implicit_cache
+from protocols.tools import Result, answer_calls, arguments, check_executable
 
 CREATE_FIELDS = frozenset({
     "model", "input", "instructions", "previous_response_id", "max_output_tokens", "stream", "store",
@@ -47,9 +58,8 @@ _RECOGNIZED_UNSUPPORTED = {
     "conversation": "Conversations are not stored by this server; use previous_response_id or replay the input.",
     "prompt": "reusable prompt templates are not available on this server.",
     "context_management": "server-side context management (compaction) is not supported.",
-    "moderation": "NInfer has no moderation service.",
+    "moderation": NO_MODERATION,
 }
-_NO_CONSTRAINTS = "NInfer has no constrained decoding, so the output cannot be guaranteed to match it."
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
                 "file_search", "computer_use_preview", "computer", "code_interpreter", "image_generation",
@@ -111,7 +121,7 @@ def parse_request(body: Any, public_model_id: str, *, count_only: bool = False) 
     for key in body:
         if key not in allowed:
             raise ProtocolError("unknown_parameter", f"Unknown parameter: '{key}'.", key)
-    _check_model(body, public_model_id)
+    check_model(body, public_model_id)
     for key, why in _RECOGNIZED_UNSUPPORTED.items():
         if body.get(key) is not None:
             raise unsupported(key, why)
@@ -150,18 +160,7 @@ def parse_request(body: Any, public_model_id: str, *, count_only: bool = False) 
         "reasoning": {"effort": options.reasoning_effort, "summary": None},
     }
     return ResponsesRequest(public_model_id, items, instructions, prev, gen, options, tools,
-                            _implicit_cache(body), stream, True if store is None else store, metadata, echo)
-
-
-def _check_model(body: dict, public_model_id: str) -> None:
-    model = body.get("model")
-    if model is None:
-        raise missing("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_type("model", "a non-empty string")
-    if model != public_model_id:
-        raise ProtocolError(
-            "model_not_found", f"The model '{model}' does not exist; this server serves '{public_model_id}'.", "model")
+                            implicit_cache(body), stream, True if store is None else store, metadata, echo)
 
 
 def _check_unsupported(body: dict) -> None:
@@ -171,15 +170,8 @@ def _check_unsupported(body: dict) -> None:
         if fmt is not None:
             if not isinstance(fmt, dict):
                 raise invalid_type("text.format", "an object")
-            if fmt.get("type") in ("json_object", "json_schema"):
-                raise unsupported("text.format", _NO_CONSTRAINTS)
-            if fmt.get("type") != "text":
-                raise invalid_value("text.format.type", "must be 'text', 'json_object' or 'json_schema'.")
-        verbosity = text.get("verbosity")
-        if verbosity not in (None, "medium"):
-            if verbosity not in ("low", "high"):
-                raise invalid_value("text.verbosity", "must be 'low', 'medium' or 'high'.")
-            raise unsupported("text.verbosity", "the model has no verbosity control; only 'medium' is accepted.")
+            check_text_format(fmt, "text.format")
+        check_verbosity(text.get("verbosity"), "text.verbosity")
     truncation = body.get("truncation")
     if truncation not in (None, "disabled"):
         if truncation != "auto":
@@ -187,7 +179,7 @@ def _check_unsupported(body: dict) -> None:
         raise unsupported("truncation", "automatic truncation would silently drop Items; overlong input fails "
                           "instead.")
     if f.opt_int(body, "top_logprobs", 0, 20):
-        raise unsupported("top_logprobs", "NInfer does not return token log probabilities.")
+        raise unsupported("top_logprobs", NO_LOGPROBS)
     tier = body.get("service_tier")
     if tier not in (None, "auto", "default"):
         if tier not in ("flex", "scale", "priority"):
@@ -229,16 +221,6 @@ def _metadata(body: dict) -> dict:
     return dict(md)
 
 
-def _implicit_cache(body: dict) -> bool:
-    opts = f.opt_object(body, "prompt_cache_options")
-    if opts is None:
-        return True
-    mode = opts.get("mode", "implicit")
-    if mode not in ("implicit", "explicit"):
-        raise invalid_value("prompt_cache_options.mode", "must be 'implicit' or 'explicit'.")
-    return mode == "implicit"
-
-
 def _echo_choice(choice: Any) -> Any:
     return "auto" if choice is None else choice
 
@@ -262,8 +244,7 @@ def _parse_tools(body: dict) -> ToolSet:
         seen.add(d.identity)
     callable_ids = _tool_choice(body.get("tool_choice"), defs)
     if f.opt_bool(body, "parallel_tool_calls") is False and callable_ids:
-        raise unsupported("parallel_tool_calls", "single-call enforcement needs constrained decoding; parallel "
-                          "calls cannot be disabled while tools are callable.")
+        raise unsupported("parallel_tool_calls", NO_SINGLE_CALL)
     return ToolSet(tuple(defs), callable_ids)
 
 
@@ -294,15 +275,9 @@ def _parse_tool(t: Any, where: str, namespace: str | None = None) -> list[ToolDe
     name = t.get("name")
     if not isinstance(name, str) or not name:
         raise invalid_type(f"{where}.name", "a non-empty string")
-    if t.get("strict") is True:
-        raise unsupported(f"{where}.strict", "strict schema adherence needs constrained decoding.")
-    if t.get("defer_loading") is True:
-        raise unsupported(f"{where}.defer_loading", "deferred tool loading needs a tool-search executor.")
+    check_executable(t, where)
     if t.get("output_schema") is not None:
         raise unsupported(f"{where}.output_schema", "tool output schemas cannot be honored.")
-    callers = t.get("allowed_callers")
-    if callers is not None and (not isinstance(callers, list) or "direct" not in callers):
-        raise unsupported(f"{where}.allowed_callers", "a function the model cannot call directly needs an executor.")
     desc = f.opt_str(t, "description", f"{where}.description")
     params = f.opt_object(t, "parameters", f"{where}.parameters")
     return [ToolDef(qualified(namespace, name), name, namespace, desc, params)]
@@ -426,8 +401,7 @@ def _content_part(p: Any, role: str, where: str) -> dict:
             raise unsupported(f"{where}.file_id", "image file ids need the Files API, which is not available.")
         if p.get("detail") not in (None, "auto"):
             raise unsupported(f"{where}.detail", "only 'auto' image detail is supported.")
-        raise ProtocolError("vision_disabled", "This server was started without --vision; image and video input "
-                            "is disabled.", where)
+        raise vision_disabled(where)
     if kind in ("input_file", "input_audio"):
         raise unsupported(where, f"'{kind}' content is not supported: NInfer accepts text (and images with --vision).")
     allowed = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
@@ -440,19 +414,9 @@ def _content_part(p: Any, role: str, where: str) -> dict:
     out = {"type": kind, key: text}
     if kind == "output_text":
         out["annotations"] = []
-    bp = _breakpoint(p, where)
-    if bp:
+    if cache_breakpoint(p, where):
         out["prompt_cache_breakpoint"] = {"mode": "explicit"}
     return out
-
-
-def _breakpoint(p: dict, where: str) -> bool:
-    bp = p.get("prompt_cache_breakpoint")
-    if bp is None:
-        return False
-    if not isinstance(bp, dict) or bp.get("mode") != "explicit":
-        raise invalid_value(f"{where}.prompt_cache_breakpoint", "must be {\"mode\": \"explicit\"}.")
-    return True
 
 
 def _reasoning_item(item: dict, item_id: str, where: str) -> dict:
@@ -485,22 +449,12 @@ def _call_item(item: dict, item_id: str, where: str) -> dict:
         raise invalid_type(f"{where}.arguments", "a JSON object string")
     if item.get("status") in ("in_progress", "incomplete"):
         raise unsupported(f"{where}.status", "a partial function_call cannot be replayed.")
-    _arguments(args, f"{where}.arguments")
+    arguments(args, f"{where}.arguments")
     out = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": args,
            "status": "completed"}
     if namespace is not None:
         out["namespace"] = namespace
     return out
-
-
-def _arguments(raw: str, where: str) -> dict:
-    try:
-        args = json.loads(raw) if raw.strip() else {}
-    except json.JSONDecodeError as e:
-        raise invalid_value(where, f"not valid JSON ({e.msg}).") from None
-    if not isinstance(args, dict):
-        raise invalid_value(where, "must encode a JSON object.")
-    return args
 
 
 def _output_item(item: dict, item_id: str, where: str) -> dict:
@@ -549,7 +503,7 @@ def build_conversation(history: tuple[dict, ...], req: ResponsesRequest,
 def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
     out: list[Message] = []
     group: _Group | None = None
-    pending: list[dict] = []  # function_call_output Items waiting for the group's calls
+    pending: list[Result] = []  # function_call_output Items waiting for the group's calls
 
     def close() -> None:
         nonlocal group, pending
@@ -557,14 +511,17 @@ def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
             out.append(Message("assistant", tuple(group.parts),
                                reasoning="".join(group.reasoning) if group.reasoning else None,
                                tool_calls=tuple(group.calls)))
-        out.extend(_results(group, pending, items, first_new, bool(out)))
+        if pending:  # validated by call_id and reordered to the calls' declaration order
+            calls = [c.id for c in group.calls] if group is not None else []
+            out.extend(answer_calls(calls, pending, id_field="call_id", opens_history=not out,
+                                    missing_where=pending[0].where))
         group, pending = None, []
 
     for i, item in enumerate(items):
         kind = item["type"]
         where = _where(i, first_new)
         if kind == "function_call_output":
-            pending.append(dict(item, _where=where))
+            pending.append(Result(item["call_id"], _parts(item["output"]), where))
             continue
         assistant_side = kind in ("reasoning", "function_call") or (kind == "message" and item["role"] == "assistant")
         if pending or not assistant_side:
@@ -595,7 +552,7 @@ def _add_to_group(group: _Group, item: dict, where: str) -> None:
     elif kind == "message":
         group.parts.extend(_parts(item["content"]))
     else:
-        args = _arguments(item["arguments"], f"{where}.arguments")
+        args = arguments(item["arguments"], f"{where}.arguments")
         group.calls.append(ToolCall(item["call_id"], qualified(item.get("namespace"), item["name"]), args))
 
 
@@ -604,27 +561,3 @@ def _parts(content: Any) -> tuple[Part, ...]:
         return (Part(content),) if content else ()
     return tuple(Part(p.get("text", p.get("refusal", "")), "prompt_cache_breakpoint" in p) for p in content)
 
-
-def _results(group: _Group | None, pending: list[dict], items: tuple[dict, ...], first_new: int,
-             anything_before: bool) -> list[Message]:
-    """Results validated by call_id and reordered to the calls' declaration order."""
-    if not pending:
-        return []
-    calls = [c.id for c in group.calls] if group is not None else []
-    if not calls and not anything_before:
-        # A history that begins with results is a truncated import: keep them in client order.
-        return [Message("tool", _parts(r["output"]), tool_call_id=r["call_id"]) for r in pending]
-    by_id: dict[str, dict] = {}
-    for r in pending:
-        if r["call_id"] not in calls:
-            raise ProtocolError("invalid_tool_history", f"function_call_output {r['call_id']!r} answers no "
-                                "function_call of the preceding assistant turn.", f"{r['_where']}.call_id")
-        if r["call_id"] in by_id:
-            raise ProtocolError("invalid_tool_history", f"call_id {r['call_id']!r} is answered twice.",
-                                f"{r['_where']}.call_id")
-        by_id[r["call_id"]] = r
-    missing_ids = [c for c in calls if c not in by_id]
-    if missing_ids:
-        raise ProtocolError("invalid_tool_history", "a partial result set cannot be represented: missing "
-                            f"function_call_output for {', '.join(missing_ids)}.", pending[0]["_where"])
-    return [Message("tool", _parts(by_id[c]["output"]), tool_call_id=c) for c in calls]

@@ -1,0 +1,63 @@
+"""Request rules the two OpenAI families (Chat Completions, Responses) share, written once.
+
+Model identity, the prompt-caching hints (``prompt_cache_options``, ``prompt_cache_breakpoint``),
+and the text-output controls (``response_format``/``text.format``, ``verbosity``) mean the same in
+both; only where the field sits differs, so each reader takes the field's path for its errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocols import fields as f
+from protocols.errors import NO_CONSTRAINED_OUTPUT, ProtocolError, invalid_type, invalid_value, missing, unsupported
+
+
+def check_model(body: dict, public_model_id: str) -> str:
+    model = body.get("model")
+    if model is None:
+        raise missing("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_type("model", "a non-empty string")
+    if model != public_model_id:
+        raise ProtocolError(
+            "model_not_found", f"The model '{model}' does not exist; this server serves '{public_model_id}'.", "model")
+    return model
+
+
+def implicit_cache(body: dict) -> bool:
+    """Whether the automatic prompt-cache candidate is on (``prompt_cache_options.mode``)."""
+    opts = f.opt_object(body, "prompt_cache_options")
+    if opts is None:
+        return True
+    mode = opts.get("mode", "implicit")
+    if mode not in ("implicit", "explicit"):
+        raise invalid_value("prompt_cache_options.mode", "must be 'implicit' or 'explicit'.")
+    return mode == "implicit"
+
+
+def cache_breakpoint(part: dict, where: str) -> bool:
+    """Whether a content part carries an explicit ``prompt_cache_breakpoint``."""
+    bp = part.get("prompt_cache_breakpoint")
+    if bp is None:
+        return False
+    if not isinstance(bp, dict) or bp.get("mode") != "explicit":
+        raise invalid_value(f"{where}.prompt_cache_breakpoint", "must be {\"mode\": \"explicit\"}.")
+    return True
+
+
+def check_text_format(fmt: dict, param: str) -> None:
+    """Only plain text output: JSON modes need constrained decoding."""
+    kind = fmt.get("type")
+    if kind in ("json_object", "json_schema"):
+        raise unsupported(param, NO_CONSTRAINED_OUTPUT)
+    if kind != "text":
+        raise invalid_value(f"{param}.type", "must be 'text', 'json_object' or 'json_schema'.")
+
+
+def check_verbosity(verbosity: Any, param: str) -> None:
+    if verbosity in (None, "medium"):
+        return
+    if verbosity not in ("low", "high"):
+        raise invalid_value(param, "must be 'low', 'medium' or 'high'.")
+    raise unsupported(param, "the model has no verbosity control; only 'medium' is accepted.")
