@@ -9,8 +9,8 @@ from __future__ import annotations
 import attrs
 
 MAX_LANES = 8
-# Spec default for --host-context-mib: 8192 MiB plus eight model StateImages. Dense models have no
-# StateImage payload, so the default budget is the plain 8 GiB.
+# Spec default for --host-context-mib: 8192 MiB plus eight model StateImages. The StateImage size
+# depends on the model, so the Engine core adds the eight images (none for a dense model).
 DEFAULT_HOST_CONTEXT_MIB = 8192
 
 

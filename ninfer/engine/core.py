@@ -49,7 +49,10 @@ class EngineCore:
         self.pool = KVPool(config.kv_pages)
         self.slots = StateSlots(config.state_slots, lanes=config.max_concurrency, first_checkpoint=info.max_batch,
                                 checkpoints=self.recurrent)
-        self.host = HostBudget(config.host_context_bytes)
+        host_bytes = config.host_context_bytes
+        if config.host_context_mib is None:
+            host_bytes += 8 * self.state_bytes  # the spec default: 8192 MiB plus eight StateImages
+        self.host = HostBudget(host_bytes)
         self.cache = (PrefixCache(self.pool, config.page_size, slots=self.slots if self.recurrent else None)
                       if config.prefix_reuse else None)
         # Bytes one KV page occupies on the Host: read one page once (its content is irrelevant).

@@ -84,6 +84,8 @@ def test_batch_matches_alone_and_lanes_hold_state_slots(artifact, alone):
         assert out(s) == alone(prompt(i, 9 + 13 * i), 10)
     snap = d.core.snapshot(True)
     assert snap.device_state_capacity_slots == 8 and snap.device_state_used_slots == 0
+    # The default Host budget is 8192 MiB plus eight StateImages.
+    assert snap.host_context_capacity_bytes == 8192 * 2**20 + 8 * 4 * d.runner.state_floats
     no_leaks(d)
 
 
