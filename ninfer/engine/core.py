@@ -297,7 +297,7 @@ class EngineCore:
                 and seq.needs_prompt_work and self.slots.has_free_checkpoint):
             # A long prefill keeps its chunk boundaries while spare slots last (never evicting a
             # checkpoint for them), so an interrupted or repeated long prompt resumes mid-way.
-            self._capture(seq, seq.computed)
+            self._capture(seq, seq.computed, spare=True)
         if unit.replay and not seq.needs_prompt_work:
             self._transition(seq, "replay_complete", "replay")
         if unit.sample:
@@ -368,7 +368,7 @@ class EngineCore:
         self._emit(seq, TokenDelta(tuple(ids)))
         self._finish_at_limits(seq)
 
-    def _capture(self, seq: Sequence, length: int, session: bool = False) -> None:
+    def _capture(self, seq: Sequence, length: int, session: bool = False, spare: bool = False) -> None:
         """Retain ``seq``'s first ``length`` tokens. A recurrent model's retained prefix is
         reusable only with a checkpoint: the lane's StateImage, copied into a checkpoint slot,
         which exists only right after a unit ended exactly at ``length``."""
@@ -379,13 +379,15 @@ class EngineCore:
             return
         self.counters.prefix_captures += 1
         node = path[-1]
-        if self.recurrent and node.state is None:
+        if self.recurrent and node.state is not None and not spare:
+            self.cache.keep_checkpoint(node)
+        elif self.recurrent and node.state is None:
             slot = self.cache.checkpoint_slot()
             if slot is not None:
                 t = time.perf_counter()
                 self.runner.copy_state(seq.lane, slot)
                 self.counters.device_wait += time.perf_counter() - t
-                self.cache.set_checkpoint(node, slot)
+                self.cache.set_checkpoint(node, slot, spare)
                 c = self.counters
                 c.state_ops["capture"] += 1
                 c.transfer_bytes[("state", "device_to_device")] += self.state_bytes

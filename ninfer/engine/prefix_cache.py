@@ -57,6 +57,7 @@ class PrefixCache:
         self.pool = pool
         self.slots = slots  # checkpoint slots (recurrent models); None: KV-only reuse
         self._checkpoints: dict[int, Node] = {}  # slot -> node
+        self._spare: set[int] = set()  # checkpoints at plain chunk boundaries: given up first
         self.page_size = page_size
         self.root = Node((), -1, None)
         self._clock = itertools.count(1)
@@ -127,25 +128,35 @@ class PrefixCache:
 
     def checkpoint_slot(self) -> int | None:
         """A StateImage slot for a new checkpoint: a free one, else the least recently used
-        checkpoint's (unlocked nodes first); None without checkpoint slots."""
+        checkpoint's (chunk-boundary ones first, then unlocked nodes); None without slots."""
         if self.slots is None:
             return None
         slot = self.slots.alloc_checkpoint()
         if slot is None and self._checkpoints:
-            victim = min(self._checkpoints.values(), key=_priority)
+            victim = min(self._checkpoints.values(), key=lambda n: (n.state not in self._spare, *_priority(n)))
             slot = victim.state
             victim.state = None
             del self._checkpoints[slot]
+            self._spare.discard(slot)
             self.checkpoint_evictions += 1  # the slot passes to the new checkpoint, still occupied
         return slot
 
-    def set_checkpoint(self, node: Node, slot: int) -> None:
+    def set_checkpoint(self, node: Node, slot: int, spare: bool = False) -> None:
+        """``node`` now owns the checkpoint in ``slot``; ``spare``: taken at a plain chunk
+        boundary (not one the request named), so it is the first to give its slot up."""
         assert node.state is None and slot not in self._checkpoints
         node.state = slot
         self._checkpoints[slot] = node
+        if spare:
+            self._spare.add(slot)
+
+    def keep_checkpoint(self, node: Node) -> None:
+        """A request named ``node``'s boundary: its checkpoint is no longer a spare one."""
+        self._spare.discard(node.state)
 
     def _drop_checkpoint(self, node: Node) -> None:
         if node.state is not None:
+            self._spare.discard(node.state)
             del self._checkpoints[node.state]
             self.slots.free_checkpoint(node.state)
             node.state = None

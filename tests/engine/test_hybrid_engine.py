@@ -187,3 +187,36 @@ async def test_engine_opens_a_hybrid_artifact_with_checkpoint_slots(artifact, al
     assert second[-1].usage.cached_tokens == len(turn1) + len(answer) - 1
     assert list(second[-1].generated_token_ids) == alone(turn2, 5)
     assert stats.state_image_operations_total["reuse"] == 1
+
+
+def test_a_long_prefill_keeps_chunk_checkpoints_while_slots_are_free(artifact, alone):
+    d = driver(artifact, max_concurrency=1, prefill_chunk=16, device_state_slots=3)
+    long = prompt(4, 60)
+    d.submit(long, 2)
+    d.run()
+    # Checkpoints at 16 and 32 (chunk ends) and 61 (the endpoint); 48 found no free slot.
+    branch = long[:40] + [5, 5, 5]
+    s = d.submit(branch, 4)
+    d.run()
+    assert end(s).usage.cached_tokens == 32
+    assert out(s) == alone(branch, 4)
+    no_leaks(d)
+
+
+def test_named_boundaries_take_chunk_checkpoint_slots_first(artifact, alone):
+    d = driver(artifact, max_concurrency=1, prefill_chunk=16, device_state_slots=3)
+    long = prompt(4, 60)
+    first = d.submit(long, 2)
+    d.run()
+    d.submit(long[:40] + [5], 2, capture_endpoint=False)  # reuses 32: the chunk checkpoints are now the recent ones
+    d.run()
+    other = prompt(2, 30)
+    d.submit(other, 2, cache_boundaries=(25,))  # its hint and endpoint take the chunk checkpoints' slots
+    d.run()
+    cont = long + out(first)[:1] + [7]
+    again = d.submit(cont, 2, capture_endpoint=False)  # (their own endpoints would take slots)
+    hinted = d.submit(other[:25] + [1], 2, capture_endpoint=False)
+    d.run()
+    assert end(again).usage.cached_tokens == 61 and end(hinted).usage.cached_tokens == 25
+    assert out(again) == alone(cont, 2) and out(hinted) == alone(other[:25] + [1], 2)
+    no_leaks(d)
