@@ -1,8 +1,8 @@
 """Responses output: decoder events → typed output Items and the semantic SSE event sequence.
 
-``OutputAssembler`` consumes the protocol-neutral text events (reasoning, content, tool calls) and
-keeps the output Items as they grow; each ``feed`` returns the SSE events (dicts without
-``sequence_number``) that the change produces, so the aggregate and the streamed Response come
+``OutputAssembler`` (on the shared ``protocols.assembly.Assembler``) consumes the protocol-neutral
+text events (reasoning, content, tool calls) and keeps the output Items as they grow; each ``feed``
+returns the SSE events (dicts without ``sequence_number``) that the change produces, so the aggregate and the streamed Response come
 from one state machine and concatenated deltas always equal the terminal Items. A new Item opens
 whenever the kind of output changes (reasoning → message → function_call, or text after a call).
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
 
-from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
+from protocols.assembly import Assembler
 from protocols.openai_responses import ResponsesRequest, ToolSet, new_id
 
 
@@ -21,140 +20,64 @@ def response_id() -> str:
     return "resp_" + secrets.token_hex(24)
 
 
-class OutputAssembler:
-    def __init__(self, tools: ToolSet):
-        self.tools = tools
-        self.items: list[dict] = []
-        self._open: dict | None = None  # the Item receiving deltas
-        # The open Item's text (or arguments) as pieces, joined when it closes: appending to one
-        # growing string would copy the whole output on every token.
-        self._buf: list[str] = []
-        self._calls: dict[int, int] = {}  # decoder call index -> output index
+class OutputAssembler(Assembler):
+    REASONING = "reasoning"
+    CONTENT = "message"
 
-    def feed(self, ev: Any) -> list[dict]:
-        if isinstance(ev, ReasoningDelta):
-            return self._text("reasoning", ev.text) if ev.text else []
-        if isinstance(ev, ContentDelta):
-            return self._text("message", ev.text) if ev.text else []
-        if isinstance(ev, ToolCallStart):
-            return self._call_start(ev)
-        if isinstance(ev, ToolCallArgumentsDelta):
-            return self._call_delta(ev) if ev.text else []
-        if isinstance(ev, ToolCallEnd):
-            return self._call_end(ev)
-        return []
+    def __init__(self, tools: ToolSet):
+        super().__init__()
+        self.tools = tools
+
+    @property
+    def items(self) -> list[dict]:
+        return self.units
 
     def finish(self, status: str) -> list[dict]:
         """Close the open Item; an incomplete Response leaves it ``incomplete``."""
         return self._close("incomplete" if status == "incomplete" else "completed")
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self._calls)
-
     def output(self) -> list[dict]:
         """The output Items so far, the open one included with its text up to now."""
         if self._open is not None:
-            self._store("".join(self._buf))
-        return self.items
+            _store(self._open, self._joined())
+        return self.units
 
-    def _joined(self) -> str:
-        text = "".join(self._buf)
-        self._buf = [text]
-        return text
-
-    def _store(self, text: str) -> None:
-        item = self._open
-        if item["type"] == "function_call":
-            item["arguments"] = text
-        else:
-            item["content"][0]["text"] = text
-
-    # -- text Items ------------------------------------------------------------------------------
-
-    def _text(self, kind: str, text: str) -> list[dict]:
-        events: list[dict] = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._close("completed")
-            events += self._start_text(kind)
-        item = self._open
-        self._buf.append(text)
-        idx = len(self.items) - 1
+    def _text_unit(self, kind: str) -> dict:
         if kind == "reasoning":
-            events.append({"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": idx,
-                           "content_index": 0, "delta": text})
-        else:
-            events.append({"type": "response.output_text.delta", "item_id": item["id"], "output_index": idx,
-                           "content_index": 0, "delta": text, "logprobs": []})
-        return events
+            return {"type": "reasoning", "id": new_id("rs_"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        return {"type": "message", "id": new_id("msg_"), "role": "assistant", "status": "in_progress",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
 
-    def _start_text(self, kind: str) -> list[dict]:
-        if kind == "reasoning":
-            item = {"type": "reasoning", "id": new_id("rs_"), "summary": [], "content": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-        else:
-            item = {"type": "message", "id": new_id("msg_"), "role": "assistant", "status": "in_progress",
-                    "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        idx = len(self.items)
-        events = [{"type": "response.output_item.added", "output_index": idx, "item": _copy(item)},
-                  {"type": "response.content_part.added", "item_id": item["id"], "output_index": idx,
-                   "content_index": 0, "part": dict(part)}]
-        item["content"].append(part)
-        self.items.append(item)
-        self._open = item
-        self._buf = []
-        return events
-
-    # -- function calls --------------------------------------------------------------------------
-
-    def _call_start(self, ev: ToolCallStart) -> list[dict]:
-        events = self._close("completed")
-        namespace, name = self.tools.split(ev.name)
+    def _call_unit(self, name: str) -> dict:
+        namespace, name = self.tools.split(name)
         item = {"type": "function_call", "id": new_id("fc_"), "call_id": "call_" + secrets.token_hex(12),
                 "name": name, "arguments": "", "status": "in_progress"}
         if namespace is not None:
             item["namespace"] = namespace
-        idx = len(self.items)
-        self.items.append(item)
-        self._open = item
-        self._buf = []
-        self._calls[ev.index] = idx
-        events.append({"type": "response.output_item.added", "output_index": idx, "item": _copy(item)})
-        return events
+        return item
 
-    def _call_delta(self, ev: ToolCallArgumentsDelta) -> list[dict]:
-        idx = self._calls[ev.index]
-        item = self.items[idx]
-        assert item is self._open, "argument deltas for a call that is not open"
-        self._buf.append(ev.text)
-        return [{"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": idx,
-                 "delta": ev.text}]
+    def _started(self, idx: int, item: dict) -> list[dict]:
+        added = {"type": "response.output_item.added", "output_index": idx, "item": _copy(item)}
+        if item["type"] == "function_call":
+            return [added]
+        added["item"]["content"] = []  # the part arrives in its own event
+        return [added, {"type": "response.content_part.added", "item_id": item["id"], "output_index": idx,
+                        "content_index": 0, "part": dict(item["content"][0])}]
 
-    def _call_end(self, ev: ToolCallEnd) -> list[dict]:
-        idx = self._calls[ev.index]
-        item = self.items[idx]
-        events: list[dict] = []
-        seen = self._joined()
-        if ev.arguments != seen:
-            # The decoder guarantees deltas concatenate to the final text; send any remainder so
-            # the stream still adds up even if it did not.
-            assert ev.arguments.startswith(seen), "tool-call deltas diverged from the final arguments"
-            rest = ev.arguments[len(seen):]
-            self._buf = [ev.arguments]
-            events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                           "output_index": idx, "delta": rest})
-        return events + self._close("completed")
+    def _delta(self, idx: int, item: dict, text: str) -> dict:
+        kind = item["type"]
+        if kind == "function_call":
+            return {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": idx,
+                    "delta": text}
+        if kind == "reasoning":
+            return {"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": idx,
+                    "content_index": 0, "delta": text}
+        return {"type": "response.output_text.delta", "item_id": item["id"], "output_index": idx,
+                "content_index": 0, "delta": text, "logprobs": []}
 
-    # -- closing ---------------------------------------------------------------------------------
-
-    def _close(self, status: str) -> list[dict]:
-        item = self._open
-        if item is None:
-            return []
-        self._store("".join(self._buf))
-        self._open, self._buf = None, []
-        idx = len(self.items) - 1  # the open Item is always the latest
+    def _sealed(self, idx: int, item: dict, text: str, status: str) -> list[dict]:
+        _store(item, text)
         item["status"] = status
         if item["type"] == "function_call":
             return [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": idx,
@@ -172,6 +95,13 @@ class OutputAssembler:
                 {"type": "response.content_part.done", "item_id": item["id"], "output_index": idx,
                  "content_index": 0, "part": dict(part)},
                 {"type": "response.output_item.done", "output_index": idx, "item": _copy(item)}]
+
+
+def _store(item: dict, text: str) -> None:
+    if item["type"] == "function_call":
+        item["arguments"] = text
+    else:
+        item["content"][0]["text"] = text
 
 
 def _copy(item: dict) -> dict:

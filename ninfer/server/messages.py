@@ -36,7 +36,7 @@ async def create(ex: Exchange) -> None:
 
 def _final(done: Done, asm: BlockAssembler) -> tuple[str, str | None, dict]:
     fin = done.finished
-    reason = am.stop_reason(fin.detail, done.finish_reason, asm.saw_tool_use, done.stop_string)
+    reason = am.stop_reason(fin.detail, done.finish_reason, asm.has_calls, done.stop_string)
     u = done.usage
     return reason, done.stop_string, am.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"])
 

@@ -270,7 +270,7 @@ def test_block_assembler_lifecycle():
                      ("content_block_stop", None)]
     assert [b["type"] for b in asm.blocks] == ["thinking", "text", "tool_use", "text"]
     assert asm.blocks[0]["thinking"] == "think" and asm.blocks[0]["signature"]
-    assert asm.blocks[2]["input"] == {"a": 1} and asm.saw_tool_use
+    assert asm.blocks[2]["input"] == {"a": 1} and asm.has_calls
     parts = "".join(e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta")
     assert parts == '{"a": 1}'
 
