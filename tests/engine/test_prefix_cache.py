@@ -48,3 +48,29 @@ def test_reclaim_is_lru_skips_locked_nodes_and_keeps_sessions_longest():
     cache.unlock(locked.nodes)
     cache.clear()
     assert pool.free_count == pool.capacity and cache.nodes == 0
+
+
+def test_checkpoint_match_is_the_deepest_fully_matched_checkpointed_node():
+    from ninfer.engine.pools import StateSlots
+
+    pool = KVPool(16)
+    slots = StateSlots(6, lanes=2, first_checkpoint=2, checkpoints=True)
+    cache = PrefixCache(pool, page_size=4, slots=slots)
+    a = list(range(1, 14))  # 13 tokens
+    for length in (6, 8, 13):  # a tail node at 6, a full node ending at 8, a tail at 13
+        pages = pool.alloc(-(-length // 4))
+        path = cache.insert(a, pages, length)
+        pool.decref(pages)
+        cache.set_checkpoint(path[-1], cache.checkpoint_slot())
+    assert cache.match(a, limit=12).length == 12  # KV-only reuse: any prefix
+    m = cache.match_checkpoint(a + [0], limit=14)
+    assert (m.length, m.state) == (13, 4)
+    m = cache.match_checkpoint(a, limit=12)  # 13 is out of reach; 8 is the deepest below
+    assert (m.length, m.state, len(m.nodes)) == (8, 3, 2)
+    m = cache.match_checkpoint(a[:7] + [0], limit=8)  # diverges at 7: the tail at 6
+    assert (m.length, m.state, len(m.nodes)) == (6, 2, 2) and m.pages[1] == m.nodes[1].page
+    assert cache.match_checkpoint([9, 9, 9, 9, 9], limit=5).length == 0
+    assert slots.occupied == 3
+    # Reclaiming the nodes frees their checkpoint slots.
+    cache.clear()
+    assert slots.occupied == 0 and cache.nodes == 0 and pool.free_count == 16
