@@ -291,9 +291,12 @@ class EngineCore:
                 seq.prompt_high = unit.end
                 self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, unit.end,
                                                (now - seq.t_admit) * 1000.0))
+        named = False  # a named boundary was retained exactly here
         while seq.pending_captures and seq.pending_captures[0] <= seq.computed:
-            self._capture(seq, seq.pending_captures.pop(0))
-        if (self.recurrent and self.cache is not None and not unit.replay and not unit.control
+            boundary = seq.pending_captures.pop(0)
+            self._capture(seq, boundary)
+            named = boundary == seq.computed
+        if (self.recurrent and self.cache is not None and not unit.replay and not unit.control and not named
                 and seq.needs_prompt_work and self.slots.has_free_checkpoint):
             # A long prefill keeps its chunk boundaries while spare slots last (never evicting a
             # checkpoint for them), so an interrupted or repeated long prompt resumes mid-way.
