@@ -7,7 +7,7 @@ anything. Labels are bounded (phase, outcome, resource/direction); no request id
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -15,47 +15,47 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 _GAUGES = (
-    ("max_concurrency", "max_concurrency", "Resident execution lanes fixed at startup."),
-    ("max_context_tokens", "max_context_tokens", "Logical context ceiling of each sequence."),
-    ("requests_running", "requests_running", "Resident requests (prefilling, decoding or replaying)."),
-    ("requests_waiting", "requests_waiting", "Requests waiting for admission."),
-    ("requests_paused", "requests_paused", "Requests paused under resource pressure."),
-    ("requests_prefilling", "requests_prefilling", "Resident requests in prompt prefill."),
-    ("requests_decode_ready", "requests_decode_ready", "Resident requests ready for the next decode round."),
-    ("requests_replaying", "requests_replaying", "Resident requests rebuilding state by replay."),
-    ("requests_materializing", "requests_materializing", "Requests restoring a snapshot."),
-    ("device_kv_used_pages", "device_kv_used_pages", "Main KV pages in use, retained prefixes included."),
-    ("device_kv_capacity_pages", "device_kv_capacity_pages", "Main KV pool capacity in pages."),
-    ("device_state_used_slots", "device_state_used_slots", "Device StateImage slots in use."),
-    ("device_state_capacity_slots", "device_state_capacity_slots", "Device StateImage slot capacity."),
-    ("host_context_used_bytes", "host_context_used_bytes", "Host context backing in use (reserved included)."),
-    ("host_context_reserved_bytes", "host_context_reserved_bytes", "Host context bytes reserved for transfers."),
-    ("host_context_capacity_bytes", "host_context_capacity_bytes", "Host context backing capacity."),
-    ("host_context_peak_bytes", "host_context_peak_bytes", "Peak Host context backing use."),
+    ("max_concurrency", "Resident execution lanes fixed at startup."),
+    ("max_context_tokens", "Logical context ceiling of each sequence."),
+    ("requests_running", "Resident requests (prefilling, decoding or replaying)."),
+    ("requests_waiting", "Requests waiting for admission."),
+    ("requests_paused", "Requests paused under resource pressure."),
+    ("requests_prefilling", "Resident requests in prompt prefill."),
+    ("requests_decode_ready", "Resident requests ready for the next decode round."),
+    ("requests_replaying", "Resident requests rebuilding state by replay."),
+    ("requests_materializing", "Requests restoring a snapshot."),
+    ("device_kv_used_pages", "Main KV pages in use, retained prefixes included."),
+    ("device_kv_capacity_pages", "Main KV pool capacity in pages."),
+    ("device_state_used_slots", "Device StateImage slots in use."),
+    ("device_state_capacity_slots", "Device StateImage slot capacity."),
+    ("host_context_used_bytes", "Host context backing in use (reserved included)."),
+    ("host_context_reserved_bytes", "Host context bytes reserved for transfers."),
+    ("host_context_capacity_bytes", "Host context backing capacity."),
+    ("host_context_peak_bytes", "Peak Host context backing use."),
 )
 
 _COUNTERS = (
-    ("prompt_tokens", "prompt_tokens_total", "Full prompt tokens, counted once at initial binding."),
-    ("prompt_tokens_cached", "prompt_tokens_cached_total", "Prompt tokens reused from the prefix cache."),
-    ("prefill_tokens", "prefill_tokens_total", "Prompt tokens actually computed by initial prefill."),
-    ("replayed_tokens", "replayed_tokens_total", "Tokens recomputed by replay recovery."),
-    ("generation_tokens", "generation_tokens_total", "All committed output tokens."),
-    ("decode_tokens", "decode_tokens_total", "Output tokens committed by decode/control, excluding the first."),
-    ("spec_decode_rounds", "spec_decode_rounds_total", "Speculative decoding rounds."),
-    ("spec_decode_draft_tokens", "spec_decode_draft_tokens_total", "Speculative draft tokens."),
-    ("spec_decode_accepted_tokens", "spec_decode_accepted_tokens_total", "Accepted speculative tokens."),
-    ("spec_decode_fallback_steps", "spec_decode_fallback_steps_total", "Speculative fallback steps."),
-    ("preemptions", "preemptions_total", "Pressure pauses."),
-    ("snapshot_restores", "snapshot_restores_total", "Paused requests restored from a snapshot."),
-    ("replay_restores", "replay_restores_total", "Paused requests restored by replay."),
-    ("device_wait_seconds", "device_wait_seconds_total", "Worker time blocked waiting on the device."),
+    ("prompt_tokens", "Full prompt tokens, counted once at initial binding."),
+    ("prompt_tokens_cached", "Prompt tokens reused from the prefix cache."),
+    ("prefill_tokens", "Prompt tokens actually computed by initial prefill."),
+    ("replayed_tokens", "Tokens recomputed by replay recovery."),
+    ("generation_tokens", "All committed output tokens."),
+    ("decode_tokens", "Output tokens committed by decode/control, excluding the first."),
+    ("spec_decode_rounds", "Speculative decoding rounds."),
+    ("spec_decode_draft_tokens", "Speculative draft tokens."),
+    ("spec_decode_accepted_tokens", "Accepted speculative tokens."),
+    ("spec_decode_fallback_steps", "Speculative fallback steps."),
+    ("preemptions", "Pressure pauses."),
+    ("snapshot_restores", "Paused requests restored from a snapshot."),
+    ("replay_restores", "Paused requests restored by replay."),
+    ("device_wait_seconds", "Worker time blocked waiting on the device."),
 )
 
 _HISTOGRAMS = (
-    ("time_to_first_token_seconds", "time_to_first_token_seconds",
+    ("time_to_first_token_seconds",
      "Submit to first committed token, including preparation, queueing and binding."),
-    ("request_duration_seconds", "request_duration_seconds", "Duration of settled generation requests."),
-    ("request_queue_seconds", "request_queue_seconds", "Time from submission to admission."),
+    ("request_duration_seconds", "Duration of settled generation requests."),
+    ("request_queue_seconds", "Time from submission to admission."),
 )
 
 
@@ -72,30 +72,30 @@ class EngineCollector:
         yield info
         yield GaugeMetricFamily("ninfer_engine_ready", "1 while the Engine accepts work.",
                                 value=1 if self.engine.ready else 0)
-        for name, attr, doc in _GAUGES:
-            yield GaugeMetricFamily(f"ninfer_{name}", doc, value=getattr(s, attr))
-        for name, attr, doc in _COUNTERS:
-            yield CounterMetricFamily(f"ninfer_{name}", doc, value=getattr(s, attr))
-        transfers = CounterMetricFamily("ninfer_context_transfer_bytes", "Context payload transfer bytes.",
-                                        labels=["resource", "direction"])
-        for (resource, direction), v in sorted(s.context_transfer_bytes_total.items()):
-            transfers.add_metric([resource, direction], v)
-        yield transfers
-        host = CounterMetricFamily("ninfer_host_work_seconds", "Instrumented worker Host wall time by phase.",
-                                   labels=["phase"])
-        for phase, v in s.host_work_seconds_total.items():
-            host.add_metric([phase], v)
-        yield host
-        outcomes = CounterMetricFamily("ninfer_requests", "Generation attempts by outcome.", labels=["outcome"])
-        for outcome, v in sorted(s.requests_total.items()):
-            outcomes.add_metric([outcome], v)
-        yield outcomes
+        for name, doc in _GAUGES:
+            yield GaugeMetricFamily(f"ninfer_{name}", doc, value=getattr(s, name))
+        for name, doc in _COUNTERS:  # the snapshot's field is NAME_total, as is the sample's name
+            yield CounterMetricFamily(f"ninfer_{name}", doc, value=getattr(s, f"{name}_total"))
+        yield _labeled("ninfer_context_transfer_bytes", "Context payload transfer bytes.", ["resource", "direction"],
+                       sorted(s.context_transfer_bytes_total.items()))
+        yield _labeled("ninfer_host_work_seconds", "Instrumented worker Host wall time by phase.", ["phase"],
+                       s.host_work_seconds_total.items())
+        yield _labeled("ninfer_requests", "Generation attempts by outcome.", ["outcome"],
+                       sorted(s.requests_total.items()))
         yield CounterMetricFamily("ninfer_response_failures", "Failures after a response started.",
                                   value=self.response_failures())
-        for name, attr, doc in _HISTOGRAMS:
-            h = getattr(s, attr)
+        for name, doc in _HISTOGRAMS:
+            h = getattr(s, name)
             buckets = [(_le(b), c) for b, c in zip(h.buckets, h.counts)] + [("+Inf", h.count)]
             yield HistogramMetricFamily(f"ninfer_{name}", doc, buckets=buckets, sum_value=h.sum)
+
+
+def _labeled(name: str, doc: str, labels: list[str], samples: Iterable[tuple[Any, float]]) -> Metric:
+    """A counter family with one sample per label value (a tuple when there are several labels)."""
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, v in samples:
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], v)
+    return family
 
 
 def _le(bound: float) -> str:
