@@ -29,7 +29,7 @@ from ninfer.engine import GenerationRequest, SamplingOverrides
 from ninfer.engine import errors as engine_errors
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.server.http import Request, run_until_disconnect
-from ninfer.server.prompt import PreparedPrompt, PromptBuilder, ServeDefaults  # noqa: F401 (re-exported)
+from ninfer.server.prompt import PreparedPrompt, PromptBuilder
 from ninfer.text.output import OutputDecoder, StopMatched
 from protocols.conversation import Conversation, GenerationOptions
 from protocols.errors import ProtocolError
@@ -124,13 +124,12 @@ class GenerationSession:
         request = GenerationRequest(
             prompt=prepared.token_ids,
             max_tokens=max_tokens,
-            sampling=SamplingOverrides(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                                       min_p=gen.min_p, presence_penalty=gen.presence_penalty,
-                                       frequency_penalty=gen.frequency_penalty, seed=gen.seed),
+            # The engine's sampler fields, by name: a field the protocols do not carry fails loudly here.
+            sampling=SamplingOverrides(**{a.name: getattr(gen, a.name) for a in attrs.fields(SamplingOverrides)}),
             stop_token_ids=builder.eos_ids,
             thinking=builder.thinking_control(prepared, budget),
             input_checkpoint=prepared.input_checkpoint,
-            cache_boundaries=prepared.cache_boundaries[-4:],
+            cache_boundaries=prepared.cache_boundaries,  # at most four: Conversation.cache_marks
             request_id=self.request_id,
             session_key=self._session[0],
             capture_endpoint=self._session[1],

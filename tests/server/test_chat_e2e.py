@@ -290,3 +290,15 @@ async def test_internal_failure_mid_stream_is_an_error_frame(start_server, monke
     assert "invariant" not in r.text  # internals are logged, not sent
     assert any("delta invariant broken" in str(rec.exc_info) for rec in caplog.records if rec.exc_info)
     assert "ninfer_response_failures_total 1.0" in metrics
+
+
+async def test_request_sampling_fields_reach_the_engine(start_server, tmp_path):
+    log = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(log))
+    sampling = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "presence_penalty": 1.0,
+                "frequency_penalty": -1.0, "seed": -7}
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1, **sampling})
+        assert r.status_code == 200, r.text
+    (start,) = [rec for rec in map(json.loads, log.read_text().splitlines()) if rec["event"] == "request_start"]
+    assert start["sampling"] == sampling
