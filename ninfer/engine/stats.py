@@ -175,10 +175,27 @@ def throughput(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
         "host_active_fraction": host_total / seconds,
         "host_seconds_per_round": host_total / rounds if rounds else None,
         "host_seconds_per_row_round": host_total / rows if rows else None,
+        "context_cache": context_cache(prev, cur),
         "running": cur.requests_running,
         "prefilling": cur.requests_prefilling,
         "decode_ready": cur.requests_decode_ready,
         "waiting": cur.requests_waiting,
         "paused": cur.requests_paused,
         "replaying": cur.requests_replaying,
+    }
+
+
+def context_cache(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
+    """The throughput record's context-cache figures: interval deltas of selections (prefix hits),
+    captures, StateImage operations, transfers and tail-page copies; occupancy at the end."""
+    return {
+        "selections": cur.prefix_hits_total - prev.prefix_hits_total,
+        "captures": cur.prefix_captures_total - prev.prefix_captures_total,
+        "state_image_operations": {k: v - prev.state_image_operations_total.get(k, 0)
+                                   for k, v in cur.state_image_operations_total.items()},
+        "transfer_bytes": {f"{resource}.{direction}": v - prev.context_transfer_bytes_total.get((resource, direction), 0)
+                           for (resource, direction), v in cur.context_transfer_bytes_total.items()},
+        "tail_page_cow": cur.cow_copies_total - prev.cow_copies_total,
+        "occupancy": {"kv_pages": cur.device_kv_used_pages, "state_slots": cur.device_state_used_slots,
+                      "host_bytes": cur.host_context_used_bytes, "nodes": cur.prefix_cache_nodes},
     }

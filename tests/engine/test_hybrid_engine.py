@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from ninfer.artifact import open_artifact
 from ninfer.backends.reference import HybridRunner, ReferenceRunner
 from ninfer.convert.hf import convert_hf
 from ninfer.engine import EngineConfig
 from ninfer.engine.events import Finished, TokenDelta
+from ninfer.engine.stats import throughput
+from ninfer.models.hybrid import HybridConfig
 
 from .conftest import CoreDriver
 
@@ -175,7 +178,8 @@ async def test_engine_opens_a_hybrid_artifact_with_checkpoint_slots(artifact, al
     cfg = EngineConfig(max_concurrency=2, max_context=160, prefill_chunk=16, device_state_slots=3, greedy=True)
     turn1 = prompt(9, 26)
     async with Engine.open(artifact, cfg) as engine:
-        assert engine.stats().device_state_capacity_slots == 5
+        start = engine.stats()
+        assert start.device_state_capacity_slots == 5
         with engine.reserve() as ticket:
             first = [e async for e in ticket.submit(GenerationRequest(prompt=turn1, max_tokens=5))]
         answer = [t for e in first if isinstance(e, TokenDelta) for t in e.token_ids]
@@ -187,6 +191,12 @@ async def test_engine_opens_a_hybrid_artifact_with_checkpoint_slots(artifact, al
     assert second[-1].usage.cached_tokens == len(turn1) + len(answer) - 1
     assert list(second[-1].generated_token_ids) == alone(turn2, 5)
     assert stats.state_image_operations_total["reuse"] == 1
+    cache = throughput(start, stats)["context_cache"]
+    assert cache["state_image_operations"]["reuse"] == 1 and cache["selections"] == 1
+    assert cache["state_image_operations"]["capture"] >= 2  # both endpoints
+    image = 4 * HybridConfig.from_json(open_artifact(artifact).config).state_floats
+    ops = cache["state_image_operations"]
+    assert cache["transfer_bytes"]["state.device_to_device"] == (ops["capture"] + ops["reuse"]) * image
 
 
 def test_a_long_prefill_keeps_chunk_checkpoints_while_slots_are_free(artifact, alone):
