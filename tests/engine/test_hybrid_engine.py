@@ -230,3 +230,14 @@ def test_named_boundaries_take_chunk_checkpoint_slots_first(artifact, alone):
     assert end(again).usage.cached_tokens == 61 and end(hinted).usage.cached_tokens == 25
     assert out(again) == alone(cont, 2) and out(hinted) == alone(other[:25] + [1], 2)
     no_leaks(d)
+
+
+def test_a_runner_without_the_checkpoint_slots_is_refused(artifact):
+    from ninfer.engine.context_cost import load
+    from ninfer.engine.core import EngineCore
+
+    cfg = EngineConfig(max_concurrency=2, max_context=64, device_state_slots=3)
+    runner = ReferenceRunner(artifact, page_size=16, num_pages=cfg.kv_pages, max_batch=2, max_context=64,
+                             state_slots=2)
+    with pytest.raises(ValueError, match="device_state_slots 3 need 5"):
+        EngineCore(runner, cfg, load(None, "reference", ""))
