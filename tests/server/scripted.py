@@ -2,12 +2,14 @@
 
 It wraps the reference runner (real prefill, KV pages and decode) and replaces each sampled token
 with the next id of the script bound to that lane, so reasoning, tool-call and stop-string paths
-run through the real Engine, detokenizer and parsers with an output we choose.
+run through the real Engine, detokenizer and parsers with an output we choose. The scripts the
+end-to-end tests share, and the SSE readers they check the wire with, live here too.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 
@@ -15,6 +17,50 @@ import numpy as np
 
 from ninfer.backends.reference import ReferenceRunner
 from ninfer.backends.runner import StepResult
+
+
+def script(tok, *pieces):
+    """Token ids of text pieces; one-tuples like ``("<think>",)`` are control tokens by spelling."""
+    ids = []
+    for p in pieces:
+        ids += [tok.added_tokens[p[0]]] if isinstance(p, tuple) else tok.encode(p)
+    return ids
+
+
+def thinking_answer(tok):
+    return script(tok, "Let me think.", ("</think>",), "\n\nParis it is.", ("<|im_end|>",))
+
+
+def tool_call(tok, name="get_weather"):
+    return script(tok, ("</think>",), "\n\nChecking.\n", ("<tool_call>",),
+                  f"\n<function={name}>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+                  "</parameter>\n</function>\n", ("</tool_call>",), ("<|im_end|>",))
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    """(event name, JSON data) of every SSE frame."""
+    out = []
+    for frame in text.split("\n\n"):
+        name, data = None, None
+        for line in frame.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+        if data is not None:
+            out.append((name, data))
+    return out
+
+
+def sse_json(text: str) -> list:
+    """The data payloads of an SSE body, JSON-decoded ([DONE] kept as a string)."""
+    out = []
+    for frame in text.split("\n\n"):
+        for line in frame.splitlines():
+            if line.startswith("data: "):
+                data = line[6:]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
 
 
 class ScriptedRunner:

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from server.test_messages_e2e import script
-from server.test_responses_e2e import FN, MODEL, NS, call
+from server.scripted import script, tool_call
+from server.test_responses_e2e import FN, MODEL, NS
 
 FINAL = ("It is sunny in Paris.",)
 
@@ -26,7 +26,7 @@ def final(tok):
 
 
 async def _responses_turn_one(client, srv, runner, tools, name, **kw):
-    runner.scripts.append(call(srv.state.prompts.tokenizer, name))
+    runner.scripts.append(tool_call(srv.state.prompts.tokenizer, name))
     r1 = await client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=tools,
                                        max_output_tokens=200, **kw)
     calls = [i for i in r1.output if i.type == "function_call"]
@@ -83,7 +83,7 @@ async def test_messages_tool_use_loop(start_server):
     tools = [{"name": "get_weather", "description": "Weather by city",
               "input_schema": FN["parameters"]}]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    runner.scripts.append(call(tok))
+    runner.scripts.append(tool_call(tok))
     m1 = await client.messages.create(model="claude-local", max_tokens=200, tools=tools, messages=messages)
     assert m1.stop_reason == "tool_use"
     (use,) = [b for b in m1.content if b.type == "tool_use"]

@@ -9,27 +9,10 @@ import openai
 import pytest
 import trio
 
+from server.scripted import script, sse_json
+
 MODEL = "random-tiny-qwen3"
 HI = [{"role": "user", "content": "Hello there"}]
-
-
-def script(tok, *pieces):
-    """Token ids of text pieces; ``("<think>",)``-style one-tuples are control tokens by spelling."""
-    ids = []
-    for p in pieces:
-        ids += [tok.added_tokens[p[0]]] if isinstance(p, tuple) else tok.encode(p)
-    return ids
-
-
-def sse_json(text: str) -> list:
-    """The data payloads of an SSE body, JSON-decoded ([DONE] kept as a string)."""
-    out = []
-    for frame in text.split("\n\n"):
-        for line in frame.splitlines():
-            if line.startswith("data: "):
-                data = line[6:]
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def check_timings(t: dict, usage: dict) -> None:
@@ -241,7 +224,7 @@ async def test_cache_hints_become_exact_token_boundaries(start_server, tmp_path)
         r1 = await ask([{"role": "user", "content": body_text}])
         r2 = await ask([{"role": "user", "content": body_text + " What about Spain?"}])
         r3 = await ask(marked)
-        r4 = await ask(marked, prompt_cache_options={"mode": "explicit"})
+        await ask(marked, prompt_cache_options={"mode": "explicit"})
     starts = [json.loads(line) for line in log.read_text().splitlines()]
     bounds = [r["cache_boundaries"] for r in starts if r["event"] == "request_start"]
     # The implicit boundary ends the latest content part, before the message's closing tokens.

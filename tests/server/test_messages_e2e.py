@@ -7,43 +7,12 @@ import json
 import anthropic
 import httpx
 
-
-def script(tok, *pieces):
-    """Token ids of text pieces; one-tuples like ``("<think>",)`` are control tokens by spelling."""
-    ids = []
-    for p in pieces:
-        ids += [tok.added_tokens[p[0]]] if isinstance(p, tuple) else tok.encode(p)
-    return ids
+from server.scripted import script, sse_events, thinking_answer, tool_call
 
 
 HI = [{"role": "user", "content": "Hello there"}]
 TOOLS = [{"name": "get_weather", "description": "Weather by city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
-
-
-def sse_events(text: str) -> list[tuple[str, dict]]:
-    """(event name, JSON data) of every SSE frame."""
-    out = []
-    for frame in text.split("\n\n"):
-        name, data = None, None
-        for line in frame.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-        if data is not None:
-            out.append((name, data))
-    return out
-
-
-def thinking_answer(tok):
-    return script(tok, "Let me think.", ("</think>",), "\n\nParis it is.", ("<|im_end|>",))
-
-
-def tool_call(tok):
-    return script(tok, ("</think>",), "\n\nChecking.\n", ("<tool_call>",),
-                  "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-                  "</parameter>\n</function>\n", ("</tool_call>",), ("<|im_end|>",))
 
 
 async def test_sdk_create_thinking_and_usage(start_server):

@@ -8,6 +8,7 @@ from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDe
 from protocols.anthropic_messages import TOOL_ERROR_MARK, parse_request, stop_reason, usage
 from protocols.anthropic_output import BlockAssembler
 from protocols.errors import ProtocolError
+from server.expect import protocol_error
 
 HI = [{"role": "user", "content": "hi"}]
 TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
@@ -20,12 +21,7 @@ def parse(**body):
 
 
 def fails(code: str, param: str | None = None, **body) -> ProtocolError:
-    with pytest.raises(ProtocolError) as e:
-        parse(**body)
-    assert e.value.code == code, e.value
-    if param is not None:
-        assert e.value.param == param, e.value
-    return e.value
+    return protocol_error(lambda: parse(**body), code, param)
 
 
 def roles(req) -> list[tuple[str, str]]:
@@ -36,9 +32,7 @@ def test_model_is_any_label_and_required():
     assert parse(model="claude-opus-4").model == "claude-opus-4"
     fails("missing_required_parameter", "model", model=None)
     fails("invalid_type", "model", model="")
-    with pytest.raises(ProtocolError) as e:
-        parse_request([])
-    assert e.value.code == "invalid_json"
+    protocol_error(lambda: parse_request([]), "invalid_json")
 
 
 def test_system_string_array_and_billing_header_rule():

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from server.test_messages_e2e import script, sse_events
+from server.scripted import script, sse_events, thinking_answer, tool_call
 
 MODEL = "random-tiny-qwen3"
 FN = {"type": "function", "name": "get_weather",
@@ -17,22 +17,12 @@ NS = {"type": "namespace", "name": "mcp__wx", "description": "Weather service",
       "tools": [{"type": "function", "name": "get_weather", "parameters": FN["parameters"]}]}
 
 
-def answer(tok):
-    return script(tok, "Let me think.", ("</think>",), "\n\nParis it is.", ("<|im_end|>",))
-
-
-def call(tok, name="get_weather"):
-    return script(tok, ("</think>",), "\n\nChecking.\n", ("<tool_call>",),
-                  f"\n<function={name}>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-                  "</parameter>\n</function>\n", ("</tool_call>",), ("<|im_end|>",))
-
-
 async def test_sdk_create_retrieve_delete_input_items(start_server):
     srv = await start_server(scripted=True)
     tok = srv.state.prompts.tokenizer
     runner = start_server.runner
     client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
-    want = answer(tok)
+    want = thinking_answer(tok)
     runner.scripts.append(want)
     r = await client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.",
                                       max_output_tokens=64, metadata={"k": "v"})
@@ -54,7 +44,7 @@ async def test_sdk_create_retrieve_delete_input_items(start_server):
         await client.responses.retrieve(r.id)
 
     # max_output_tokens exhaustion: incomplete, no completed_at, reasoning-only output stays reasoning-only.
-    runner.scripts.append(answer(tok))
+    runner.scripts.append(thinking_answer(tok))
     r = await client.responses.create(model=MODEL, input="Hello there", max_output_tokens=2)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.completed_at is None and [i.type for i in r.output] == ["reasoning"]
@@ -66,19 +56,19 @@ async def test_sdk_stream_and_raw_event_sequence(start_server):
     tok = srv.state.prompts.tokenizer
     runner = start_server.runner
     client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
-    runner.scripts.append(answer(tok))
+    runner.scripts.append(thinking_answer(tok))
     async with client.responses.stream(model=MODEL, input="Hello there", max_output_tokens=64) as stream:
         deltas = [ev.delta async for ev in stream if ev.type == "response.output_text.delta"]
         final = await stream.get_final_response()
     assert "".join(deltas) == final.output_text == "Paris it is." and final.status == "completed"
 
-    runner.scripts.append(call(tok, "mcp__wx__get_weather"))  # the SDK accumulator over a namespaced call
+    runner.scripts.append(tool_call(tok, "mcp__wx__get_weather"))  # the SDK accumulator over a namespaced call
     async with client.responses.stream(model=MODEL, input="Weather?", tools=[FN, NS]) as stream:
         final = await stream.get_final_response()
     (fc,) = [i for i in final.output if i.type == "function_call"]
     assert (fc.name, fc.namespace, json.loads(fc.arguments)) == ("get_weather", "mcp__wx", {"city": "Paris", "days": 3})
 
-    runner.scripts.append(call(tok, "mcp__wx__get_weather"))
+    runner.scripts.append(tool_call(tok, "mcp__wx__get_weather"))
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Weather?", "tools": [FN, NS],
                                                 "stream": True, "max_output_tokens": 100})
@@ -257,7 +247,7 @@ async def test_undeclared_or_disabled_calls_stay_text(start_server):
                                 ([FN, NS], {"type": "allowed_tools", "mode": "auto",
                                             "tools": [{"type": "function", "name": "get_weather"}]},
                                  "mcp__wx__get_weather")):
-        runner.scripts.append(call(tok, name))
+        runner.scripts.append(tool_call(tok, name))
         r = await client.responses.create(model=MODEL, input="Weather?", tools=tools, tool_choice=choice)
         assert [i.type for i in r.output] == ["message"], (choice, name)
         text = r.output_text
@@ -267,7 +257,7 @@ async def test_undeclared_or_disabled_calls_stay_text(start_server):
 
 async def test_preserve_thinking_is_inherited_by_children(start_server):
     srv = await start_server("--max-context", "1024", scripted=True)
-    start_server.runner.scripts.append(answer(srv.state.prompts.tokenizer))
+    start_server.runner.scripts.append(thinking_answer(srv.state.prompts.tokenizer))
     async with httpx.AsyncClient(base_url=srv.url) as c:
         root = (await c.post("/v1/responses", json={"model": MODEL, "input": "Hello there", "preserve_thinking": True,
                                                     "max_output_tokens": 64})).json()

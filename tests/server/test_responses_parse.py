@@ -8,6 +8,7 @@ import pytest
 
 from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 from protocols.errors import ProtocolError
+from server.expect import protocol_error
 from protocols.openai_responses import CREATE_FIELDS, build_conversation, parse_request
 from protocols.responses_output import OutputAssembler, response_object, status_of
 
@@ -25,12 +26,7 @@ def parse(**body):
 
 
 def fails(code: str, param: str | None = None, **body) -> ProtocolError:
-    with pytest.raises(ProtocolError) as e:
-        conv(**body)
-    assert e.value.code == code, e.value
-    if param is not None:
-        assert e.value.param == param, e.value
-    return e.value
+    return protocol_error(lambda: conv(**body), code, param)
 
 
 def conv(history=(), **body):
