@@ -36,7 +36,15 @@ from protocols.errors import (
     unsupported,
     vision_disabled,
 )
-from protocols.openai_shared import cache_breakpoint, check_model, check_text_format, check_verbosity, implicit_cache
+from protocols.openai_shared import (
+    allowed_tools,
+    cache_breakpoint,
+    check_model,
+    check_text_format,
+    check_verbosity,
+    implicit_cache,
+    string_tool_choice,
+)
 from protocols.tools import arguments
 
 CONSTRAINED_ALIASES = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -340,14 +348,9 @@ def _parse_tool(t: Any, where: str) -> Tool:
 
 
 def _tool_choice(choice: Any, names: list[str]) -> tuple[str, ...]:
-    if choice is None or choice == "auto":
-        return tuple(names)
-    if choice == "none":
-        return ()
-    if choice == "required":
-        raise unsupported("tool_choice", "'required' needs constrained decoding to force a call.")
-    if not isinstance(choice, dict):
-        raise invalid_value("tool_choice", "must be 'auto', 'none', 'required' or an object.")
+    callable_names = string_tool_choice(choice, names)
+    if callable_names is not None:
+        return callable_names
     if choice.get("type") == "function":
         raise unsupported("tool_choice", "a named tool choice needs constrained decoding to force the call.")
     if choice.get("type") != "allowed_tools":
@@ -355,22 +358,16 @@ def _tool_choice(choice: Any, names: list[str]) -> tuple[str, ...]:
     allowed = choice.get("allowed_tools")
     if not isinstance(allowed, dict):
         raise invalid_type("tool_choice.allowed_tools", "an object")
-    if allowed.get("mode", "auto") != "auto":
-        raise unsupported("tool_choice.allowed_tools.mode", "only 'auto' is supported; 'required' needs "
-                          "constrained decoding.")
-    listed = allowed.get("tools")
-    if not isinstance(listed, list):
-        raise invalid_type("tool_choice.allowed_tools.tools", "an array")
-    picked = set()
-    for j, t in enumerate(listed):
-        where = f"tool_choice.allowed_tools.tools[{j}]"
+
+    def declared(t: Any, where: str) -> str:
         name = (t.get("function") or {}).get("name") if isinstance(t, dict) else None
         if name is None and isinstance(t, dict):
             name = t.get("name")
         if name not in names:
             raise invalid_value(where, f"{name!r} is not a declared tool.")
-        picked.add(name)
-    return tuple(n for n in names if n in picked)  # declaration order, not selection order
+        return name
+
+    return allowed_tools(allowed, "tool_choice.allowed_tools", names, declared)
 
 
 # --- responses --------------------------------------------------------------------------------

@@ -38,7 +38,15 @@ from protocols.errors import (
     unsupported,
     vision_disabled,
 )
-from protocols.openai_shared import cache_breakpoint, check_model, check_text_format, check_verbosity, implicit_cache
+from protocols.openai_shared import (
+    allowed_tools,
+    cache_breakpoint,
+    check_model,
+    check_text_format,
+    check_verbosity,
+    implicit_cache,
+    string_tool_choice,
+)
 from protocols.tools import Result, answer_calls, arguments, check_executable
 
 CREATE_FIELDS = frozenset({
@@ -285,35 +293,25 @@ def _parse_tool(t: Any, where: str, namespace: str | None = None) -> list[ToolDe
 
 def _tool_choice(choice: Any, defs: list[ToolDef]) -> tuple[str, ...]:
     ids = [d.identity for d in defs]
-    if choice is None or choice == "auto":
-        return tuple(ids)
-    if choice == "none":
-        return ()
-    if choice == "required":
-        raise unsupported("tool_choice", "'required' needs constrained decoding to force a call.")
-    if not isinstance(choice, dict):
-        raise invalid_value("tool_choice", "must be 'auto', 'none', 'required' or an object.")
+    callable_ids = string_tool_choice(choice, ids)
+    if callable_ids is not None:
+        return callable_ids
     kind = choice.get("type")
     if kind in ("function", "custom", "mcp") or kind in HOSTED_TOOLS:
         raise unsupported("tool_choice", f"a forced {kind!r} choice needs constrained decoding or a hosted executor.")
     if kind != "allowed_tools":
         raise invalid_value("tool_choice.type", f"unknown tool choice type {kind!r}.")
-    if choice.get("mode", "auto") != "auto":
-        raise unsupported("tool_choice.mode", "only 'auto' is supported; 'required' needs constrained decoding.")
-    listed = choice.get("tools")
-    if not isinstance(listed, list):
-        raise invalid_type("tool_choice.tools", "an array")
-    picked: set[str] = set()
-    for j, t in enumerate(listed):
-        where = f"tool_choice.tools[{j}]"
+
+    def declared(t: Any, where: str) -> str:
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             raise unsupported(where, "allowed_tools may list only function tools.")
         identity = qualified(t.get("namespace"), t.get("name") or "")
         if identity not in ids:
             raise invalid_value(where, f"{t.get('name')!r} is not a declared function"
                                 + (f" in namespace {t.get('namespace')!r}." if t.get("namespace") else "."))
-        picked.add(identity)
-    return tuple(i for i in ids if i in picked)  # declaration order, not selection order
+        return identity
+
+    return allowed_tools(choice, "tool_choice", ids, declared)
 
 
 # --- input Items ------------------------------------------------------------------------------

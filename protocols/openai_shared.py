@@ -1,13 +1,14 @@
 """Request rules the two OpenAI families (Chat Completions, Responses) share, written once.
 
 Model identity, the prompt-caching hints (``prompt_cache_options``, ``prompt_cache_breakpoint``),
-and the text-output controls (``response_format``/``text.format``, ``verbosity``) mean the same in
-both; only where the field sits differs, so each reader takes the field's path for its errors.
+the text-output controls (``response_format``/``text.format``, ``verbosity``) and ``tool_choice``
+mean the same in both; only where the field sits differs, so each reader takes the field's path for
+its errors.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from protocols import fields as f
 from protocols.errors import NO_CONSTRAINED_OUTPUT, ProtocolError, invalid_type, invalid_value, missing, unsupported
@@ -61,3 +62,31 @@ def check_verbosity(verbosity: Any, param: str) -> None:
     if verbosity not in ("low", "high"):
         raise invalid_value(param, "must be 'low', 'medium' or 'high'.")
     raise unsupported(param, "the model has no verbosity control; only 'medium' is accepted.")
+
+
+def string_tool_choice(choice: Any, declared: list[str]) -> tuple[str, ...] | None:
+    """The callable tools of a string ``tool_choice``; None when it is an object (the family reads it)."""
+    if choice is None or choice == "auto":
+        return tuple(declared)
+    if choice == "none":
+        return ()
+    if choice == "required":
+        raise unsupported("tool_choice", "'required' needs constrained decoding to force a call.")
+    if not isinstance(choice, dict):
+        raise invalid_value("tool_choice", "must be 'auto', 'none', 'required' or an object.")
+    return None
+
+
+def allowed_tools(allowed: dict, where: str, declared: list[str],
+                  identity: Callable[[Any, str], str]) -> tuple[str, ...]:
+    """An ``allowed_tools`` choice in auto mode: the listed tools, in declaration order.
+
+    ``identity(entry, where)`` names one listed entry as a declared identity or raises naming it.
+    """
+    if allowed.get("mode", "auto") != "auto":
+        raise unsupported(f"{where}.mode", "only 'auto' is supported; 'required' needs constrained decoding.")
+    listed = allowed.get("tools")
+    if not isinstance(listed, list):
+        raise invalid_type(f"{where}.tools", "an array")
+    picked = {identity(t, f"{where}.tools[{j}]") for j, t in enumerate(listed)}
+    return tuple(i for i in declared if i in picked)  # declaration order, not selection order

@@ -2,8 +2,9 @@
 
 ``OutputAssembler`` (on the shared ``protocols.assembly.Assembler``) consumes the protocol-neutral
 text events (reasoning, content, tool calls) and keeps the output Items as they grow; each ``feed``
-returns the SSE events (dicts without ``sequence_number``) that the change produces, so the aggregate and the streamed Response come
-from one state machine and concatenated deltas always equal the terminal Items. A new Item opens
+returns the SSE events (dicts without ``sequence_number``) that the change produces, so the
+aggregate and the streamed Response come from one state machine and concatenated deltas always
+equal the terminal Items. A new Item opens
 whenever the kind of output changes (reasoning → message → function_call, or text after a call).
 """
 
