@@ -93,7 +93,7 @@ async def _stream(ex: Exchange, session: GenerationSession, req: am.MessagesRequ
 
 async def count_tokens(ex: Exchange) -> None:
     req = am.parse_request(await ex.json_body(), count_only=True)
-    prepared = ex.state.prompts.prepare(req.conversation)
+    prepared = await ex.state.prompts.prepare_async(req.conversation)  # off the event loop, like create
     await ex.send_json(200, {"input_tokens": len(prepared.token_ids)})
 
 

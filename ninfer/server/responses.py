@@ -194,7 +194,7 @@ async def input_tokens(ex: Exchange) -> None:
     state = ex.state
     req = orp.parse_request(await ex.json_body(), state.model_id, count_only=True)
     plan = _plan(ex, req, "")
-    prepared = state.prompts.prepare(plan.conv)
+    prepared = await state.prompts.prepare_async(plan.conv)  # off the event loop, like create
     await ex.send_json(200, {"object": "response.input_tokens", "input_tokens": len(prepared.token_ids)})
 
 
