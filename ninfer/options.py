@@ -1,6 +1,6 @@
 """The one definition of `ninfer serve` options: default, validation and help of each.
 
-argparse ``--help``, the EngineConfig mapping (``ninfer.server.setup``) and the table in
+argparse ``--help``, the EngineConfig mapping (``ninfer.server.main.engine_config``) and the table in
 docs/cli.md all read ``SERVE_OPTIONS``; a test keeps the doc table equal to ``markdown_table()``.
 Options whose capability is not built yet are parsed and validated, then refused at startup by
 ``check_capabilities`` with a message naming the option — never silently ignored.

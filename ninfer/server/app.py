@@ -1,7 +1,7 @@
 """The ASGI application: routing and the cross-cutting rules every endpoint shares.
 
-Request ids, authentication, CORS and error envelopes live here once; endpoint handlers (chat,
-models, health, metrics, and later responses/messages) only see an ``Exchange``. A handler raises
+Request ids, authentication, CORS and error envelopes live here once; endpoint handlers (health,
+metrics, models, chat completions, responses, messages) only see an ``Exchange``. A handler raises
 ``ProtocolError`` for client-visible failures; anything else is an internal error (500, logged).
 """
 

@@ -85,7 +85,7 @@ async def _stream(session: GenerationSession, req: oc.ChatRequest, cid: str, cre
                                                          "processed": p.processed, "time_ms": p.time_ms})
                     continue
                 if isinstance(ev, Done):
-                    yield from_done(chunk, ev, req, saw_tool_call)
+                    yield _finish_chunk(chunk, ev, req, saw_tool_call)
                     if req.include_usage:
                         u = ev.usage
                         yield chunk([], usage=oc.usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"],
@@ -105,7 +105,8 @@ async def _stream(session: GenerationSession, req: oc.ChatRequest, cid: str, cre
     yield b"data: [DONE]\n\n"
 
 
-def from_done(chunk, done: Done, req: oc.ChatRequest, saw_tool_call: bool) -> bytes:
+def _finish_chunk(chunk, done: Done, req: oc.ChatRequest, saw_tool_call: bool) -> bytes:
+    """The finish-reason chunk; it carries the terminal timings unless a usage chunk follows."""
     extra = {} if req.include_usage else {"timings": done.timings}
     return chunk([oc.chunk_choice({}, _finish_reason(done, saw_tool_call))], **extra)
 

@@ -51,7 +51,6 @@ class Done:
     stop_string: str | None
     usage: dict  # prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens
     timings: dict  # llama.cpp ``timings`` object
-    tool_calls: int
 
 
 def llama_timings(cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float) -> dict:
@@ -280,8 +279,7 @@ class GenerationSession:
         timings = llama_timings(u.cached_tokens, u.prompt_tokens - u.cached_tokens, fin.timings.prompt,
                                 u.completion_tokens, fin.timings.generation)
         stop_string = self.decoder.stopped
-        tool_calls = int(stats.tool_call_parse.get("structured_calls", 0) or 0)
-        done = Done(fin, fin.reason, stop_string, usage, timings, tool_calls)
+        done = Done(fin, fin.reason, stop_string, usage, timings)
         reason = stats.tool_call_parse.get("fallback_reason", "none")
         if reason != "none":
             # One warning with the classification only, never the generated markup.

@@ -32,7 +32,6 @@ class Request:
         self.headers: dict[str, str] = {}
         for k, v in scope.get("headers", []):
             self.headers[k.decode("latin-1").lower()] = v.decode("latin-1")
-        self.body_read = False
 
     async def body(self, limit_bytes: int) -> bytes:
         """Read the whole body, failing with 413 as soon as it passes ``limit_bytes`` (before parsing)."""
@@ -56,7 +55,6 @@ class Request:
                 raise _too_large(limit_bytes)
             chunks.append(chunk)
             if not more:
-                self.body_read = True
                 return b"".join(chunks)
 
     async def _discard_rest(self) -> None:
@@ -66,7 +64,6 @@ class Request:
             if msg["type"] == "http.disconnect":
                 raise ClientGone()
             if not msg.get("more_body", False):
-                self.body_read = True
                 return
 
     async def json(self, limit_bytes: int) -> Any:
@@ -101,10 +98,6 @@ async def send_response(send: Send, status: int, body: bytes, headers: list[tupl
     all_headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]]) -> None:
-    await send_response(send, status, dumps(obj), headers)
 
 
 async def run_until_disconnect(request: Request, work: Callable[[], Awaitable[None]]) -> bool:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ninfer.observability.metrics import CONTENT_TYPE
+from ninfer.server import messages, responses
 from ninfer.server.app import App, Exchange
+from ninfer.server.chat import chat_completions
 from protocols.errors import ProtocolError
 
 
@@ -35,14 +37,10 @@ async def get_model(ex: Exchange) -> None:
 
 
 def install(app: App) -> None:
-    from ninfer.server.chat import chat_completions
-
     app.route("GET", "/health", health, public=True)
     app.route("GET", "/metrics", metrics)
     app.route("GET", "/v1/models", list_models)
     app.route("GET", "/v1/models/{model_id:path}", get_model)
     app.route("POST", "/v1/chat/completions", chat_completions)
-    from ninfer.server import messages, responses
-
     responses.install(app)
     messages.install(app)
