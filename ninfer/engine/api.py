@@ -215,6 +215,7 @@ class Handle:
         self._event: trio.Event | None = None
         self._done = False  # the terminal item was consumed (or the request was cancelled)
         self._received = 0  # output token ids yielded so far
+        self._progress_seen = False  # the first PromptProgress is delivered as it was emitted
         self._stopped_at: int | None = None
 
     def __aiter__(self) -> "Handle":
@@ -259,10 +260,13 @@ class Handle:
             finally:
                 self._event = None
         item = outbox.popleft()
-        # Coalesce: a slow consumer sees the latest progress and all pending tokens at once.
+        # Coalesce: a slow consumer sees the latest progress and all pending tokens at once. The
+        # first progress event (processed == cache, the committed reuse choice) is never merged away.
         if isinstance(item, PromptProgress):
-            while outbox and isinstance(outbox[0], PromptProgress):
-                item = outbox.popleft()
+            if self._progress_seen:
+                while outbox and isinstance(outbox[0], PromptProgress):
+                    item = outbox.popleft()
+            self._progress_seen = True
         elif isinstance(item, TokenDelta) and outbox and isinstance(outbox[0], TokenDelta):
             ids = list(item.token_ids)
             while outbox and isinstance(outbox[0], TokenDelta):

@@ -255,3 +255,16 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+async def test_a_slow_consumer_still_sees_the_initial_progress_event():
+    # The spec's first prompt_progress has processed == cache; coalescing must not merge it away.
+    cfg = config()
+    async with Engine.open(runner_for(cfg), cfg) as engine:
+        with engine.reserve() as ticket:
+            handle = ticket.submit(GenerationRequest(prompt=range(70), max_tokens=3, sampling=GREEDY))
+            await trio.sleep(0.2)  # let the worker queue every progress event before we read
+            events = await collect(handle)
+    progress = [e for e in events if isinstance(e, PromptProgress)]
+    assert progress[0].processed == progress[0].cache == 0
+    assert progress[-1].processed == progress[-1].total == 70
