@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from protocols.errors import ProtocolError, invalid_type, invalid_value
+from protocols.errors import invalid_type, invalid_value
 
 _INT64 = 2**63
 
@@ -84,8 +84,3 @@ def stop_strings(body: dict, key: str = "stop", limit: int = 4) -> tuple[str, ..
     if any(s == "" for s in items):
         raise invalid_value(key, "stop strings must be non-empty.")
     return tuple(items)
-
-
-def require(cond: bool, code: str, message: str, param: str) -> None:
-    if not cond:
-        raise ProtocolError(code, message, param)

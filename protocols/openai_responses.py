@@ -21,6 +21,7 @@ from protocols.conversation import (
     Conversation,
     GenerationOptions,
     Message,
+    REASONING_EFFORTS,
     Part,
     TemplateOptions,
     Tool,
@@ -68,7 +69,6 @@ _RECOGNIZED_UNSUPPORTED = {
     "context_management": "server-side context management (compaction) is not supported.",
     "moderation": NO_MODERATION,
 }
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
                 "file_search", "computer_use_preview", "computer", "code_interpreter", "image_generation",
                 "local_shell", "shell", "apply_patch", "tool_search")
@@ -206,8 +206,8 @@ def _check_unsupported(body: dict) -> None:
 def _options(body: dict) -> TemplateOptions:
     reasoning = f.opt_object(body, "reasoning") or {}
     effort = reasoning.get("effort")
-    if effort is not None and effort not in EFFORTS:
-        raise invalid_value("reasoning.effort", f"must be one of {', '.join(EFFORTS)}.")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise invalid_value("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)}.")
     # reasoning.summary is an output preference; NInfer returns raw reasoning_text and an empty summary.
     kwargs = f.opt_object(body, "chat_template_kwargs") or {}
     return resolve_thinking_options(None, f.opt_bool(body, "preserve_thinking"), effort, kwargs)
@@ -462,14 +462,21 @@ def _output_item(item: dict, item_id: str, where: str) -> dict:
     output = item.get("output")
     if isinstance(output, str):
         parts: Any = output
-    elif isinstance(output, list):
+    elif isinstance(output, list) and output:
         parts = [_content_part(p, "tool", f"{where}.output[{j}]") for j, p in enumerate(output)]
+    elif isinstance(output, list):
+        raise invalid_value(f"{where}.output", "an array of content parts must not be empty.")
     else:
         raise invalid_type(f"{where}.output", "a string or an array of content parts")
     if item.get("status") in ("in_progress", "incomplete"):
         raise unsupported(f"{where}.status", "a partial function_call_output cannot be replayed.")
-    return {"type": "function_call_output", "id": item_id, "call_id": call_id, "output": parts,
-            "status": "completed"}
+    out = {"type": "function_call_output", "id": item_id, "call_id": call_id, "output": parts,
+           "status": "completed"}
+    for key in ("name", "namespace"):  # an optional assertion of the answered call's identity
+        value = f.opt_str(item, key, f"{where}.{key}")
+        if value is not None:
+            out[key] = value
+    return out
 
 
 # --- lowering ---------------------------------------------------------------------------------
@@ -519,6 +526,7 @@ def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
         kind = item["type"]
         where = _where(i, first_new)
         if kind == "function_call_output":
+            _check_asserted_call(item, group, where)
             pending.append(Result(item["call_id"], _parts(item["output"]), where))
             continue
         assistant_side = kind in ("reasoning", "function_call") or (kind == "message" and item["role"] == "assistant")
@@ -531,6 +539,19 @@ def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
         _add_to_group(group, item, where)
     close()
     return out
+
+
+def _check_asserted_call(item: dict, group: _Group | None, where: str) -> None:
+    """A result that names its call (name, optional namespace) must name the call its call_id answers."""
+    if "name" not in item:
+        return
+    call = next((c for c in group.calls if c.id == item["call_id"]), None) if group is not None else None
+    if call is None:
+        return  # an unknown call_id is reported where results are matched to calls
+    asserted = qualified(item.get("namespace"), item["name"])
+    if asserted != call.name:
+        raise ProtocolError("invalid_tool_history", f"function_call_output {item['call_id']!r} names {asserted!r}, "
+                            f"but that call is {call.name!r}.", f"{where}.name")
 
 
 def _where(i: int, first_new: int) -> str:

@@ -191,6 +191,10 @@ def test_assistant_grouping_and_result_reordering():
     ([_fc("c1"), _out("c1"), _out("c1")], "invalid_tool_history", "input[3].call_id"),
     ([_fc("c1"), _out("zz")], "invalid_tool_history", "input[2].call_id"),
     ([{"role": "assistant", "content": "x"}, _out("c1")], "invalid_tool_history", "input[2].call_id"),
+    ([_fc("c1"), dict(_out("c1"), name="other")], "invalid_tool_history", "input[2].name"),
+    ([_fc("c1", namespace="mcp__weather"), dict(_out("c1"), name="get_weather")], "invalid_tool_history",
+     "input[2].name"),
+    ([_fc("c1"), _out("c1", [])], "invalid_value", "input[2].output"),
 ])
 def test_history_rejections(items, code, param):
     fails(code, param, input=[{"role": "user", "content": "q"}, *items])
@@ -204,6 +208,11 @@ def test_item_field_rejections():
     fails("unsupported_parameter", "input[1].status",
           input=[{"role": "user", "content": "q"}, dict(_fc("c"), status="in_progress")])
     fails("invalid_type", "input[0].call_id", input=[{"type": "function_call_output", "output": "x"}])
+    # A result may assert the identity of the call it answers; a matching assertion is kept.
+    ok = [{"role": "user", "content": "q"}, _fc("c1", namespace="mcp__weather"),
+          dict(_out("c1"), name="get_weather", namespace="mcp__weather")]
+    assert msgs(conv(input=ok))[2][4] == "c1"
+    assert parse(input=ok).items[2]["name"] == "get_weather"
     # A history that begins with results is a truncated import.
     c = conv(input=[_out("c0", "old"), {"role": "user", "content": "go"}])
     assert msgs(c)[0] == ("tool", "old", None, (), "c0")
