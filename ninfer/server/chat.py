@@ -19,17 +19,11 @@ def _finish_reason(done: Done, saw_tool_call: bool) -> str:
     return "tool_calls" if saw_tool_call else "stop"
 
 
-def _shape(req: oc.ChatRequest) -> dict:
-    conv = req.conversation
-    return {"messages": len(conv.messages), "tools": len(conv.tools), "callable_tools": len(conv.callable_tools),
-            "stream": req.stream}
-
-
 async def chat_completions(ex: Exchange) -> None:
     state = ex.state
     req = oc.parse_request(await ex.json_body(), state.model_id)
     session = GenerationSession(state, ex.request_id, protocol="openai_chat", stream=req.stream)
-    await session.start(req.conversation, req.generation, shape=_shape(req))
+    await session.start(req.conversation, req.generation)
     cid = oc.completion_id()
     created = int(time.time())
     if req.stream:

@@ -96,7 +96,9 @@ class GenerationSession:
 
     async def start(self, conv: Conversation, gen: GenerationOptions, *, shape: dict | None = None,
                     session_key: str | None = None, capture_endpoint: bool = True) -> None:
-        self._shape = shape or {}
+        # The request's shape for the JSONL records: the conversation's counts, then family members.
+        self._shape = {"messages": len(conv.messages), "tools": len(conv.tools),
+                       "callable_tools": len(conv.callable_tools), "stream": self.stream, **(shape or {})}
         self._session = (session_key, capture_endpoint)  # Responses chains (engine-local reuse)
         state = self.state
         try:

@@ -17,16 +17,11 @@ from protocols import anthropic_messages as am
 from protocols.anthropic_output import BlockAssembler
 
 
-def _shape(req: am.MessagesRequest) -> dict:
-    conv = req.conversation
-    return {"messages": len(conv.messages), "tools": len(conv.tools), "callable_tools": len(conv.callable_tools),
-            "stream": req.stream, "thinking": req.thinking_mode, "prefill": conv.prefill is not None}
-
-
 async def create(ex: Exchange) -> None:
     req = am.parse_request(await ex.json_body())
     session = GenerationSession(ex.state, ex.request_id, protocol="anthropic_messages", stream=req.stream)
-    await session.start(req.conversation, req.generation, shape=_shape(req))
+    await session.start(req.conversation, req.generation,
+                        shape={"thinking": req.thinking_mode, "prefill": req.conversation.prefill is not None})
     mid = am.message_id()
     if req.stream:
         await session.respond(ex.request, lambda: ex.send_sse(_stream(ex, session, req, mid)))

@@ -68,9 +68,8 @@ def _plan(ex: Exchange, req: orp.ResponsesRequest, rid: str) -> _Plan:
 
 
 def _shape(plan: _Plan) -> dict:
-    return {"items": len(plan.req.items), "history_items": len(plan.history), "messages": len(plan.conv.messages),
-            "tools": len(plan.conv.tools), "callable_tools": len(plan.conv.callable_tools),
-            "stream": plan.req.stream, "store": plan.req.store,
+    """The Responses members of the logged request shape (the session adds the conversation's)."""
+    return {"items": len(plan.req.items), "history_items": len(plan.history), "store": plan.req.store,
             "previous_response_id": plan.req.previous_response_id is not None}
 
 

@@ -285,3 +285,4 @@ async def test_request_sampling_fields_reach_the_engine(start_server, tmp_path):
         assert r.status_code == 200, r.text
     (start,) = [rec for rec in map(json.loads, log.read_text().splitlines()) if rec["event"] == "request_start"]
     assert start["sampling"] == sampling
+    assert start["shape"] == {"messages": 1, "tools": 0, "callable_tools": 0, "stream": False}
