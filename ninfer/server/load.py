@@ -5,7 +5,7 @@ retried after a short pause until it is served) and checks every answer: a 200 s
 with the role chunk and end with a finish chunk, a usage chunk and ``[DONE]`` with no error frame;
 a 429 must carry ``server_overloaded``. The report gives requests/s, time to first token and
 inter-token gaps (p50/p99) and counts of each outcome.
-``tools/load.py`` is the command line; ``ninfer bench --http URL`` can call ``run_load``.
+``ninfer bench http URL`` is the command line (``tools/load.py`` is its alias).
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ async def _check_stream(resp: httpx.Response, t0: float) -> Sample:
 
 
 def _stream_problem(frames: list[Any]) -> str | None:
+    # First: a stream that failed in-band ends with its error frame (and no [DONE]); name that.
+    if any("error" in f for f in frames if isinstance(f, dict)):
+        return "error frame in stream"
     if len(frames) < 4 or frames[-1] != "[DONE]":
         return "stream did not end with a usage chunk and [DONE]"
     if frames[0]["choices"][0]["delta"].get("role") != "assistant":
@@ -94,8 +97,6 @@ def _stream_problem(frames: list[Any]) -> str | None:
         return "no final usage chunk"
     if finish["choices"][0]["finish_reason"] not in ("stop", "length", "tool_calls"):
         return "no finish_reason chunk"
-    if any("error" in f for f in frames if isinstance(f, dict)):
-        return "error frame in stream"
     return None
 
 
@@ -134,11 +135,12 @@ def summarize(samples: list[Sample], wall: float, clients: int) -> dict:
     done = [s for s in samples if s.status == 200 and s.ok]
     ttfts = [s.ttft for s in done if s.ttft is not None]
     gaps = [g for s in done for g in s.gaps]
+    overloaded = sum(1 for s in samples if s.status == 429 and s.ok)  # retried: not separate requests
     return {
         "clients": clients,
-        "requests": len(samples) - sum(1 for s in samples if s.status == 429 and s.ok),
+        "requests": len(samples) - overloaded,
         "completed": len(done),
-        "overloaded_429": sum(1 for s in samples if s.status == 429 and s.ok),
+        "overloaded_429": overloaded,
         "incorrect": [s.problem for s in samples if not s.ok],
         "wall_seconds": wall,
         "requests_per_second": len(done) / wall if wall > 0 else 0.0,

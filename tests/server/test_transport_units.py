@@ -64,3 +64,18 @@ def test_pretty_log_format_and_levels():
 def test_argv_redaction():
     assert redact_argv(["serve", "--api-key", "s3", "--api-key=s4", "--port", "1"]) == [
         "serve", "--api-key", "<redacted>", "--api-key=<redacted>", "--port", "1"]
+
+
+def test_load_checker_names_each_stream_problem():
+    from ninfer.server.load import _stream_problem
+
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    text = {"choices": [{"delta": {"content": "hi"}}]}
+    finish = {"choices": [{"delta": {}, "finish_reason": "stop"}]}
+    usage = {"choices": [], "usage": {"completion_tokens": 1}}
+    assert _stream_problem([role, text, finish, usage, "[DONE]"]) is None
+    assert _stream_problem([role, text, {"error": {"code": "internal_error"}}]) == "error frame in stream"
+    assert _stream_problem([role, text, finish, usage]) == "stream did not end with a usage chunk and [DONE]"
+    assert _stream_problem([role, text, finish, "[DONE]"]) == "no final usage chunk"
+    assert _stream_problem([text, text, finish, usage, "[DONE]"]) == "stream did not start with the assistant role chunk"
+    assert _stream_problem([role, text, text, usage, "[DONE]"]) == "no finish_reason chunk"
