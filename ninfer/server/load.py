@@ -95,7 +95,7 @@ def _stream_problem(frames: list[Any]) -> str | None:
     usage_chunk, finish = frames[-2], frames[-3]
     if usage_chunk.get("choices") != [] or "usage" not in usage_chunk:
         return "no final usage chunk"
-    if finish["choices"][0]["finish_reason"] not in ("stop", "length", "tool_calls"):
+    if not finish.get("choices") or finish["choices"][0].get("finish_reason") not in ("stop", "length", "tool_calls"):
         return "no finish_reason chunk"
     return None
 
