@@ -127,7 +127,6 @@ class GenerationSession:
             max_tokens=max_tokens,
             # The engine's sampler fields, by name: a field the protocols do not carry fails loudly here.
             sampling=SamplingOverrides(**{a.name: getattr(gen, a.name) for a in attrs.fields(SamplingOverrides)}),
-            stop_token_ids=builder.eos_ids,
             thinking=builder.thinking_control(prepared, budget),
             input_checkpoint=prepared.input_checkpoint,
             cache_boundaries=prepared.cache_boundaries,  # at most four: Conversation.cache_marks

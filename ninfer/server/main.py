@@ -44,7 +44,7 @@ class ServerState:
     prompts: PromptBuilder
     metrics: Metrics
     request_log: RequestLog | None
-    response_store: Any = None  # ninfer.server.response_store.ResponseStore (the local Responses store)
+    response_store: ResponseStore  # the local Responses store
 
 
 @attrs.frozen
@@ -165,7 +165,7 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
     try:
         async with Engine.open(source, config, **extra) as engine:
             state = ServerState(engine, model_id, int(time.time()),
-                                PromptBuilder(tokenizer, formatter, serve_defaults(args), ()),
+                                PromptBuilder(tokenizer, formatter, serve_defaults(args)),
                                 Metrics(engine, model_id), request_log,
                                 ResponseStore(args.response_store_max_records, args.response_store_max_mib))
             app = App(state, api_key=args.api_key, cors=args.cors, max_request_mib=args.max_request_mib,

@@ -43,11 +43,10 @@ class PreparedPrompt:
 class PromptBuilder:
     """Conversation → token ids through the chat template (runs on the request's task)."""
 
-    def __init__(self, tokenizer: Any, formatter: Any, defaults: ServeDefaults, eos_ids: tuple[int, ...]):
+    def __init__(self, tokenizer: Any, formatter: Any, defaults: ServeDefaults):
         self.tokenizer = tokenizer
         self.formatter = formatter
         self.defaults = defaults
-        self.eos_ids = eos_ids
         # The formatter is not thread-safe: every rendering holds this lock, whoever calls.
         self._lock = threading.Lock()
         self._limiter = trio.CapacityLimiter(1)

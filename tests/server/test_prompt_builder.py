@@ -14,7 +14,7 @@ from protocols.openai_chat import parse_request
 def builder(tiny_artifact):
     art = open_artifact(tiny_artifact)
     tok = Tokenizer.from_artifact(art)
-    return PromptBuilder(tok, ChatFormatter(tok, art.chat_template, art.special_tokens), ServeDefaults(), ())
+    return PromptBuilder(tok, ChatFormatter(tok, art.chat_template, art.special_tokens), ServeDefaults())
 
 
 def prepare(builder, parts, **extra):
