@@ -53,7 +53,8 @@ class EngineCore:
         if config.host_context_mib is None:
             host_bytes += 8 * self.state_bytes  # the spec default: 8192 MiB plus eight StateImages
         self.host = HostBudget(host_bytes)
-        self.cache = (PrefixCache(self.pool, config.page_size, slots=self.slots if self.recurrent else None)
+        self.cache = (PrefixCache(self.pool, config.page_size, slots=self.slots if self.recurrent else None,
+                                  host=self.host if self.recurrent else None, state_bytes=self.state_bytes)
                       if config.prefix_reuse else None)
         # Bytes one KV page occupies on the Host: read one page once (its content is irrelevant).
         # The core is built on the thread that owns the runner, so this call is allowed here.
@@ -156,6 +157,10 @@ class EngineCore:
             t = pc()
             runner.copy_state(src, lane)
             device += pc() - t
+        for lane, image, length in plan.state_writes:
+            t = pc()
+            runner.write_state(lane, image, length=length)
+            device += pc() - t
         for restore in plan.restores:
             t = pc()
             runner.write_pages(restore.pages, restore.data)
@@ -239,6 +244,9 @@ class EngineCore:
         if plan.state_copies:
             c.state_ops["reuse"] += len(plan.state_copies)
             c.transfer_bytes[("state", "device_to_device")] += len(plan.state_copies) * self.state_bytes
+        if plan.state_writes:
+            c.state_ops["restore_from_host"] += len(plan.state_writes)
+            c.transfer_bytes[("state", "host_to_device")] += len(plan.state_writes) * self.state_bytes
         c.replay_restores += len(plan.replays)
         for seq in plan.admitted:
             if not seq.cached_reported:
@@ -385,7 +393,7 @@ class EngineCore:
         if self.recurrent and node.state is not None and not spare:
             self.cache.keep_checkpoint(node)
         elif self.recurrent and node.state is None:
-            slot = self.cache.checkpoint_slot()
+            slot = self.cache.checkpoint_slot(self._spill_read)
             if slot is not None:
                 t = time.perf_counter()
                 self.runner.copy_state(seq.lane, slot)
@@ -394,6 +402,16 @@ class EngineCore:
                 c = self.counters
                 c.state_ops["capture"] += 1
                 c.transfer_bytes[("state", "device_to_device")] += self.state_bytes
+
+    def _spill_read(self, slot: int) -> np.ndarray:
+        """Read an evicted checkpoint's image to the Host (the prefix cache reserved its bytes)."""
+        t = time.perf_counter()
+        image = self.runner.read_state(slot)
+        c = self.counters
+        c.device_wait += time.perf_counter() - t
+        c.state_ops["spill"] += 1
+        c.transfer_bytes[("state", "device_to_host")] += self.state_bytes
+        return image
 
     def _emit(self, seq: Sequence, event) -> None:
         # Always mark: the consumer may drain the outbox concurrently, so "was empty" is unsound.

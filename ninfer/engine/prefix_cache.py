@@ -13,21 +13,28 @@ A recurrent (hybrid) model can resume only where its StateImage was kept: a node
 checkpoint (a StateImage slot summarising exactly the tokens up to the node's end), and a
 recurrent match returns the deepest fully matched node that has one. Checkpoint slots are
 reclaimed least recently used first, and freed with their node.
+
+A checkpoint that loses its slot is *spilled* when the shared Host budget allows: its image moves
+to host memory (the node keeps its KV pages on the device, reclaimable as before), a match may
+land on it (the caller writes the image into the lane), and spilled images are dropped least
+recently used first when the Host budget is needed (a newer spill or a pause snapshot), and with
+their node.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
+import numpy as np
 
-from ninfer.engine.pools import KVPool, StateSlots
+from ninfer.engine.pools import HostBudget, KVPool, StateSlots
 
 
 class Node:
-    __slots__ = ("tokens", "page", "parent", "children", "locks", "last_use", "sessions", "state")
+    __slots__ = ("tokens", "page", "parent", "children", "locks", "last_use", "sessions", "state", "host")
 
     def __init__(self, tokens: tuple[int, ...], page: int, parent: "Node | None") -> None:
         self.tokens = tokens
@@ -38,6 +45,7 @@ class Node:
         self.last_use = 0
         self.sessions = 0  # session keys whose latest endpoint is this node
         self.state: int | None = None  # StateImage checkpoint slot at this node's end
+        self.host: np.ndarray | None = None  # a spilled checkpoint's image (Host memory)
 
 
 @attrs.frozen
@@ -46,6 +54,7 @@ class Match:
     pages: tuple[int, ...]  # pages covering positions 0..length-1
     nodes: tuple[Node, ...]  # to lock while the sequence uses them
     state: int | None = None  # checkpoint slot to copy into the lane (recurrent matches)
+    image: np.ndarray | None = None  # or a spilled checkpoint's image to write into the lane
 
 
 EMPTY_MATCH = Match(0, (), ())
@@ -53,9 +62,13 @@ EMPTY_MATCH = Match(0, (), ())
 
 class PrefixCache:
     def __init__(self, pool: KVPool, page_size: int, max_sessions: int = 1024,
-                 slots: StateSlots | None = None) -> None:
+                 slots: StateSlots | None = None, host: HostBudget | None = None,
+                 state_bytes: int = 0) -> None:
         self.pool = pool
         self.slots = slots  # checkpoint slots (recurrent models); None: KV-only reuse
+        self.host = host  # where spilled checkpoints live; None: a checkpoint losing its slot is dropped
+        self.state_bytes = state_bytes  # Host bytes of one spilled image
+        self._spilled: dict[int, Node] = {}  # id(node) -> node whose image is on the Host
         self._checkpoints: dict[int, Node] = {}  # slot -> node
         self._spare: set[int] = set()  # checkpoints at plain chunk boundaries: given up first
         self.page_size = page_size
@@ -66,6 +79,7 @@ class PrefixCache:
         self.nodes = 0
         self.evictions = 0
         self.checkpoint_evictions = 0
+        self.spills = 0
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -102,7 +116,7 @@ class PrefixCache:
         while True:
             for child in node.children.values():
                 n = len(child.tokens)
-                if (n < ps and child.state is not None and pos + n <= limit
+                if (n < ps and _checkpointed(child) and pos + n <= limit
                         and tuple(tokens[pos : pos + n]) == child.tokens):
                     if best is None or pos + n > best[0]:
                         best = (pos + n, len(path), child)
@@ -113,7 +127,7 @@ class PrefixCache:
                 break
             path.append(child)
             node, pos = child, pos + ps
-            if child.state is not None:
+            if _checkpointed(child):
                 best = (pos, len(path) - 1, child)
         if best is None:
             return EMPTY_MATCH
@@ -122,13 +136,16 @@ class PrefixCache:
         now = next(self._clock)
         for n in nodes:
             n.last_use = now
-        return Match(length, tuple(n.page for n in nodes), nodes, end.state)
+        image = end.host if end.state is None else None
+        return Match(length, tuple(n.page for n in nodes), nodes, end.state, image)
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def checkpoint_slot(self) -> int | None:
+    def checkpoint_slot(self, read_state: Callable[[int], np.ndarray] | None = None) -> int | None:
         """A StateImage slot for a new checkpoint: a free one, else the least recently used
-        checkpoint's (chunk-boundary ones first, then unlocked nodes); None without slots."""
+        checkpoint's (chunk-boundary ones first, then unlocked nodes); None without slots.
+        The evicted checkpoint is spilled through ``read_state(slot)`` when the Host budget has
+        room for it (after dropping spilled images used less recently than it), else dropped."""
         if self.slots is None:
             return None
         slot = self.slots.alloc_checkpoint()
@@ -139,12 +156,47 @@ class PrefixCache:
             del self._checkpoints[slot]
             self._spare.discard(slot)
             self.checkpoint_evictions += 1  # the slot passes to the new checkpoint, still occupied
+            if read_state is not None:
+                self._spill(victim, slot, read_state)
         return slot
+
+    def _spill(self, node: Node, slot: int, read_state: Callable[[int], np.ndarray]) -> None:
+        nbytes = self.state_bytes
+        if self.host is None or nbytes > self.host.capacity:
+            return
+        older = sorted((n for n in self._spilled.values() if _priority(n) < _priority(node)), key=_priority)
+        while self.host.used + nbytes > self.host.capacity and older:
+            self._drop_host(older.pop(0))
+        if self.host.try_reserve(nbytes):
+            node.host = read_state(slot)
+            self._spilled[id(node)] = node
+            self.spills += 1
+
+    @property
+    def spilled(self) -> int:
+        return len(self._spilled)
+
+    def free_host(self, nbytes: int) -> None:
+        """Drop spilled images, least recently used first, until ``nbytes`` more fit the Host
+        budget (a pause snapshot outranks a spilled checkpoint) or none is left."""
+        if self.host is None:
+            return
+        for node in sorted(self._spilled.values(), key=_priority):
+            if self.host.used + nbytes <= self.host.capacity:
+                return
+            self._drop_host(node)
+
+    def _drop_host(self, node: Node) -> None:
+        if node.host is not None:
+            node.host = None
+            del self._spilled[id(node)]
+            self.host.release(self.state_bytes)
 
     def set_checkpoint(self, node: Node, slot: int, spare: bool = False) -> None:
         """``node`` now owns the checkpoint in ``slot``; ``spare``: taken at a plain chunk
         boundary (not one the request named), so it is the first to give its slot up."""
         assert node.state is None and slot not in self._checkpoints
+        self._drop_host(node)  # back on the device: its Host copy is redundant
         node.state = slot
         self._checkpoints[slot] = node
         if spare:
@@ -155,6 +207,7 @@ class PrefixCache:
         self._spare.discard(node.state)
 
     def _drop_checkpoint(self, node: Node) -> None:
+        self._drop_host(node)
         if node.state is not None:
             self._spare.discard(node.state)
             del self._checkpoints[node.state]
@@ -257,6 +310,10 @@ class PrefixCache:
 
 def _priority(node: Node) -> tuple[int, int, int]:
     return (1 if node.locks else 0, 1 if node.sessions else 0, node.last_use)
+
+
+def _checkpointed(node: Node) -> bool:
+    return node.state is not None or node.host is not None
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -9,7 +9,7 @@ arrival order; a later request may pass one that does not fit at most ``MAX_BYPA
 
 The plan lists runner mechanism in execution order: snapshot reads of paused pages (and
 StateImages), page copies (copy-on-write of a reused partial page), checkpoint StateImage copies
-into lanes, snapshot writes, lane binds, the prompt unit, decode.
+into lanes, spilled checkpoint images written into lanes, snapshot writes, lane binds, the prompt unit, decode.
 Pages freed by a pause may be reused in the same plan because their reads come first.
 """
 
@@ -62,6 +62,8 @@ class Plan:
     pauses: list[Pause] = attrs.Factory(list)
     copies: list[tuple[int, int]] = attrs.Factory(list)
     state_copies: list[tuple[int, int]] = attrs.Factory(list)  # (checkpoint slot, lane): reuse
+    # (lane, spilled checkpoint image, tokens it summarises): restore from the Host into the lane
+    state_writes: list[tuple[int, np.ndarray, int]] = attrs.Factory(list)
     restores: list[Restore] = attrs.Factory(list)
     binds: list[tuple[int, list[int]]] = attrs.Factory(list)  # (lane, generated so far)
     admitted: list[Sequence] = attrs.Factory(list)  # bound this step (fresh or restored)
@@ -240,7 +242,7 @@ class Scheduler:
         nbytes = len(seq.pages) * self.page_bytes + self.state_bytes
         route = "replay"
         if (seq.computed > 0 and self.cost.prefer_snapshot(nbytes, seq.computed)
-                and self.host.try_reserve(nbytes)):
+                and self._host_room(nbytes)):
             route = "snapshot"
             seq.snapshot_bytes = nbytes
             seq.snapshot_pages = len(seq.pages)
@@ -258,6 +260,15 @@ class Scheduler:
         seq.paused_at = self.clock()
         self.on_transition(seq, "paused", route)
         self._insert_paused(seq)
+
+    def _host_room(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of Host budget, dropping spilled checkpoints if they are in the way."""
+        if self.host.try_reserve(nbytes):
+            return True
+        if self.cache is None or self.host.used - self.cache.spilled * self.state_bytes + nbytes > self.host.capacity:
+            return False  # even without spilled checkpoints it would not fit: keep them
+        self.cache.free_host(nbytes)
+        return self.host.try_reserve(nbytes)
 
     def _insert_paused(self, seq: Sequence) -> None:
         i = len(self.paused)
@@ -362,6 +373,8 @@ class Scheduler:
         self._bind(seq, plan)
         if match.state is not None:
             plan.state_copies.append((match.state, seq.lane))
+        elif match.image is not None:
+            plan.state_writes.append((seq.lane, match.image, match.length))
         if seq.needs_prompt_work:
             self.owner = seq
         return True

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import attrs
 
-STATE_OPERATIONS = ("capture", "reuse", "snapshot", "restore")
+STATE_OPERATIONS = ("capture", "reuse", "snapshot", "restore", "spill", "restore_from_host")
 HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
 # Prometheus-style upper bounds in seconds (the +Inf bucket is implied by ``count``).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -74,7 +74,8 @@ class Counters:
                                ("main_kv", "device_to_device"): 0, ("state", "device_to_host"): 0,
                                ("state", "host_to_device"): 0, ("state", "device_to_device"): 0}
         # StateImage operations of a recurrent model: checkpoint captures (lane -> slot), reuses
-        # (slot -> lane), pause snapshots (lane -> Host) and snapshot restores (Host -> lane).
+        # (slot -> lane), pause snapshots (lane -> Host), snapshot restores (Host -> lane),
+        # spills of evicted checkpoints (slot -> Host) and their reuse (Host -> lane).
         self.state_ops = dict.fromkeys(STATE_OPERATIONS, 0)
         self.host_work = dict.fromkeys(HOST_PHASES, 0.0)
         self.device_wait = 0.0

@@ -70,11 +70,13 @@ def alone(artifact):
 
 def no_leaks(d: CoreDriver) -> None:
     core = d.core
-    assert core.slots.used == 0 and core.host.used == 0
+    spilled = core.cache.spilled if core.cache is not None else 0
+    # Only spilled checkpoints hold Host bytes once every request is done.
+    assert core.slots.used == 0 and core.host.used == spilled * core.state_bytes
     if core.cache is not None:
         core.cache.clear()
-        assert core.cache.nodes == 0
-    assert core.slots.occupied == 0 and core.pool.free_count == core.pool.capacity
+        assert core.cache.nodes == 0 and core.cache.spilled == 0
+    assert core.slots.occupied == 0 and core.pool.free_count == core.pool.capacity and core.host.used == 0
 
 
 def test_batch_matches_alone_and_lanes_hold_state_slots(artifact, alone):
@@ -152,8 +154,10 @@ def test_a_multi_turn_chat_reuses_its_previous_turn(artifact, alone):
     no_leaks(d)
 
 
-def test_checkpoints_are_reclaimed_lru_when_slots_run_out(artifact, alone):
-    d = driver(artifact, max_concurrency=1, device_state_slots=1)
+@pytest.mark.parametrize("host_mib", [0, None])
+def test_checkpoints_are_reclaimed_lru_when_slots_run_out(artifact, alone, host_mib):
+    # host_context_mib 0: an evicted checkpoint is dropped; the default budget spills it.
+    d = driver(artifact, max_concurrency=1, device_state_slots=1, host_context_mib=host_mib)
     p0, p1 = prompt(7, 20), prompt(8, 20)
     firsts = []
     for p in (p0, p1):
@@ -166,9 +170,39 @@ def test_checkpoints_are_reclaimed_lru_when_slots_run_out(artifact, alone):
     again0 = d.submit(c0, 3)
     d.run()
     assert end(again1).usage.cached_tokens == 20 + 2
-    assert end(again0).usage.cached_tokens == 0
+    ops = d.core.snapshot(True).state_image_operations_total
+    if host_mib == 0:
+        assert end(again0).usage.cached_tokens == 0
+        assert ops["spill"] == 0 and ops["restore_from_host"] == 0
+    else:  # p0's endpoint was spilled to the Host and written back into the lane
+        assert end(again0).usage.cached_tokens == 20 + 2 and end(again0).prefix_reuse_path == "checkpoint"
+        assert ops["spill"] >= 1 and ops["restore_from_host"] == 1
     assert out(again1) == alone(c1, 3) and out(again0) == alone(c0, 3)
     assert d.core.cache.checkpoint_evictions >= 2
+    no_leaks(d)
+
+
+def test_a_multi_turn_chat_reuses_its_spilled_previous_turn(artifact, alone):
+    # One checkpoint slot, two interleaved chats: each turn's endpoint evicts the other chat's,
+    # which lives on in the Host budget and is written back into the lane for its next turn.
+    d = driver(artifact, max_concurrency=1, prefill_chunk=16, device_state_slots=1, host_context_mib=1)
+    chats = {0: prompt(10, 22), 1: prompt(11, 19)}
+    for turn in range(3):
+        for k in (0, 1):
+            history = chats[k]
+            s = d.submit(history, 5, input_checkpoint=len(history))
+            d.run()
+            assert out(s) == alone(history, 5)
+            if turn:  # the previous turn: its prompt + answer but the last token (3 tokens were added)
+                assert end(s).usage.cached_tokens == len(history) - 3 - 1
+            chats[k] = history + out(s) + [30 + turn, 40 + k, 50]
+    snap = d.core.snapshot(True)
+    ops = snap.state_image_operations_total
+    image = d.core.state_bytes
+    assert ops["restore_from_host"] == 4 and ops["spill"] >= 4 and ops["reuse"] == 0
+    assert snap.context_transfer_bytes_total[("state", "host_to_device")] == 4 * image
+    assert snap.context_transfer_bytes_total[("state", "device_to_host")] == ops["spill"] * image
+    assert snap.host_context_used_bytes == d.core.cache.spilled * image > 0
     no_leaks(d)
 
 

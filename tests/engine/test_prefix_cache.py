@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ninfer.engine.pools import KVPool
 from ninfer.engine.prefix_cache import PrefixCache
 
@@ -74,3 +76,62 @@ def test_checkpoint_match_is_the_deepest_fully_matched_checkpointed_node():
     # Reclaiming the nodes frees their checkpoint slots.
     cache.clear()
     assert slots.occupied == 0 and cache.nodes == 0 and pool.free_count == 16
+
+
+def test_evicted_checkpoints_spill_to_the_host_budget_lru():
+    import numpy as np
+
+    from ninfer.engine.pools import HostBudget, StateSlots
+
+    pool = KVPool(16)
+    slots = StateSlots(2, lanes=1, first_checkpoint=1, checkpoints=True)  # one checkpoint slot
+    host = HostBudget(2 * 8)  # room for two spilled images of 8 bytes
+    cache = PrefixCache(pool, page_size=4, slots=slots, host=host, state_bytes=8)
+    device = {}  # slot -> image the "runner" holds
+    reads = []
+
+    def read_state(slot):
+        reads.append(slot)
+        return device[slot].copy()
+
+    prompts = [[k] * 4 for k in range(1, 5)]
+    for k, p in enumerate(prompts):
+        node = retained_node(cache, pool, p)
+        slot = cache.checkpoint_slot(read_state)
+        device[slot] = np.full(2, k, np.float32)
+        cache.set_checkpoint(node, slot)
+    # Slot 1 went 1 -> 2 -> 3 -> 4; 1 then 2 were spilled, then 2 and 3 (1 was the LRU image).
+    assert reads == [1, 1, 1] and cache.spills == 3 and cache.spilled == 2 and host.used == 16
+    assert cache.match_checkpoint(prompts[0] + [0], 5).length == 0  # dropped: the least recent
+    m = cache.match_checkpoint(prompts[1] + [0], 5)
+    assert m.state is None and m.length == 4 and m.image.tolist() == [1, 1]
+    assert cache.match_checkpoint(prompts[3] + [0], 5).state == 1  # on the device
+    # A pause snapshot outranks spilled images: the least recently used goes first.
+    cache.free_host(8)
+    assert cache.spilled == 1 and host.used == 8
+    assert cache.match_checkpoint(prompts[1] + [0], 5).image is not None  # matched last: kept
+    # A spilled image gets a device slot back: its Host copy is released.
+    node = cache.match_checkpoint(prompts[1] + [0], 5).nodes[-1]
+    cache.set_checkpoint(node, cache.checkpoint_slot(read_state))
+    assert node.host is None and host.used == 8  # prompts[3]'s image was spilled in its place
+    cache.clear()
+    assert host.used == 0 and cache.spilled == 0 and slots.occupied == 0 and pool.free_count == 16
+
+
+def test_a_zero_host_budget_drops_evicted_checkpoints():
+    from ninfer.engine.pools import HostBudget, StateSlots
+
+    pool = KVPool(8)
+    slots = StateSlots(2, lanes=1, first_checkpoint=1, checkpoints=True)
+    cache = PrefixCache(pool, page_size=4, slots=slots, host=HostBudget(0), state_bytes=8)
+    for p in ([1] * 4, [2] * 4):
+        node = retained_node(cache, pool, p)
+        cache.set_checkpoint(node, cache.checkpoint_slot(lambda slot: pytest.fail("no Host room to spill")))
+    assert cache.spilled == 0 and cache.match_checkpoint([1] * 4 + [0], 5).length == 0
+
+
+def retained_node(cache: PrefixCache, pool: KVPool, tokens):
+    pages = pool.alloc(-(-len(tokens) // cache.page_size))
+    node = cache.insert(tokens, pages, len(tokens))[-1]
+    pool.decref(pages)
+    return node

@@ -135,11 +135,13 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra
     event(f"prefix hits>0: {core.counters.prefix_hits > 0}")
     event(f"thinking budget applied: {core.counters.thinking_budget_applied > 0}")
     event(f"recurrent, checkpoint reused: {recurrent and core.counters.state_ops['reuse'] > 0}")
+    event(f"recurrent, spilled checkpoint reused: {recurrent and core.counters.state_ops['restore_from_host'] > 0}")
     event(f"reached the context limit: {any(s.finish == ('length', 'context') for s in seqs.values())}")
     # Every page, slot and Host byte is back once the retained prefixes are dropped.
-    assert core.slots.used == 0 and core.host.used == 0
+    spilled = core.cache.spilled if core.cache is not None else 0
+    assert core.slots.used == 0 and core.host.used == spilled * core.state_bytes
     if core.cache is not None:
         core.cache.clear()
-        assert core.cache.nodes == 0
-    assert core.slots.occupied == 0
+        assert core.cache.nodes == 0 and core.cache.spilled == 0
+    assert core.slots.occupied == 0 and core.host.used == 0
     assert core.pool.free_count == core.pool.capacity
