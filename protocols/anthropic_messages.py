@@ -98,13 +98,19 @@ def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     if prefill is not None and mode in ("enabled", "adaptive"):
         raise invalid_value("thinking", "an assistant prefill cannot start with thinking enabled.")
     thinking = {"disabled": False, "enabled": True, "adaptive": True}.get(mode)  # type: ignore[arg-type]
-    if prefill is not None:
-        thinking = False  # the prefill continues visible text, never an open <think>
     effort = _parse_effort(body)
     kwargs = f.opt_object(body, "chat_template_kwargs") or {}
-    options = resolve_thinking_options(thinking, f.opt_bool(body, "preserve_thinking"), effort, kwargs)
-    if prefill is not None and options.enable_thinking:
-        raise invalid_value("chat_template_kwargs.enable_thinking", "an assistant prefill cannot start with thinking.")
+    options = resolve_thinking_options(thinking, f.opt_bool(body, "preserve_thinking"), effort, kwargs,
+                                       fields={"enable_thinking": "thinking",
+                                               "reasoning_effort": "output_config.effort"})
+    if prefill is not None:  # the prefill continues visible text, never an open <think>
+        if options.enable_thinking:
+            raise invalid_value("chat_template_kwargs.enable_thinking", "an assistant prefill cannot start with "
+                                "thinking.")
+        if options.reasoning_effort not in (None, "none"):
+            field = "output_config.effort" if effort is not None else "chat_template_kwargs.reasoning_effort"
+            raise invalid_value(field, "an assistant prefill cannot start with thinking.")
+        options = attrs.evolve(options, enable_thinking=False)
     all_messages = system + messages
     all_messages = slots.apply_request_level(body.get("cache_control"), all_messages)
     conversation = Conversation(tuple(all_messages), tools, callable_names, options, implicit_cache=False,

@@ -173,11 +173,14 @@ class Conversation:
 
 
 def resolve_thinking_options(
-    enable_thinking: Any, preserve_thinking: Any, effort: Any, kwargs: dict[str, Any], *, where: str = ""
+    enable_thinking: Any, preserve_thinking: Any, effort: Any, kwargs: dict[str, Any], *,
+    fields: dict[str, str] | None = None,
 ) -> TemplateOptions:
     """Merge typed fields with chat_template_kwargs: duplicated values must agree.
 
-    ``None`` means unspecified. The typed field names are the param names used in errors.
+    ``None`` means unspecified. ``fields`` maps an option (``enable_thinking``, ``preserve_thinking``,
+    ``reasoning_effort``) to the request field that carries it when the family spells it otherwise
+    (Responses ``reasoning.effort``); errors name that field, or the kwarg when the value came from it.
     """
     kwargs = dict(kwargs)
     for key in RESERVED_TEMPLATE_KWARGS:
@@ -188,29 +191,31 @@ def resolve_thinking_options(
                 f"chat_template_kwargs.{key}",
             )
     merged: dict[str, Any] = {}
+    source: dict[str, str] = {}  # option -> the request field its value came from
     for name, typed in (("enable_thinking", enable_thinking), ("preserve_thinking", preserve_thinking),
                         ("reasoning_effort", effort)):
+        field = (fields or {}).get(name, name)
         in_kwargs = kwargs.pop(name, None)  # null standard options mean unspecified
         if typed is not None and in_kwargs is not None and typed != in_kwargs:
             raise ProtocolError(
                 "conflicting_template_option",
-                f"'{name}' is {typed!r} but chat_template_kwargs.{name} is {in_kwargs!r}.",
-                name,
+                f"'{field}' is {typed!r} but chat_template_kwargs.{name} is {in_kwargs!r}.",
+                field,
             )
         merged[name] = typed if typed is not None else in_kwargs
+        source[name] = field if typed is not None else f"chat_template_kwargs.{name}"
     for name in ("enable_thinking", "preserve_thinking"):
         if merged[name] is not None and not isinstance(merged[name], bool):
-            raise ProtocolError("invalid_type", f"'{name}' must be a boolean.", name)
+            raise ProtocolError("invalid_type", f"'{source[name]}' must be a boolean.", source[name])
     eff = merged["reasoning_effort"]
     if eff is not None and eff not in REASONING_EFFORTS:
-        raise ProtocolError(
-            "invalid_value", f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}.", "reasoning_effort"
-        )
+        raise ProtocolError("invalid_value", f"'{source['reasoning_effort']}' must be one of "
+                            f"{', '.join(REASONING_EFFORTS)}.", source["reasoning_effort"])
     if eff is not None and merged["enable_thinking"] is not None and merged["enable_thinking"] != (eff != "none"):
         raise ProtocolError(
             "conflicting_template_option",
             f"enable_thinking={merged['enable_thinking']} conflicts with reasoning_effort={eff!r}.",
-            "reasoning_effort",
+            source["reasoning_effort"],
         )
     return TemplateOptions(merged["enable_thinking"], merged["preserve_thinking"], eff, kwargs)
 

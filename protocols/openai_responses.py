@@ -210,7 +210,8 @@ def _options(body: dict) -> TemplateOptions:
         raise invalid_value("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)}.")
     # reasoning.summary is an output preference; NInfer returns raw reasoning_text and an empty summary.
     kwargs = f.opt_object(body, "chat_template_kwargs") or {}
-    return resolve_thinking_options(None, f.opt_bool(body, "preserve_thinking"), effort, kwargs)
+    return resolve_thinking_options(None, f.opt_bool(body, "preserve_thinking"), effort, kwargs,
+                                    fields={"reasoning_effort": "reasoning.effort"})
 
 
 def _metadata(body: dict) -> dict:

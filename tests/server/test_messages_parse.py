@@ -139,6 +139,11 @@ def test_assistant_prefill():
     fails("invalid_value", "messages[1]", messages=[*HI, {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "x", "signature": ""}]}])
     assert parse().conversation.prefill is None
+    prefill = [*HI, {"role": "assistant", "content": "x"}]
+    fails("invalid_value", "chat_template_kwargs.enable_thinking", messages=prefill,
+          chat_template_kwargs={"enable_thinking": True})
+    fails("invalid_value", "output_config.effort", messages=prefill, output_config={"effort": "high"})
+    assert parse(messages=prefill, thinking={"type": "disabled"}).conversation.prefill == "x"
 
 
 def test_max_tokens_and_sampling():
@@ -170,7 +175,7 @@ def test_thinking_modes_budget_and_effort():
     assert parse(output_config={"effort": "high"}).conversation.options.reasoning_effort == "high"
     fails("invalid_value", "output_config.effort", output_config={"effort": "extreme"})
     fails("unsupported_parameter", "output_config.format", output_config={"format": {"type": "json_schema"}})
-    fails("conflicting_template_option", thinking={"type": "disabled"},
+    fails("conflicting_template_option", "thinking", thinking={"type": "disabled"},
           chat_template_kwargs={"enable_thinking": True})
 
 

@@ -102,6 +102,10 @@ def test_template_options_merge_and_conflict():
     fails("conflicting_template_option", "preserve_thinking", preserve_thinking=True,
           chat_template_kwargs={"preserve_thinking": False})
     fails("invalid_value", "chat_template_kwargs.messages", chat_template_kwargs={"messages": []})
+    # Errors name the field the value came from: Responses spells the effort reasoning.effort.
+    fails("conflicting_template_option", "reasoning.effort", reasoning={"effort": "low"},
+          chat_template_kwargs={"reasoning_effort": "high"})
+    fails("invalid_type", "chat_template_kwargs.enable_thinking", chat_template_kwargs={"enable_thinking": "yes"})
 
 
 def test_string_input_and_instructions():
