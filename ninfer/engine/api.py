@@ -15,6 +15,7 @@ worker's inbox, events come back through each request's outbox and a trio wake-u
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -33,8 +34,11 @@ from ninfer.engine.errors import (ContextLengthExceeded, EngineUnavailable, Over
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.request import MAX_CACHE_HINTS, GenerationRequest
 from ninfer.engine.sequence import Sequence
+from ninfer.engine.signature import model_signature
 from ninfer.engine.stats import StatsSnapshot
 from ninfer.engine.worker import Worker
+
+log = logging.getLogger("ninfer.engine")
 
 
 class Engine:
@@ -76,7 +80,8 @@ class Engine:
             engine._eos = frozenset(int(t) for t in (eos if eos_token_ids is None else eos_token_ids))
             engine._generation = gen if generation is None else generation
             try:
-                cost = load_context_cost(config.context_cost_presets, runner.info.backend, "")
+                cost = load_context_cost(config.context_cost_presets, runner.info.backend, model_signature(runner))
+                log.info("context cost: %s", cost.source)
                 return EngineCore(runner, config, cost)
             except BaseException:
                 if owns:

@@ -7,8 +7,12 @@ matching entries of the ``--context-cost-presets`` JSON file::
     {"transfer": [{"hardware": "cuda", "seconds_per_byte": 4e-11}],
      "prefill":  [{"hardware": "cuda", "model": "<signature>", "seconds_per_token": 2e-5}]}
 
-``hardware`` and ``model`` may be "*" (or omitted) to match anything; the most specific match
-wins. A malformed file raises ContextCostPresetsError, which aborts startup.
+``hardware`` is the runner's backend name; ``model`` is the model signature
+(:mod:`ninfer.engine.signature`, e.g. ``Qwen3ForCausalLM-h5120-l64-bfloat16-0123456789ab``).
+Either may be "*" (or omitted) to match anything; the most specific match wins (hardware
+outranks model). A runner without a signature matches only ``"*"`` models. A malformed file
+raises ContextCostPresetsError, which aborts startup. ``source`` records the file, the entries
+used and the signature they were matched against.
 """
 
 from __future__ import annotations
@@ -42,10 +46,13 @@ class ContextCost:
         return self.snapshot_seconds(nbytes) <= self.replay_seconds(tokens)
 
 
-def load(path: str | None, hardware: str, model: str) -> ContextCost:
+def load(path: str | None, hardware: str, model: str | None) -> ContextCost:
+    """Coefficients for a runner of backend ``hardware`` serving the model of signature
+    ``model`` (None: unknown)."""
     transfer, prefill = GENERIC_TRANSFER_SECONDS_PER_BYTE, GENERIC_PREFILL_SECONDS_PER_TOKEN
+    identity = f"(hardware {hardware}, model {model or 'signature unknown'})"
     if path is None:
-        return ContextCost(transfer, prefill, "generic")
+        return ContextCost(transfer, prefill, f"generic {identity}")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -63,7 +70,7 @@ def load(path: str | None, hardware: str, model: str) -> ContextCost:
     if p is not None:
         prefill = p[0]
         used.append(f"prefill[{p[1]}]")
-    return ContextCost(transfer, prefill, f"{path}: {', '.join(used) or 'no matching entry (generic)'}")
+    return ContextCost(transfer, prefill, f"{path}: {', '.join(used) or 'no matching entry (generic)'} {identity}")
 
 
 def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: str):
@@ -78,8 +85,8 @@ def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: st
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ContextCostPresetsError(f"{where}: {key} must be a positive finite number")
         hw, md = entry.get("hardware", "*"), entry.get("model", "*")
-        if not isinstance(hw, str) or not isinstance(md, str):
-            raise ContextCostPresetsError(f"{where}: hardware and model must be strings")
+        if not isinstance(hw, str) or not isinstance(md, str) or not hw or not md:
+            raise ContextCostPresetsError(f"{where}: hardware and model must be non-empty strings")
         if hw not in ("*", hardware) or md not in ("*", model):
             continue
         score = (hw != "*") * 2 + (md != "*")

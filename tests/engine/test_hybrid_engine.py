@@ -222,6 +222,8 @@ async def test_engine_opens_a_hybrid_artifact_with_checkpoint_slots(artifact, al
             second = [e async for e in ticket.submit(GenerationRequest(prompt=turn2, max_tokens=5))]
         stats = engine.stats()
     assert first[-1].reason == "length"  # the fixture's EOS did not end turn one early
+    # Context-cost presets would be matched against the hybrid's signature (layer kinds included).
+    assert "model Qwen3NextForCausalLM-h" in stats.context_cost_source
     assert second[-1].usage.cached_tokens == len(turn1) + len(answer) - 1
     assert list(second[-1].generated_token_ids) == alone(turn2, 5)
     assert stats.state_image_operations_total["reuse"] == 1
