@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import attrs
 
+from ninfer.observability.logs import LEVELS
+
 
 class OptionError(ValueError):
     """A startup option is malformed or asks for a capability this build lacks."""
@@ -74,8 +76,6 @@ class Option:
         return "unset" if self.default is None else str(self.default)
 
 
-_LEVELS = ("trace", "debug", "info", "warning", "error", "critical", "off")
-
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--host", "listen address", "127.0.0.1", metavar="H"),
     Option("--port", "listen port (0 picks a free port)", 8080, _int_range(0, 65535), "N"),
@@ -94,7 +94,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--prefill-chunk", "text-prefill chunk in tokens", 1024, _int_range(1, None), "N"),
     Option("--log-stats-interval-ms", "aggregate throughput report interval; 0 disables it", 5000,
            _int_range(0, None), "N"),
-    Option("--log-level", "pretty stderr verbosity", "info", str, "LEVEL", _LEVELS),
+    Option("--log-level", "pretty stderr verbosity", "info", str, "LEVEL", tuple(LEVELS)),
     Option("--device", "serve on this CUDA device (the CUDA backend); omitted: the reference CPU backend", None, _int_range(0, None), "N",
            default_text="reference backend"),
     Option("--context-cost-presets", "optional runtime context-cost preset registry", None, metavar="FILE",

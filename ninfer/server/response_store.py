@@ -11,10 +11,10 @@ follow the engine's own retention.
 from __future__ import annotations
 
 import collections
-import json
 
 import attrs
 
+from ninfer.server.http import dumps
 from protocols.errors import ProtocolError
 
 
@@ -29,7 +29,7 @@ class StoredResponse:
 
 
 def _size(obj: object) -> int:
-    return len(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode())
+    return len(dumps(obj))  # the bytes it takes on the wire
 
 
 class ResponseStore:

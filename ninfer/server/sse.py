@@ -7,12 +7,11 @@ event never delays the heartbeat.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator
 
 import trio
 
-from ninfer.server.http import Send
+from ninfer.server.http import Send, dumps
 
 KEEPALIVE_SECONDS = 5.0
 KEEPALIVE_FRAME = b": keep-alive\n\n"
@@ -22,9 +21,9 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 def data_frame(obj: Any, event: str | None = None) -> bytes:
     """One SSE frame; ``event`` names it (Responses/Anthropic), Chat Completions uses data only."""
-    payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    payload = obj.encode() if isinstance(obj, str) else dumps(obj)
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"
 
 
 async def stream(send: Send, headers: list[tuple[bytes, bytes]], frames: AsyncIterator[bytes],
