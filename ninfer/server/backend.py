@@ -2,7 +2,9 @@
 
 A CUDA context is current per thread, and the Engine makes every runner call on its worker
 thread; so the CUDA runner is built lazily, on its first use, which is the worker building the
-engine core. ``WorkerBuiltRunner`` is that deferral and forwards the ModelRunner protocol.
+engine core. ``WorkerBuiltRunner`` is that deferral and forwards everything the runner exposes:
+the ModelRunner protocol and the optional members the Engine probes for (``config`` for the model
+signature, the StateImage methods of recurrent models).
 """
 
 from __future__ import annotations
@@ -24,29 +26,11 @@ class WorkerBuiltRunner:
             self._runner = self._build()
         return self._runner
 
-    @property
-    def info(self):
-        return self.runner.info
+    def __getattr__(self, name: str) -> Any:
+        # Only for names this wrapper lacks: the first one builds the runner (on the worker thread).
+        return getattr(self.runner, name)
 
-    def bind_lane(self, lane, generated):
-        self.runner.bind_lane(lane, generated)
-
-    def prefill(self, chunk):
-        return self.runner.prefill(chunk)
-
-    def decode(self, batch):
-        return self.runner.decode(batch)
-
-    def copy_pages(self, src, dst):
-        self.runner.copy_pages(src, dst)
-
-    def read_pages(self, pages):
-        return self.runner.read_pages(pages)
-
-    def write_pages(self, pages, data):
-        self.runner.write_pages(pages, data)
-
-    def close(self):
+    def close(self) -> None:  # never builds a runner just to close it
         if self._runner is not None:
             self._runner.close()
 

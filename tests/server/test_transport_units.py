@@ -79,3 +79,24 @@ def test_load_checker_names_each_stream_problem():
     assert _stream_problem([role, text, finish, "[DONE]"]) == "no final usage chunk"
     assert _stream_problem([text, text, finish, usage, "[DONE]"]) == "stream did not start with the assistant role chunk"
     assert _stream_problem([role, text, text, usage, "[DONE]"]) == "no finish_reason chunk"
+
+
+def test_worker_built_runner_builds_on_first_use_and_forwards_what_the_runner_has(tiny_artifact):
+    from ninfer.backends.reference import ReferenceRunner
+    from ninfer.engine.signature import model_signature
+    from ninfer.server.backend import WorkerBuiltRunner
+
+    built = []
+
+    def build():
+        built.append(ReferenceRunner(tiny_artifact, num_pages=4, max_batch=1, max_context=32))
+        return built[-1]
+
+    lazy = WorkerBuiltRunner(build)
+    assert not built
+    lazy.close()  # closing an unbuilt runner builds nothing
+    assert not built
+    assert lazy.info is built[0].info and lazy.config is built[0].config  # config: the Engine's model signature
+    assert model_signature(lazy) == model_signature(built[0]) is not None
+    assert getattr(lazy, "copy_state", None) is None  # a dense runner: the Engine's recurrent probe sees none
+    lazy.close()
