@@ -129,9 +129,7 @@ class App:
 
     def _response_failed(self) -> None:
         """A failure after the response began (ninfer_response_failures_total)."""
-        metrics = getattr(self.state, "metrics", None)
-        if metrics is not None:
-            metrics.response_failures += 1
+        self.state.metrics.response_failures += 1
 
     def _match(self, request: Request):
         allowed = False
