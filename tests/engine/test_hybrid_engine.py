@@ -277,3 +277,40 @@ def test_a_runner_without_the_checkpoint_slots_is_refused(artifact):
                              state_slots=2)
     with pytest.raises(ValueError, match="device_state_slots 3 need 5"):
         EngineCore(runner, cfg, load(None, "reference", ""))
+
+
+def test_a_pause_snapshot_takes_the_host_room_of_spilled_checkpoints():
+    # A pause happens under KV pressure, which first reclaims unlocked prefixes (and their spilled
+    # images); spilled images still compete with the snapshot when residents lock their nodes.
+    from ninfer.engine.simulated import SimulatedHybridRunner
+
+    def run(tight: int | None = None):
+        cfg = EngineConfig(max_concurrency=2, max_context=96, kv_capacity=96, prefill_chunk=24, page_size=16,
+                           device_state_slots=1, host_context_mib=1)
+        runner = SimulatedHybridRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=2, max_context=96,
+                                       state_slots=1)
+        d = CoreDriver(cfg, runner=runner)
+        firsts = []
+        for i in range(3):  # three endpoints, one slot: the first two are spilled
+            firsts.append(d.submit(prompt(20 + i, 15), 2))  # endpoint: one full page (16), locked when reused
+            d.run()
+        assert d.core.cache.spilled == 2
+        if tight is not None:  # room for the snapshot once one spilled image is dropped
+            d.core.host.capacity = d.core.host.used - d.core.state_bytes + tight
+        # Both continue a spilled endpoint (locking its node) and cannot both stay resident.
+        seqs = [d.submit(prompt(20 + i, 15) + out(firsts[i])[:1] + prompt(i, 24), 30) for i in range(2)]
+        d.run()
+        assert [end(s).usage.cached_tokens for s in seqs] == [16, 16]
+        assert d.core.counters.state_ops["restore_from_host"] == 2
+        return d, seqs
+
+    roomy, seqs = run()
+    young = end(seqs[1]).scheduling
+    assert young.snapshot_restores == young.preemptions == 1
+    tight, tight_seqs = run(tight=young.transfer_bytes // 2)  # counted out and back in
+    # Without dropping a spilled image the snapshot would not fit and the pause would replay.
+    assert end(tight_seqs[1]).scheduling.snapshot_restores == 1
+    assert tight.core.host.peak == tight.core.host.capacity
+    assert [out(s) for s in tight_seqs] == [out(s) for s in seqs]
+    no_leaks(roomy)
+    no_leaks(tight)
