@@ -165,7 +165,9 @@ class PrefixCache:
         if self.host is None or nbytes > self.host.capacity:
             return
         older = sorted((n for n in self._spilled.values() if _priority(n) < _priority(node)), key=_priority)
-        while self.host.used + nbytes > self.host.capacity and older:
+        if self.host.used - len(older) * nbytes + nbytes > self.host.capacity:
+            return  # snapshots or more recent images hold the room: drop nothing for it
+        while self.host.used + nbytes > self.host.capacity:
             self._drop_host(older.pop(0))
         if self.host.try_reserve(nbytes):
             node.host = read_state(slot)

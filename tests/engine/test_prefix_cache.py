@@ -135,3 +135,27 @@ def retained_node(cache: PrefixCache, pool: KVPool, tokens):
     node = cache.insert(tokens, pages, len(tokens))[-1]
     pool.decref(pages)
     return node
+
+
+def test_a_spill_never_drops_a_more_recently_used_image():
+    import numpy as np
+
+    from ninfer.engine.pools import HostBudget, StateSlots
+
+    pool = KVPool(8)
+    slots = StateSlots(2, lanes=1, first_checkpoint=1, checkpoints=True)
+    host = HostBudget(16)
+    cache = PrefixCache(pool, page_size=4, slots=slots, host=host, state_bytes=8)
+    read = lambda slot: np.zeros(2, np.float32)  # noqa: E731
+    for p in ([1] * 4, [2] * 4):
+        cache.set_checkpoint(retained_node(cache, pool, p), cache.checkpoint_slot(read))
+    assert cache.spilled == 1 and host.used == 8
+    assert cache.match_checkpoint([1] * 4 + [0], 5).image is not None  # [1] is now more recent than [2]
+    assert host.try_reserve(8)  # a pause snapshot takes the rest
+    cache.set_checkpoint(retained_node(cache, pool, [3] * 4), cache.checkpoint_slot(read))
+    # [2] lost its slot but only the more recent [1] could make room: [2] is dropped, [1] kept.
+    assert cache.spilled == 1 and cache.match_checkpoint([1] * 4 + [0], 5).image is not None
+    assert cache.match_checkpoint([2] * 4 + [0], 5).length == 0
+    host.release(8)
+    cache.clear()
+    assert host.used == 0 and cache.spilled == 0
