@@ -29,7 +29,6 @@ CODES: dict[str, ErrorKind] = {
     "unknown_parameter": _BAD,
     # Recognized but not executable: the field names the guarantee NInfer cannot give.
     "unsupported_parameter": _BAD,
-    "unsupported_value": _BAD,
     "vision_disabled": _BAD,
     "conflicting_template_option": _BAD,
     # Prompt preparation.

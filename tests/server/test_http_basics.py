@@ -92,3 +92,14 @@ async def test_cors(start_server, cors):
     else:
         assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_serving_doc_lists_every_error_code():
+    """docs/serving.md's error table stays the whole code table (protocols/errors.py CODES)."""
+    import pathlib
+
+    from protocols.errors import CODES
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = doc[doc.index("### Errors"):doc.index("## Authentication")]
+    assert [code for code in CODES if f"`{code}`" not in table] == []
