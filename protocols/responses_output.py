@@ -4,8 +4,8 @@
 text events (reasoning, content, tool calls) and keeps the output Items as they grow; each ``feed``
 returns the SSE events (dicts without ``sequence_number``) that the change produces, so the
 aggregate and the streamed Response come from one state machine and concatenated deltas always
-equal the terminal Items. A new Item opens
-whenever the kind of output changes (reasoning → message → function_call, or text after a call).
+equal the terminal Items. A new Item opens whenever the kind of output changes (reasoning →
+message → function_call, or text after a call).
 """
 
 from __future__ import annotations
