@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from ninfer.engine import EngineConfig
+from ninfer.engine import EngineConfig, SamplingOverrides
 from ninfer.observability import logs
 from ninfer.observability.metrics import Metrics
 from ninfer.observability.request_log import RequestLog, redact_argv
@@ -30,6 +30,9 @@ from ninfer.server.response_store import ResponseStore
 from ninfer.server.sse import KEEPALIVE_SECONDS
 
 log = logging.getLogger("ninfer.server")
+
+# The process-level sampler flags: one per request sampler field, plus --greedy.
+SAMPLING_FLAGS = tuple(a.name for a in attrs.fields(SamplingOverrides)) + ("greedy",)
 
 
 class StartupError(Exception):
@@ -61,9 +64,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk, max_context=args.max_context,
         kv_capacity=args.kv_capacity, prefix_reuse=not args.no_prefix_reuse, host_context_mib=args.host_context_mib,
         device_state_slots=args.device_state_slots, context_cost_presets=args.context_cost_presets,
-        temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, greedy=args.greedy,
+        **{flag: getattr(args, flag) for flag in SAMPLING_FLAGS},
     )
 
 
@@ -202,8 +203,7 @@ def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine
                 "pending_timeout_ms": cfg.pending_timeout_ms, "prefill_chunk": cfg.prefill_chunk,
                 "max_context": engine.max_context, "kv_capacity_tokens": cfg.kv_capacity_tokens,
                 "kv_pages": cfg.kv_pages, "page_size": cfg.page_size, "prefix_reuse": cfg.prefix_reuse},
-        sampling_overrides={k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p",
-                                                           "presence_penalty", "frequency_penalty", "seed", "greedy")},
+        sampling_overrides={flag: getattr(args, flag) for flag in SAMPLING_FLAGS},
         thinking={"default_enabled": not args.no_thinking, "preserve_thinking": args.preserve_thinking,
                   "default_thinking_budget": args.default_thinking_budget,
                   "default_max_tokens": args.default_max_tokens},
