@@ -78,6 +78,8 @@ class EngineCollector:
             yield CounterMetricFamily(f"ninfer_{name}", doc, value=getattr(s, f"{name}_total"))
         yield _labeled("ninfer_context_transfer_bytes", "Context payload transfer bytes.", ["resource", "direction"],
                        sorted(s.context_transfer_bytes_total.items()))
+        yield _labeled("ninfer_state_image_operations", "StateImage captures, reuses, spills and restores.",
+                       ["operation"], sorted(s.state_image_operations_total.items()))
         yield _labeled("ninfer_host_work_seconds", "Instrumented worker Host wall time by phase.", ["phase"],
                        s.host_work_seconds_total.items())
         yield _labeled("ninfer_requests", "Generation attempts by outcome.", ["outcome"],

@@ -33,7 +33,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "request_error": ("request_id", "request_seq", "protocol", "phase", "message"),
     "request_scheduling": ("request_id", "request_seq", "transition"),
     "throughput": ("interval_seconds", "prefill_tokens", "decode_tokens", "generation_tokens", "scheduler",
-                   "decode_rounds", "average_batch"),
+                   "decode_rounds", "average_batch", "context_cache"),
 }
 
 

@@ -43,6 +43,7 @@ def record(t: dict) -> dict:
             "decode_rounds", "average_batch", "preemptions", "snapshot_restores", "replay_restores")
     out = {k: t[k] for k in keep}
     out["scheduler"] = scheduler
+    out["context_cache"] = t["context_cache"]
     out["host_work"] = {"elapsed_seconds": t["host_work_seconds"], "device_wait_seconds": t["device_wait_seconds"],
                         "per_round_seconds": t["host_seconds_per_round"],
                         "per_row_round_seconds": t["host_seconds_per_row_round"]}

@@ -137,7 +137,8 @@ async def test_metrics_and_engine_failure(start_server, caplog):
                      "ninfer_generation_tokens", "ninfer_decode_tokens", "ninfer_device_kv_used_pages",
                      "ninfer_host_work_seconds", "ninfer_requests", "ninfer_time_to_first_token_seconds",
                      "ninfer_request_duration_seconds", "ninfer_request_queue_seconds", "ninfer_response_failures",
-                     "ninfer_context_transfer_bytes", "ninfer_spec_decode_rounds"):
+                     "ninfer_context_transfer_bytes", "ninfer_spec_decode_rounds", "ninfer_state_image_operations",
+                     "ninfer_device_state_used_slots", "ninfer_host_context_used_bytes"):
             assert name in fams, name
 
         def value(fam, sample_name, **labels):
