@@ -10,12 +10,13 @@ output on every token. A family subclass says what its units and wire events loo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
 
 
-class Assembler:
+class Assembler(ABC):
     REASONING: str  # the unit "type" of reasoning text
     CONTENT: str  # the unit "type" of answer text
 
@@ -85,22 +86,22 @@ class Assembler:
 
     # -- what a family defines -------------------------------------------------------------------
 
+    @abstractmethod
     def _text_unit(self, kind: str) -> dict:
         """A new empty unit of text kind ``kind``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _call_unit(self, name: str) -> dict:
         """A new tool-call unit for the decoder's tool ``name``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _started(self, idx: int, unit: dict) -> list[dict]:
         """The events that open ``unit`` at index ``idx``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _delta(self, idx: int, unit: dict, text: str) -> dict:
         """The event carrying one piece of the open unit's text or argument JSON."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _sealed(self, idx: int, unit: dict, text: str, status: str) -> list[dict]:
         """Store the unit's final ``text`` and return the events that close it."""
-        raise NotImplementedError

@@ -329,8 +329,9 @@ class CudaRunner:
 
 def _dense_config(config: Any) -> DenseConfig:
     if isinstance(config, DenseConfig):
-        return config
-    config = DenseConfig.from_json(config)
-    if config.architecture not in ARCHITECTURES:
-        raise ValueError(f"the CUDA backend runs {', '.join(ARCHITECTURES)}, not {config.architecture!r}")
-    return config
+        architecture = config.architecture
+    else:  # artifact JSON: name the architecture before a hybrid config fails to parse as dense
+        architecture = config.get("architecture")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"the CUDA backend runs {', '.join(ARCHITECTURES)}, not {architecture!r}")
+    return config if isinstance(config, DenseConfig) else DenseConfig.from_json(config)
