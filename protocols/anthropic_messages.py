@@ -503,7 +503,8 @@ def _parse_tool(t: Any, where: str, slots: _Breakpoints) -> Tool:
     if examples is not None and (not isinstance(examples, list) or not all(isinstance(e, dict) for e in examples)):
         raise invalid_type(f"{where}.input_examples", "an array of objects")
     slots.read(t, where)  # tool definitions render before messages; a marker here has no text frontier
-    return Tool(name, f.opt_str(t, "description", f"{where}.description"), schema)
+    return Tool(name, f.opt_str(t, "description", f"{where}.description"), schema,
+                tuple(examples) if examples else None)
 
 
 # --- responses --------------------------------------------------------------------------------

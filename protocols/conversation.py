@@ -75,6 +75,9 @@ class Tool:
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # Example inputs (Anthropic ``input_examples``); they render inside the function's JSON
+    # declaration, which is where the chat template shows the model each tool.
+    examples: tuple[dict[str, Any], ...] | None = None
 
     def to_template(self) -> dict[str, Any]:
         fn: dict[str, Any] = {"name": self.name}
@@ -82,6 +85,8 @@ class Tool:
             fn["description"] = self.description
         if self.parameters is not None:
             fn["parameters"] = self.parameters
+        if self.examples:
+            fn["input_examples"] = list(self.examples)
         return {"type": "function", "function": fn}
 
 

@@ -185,6 +185,9 @@ def test_tools_and_tool_choice():
     conv = req.conversation
     assert [t.name for t in conv.tools] == ["f", "g"] and conv.callable_tools == ("f", "g")
     assert conv.tools[1].description == "G"
+    # Examples reach the prompt inside the function declaration; a tool without them has no key.
+    assert conv.tools[1].to_template()["function"]["input_examples"] == [{"a": 1}]
+    assert "input_examples" not in conv.tools[0].to_template()["function"]
     assert parse(tools=[TOOL], tool_choice={"type": "none"}).conversation.callable_tools == ()
     assert parse(tools=[TOOL], tool_choice={"type": "auto"}).conversation.callable_tools == ("f",)
     fails("unsupported_parameter", "tool_choice", tools=[TOOL], tool_choice={"type": "any"})
