@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping
 import trio
 
 from ninfer.backends.runner import ModelRunner
+from ninfer.backends.runner import SamplingRow
 from ninfer.engine import sampling
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.context_cost import load as load_context_cost
@@ -222,6 +223,12 @@ class Handle:
         self._received = 0  # output token ids yielded so far
         self._progress_seen = False  # the first PromptProgress is delivered as it was emitted
         self._stopped_at: int | None = None
+
+    @property
+    def sampling(self) -> SamplingRow:
+        """The sampler this request runs with: preset, process flags, request and --greedy
+        resolved, the seed drawn when none was given (the request log records it)."""
+        return self._seq.row
 
     def __aiter__(self) -> "Handle":
         return self

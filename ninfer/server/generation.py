@@ -171,7 +171,7 @@ class GenerationSession:
         if rl is None:
             return
         rl.write("request_start", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
-                 stream=self.stream, shape=self._shape, sampling=attrs.asdict(request.sampling),
+                 stream=self.stream, shape=self._shape, sampling=_resolved_sampling(self.handle.sampling),
                  max_tokens=request.max_tokens, requested_reasoning_effort=conv.options.reasoning_effort,
                  enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=conv.options.preserve_thinking,
                  thinking_budget=request.thinking.budget, prompt_tokens=len(request.prompt),
@@ -326,3 +326,8 @@ class GenerationSession:
 
 def _is_cancel(e: BaseException) -> bool:
     return isinstance(e, (trio.Cancelled, GeneratorExit))
+
+
+def _resolved_sampling(row: Any) -> dict[str, Any]:
+    """The sampler the engine resolved for a request, seed included (``step`` is per token)."""
+    return {k: v for k, v in attrs.asdict(row).items() if k != "step"}

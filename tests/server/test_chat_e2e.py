@@ -283,6 +283,12 @@ async def test_request_sampling_fields_reach_the_engine(start_server, tmp_path):
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1, **sampling})
         assert r.status_code == 200, r.text
-    (start,) = [rec for rec in map(json.loads, log.read_text().splitlines()) if rec["event"] == "request_start"]
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    starts = [rec for rec in map(json.loads, log.read_text().splitlines()) if rec["event"] == "request_start"]
+    start, defaulted = starts
     assert start["sampling"] == sampling
+    # Unspecified fields are logged as resolved: the seed drawn for the request, the defaults applied.
+    assert isinstance(defaulted["sampling"]["seed"], int)
+    assert set(defaulted["sampling"]) == set(sampling) and None not in defaulted["sampling"].values()
     assert start["shape"] == {"messages": 1, "tools": 0, "callable_tools": 0, "stream": False}
