@@ -355,8 +355,8 @@ def _add_block(turn: _Turn, block: Any, where: str, slots: _Breakpoints) -> None
             _assistant_order(where)
         turn.reasoning.append(text)
     elif kind == "tool_use" and role == "assistant":
-        slots.read(block, where)  # a legal marker inside a call has no exact text frontier
-        turn.calls.append(_tool_use(block, where))
+        call = _tool_use(block, where)
+        turn.calls.append(attrs.evolve(call, cache_breakpoint=slots.read(block, where)))
     elif kind == "tool_result" and role == "user":
         if turn.parts:
             raise ProtocolError("invalid_tool_history", "tool_result blocks must lead their user turn, before "
@@ -502,9 +502,9 @@ def _parse_tool(t: Any, where: str, slots: _Breakpoints) -> Tool:
     examples = t.get("input_examples")
     if examples is not None and (not isinstance(examples, list) or not all(isinstance(e, dict) for e in examples)):
         raise invalid_type(f"{where}.input_examples", "an array of objects")
-    slots.read(t, where)  # tool definitions render before messages; a marker here has no text frontier
+    marked = slots.read(t, where)
     return Tool(name, f.opt_str(t, "description", f"{where}.description"), schema,
-                tuple(examples) if examples else None)
+                tuple(examples) if examples else None, cache_breakpoint=marked)
 
 
 # --- responses --------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]  # member order as received
+    cache_breakpoint: bool = False  # an explicit prompt-cache marker ends with this rendered call
 
 
 @attrs.frozen
@@ -78,6 +79,8 @@ class Tool:
     # Example inputs (Anthropic ``input_examples``); they render inside the function's JSON
     # declaration, which is where the chat template shows the model each tool.
     examples: tuple[dict[str, Any], ...] | None = None
+    # An explicit prompt-cache marker: the declarations up to this tool form a prefix candidate.
+    cache_breakpoint: bool = False
 
     def to_template(self) -> dict[str, Any]:
         fn: dict[str, Any] = {"name": self.name}

@@ -79,32 +79,84 @@ class PromptBuilder:
 
     def _cache_boundaries(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> tuple[int, ...]:
         """Token frontiers of the cache hints; a hint that is no exact token frontier is ignored."""
+        exact = self._part_offsets(conv, messages, kwargs, prompt)
+        # Tool declarations and calls end in template text, which may merge into one token with what
+        # follows (".\n\n"): their frontier is the last token frontier at or before that end.
+        floor = self._tool_offsets(conv, kwargs, prompt) + self._call_offsets(conv, messages, kwargs, prompt)
+        found = [self._token_frontier(prompt, o) for o in exact]
+        found += [self._token_frontier(prompt, o, round_down=True) for o in floor]
+        return tuple(sorted({b for b in found if b}))
+
+    def _part_offsets(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> list[int]:
+        """Text offsets where the marked parts end."""
         marks = conv.cache_marks()
         if not marks:
-            return ()
+            return []
         # Render once more with a sentinel after each marked part to find the marks' text offsets.
         at = {(m.message, m.part) for m in marks}
         marked = [dict(m) for m in messages]
         for mi in {m.message for m in marks}:
             parts = conv.messages[mi].parts
             marked[mi]["content"] = "".join(p.text + (SENTINEL if (mi, i) in at else "") for i, p in enumerate(parts))
-        try:
-            text = self.formatter.render(marked, conv.template_tools(), add_generation_prompt=True,
-                                         boundary_messages=(), **kwargs).text
-        except TemplateError:
-            return ()
-        if text.replace(SENTINEL, "") != prompt.text:
-            return ()  # the template moved or rewrote marked text: no exact frontiers to offer
+        text = self._render_text(marked, conv.template_tools(), True, kwargs)
+        if text is None or text.replace(SENTINEL, "") != prompt.text:
+            return []  # the template moved or rewrote marked text: no exact frontiers to offer
         offsets, removed = [], 0
         for i, ch in enumerate(text):
             if ch == SENTINEL:
                 offsets.append(i - removed)
                 removed += 1
-        out = sorted({b for b in (self._token_frontier(prompt, o) for o in offsets) if b})
-        return tuple(out)
+        return offsets
 
-    def _token_frontier(self, prompt: Any, char_offset: int) -> int | None:
+    def _tool_offsets(self, conv: Conversation, kwargs: dict, prompt: Any) -> list[int]:
+        """Where the declarations of the tools up to a marked one end.
+
+        The tools up to and including the marked one, rendered alone (no messages, no generation
+        prompt), leave the prompt where the template's text starts to depend on anything else: after
+        the marked tool's declaration, or for the last tool at the end of the whole tools block.
+        """
+        tools = conv.template_tools() or []
+        out = []
+        for i, tool in enumerate(conv.tools):
+            if tool.cache_breakpoint:
+                text = self._render_text([], tools[:i + 1], False, kwargs)
+                if text is not None:
+                    out.append(_common_prefix(text, prompt.text))
+        return out
+
+    def _call_offsets(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> list[int]:
+        """Where marked tool calls end: the prompt with the calls cut after the marked one, rendered
+        with and without one more call after it, diverges right after the marked call."""
+        tools = conv.template_tools()
+        out = []
+        for mi, msg in enumerate(conv.messages):
+            for k, call in enumerate(msg.tool_calls):
+                if not call.cache_breakpoint:
+                    continue
+                calls = messages[mi]["tool_calls"][:k + 1]
+                texts = []
+                for variant in (calls, calls + calls[-1:]):  # a copy of the call is a valid next call
+                    cut = list(messages)
+                    cut[mi] = dict(messages[mi], tool_calls=variant)
+                    texts.append(self._render_text(cut, tools, True, kwargs))
+                if None in texts:
+                    continue
+                end = _common_prefix(texts[0], texts[1])
+                if texts[0][:end] == prompt.text[:end]:  # the earlier text does not depend on the cut
+                    out.append(end)
+        return out
+
+    def _render_text(self, messages: list[dict], tools: Any, generation: bool, kwargs: dict) -> str | None:
+        try:
+            return self.formatter.render(messages, tools, add_generation_prompt=generation,
+                                         boundary_messages=(), **kwargs).text
+        except TemplateError:
+            return None  # a rendering the template refuses offers no frontier
+
+    def _token_frontier(self, prompt: Any, char_offset: int, round_down: bool = False) -> int | None:
         """The token count whose decoded prefix is exactly ``text[:char_offset]``, or None.
+
+        ``round_down``: the largest token count whose decoded prefix is a prefix of that text.
 
         Hints usually sit near the end of the prompt (the implicit one ends the latest message), so
         the search runs on suffixes from the end, galloping outwards: its cost follows the distance
@@ -127,7 +179,8 @@ class PromptBuilder:
             else:
                 hi = mid
         k = lo if want > 0 else n
-        if 0 < k <= n and self.tokenizer.decode(ids[:k]) == text[:char_offset]:
+        head = self.tokenizer.decode(ids[:k]) if 0 < k <= n else None
+        if head is not None and (head == text[:char_offset] or round_down and text.startswith(head)):
             return k
         return None
 
@@ -137,3 +190,11 @@ class PromptBuilder:
         return ThinkingControl(starts_in_thinking=True, budget=budget,
                                close_ids=early_close_ids(self.tokenizer),
                                end_think_id=self.tokenizer.added_tokens.get("</think>"))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
