@@ -11,8 +11,11 @@ import pytest
 from ninfer.artifact import open_artifact
 from ninfer.artifact.bf16 import to_float32
 from ninfer.cli import main
-from ninfer.convert.random_model import PRESETS, make_random_artifact
-from ninfer.models import DenseConfig, RopeScaling, tensor_names
+from ninfer.backends.reference import HybridRunner, ReferenceRunner
+from ninfer.backends.runner import PrefillChunk
+from ninfer.convert.random_model import HYBRID_PRESETS, PRESETS, make_random_artifact
+from ninfer.models import DenseConfig, HybridConfig, RopeScaling, tensor_names
+from ninfer.models import hybrid
 
 
 def test_cli_random_preset_is_deterministic_per_seed(tmp_path, capsys):
@@ -40,7 +43,7 @@ def test_cli_random_from_config_file(tmp_path):
 
 def test_cli_random_rejects_unknown_config(tmp_path, capsys):
     assert main(["convert", "--random", "huge-llama", str(tmp_path / "r.ninfer")]) == 1
-    assert "neither a preset (tiny-llama, tiny-qwen3) nor a file" in capsys.readouterr().err
+    assert "neither a preset (tiny-llama, tiny-qwen3, tiny-qwen3-next, tiny-qwen3.5) nor a file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"hidden_size": 3}')
     assert main(["convert", "--random", str(tmp_path / "bad.json"), str(tmp_path / "r.ninfer")]) == 1
     assert "is not a DenseConfig JSON" in capsys.readouterr().err
@@ -72,3 +75,25 @@ def test_activations_stay_near_unit_scale(tmp_path, preset):
         assert 0.5 < value.std() < 2.0, f"{name} std {value.std()}"
     assert np.isfinite(logits).all() and 0.5 < logits.std() / np.sqrt(1 if "lm_head" in w else config.hidden_size) < 2.0
     assert len(set(logits.argmax(-1).tolist())) > 5  # greedy choices vary with the input
+
+
+@pytest.mark.parametrize("preset", sorted(HYBRID_PRESETS))
+def test_hybrid_preset_runs_with_finite_varied_logits(tmp_path, preset):
+    """The CLI writes a hybrid artifact the reference HybridRunner opens; a 48-token prefill gives
+    finite, O(1)-spread logits whose greedy choices vary along the prompt."""
+    path = tmp_path / "h.ninfer"
+    assert main(["convert", "--random", preset, str(path), "--seed", "2"]) == 0
+    art = open_artifact(path)
+    config = HybridConfig.from_json(art.config)
+    assert config == HYBRID_PRESETS[preset] and art.metadata["architecture"] == config.architecture
+    assert set(art.tensor_names()) == set(hybrid.tensor_names(config))
+    assert art.chat_template and "<|im_start|>" in art.chat_template
+    runner = ReferenceRunner(str(path), page_size=16, num_pages=8, max_batch=1, max_context=64, state_slots=1)
+    assert isinstance(runner, HybridRunner)
+    tokens = (np.arange(48, dtype=np.int32) * 37) % 900 + 5
+    result = runner.prefill(PrefillChunk(lane=0, tokens=tokens, start=0, page_table=np.arange(3, dtype=np.int32),
+                                         return_logits=True))
+    logits = result.logits
+    assert logits.shape == (48, config.vocab_size) and np.isfinite(logits).all()
+    assert 0.1 < logits.std(axis=-1).mean() < 10.0, logits.std(axis=-1).mean()
+    assert len(set(logits.argmax(-1).tolist())) > 5
