@@ -125,8 +125,8 @@ def _parse_generation(body: dict, count_only: bool, budget: int | None) -> Gener
     max_tokens = f.opt_int(body, "max_tokens", 0)
     if max_tokens == 0 and not count_only:
         raise invalid_value("max_tokens", "must be positive: a zero-output cache prewarm is not supported.")
-    if budget is not None and max_tokens is not None and budget >= max_tokens:
-        raise invalid_value("thinking.budget_tokens", f"{budget} must be less than max_tokens ({max_tokens}).")
+    if max_tokens is not None:
+        check_thinking_budget(budget, max_tokens)
     stops = f.stop_strings(body, "stop_sequences", limit=4) if body.get("stop_sequences") is not None else ()
     return GenerationOptions(
         max_tokens=max_tokens,
@@ -136,6 +136,14 @@ def _parse_generation(body: dict, count_only: bool, budget: int | None) -> Gener
         stops=stops,
         thinking_budget=budget,
     )
+
+
+def check_thinking_budget(budget: int | None, max_tokens: int, *, default: bool = False) -> None:
+    """budget_tokens < max_tokens; ``default``: max_tokens was omitted and this is the server's default."""
+    if budget is not None and budget >= max_tokens:
+        what = f"the server default max_tokens (--default-max-tokens {max_tokens}) that applies when max_tokens " \
+               "is omitted" if default else f"max_tokens ({max_tokens})"
+        raise invalid_value("thinking.budget_tokens", f"{budget} must be less than {what}.")
 
 
 def _parse_thinking(body: dict, count_only: bool) -> tuple[str | None, int | None]:

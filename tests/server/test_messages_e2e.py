@@ -268,3 +268,21 @@ async def test_thinking_budget_reaches_the_engine(start_server, monkeypatch):
     # enabled: the request's budget; adaptive: the server default; disabled: no thinking, no cap.
     assert [s[:2] for s in seen] == [(True, 1024), (True, 64), (False, None)]
     assert all(s[2] == 2000 for s in seen)
+
+
+async def test_thinking_budget_checked_against_the_default_max_tokens(start_server):
+    srv = await start_server("--default-max-tokens", "1500", scripted=True)
+    start_server.runner.scripts.append(thinking_answer(srv.state.prompts.tokenizer))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        # max_tokens omitted: the budget must stay below --default-max-tokens, as if it were explicit.
+        r = await c.post("/v1/messages", json={"model": "m", "messages": HI,
+                                               "thinking": {"type": "enabled", "budget_tokens": 1500}})
+        body = r.json()
+        assert r.status_code == 400 and body["error"]["type"] == "invalid_request_error"
+        assert "thinking.budget_tokens" in body["error"]["message"] and "1500" in body["error"]["message"]
+        explicit = await c.post("/v1/messages", json={"model": "m", "messages": HI, "max_tokens": 1500,
+                                                      "thinking": {"type": "enabled", "budget_tokens": 1500}})
+        assert explicit.status_code == 400 and "thinking.budget_tokens" in explicit.json()["error"]["message"]
+        r = await c.post("/v1/messages", json={"model": "m", "messages": HI,
+                                               "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        assert r.status_code == 200 and r.json()["content"][0]["type"] == "thinking"
