@@ -62,6 +62,14 @@ async def test_chat_completions_second_turn_reuses_the_first(start_server, hybri
         assert cached < two["usage"]["prompt_tokens"]
         ops = state_ops((await c.get("/metrics")).text)
         assert ops["reuse"] == 1 and ops["restore_from_host"] == 0, ops
+    # The reused state changes nothing: a cold server answers turn two with the same greedy tokens.
+    cold = await start_server(artifact=hybrid_artifact)
+    async with httpx.AsyncClient(base_url=cold.url, timeout=30) as c:
+        fresh = (await c.post("/v1/chat/completions", json={**body, "messages": turn2})).json()
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    said = two["choices"][0]["message"]
+    assert (said["content"] or "") + (said.get("reasoning_content") or "")  # 8 tokens of something
+    assert fresh["choices"][0]["message"] == said
 
 
 async def test_messages_second_turn_reads_the_cache(start_server, hybrid_artifact):
