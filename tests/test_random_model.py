@@ -41,12 +41,24 @@ def test_cli_random_from_config_file(tmp_path):
     assert "layers.2.qkv_bias" in art.tensor_names()
 
 
+def test_cli_random_from_hybrid_config_file(tmp_path, capsys):
+    config = attrs.evolve(HYBRID_PRESETS["tiny-qwen3-next"], num_layers=2, layer_types=("linear_attention",
+                          "full_attention"), mlp_types=("dense", "moe"))
+    (tmp_path / "cfg.json").write_text(json.dumps(config.to_json()))
+    assert main(["convert", "--random", str(tmp_path / "cfg.json"), str(tmp_path / "r.ninfer")]) == 0
+    assert HybridConfig.from_json(open_artifact(tmp_path / "r.ninfer").config) == config
+    bad = {**config.to_json(), "layer_types": ["linear_attention"]}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert main(["convert", "--random", str(tmp_path / "bad.json"), str(tmp_path / "b.ninfer")]) == 1
+    assert "layer_types/mlp_types must list 2 layers" in capsys.readouterr().err
+
+
 def test_cli_random_rejects_unknown_config(tmp_path, capsys):
     assert main(["convert", "--random", "huge-llama", str(tmp_path / "r.ninfer")]) == 1
     assert "neither a preset (tiny-llama, tiny-qwen3, tiny-qwen3-next, tiny-qwen3.5) nor a file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"hidden_size": 3}')
     assert main(["convert", "--random", str(tmp_path / "bad.json"), str(tmp_path / "r.ninfer")]) == 1
-    assert "is not a DenseConfig JSON" in capsys.readouterr().err
+    assert "is not a DenseConfig or HybridConfig JSON" in capsys.readouterr().err
     assert not (tmp_path / "r.ninfer").exists()
 
 

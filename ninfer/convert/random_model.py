@@ -59,7 +59,8 @@ AnyConfig = DenseConfig | HybridConfig
 
 
 def resolve_config(spec: str | os.PathLike[str] | AnyConfig) -> tuple[AnyConfig, str | None]:
-    """A config from itself, a preset name, or a DenseConfig JSON file; plus the preset name."""
+    """A config from itself, a preset name, or a Dense/HybridConfig JSON file (told apart by its
+    ``architecture``); plus the preset name."""
     if isinstance(spec, (DenseConfig, HybridConfig)):
         return spec, None
     if str(spec) in PRESETS:
@@ -72,9 +73,11 @@ def resolve_config(spec: str | os.PathLike[str] | AnyConfig) -> tuple[AnyConfig,
         raise ValueError(f"--random: {spec!r} is neither a preset ({names}) nor a file")
     try:
         data = json.loads(path.read_text())
+        if isinstance(data, dict) and data.get("architecture") in hybrid.ARCHITECTURES:
+            return HybridConfig.from_json(data), None
         return DenseConfig.from_json(data), None
     except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"--random: {path} is not a DenseConfig JSON: {exc}") from None
+        raise ValueError(f"--random: {path} is not a DenseConfig or HybridConfig JSON: {exc}") from None
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
