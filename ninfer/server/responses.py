@@ -109,6 +109,9 @@ async def _aggregate(ex: Exchange, session: GenerationSession, plan: _Plan, rid:
     await ex.send_json(200, response)
 
 
+CANCELLED = {"code": "cancelled", "message": "The request was cancelled before the Response finished."}
+
+
 async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: str,
                   created: float) -> AsyncIterator[bytes]:
     seq = 0
@@ -128,12 +131,21 @@ async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: st
             async for ev in events:
                 if isinstance(ev, Progress):
                     continue
+                if isinstance(ev, Done) and out.status_of(ev.finish_reason) == "cancelled":
+                    # OpenAI's stream has no cancelled terminal event: a Response the engine cancelled
+                    # while the client still reads ends as failed (status and event agree), carries why
+                    # in its error, and, like every failed stream, is not stored.
+                    u = ev.usage
+                    use = out.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"],
+                                    u["reasoning_tokens"])
+                    failed = out.response_object(rid, plan.req, created, "failed", asm.output(), use, CANCELLED)
+                    yield frame({"type": "response.failed", "response": failed})
+                    continue
                 if isinstance(ev, Done):
                     response, closing = _terminal(ex, plan, rid, created, asm, ev)
                     for e in closing:
                         yield frame(e)
-                    kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-                            "cancelled": "response.failed"}[response["status"]]
+                    kind = {"completed": "response.completed", "incomplete": "response.incomplete"}[response["status"]]
                     yield frame({"type": kind, "response": response})
                     continue
                 for e in asm.feed(ev):

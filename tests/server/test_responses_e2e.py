@@ -271,3 +271,31 @@ async def test_preserve_thinking_is_inherited_by_children(start_server):
             await count(preserve_thinking=False)
     # The child keeps the parent's reasoning unless it explicitly branches with false.
     assert inherited == kept > dropped
+
+
+async def test_stream_cancelled_by_the_engine_ends_failed_and_is_not_stored(start_server):
+    srv = await start_server("--max-context", "1024", scripted=True)
+    tok = srv.state.prompts.tokenizer
+    start_server.runner.scripts.append(script(tok, ("</think>",), "\n\n" + "word " * 400))
+    worker = srv.state.engine._worker  # no public server-side cancel exists: finish the lane as the engine would
+    events = []
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        body = {"model": MODEL, "input": "Hello there", "max_output_tokens": 600, "stream": True}
+        async with c.stream("POST", "/v1/responses", json=body) as r:
+            buf = ""
+            async for chunk in r.aiter_text():
+                buf += chunk
+                if not events and "response.output_text.delta" in buf:
+                    seq = next(s for s in worker.core.scheduler.lanes if s is not None)
+                    worker.post("cancel", seq)
+                    events.append(True)
+    evs = sse_events(buf)
+    terminal = [d for name, d in evs if name in ("response.completed", "response.incomplete", "response.failed")]
+    assert len(terminal) == 1 and terminal[0]["type"] == "response.failed"
+    resp = terminal[0]["response"]
+    assert resp["status"] == "failed" and resp["error"]["code"] == "cancelled"  # the event and status agree
+    assert resp["completed_at"] is None and 0 < resp["usage"]["output_tokens"] < 400
+    text = "".join(d["delta"] for name, d in evs if name == "response.output_text.delta")
+    assert resp["output"][-1]["content"][0]["text"] == text  # what was streamed is what it reports
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        assert (await c.get(f"/v1/responses/{resp['id']}")).status_code == 404
