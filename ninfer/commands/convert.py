@@ -12,8 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="SRC (Hugging Face checkpoint directory or .gguf file) and OUT.ninfer")
     parser.add_argument("--random", metavar="CONFIG",
-                        help="write random weights for a DenseConfig JSON file or a preset "
-                             "(tiny-llama, tiny-qwen3) instead of converting SRC")
+                        help="write random weights for a DenseConfig or HybridConfig JSON file or a preset "
+                             "(tiny-llama, tiny-qwen3, tiny-qwen3-next, tiny-qwen3.5) instead of converting SRC")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (with --random)")
 
 
