@@ -8,6 +8,7 @@ import pytest
 
 from ninfer.engine import EngineConfig, GenerationRequest, sampling
 from ninfer.engine.context_cost import load
+from ninfer.engine.events import Finished, TokenDelta
 from ninfer.engine.core import EngineCore
 from ninfer.engine.sequence import Sequence
 from ninfer.engine.simulated import SimulatedRunner
@@ -42,6 +43,18 @@ class CoreDriver:
             self.now += 0.001
             steps += 1
         return steps
+
+
+def out(seq: Sequence) -> list[int]:
+    """Every output token id a driven sequence published."""
+    return [t for e in seq.outbox if isinstance(e, TokenDelta) for t in e.token_ids]
+
+
+def end(seq: Sequence) -> Finished:
+    """The driven sequence's one terminal event."""
+    ends = [e for e in seq.outbox if isinstance(e, Finished)]
+    assert len(ends) == 1
+    return ends[0]
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from ninfer.artifact import open_artifact
 from ninfer.backends.reference import HybridRunner, ReferenceRunner
 from ninfer.convert.hf import convert_hf
 from ninfer.engine import EngineConfig
-from ninfer.engine.events import Finished, TokenDelta
+from ninfer.engine.events import TokenDelta
 from ninfer.engine.stats import throughput
 from ninfer.models.hybrid import HybridConfig
 
-from .conftest import CoreDriver
+from .conftest import CoreDriver, end, out
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hybrid" / "qwen3_next"
 
@@ -42,14 +42,6 @@ def prompt(i: int, n: int) -> list[int]:
     return [(i * 31 + j * 17) % 250 + 3 for j in range(n)]
 
 
-def out(seq) -> list[int]:
-    return [t for e in seq.outbox if isinstance(e, TokenDelta) for t in e.token_ids]
-
-
-def end(seq) -> Finished:
-    ends = [e for e in seq.outbox if isinstance(e, Finished)]
-    assert len(ends) == 1
-    return ends[0]
 
 
 @pytest.fixture(scope="module")

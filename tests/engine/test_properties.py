@@ -7,12 +7,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ninfer.engine import EngineConfig, ThinkingControl
-from ninfer.engine.events import Finished, TokenDelta
+from ninfer.engine.events import Finished
 from ninfer.engine.scheduler import MAX_BYPASS
 from ninfer.engine.sequence import Phase
 from ninfer.engine.simulated import SimulatedHybridRunner
 
 from .conftest import CoreDriver
+from .conftest import out as outputs
 
 request_st = st.tuples(
     st.integers(0, 12),  # arrival step
@@ -27,10 +28,6 @@ CLOSE = (61, 62)
 
 def prompt(family: int, n: int) -> list[int]:
     return [(family * 13 + j * 5) % 50 + 1 for j in range(n)]
-
-
-def outputs(seq) -> list[int]:
-    return [t for e in seq.outbox if isinstance(e, TokenDelta) for t in e.token_ids]
 
 
 _alone_cache: dict = {}

@@ -8,9 +8,9 @@ import pytest
 from ninfer.backends.reference import ReferenceRunner
 from ninfer.convert.random_model import make_random_artifact
 from ninfer.engine import EngineConfig, SamplingOverrides
-from ninfer.engine.events import Finished, TokenDelta
+from ninfer.engine.events import TokenDelta
 
-from .conftest import CoreDriver
+from .conftest import CoreDriver, end, out
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,6 @@ def driver(artifact, **kw) -> CoreDriver:
 def prompt(i: int, n: int) -> list[int]:
     return [(i * 131 + j * 37) % 1000 + 3 for j in range(n)]
 
-
-def out(seq) -> list[int]:
-    return [t for e in seq.outbox if isinstance(e, TokenDelta) for t in e.token_ids]
-
-
-def end(seq) -> Finished:
-    return [e for e in seq.outbox if isinstance(e, Finished)][0]
 
 
 @pytest.fixture(scope="module")
