@@ -42,8 +42,6 @@ def prompt(i: int, n: int) -> list[int]:
     return [(i * 31 + j * 17) % 250 + 3 for j in range(n)]
 
 
-
-
 @pytest.fixture(scope="module")
 def alone(artifact):
     memo = {}

@@ -33,7 +33,6 @@ def prompt(i: int, n: int) -> list[int]:
     return [(i * 131 + j * 37) % 1000 + 3 for j in range(n)]
 
 
-
 @pytest.fixture(scope="module")
 def alone(artifact):
     memo = {}
