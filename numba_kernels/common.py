@@ -101,3 +101,4 @@ def _vector_load(element: ir.Type, count: int, result_type, align: int = 16):
 load_f32x4 = _vector_load(ir.FloatType(), 4, float32)
 load_u64x2 = _vector_load(ir.IntType(64), 2, uint64)
 load_u32x2 = _vector_load(ir.IntType(32), 2, uint32, align=8)  # 4 bf16; 8-byte aligned
+load_u32x4 = _vector_load(ir.IntType(32), 4, uint32)  # 8 bf16; 16-byte aligned
