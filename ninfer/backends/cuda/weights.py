@@ -55,9 +55,11 @@ def _host_form(name: str, array: np.ndarray, shape: tuple[int, ...], kind: str) 
     return np.asarray(array, dtype=np.float32)
 
 
-def upload(device: rt.Device, stream, config: DenseConfig,
-           get: Callable[[str], np.ndarray]) -> tuple[dict[str, rt.DevicePtr], UploadReport]:
-    layout = device_layout(config)
+def upload(device: rt.Device, stream, config: DenseConfig, get: Callable[[str], np.ndarray],
+           layout: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+           ) -> tuple[dict[str, rt.DevicePtr], UploadReport]:
+    """``layout``: name -> (shape, "bf16" | "f32"); ``device_layout(config)`` unless given (hybrids)."""
+    layout = device_layout(config) if layout is None else layout
     sizes = {name: int(np.prod(shape)) * (2 if kind == "bf16" else 4) for name, (shape, kind) in layout.items()}
     total = sum(-(-n // 256) * 256 for n in sizes.values())
     arena = rt.Arena(device.alloc(total, "weights"))
@@ -84,9 +86,10 @@ def upload(device: rt.Device, stream, config: DenseConfig,
     return tensors, UploadReport(total, time.perf_counter() - start)
 
 
-def check_device_weights(config: DenseConfig, tensors: Mapping[str, rt.DevicePtr]) -> None:
+def check_device_weights(config: DenseConfig, tensors: Mapping[str, rt.DevicePtr],
+                         layout: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
     """Weights made elsewhere (e.g. random on the GPU by the benchmark) must match the layout."""
-    for name, (shape, kind) in device_layout(config).items():
+    for name, (shape, kind) in (device_layout(config) if layout is None else layout).items():
         if name not in tensors:
             raise ValueError(f"device weights lack tensor {name}")
         need = int(np.prod(shape)) * (2 if kind == "bf16" else 4)
