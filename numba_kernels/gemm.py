@@ -14,9 +14,12 @@ Launch: grid ``(ceil(N / 64), ceil(rows / 64))``, block 256.
 
 from __future__ import annotations
 
+import math
+
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, load_f32x4, load_u64x2
+from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
 
@@ -143,3 +146,188 @@ KERNELS = {f"gemv_m{m}": (make_gemv(m, 8), GEMV_SIG, {"cols": 8, "threads": GEMV
 KERNELS.update({f"gemv_m{m}_c4": (make_gemv(m, 4), GEMV_SIG, {"cols": 4, "threads": GEMV_THREADS})
                 for m in GEMV_ROWS})
 KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int32))
+
+
+# -- decode GEMM on the tensor cores ----------------------------------------------------------------
+# ``mma_gemv_*``: the same product for 1..8 rows (``rows`` is a runtime argument) with mma.sync
+# m16n8k16: the weights are the A operand (16 output features x 16 k per fragment) and the rows'
+# activations the B operand (16 k x 8 rows, zero past ``rows``), accumulated in fp32. The k order
+# inside a fragment is ours to choose as long as A and B agree, so each lane reads 16 contiguous
+# bytes (8 bf16) of weight rows g and g + 8 and the 8 matching fp32 activations of row g: k slots
+# 2t, 2t+1 | 2t+8, 2t+9 of the first MMA hold k = 8t+0,1 | 8t+2,3, the second MMA's k = 8t+4..7.
+# Activations stay fp32-faithful: each is split into TERMS bf16 parts (big, its remainder, ...),
+# one MMA per part against the same weight fragment (two parts keep ~16 bits, three all 24).
+# A block of W warps owns T tiles of 16 weight rows; its warps split K (warp w takes 32-k steps
+# w, w + W, ...; U steps' loads are issued before any MMA) and meet in shared memory, where the
+# sum over warps runs in a fixed order (deterministic). Each warp reuses one activation fragment
+# for its T tiles, so at 8 rows the L2 reads of x shrink to 1/T of the weight bytes.
+#
+# Fusions (compile-time), which remove the RMSNorm and SiLU launches from a decode step:
+# - ``normed``: y = rmsnorm(x, norm_w) @ W.T. The B operand is x * norm_w; the block sees every k
+#   of its rows anyway, so it sums x^2 on the way and scales the result by 1 / rms at the end.
+# - ``residual``: y += x @ W.T (y is the residual stream; each element has one writer).
+# - ``swiglu``: tile rows 0..7 are gate rows j..j+7, rows 8..15 the matching up rows n + j..; the
+#   epilogue writes y[r, j] = silu(gate) * up, so n is the FFN width and W has 2n rows.
+# Launch: grid ``(ceil(n / (T * cols)),)`` with cols = 16 (8 for swiglu), block ``32 * W``;
+# ``k % 8 == 0``, 16-byte aligned rows; ``norm_w`` and ``eps`` are read only when normed.
+
+MMA_EPILOGUES = ("store", "residual", "swiglu")
+
+
+@cuda.jit(device=True, inline=True)
+def split3_bf16x2(lo, hi):
+    """Three bf16 pairs whose sum is (lo, hi) to fp32 precision: big, remainder, remainder's remainder."""
+    big, small = split_bf16x2(lo, hi)
+    lo_rest = lo - bf16_lo(big) - bf16_lo(small)
+    hi_rest = hi - bf16_hi(big) - bf16_hi(small)
+    return big, small, pack_bf16x2(lo_rest, hi_rest)
+
+
+def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int):
+    THREADS = 32 * W
+    SWIGLU = epilogue == "swiglu"
+    COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
+    OUTS = T * COLS * 8  # (column, row) outputs per block
+
+    def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
+        red = cuda.shared.array((W, T, 16, 8), float32)
+        red_ss = cuda.shared.array((W, 8), float32)
+        inv = cuda.shared.array(8, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        t = lane & 3
+        # Element offsets of this lane's two weight rows in each tile (-1: past the matrix).
+        row_at = cuda.local.array((T, 2), int64)
+        for tt in range(T):
+            for h in range(2):
+                i = g + 8 * h
+                if SWIGLU:
+                    j = (cuda.blockIdx.x * T + tt) * 8 + g
+                    row_at[tt, h] = (int64(j) + h * int64(n)) * k if j < n else int64(-1)
+                else:
+                    f = (cuda.blockIdx.x * T + tt) * 16 + i
+                    row_at[tt, h] = int64(f) * k if f < n else int64(-1)
+        acc = cuda.local.array((T, 4), float32)
+        for tt in range(T):
+            for e in range(4):
+                acc[tt, e] = float32(0.0)
+        ss = float32(0.0)
+        x_row = int64(g) * k
+        has_row = g < rows
+        steps = (k + 31) >> 5
+        wr = cuda.local.array((U, T, 2, 4), uint32)
+        xr = cuda.local.array((U, 8), float32)
+        for s0 in range(warp, steps, W * U):
+            # Issue every load of U steps before the first MMA: U * T * 32 bytes per lane in flight.
+            for u in range(U):
+                kk = (s0 + u * W) * 32 + 8 * t
+                inside = kk < k
+                for tt in range(T):
+                    for h in range(2):
+                        if inside and row_at[tt, h] >= 0:
+                            a, b = load_u64x2(w, (row_at[tt, h] + kk) >> 2)
+                            wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
+                            wr[u, tt, h, 1] = uint32(a >> uint64(32))
+                            wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
+                            wr[u, tt, h, 3] = uint32(b >> uint64(32))
+                        else:
+                            for e in range(4):
+                                wr[u, tt, h, e] = uint32(0)
+                if inside and has_row:
+                    x0, x1, x2, x3 = load_f32x4(x, x_row + kk)
+                    x4, x5, x6, x7 = load_f32x4(x, x_row + kk + 4)
+                    if normed:
+                        ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
+                        n0, n1, n2, n3 = load_f32x4(norm_w, kk)
+                        n4, n5, n6, n7 = load_f32x4(norm_w, kk + 4)
+                        x0, x1, x2, x3, x4, x5, x6, x7 = x0 * n0, x1 * n1, x2 * n2, x3 * n3, x4 * n4, x5 * n5, x6 * n6, x7 * n7
+                    xr[u, 0], xr[u, 1], xr[u, 2], xr[u, 3] = x0, x1, x2, x3
+                    xr[u, 4], xr[u, 5], xr[u, 6], xr[u, 7] = x4, x5, x6, x7
+                else:
+                    for e in range(8):
+                        xr[u, e] = float32(0.0)
+            for u in range(U):
+                for half in range(2):  # k = 8t+0..3, then 8t+4..7
+                    e = 4 * half
+                    if TERMS == 3:
+                        p0, q0, r0 = split3_bf16x2(xr[u, e], xr[u, e + 1])
+                        p1, q1, r1 = split3_bf16x2(xr[u, e + 2], xr[u, e + 3])
+                    else:
+                        p0, q0 = split_bf16x2(xr[u, e], xr[u, e + 1])
+                        p1, q1 = split_bf16x2(xr[u, e + 2], xr[u, e + 3])
+                    for tt in range(T):
+                        a0 = wr[u, tt, 0, 2 * half]
+                        a1 = wr[u, tt, 1, 2 * half]
+                        a2 = wr[u, tt, 0, 2 * half + 1]
+                        a3 = wr[u, tt, 1, 2 * half + 1]
+                        c0, c1, c2, c3 = acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3]
+                        if TERMS == 3:  # smallest part first: it is added before the big products
+                            c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, r0, r1, c0, c1, c2, c3)
+                        c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, q0, q1, c0, c1, c2, c3)
+                        c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, p0, p1, c0, c1, c2, c3)
+                        acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3] = c0, c1, c2, c3
+        for tt in range(T):
+            red[warp, tt, g, 2 * t] = acc[tt, 0]
+            red[warp, tt, g, 2 * t + 1] = acc[tt, 1]
+            red[warp, tt, g + 8, 2 * t] = acc[tt, 2]
+            red[warp, tt, g + 8, 2 * t + 1] = acc[tt, 3]
+        if normed:
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 2)
+            if t == 0:
+                red_ss[warp, g] = ss
+        cuda.syncthreads()
+        if normed and tid < 8:
+            total = float32(0.0)
+            for wp in range(W):
+                total += red_ss[wp, tid]
+            inv[tid] = float32(1.0) / math.sqrt(total / float32(k) + eps)
+        if normed:
+            cuda.syncthreads()
+        # One output per thread: consecutive threads take consecutive columns of one row.
+        for idx in range(tid, OUTS, THREADS):
+            r = idx // (T * COLS)
+            col = idx % (T * COLS)
+            tt = col // COLS
+            i = col % COLS
+            out_col = cuda.blockIdx.x * T * COLS + col
+            if r < rows and out_col < n:
+                v = float32(0.0)
+                for wp in range(W):
+                    v += red[wp, tt, i, r]
+                if normed:
+                    v *= inv[r]
+                at = int64(r) * ldy + out_col
+                if SWIGLU:
+                    up = float32(0.0)
+                    for wp in range(W):
+                        up += red[wp, tt, i + 8, r]
+                    if normed:
+                        up *= inv[r]
+                    sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * v)
+                    y[at] = v * sig * up
+                elif epilogue == "residual":
+                    y[at] += v
+                else:
+                    y[at] = v
+
+    return mma_gemv
+
+
+MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
+
+
+def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int) -> str:
+    return f"mma_gemv_{'normed_' if normed else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}"
+
+
+# Candidate shapes, timed by tools/bench_decode_gemm.py; forward.py picks per matrix and row count.
+MMA_SHAPES = [(1, 8, 2, 3), (1, 4, 4, 3), (2, 8, 2, 3), (2, 4, 2, 3), (4, 4, 1, 3), (1, 8, 2, 2), (2, 8, 2, 2)]
+for _shape in MMA_SHAPES:
+    for _normed, _epilogue in ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu")):
+        KERNELS[mma_kernel_name(_normed, _epilogue, *_shape)] = (
+            make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
+            {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
+             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3]})

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.cuda
+PTX_DIR = Path(__file__).resolve().parents[2] / "ptx"
 
 from ninfer.artifact.bf16 import from_float32, to_float32  # noqa: E402
 from ninfer.backends.reference.forward import attention as ref_attention  # noqa: E402
@@ -55,6 +59,40 @@ def test_gemv_fewer_rows_than_compiled(gpu):
     got = gpu.get(y, np.float32, (8, n))
     assert _err(got[:3], x[:3] @ to_float32(w).T) < 1e-6
     assert np.isnan(got[3:]).all()
+
+
+MMA_KERNELS = sorted(name for name in json.loads((PTX_DIR / "manifest.json").read_text())["kernels"]
+                     if name.startswith("mma_gemv_"))
+MMA_TOLERANCE = {2: 2e-5, 3: 2e-6}  # activations split into 2 bf16 parts keep ~16 bits, 3 parts all 24
+
+
+@pytest.mark.parametrize("name", MMA_KERNELS)
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 24), (3, 301, 1000), (8, 4096, 256), (5, 40, 4104)])
+def test_mma_gemv_matches_numpy(gpu, name, rows, n, k):
+    """Every tensor-core decode GEMM variant (meta: epilogue, normed, terms) against float64 NumPy."""
+    kernel = gpu.kernels[name]
+    epilogue, normed = kernel.meta["epilogue"], kernel.meta["normed"]
+    rng = np.random.default_rng(rows * 7 + n + k)
+    eps = 1e-6
+    w = from_float32(rng.standard_normal((2 * n if epilogue == "swiglu" else n, k)))
+    x = rng.standard_normal((rows, k)).astype(np.float32) * 3
+    norm_w = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    y0 = rng.standard_normal((8, n)).astype(np.float32)
+    h = rms_norm(x, norm_w, eps) if normed else x
+    want = h.astype(np.float64) @ to_float32(w).T.astype(np.float64)
+    if epilogue == "swiglu":
+        want = silu(want[:, :n]) * want[:, n:]
+    elif epilogue == "residual":
+        want = want + y0[:rows]
+    y = gpu.put(y0) if epilogue == "residual" else gpu.empty(8 * n * 4)
+    gpu.launch(kernel.name, (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
+               (y, gpu.put(x), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps))
+    got = gpu.get(y, np.float32, (8, n))
+    assert _err(got[:rows], want) < MMA_TOLERANCE[kernel.meta["terms"]]
+    if epilogue == "residual":
+        assert np.array_equal(got[rows:], y0[rows:])  # rows past ``rows`` untouched
+    else:
+        assert np.isnan(got[rows:]).all()
 
 
 @pytest.mark.parametrize("rows,n,k", [(9, 72, 104), (64, 64, 16), (130, 264, 304)])
