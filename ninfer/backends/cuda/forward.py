@@ -9,6 +9,8 @@ directly or under CUDA Graph capture.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ninfer.backends.cuda import runtime as rt
@@ -29,6 +31,25 @@ PREFILL_SPLIT = 256
 def decode_split(length: int) -> int:
     """Split length for a decode step whose longest row has ``length`` keys."""
     return max(MIN_SPLIT, -(-length // (MAX_DECODE_SPLITS * MIN_SPLIT)) * MIN_SPLIT)
+
+
+def flash_prefill(kv_dtype: str) -> bool:
+    """Whether prefill rows take the tensor-core flash kernel (bf16 pool; numba_kernels/prefill_attention.py)
+    instead of the split decode kernel, which stays for the f32 pool's bit-comparable parity runs."""
+    return kv_dtype == "bf16"
+
+
+# Tensor-core decode GEMM shape (tiles of 16 weight rows per block, warps splitting K, 32-k steps
+# in flight per warp, bf16 parts per fp32 activation) by row count: tools/bench_decode_gemm.py.
+DECODE_GEMM_SHAPES = {rows: (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
+
+
+def decode_gemm_name(epilogue: str, normed: bool, rows: int) -> str:
+    """The ``mma_gemv`` kernel (numba_kernels/gemm.py) a decode step of ``rows`` rows launches."""
+    tiles, warps, steps, terms = DECODE_GEMM_SHAPES[rows]
+    return f"mma_gemv_{'normed_' if normed else ''}{epilogue}_t{tiles}w{warps}u{steps}s{terms}"
+
+
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -86,6 +107,7 @@ class StepBuffers:
         self.max_pages = -(-max_context // page_size)
         self.splits = {"decode": -(-max_context // MIN_SPLIT), "prefill": -(-max_context // PREFILL_SPLIT)}
         self.kv_itemsize = KV_DTYPES[kv_dtype]
+        self.flash_prefill = flash_prefill(kv_dtype)
         self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
         self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
         self.logit_rows = max_batch
@@ -117,7 +139,8 @@ class StepBuffers:
 
     def _cells(self, c: DenseConfig, rows: int, max_batch: int) -> int:
         """(row, head, split) cells of the attention partials, the larger of decode and prefill."""
-        return c.num_heads * max(max_batch * self.splits["decode"], rows * self.splits["prefill"])
+        prefill = rows * self.splits["prefill"] if not self.flash_prefill else 0  # the flash kernel needs none
+        return c.num_heads * max(max_batch * self.splits["decode"], prefill)
 
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
@@ -144,11 +167,15 @@ class Forward:
         self.attention_name = f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
         self.rope_name = f"rope_kv_{kv_dtype}"
         self.scale = float(np.float32(config.head_dim ** -0.5))
+        self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample", "to_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
+        names += [self.prefill_attention_name] if self.prefill_attention_name else []
+        names += [decode_gemm_name(epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
+                  for epilogue, normed in (("store", True), ("residual", False), ("swiglu", True))]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
@@ -162,14 +189,40 @@ class Forward:
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
 
+    def n_splits(self, rows: int) -> int:
+        """The grid covers the shortest split of the mode; inputs.split holds the actual length."""
+        return self.b.splits["decode" if rows <= self.b.inputs.lanes.size else "prefill"]
+
+    def attend(self, i: int, rows: int, n_splits: int, stream) -> None:
+        """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``."""
+        c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
+        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        p = f"layers.{i}."
+        combine = k["attention_combine"]
+        bias = w.get(p + "qkv_bias", b.cos)
+        q_norm, k_norm = w.get(p + "q_norm", b.cos), w.get(p + "k_norm", b.cos)
+        layer_kv = b.kv.at(i * b.layer_elems * b.kv_itemsize)
+        k[self.rope_name].launch(
+            (rows, H + 2 * KV), (D // 2,),
+            (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
+             b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size,
+             int(c.attention_bias), int(c.qk_norm), float(c.rms_norm_eps)), stream)
+        if self.prefill_attention_name and rows > inp.lanes.size:
+            self.prefill_attention(layer_kv, rows, stream)
+            return
+        k[self.attention_name].launch(
+            (KV, rows, n_splits), (128,),
+            (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
+             inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits,
+             self.scale), stream)
+        combine.launch((H, rows), (D * combine.meta["threads_per_dim"],),
+                       (b.attn, b.part_o, b.part_ml, inp.d_positions, H, n_splits, D, inp.d_split), stream)
+
     def layers(self, rows: int, stream) -> None:
         """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``."""
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
-        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-        # The grid covers the shortest split of the mode; inputs.split holds the actual length.
-        n_splits = b.splits["decode" if rows <= b.inputs.lanes.size else "prefill"]
-        combine = k["attention_combine"]
+        n_splits = self.n_splits(rows)
         eps = float(c.rms_norm_eps)
         k["embed"].launch((-(-c.hidden_size // 256), rows), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size),
                           stream)
@@ -181,21 +234,7 @@ class Forward:
                 k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps),
                                         stream)
             self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
-            bias = w.get(p + "qkv_bias", b.cos)
-            q_norm, k_norm = w.get(p + "q_norm", b.cos), w.get(p + "k_norm", b.cos)
-            layer_kv = b.kv.at(i * b.layer_elems * b.kv_itemsize)
-            k[self.rope_name].launch(
-                (rows, H + 2 * KV), (D // 2,),
-                (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
-                 b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size,
-                 int(c.attention_bias), int(c.qk_norm), eps), stream)
-            k[self.attention_name].launch(
-                (KV, rows, n_splits), (128,),
-                (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
-                 inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits,
-                 self.scale), stream)
-            combine.launch((H, rows), (D * combine.meta["threads_per_dim"],), (b.attn, b.part_o, b.part_ml, inp.d_positions, H,
-                                                             n_splits, D, inp.d_split), stream)
+            self.attend(i, rows, n_splits, stream)
             self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
             k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
             self.matmul(b.gate_up, b.h, w[p + "gate_up"], rows, 2 * c.intermediate_size, c.hidden_size, stream)
@@ -203,6 +242,44 @@ class Forward:
                                  (b.act, b.gate_up, c.intermediate_size), stream)
             self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
         k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
+
+    def decode_gemm(self, epilogue: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
+                    k: int, stream, norm: rt.DevicePtr | None = None) -> None:
+        """Tensor-core GEMM of a decode step (``mma_gemv``): ``norm`` given = rmsnorm(x) * norm first;
+        ``epilogue`` "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up])."""
+        normed = norm is not None
+        kernel = self.k[decode_gemm_name(epilogue, normed, rows)]
+        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                      (y, x, w, norm if normed else self.b.cos, rows, n, k, n, float(self.c.rms_norm_eps)), stream)
+
+    def decode_layers(self, rows: int, stream) -> None:
+        """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
+
+        Seven launches a layer: the RMSNorms ride in the GEMMs that consume them, the residual adds
+        in the GEMMs that produce them, SiLU-mul in the gate/up GEMM's epilogue."""
+        c, b, w = self.c, self.b, self.w
+        n_splits = self.n_splits(rows)
+        self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
+                               (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            self.decode_gemm("store", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
+                             norm=w[p + "attn_norm"])
+            self.attend(i, rows, n_splits, stream)
+            self.decode_gemm("residual", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+            self.decode_gemm("swiglu", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
+                             stream, norm=w[p + "mlp_norm"])
+            self.decode_gemm("residual", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
+                             stream)
+
+    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
+        """Causal attention of ``rows`` prefill rows straight into ``attn`` on the tensor cores."""
+        b, inp, kernel = self.b, self.b.inputs, self.k[self.prefill_attention_name]
+        scale_log2 = float(self.c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
+        kernel.launch((-(-rows // kernel.meta["rows"]), self.c.num_heads), (kernel.meta["threads"],),
+                      (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
+                       inp.d_positions, b.attn, rows, self.c.num_heads, self.c.num_kv_heads, self.page_shift,
+                       scale_log2), stream)
 
     def logits(self, first_row: int, rows: int, stream) -> None:
         """LM head of ``h[first_row : first_row + rows]`` into ``logits[:rows]``."""
@@ -220,8 +297,14 @@ class Forward:
         inp = self.b.inputs
         self.k["count_tokens"].launch((-(-rows // 32),), (32,),
                                       (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
-        self.layers(rows, stream)
-        self.logits(0, rows, stream)
+        if os.environ.get("NINFER_DECODE_FUSED_WIP") != "1":  # TEMPORARY until the GPU run verifies it
+            self.layers(rows, stream)
+            self.logits(0, rows, stream)
+            self.sample(rows, stream)
+            return
+        self.decode_layers(rows, stream)
+        self.decode_gemm("store", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size, self.c.hidden_size,
+                         stream, norm=self.w["final_norm"])
         self.sample(rows, stream)
 
 
