@@ -1,0 +1,211 @@
+"""The hybrid decoder (Gated DeltaNet + gated attention) as kernel launches over static buffers.
+
+``HybridBuffers`` is the dense ``StepBuffers`` idea for a hybrid: one workspace holding every
+activation, the KV pool of the full-attention layers only (pool layout of ``rope.py`` with
+``layer`` = index among the attention layers), the RoPE tables of the first ``rotary_dim``
+dimensions, the sampler state, the per-step inputs (``forward.Inputs``) and every StateImage slot
+(``hybrid_state.DeviceStates``). ``HybridForward`` enqueues one step; it inherits the dense
+``Forward``'s GEMM dispatch, LM head and sampler, and differs in the layers:
+
+- DeltaNet: in-projection GEMM -> ``deltanet_conv`` (conv + SiLU, conv tail updated) ->
+  ``deltanet_rule_k{dk}_v{dv}`` (L2 norms, gates, delta rule, gated RMSNorm) -> ``out`` GEMM;
+- attention: qkv GEMM -> ``gated_qk_rope`` (query/gate split, q/k norm, partial RoPE, KV append)
+  -> ``gated_attention_d{D}`` (split-K partials) -> ``gated_combine`` (merge, sigmoid gate) -> ``o``;
+- MLP: the dense SwiGLU kernels (MoE layers are refused until the CUDA MoE lands).
+
+A decode step treats each row as its own sequence (state slot ``lanes[r]``); a prefill chunk is one
+sequence (slot ``lanes[0]``) whose rows the DeltaNet kernels walk in order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ninfer.backends.cuda import runtime as rt
+from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MIN_SPLIT, NORM_THREADS, PREFILL_SPLIT,
+                                          Forward, Inputs)
+from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
+from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
+from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
+
+# The variants numba_kernels/deltanet.py and gated_attention.py build (PTX in ptx/).
+CONV_KERNEL = 4
+DELTANET_HEAD_DIMS = (16, 32, 64, 128)
+ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def check_supported(config: HybridConfig, kv_dtype: str) -> None:
+    """Reject shapes the kernels were not built for, naming the field."""
+    c = config
+    if MOE in c.mlp_types:
+        raise ValueError("the CUDA hybrid runner does not run MoE layers yet (the CUDA MoE is not built); "
+                         "use the reference backend")
+    if c.head_dim not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"the CUDA hybrid runner supports head_dim {ATTENTION_HEAD_DIMS}, the model has {c.head_dim}")
+    if c.linear_k_head_dim != c.linear_v_head_dim or c.linear_k_head_dim not in DELTANET_HEAD_DIMS:
+        raise ValueError(f"the CUDA hybrid runner supports DeltaNet head dims k = v in {DELTANET_HEAD_DIMS}, "
+                         f"the model has k {c.linear_k_head_dim}, v {c.linear_v_head_dim}")
+    if c.conv_kernel != CONV_KERNEL:
+        raise ValueError(f"the CUDA hybrid runner supports conv_kernel {CONV_KERNEL}, the model has {c.conv_kernel}")
+    for field, value in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
+                         ("value_dim", c.value_dim), ("q_size", c.q_size)):
+        if value % 8:  # 16-byte vector loads in the GEMV
+            raise ValueError(f"the CUDA hybrid runner needs {field} divisible by 8, got {value}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+
+
+class HybridBuffers:
+    def __init__(self, device: rt.Device, config: HybridConfig, *, page_size: int, num_pages: int, max_batch: int,
+                 max_context: int, max_rows: int, kv_dtype: str, state_slots: int,
+                 tensor_core_prefill: bool = False):
+        c = config
+        self.rows = R = max(max_rows, max_batch)
+        self.max_pages = -(-max_context // page_size)
+        self.splits = {"decode": -(-max_context // MIN_SPLIT), "prefill": -(-max_context // PREFILL_SPLIT)}
+        self.kv_itemsize = KV_DTYPES[kv_dtype]
+        self.kv_layers = len(c.attention_layers)
+        self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
+        self.page_elems = self.kv_layers * self.layer_elems
+        self.logit_rows = max_batch
+        cells = c.num_heads * max(max_batch * self.splits["decode"], R * self.splits["prefill"])
+        f32 = 4
+        plan = {
+            "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
+            "proj": R * c.in_proj_size * f32, "mixed": R * c.conv_dim * f32, "core": R * c.value_dim * f32,
+            "qkv": R * c.qkv_size * f32, "q": R * c.q_size * f32, "gate": R * c.q_size * f32,
+            "attn": R * c.q_size * f32,
+            "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
+            "part_o": cells * c.head_dim * f32, "part_ml": cells * 2 * f32,
+            "logits": self.logit_rows * c.vocab_size * f32,
+            "counts": max_batch * c.vocab_size * 4,
+            "out": max_batch * 4,
+            "cos": max_context * c.rotary_dim // 2 * f32, "sin": max_context * c.rotary_dim // 2 * f32,
+            "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
+            "states": max(1, (max_batch + state_slots) * c.state_floats * f32),
+        }
+        if tensor_core_prefill:  # bf16 copies of prefill activations and cuBLASLt's workspace
+            widest = max(c.hidden_size, c.intermediate_size, c.q_size, c.value_dim)
+            plan["x_bf16"] = R * widest * 2
+            plan["lt_workspace"] = LT_WORKSPACE_BYTES
+        inputs_bytes = 8 * (3 * R + max_batch * (self.max_pages + 12)) + 256
+        self.workspace_bytes = sum(-(-n // 256) * 256 for n in plan.values()) + inputs_bytes + 4096
+        self.arena = rt.Arena(device.alloc(self.workspace_bytes, "workspace"))
+        for name, nbytes in plan.items():
+            setattr(self, name, self.arena.take(nbytes, name))
+        self.inputs = Inputs(device, self.arena, R, max_batch, self.max_pages)
+        self.state_slots = DeviceStates(device, self.states, c, max_batch + state_slots)
+        cos, sin = cos_sin_tables(base_inverse_frequencies(c.rope_theta, c.rotary_dim), max_context)
+        self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
+
+    def init(self, stream) -> None:
+        rt.copy_h2d(self.cos, self._tables[0], stream)
+        rt.copy_h2d(self.sin, self._tables[1], stream)
+        for region in (self.counts, self.kv, self.states):
+            rt.memset32(region, 0, region.nbytes // 4, stream)
+        rt.synchronize(stream)
+        self._tables = None
+
+
+class HybridForward(Forward):
+    """Enqueues the launches of one step; reads inputs and weights only from static addresses."""
+
+    def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
+                 buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
+        super().__init__(kernels, config, weights, buffers, page_size=page_size, kv_dtype=kv_dtype, lt=lt)
+        c = config
+        self.rule_name = f"deltanet_rule_k{c.linear_k_head_dim}_v{c.linear_v_head_dim}"
+        self.qk_name = f"gated_qk_rope_{kv_dtype}"
+        self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
+        self.state_offset = layer_offsets(c)
+        self.kv_index = {layer: i for i, layer in enumerate(c.attention_layers)}
+        self.conv_floats = (c.conv_kernel - 1) * c.conv_dim
+
+    def kernel_names(self) -> list[str]:
+        dense_only = {self.attention_name, self.rope_name, "attention_combine"}
+        names = [n for n in super().kernel_names() if n not in dense_only]
+        return names + ["deltanet_conv", self.rule_name, self.qk_name, self.gated_attention_name, "gated_combine"]
+
+    def layers(self, rows: int, stream, decode: bool = False) -> None:
+        """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
+
+        ``decode``: each row is one lane's next token; else the rows are one prefill sequence."""
+        c, b, w, k = self.c, self.b, self.w, self.k
+        eps = float(c.rms_norm_eps)
+        k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
+                          (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            if i == 0:
+                k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps),
+                                    stream)
+            else:
+                k["add_rmsnorm"].launch((rows,), (NORM_THREADS,),
+                                        (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps), stream)
+            if c.layer_types[i] == LINEAR:
+                self.deltanet(i, rows, decode, stream)
+            else:
+                self.attention(i, rows, stream)
+            k["add_rmsnorm"].launch((rows,), (NORM_THREADS,),
+                                    (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
+            if c.mlp_types[i] == DENSE:
+                self.dense_mlp(p, rows, stream)
+        k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps),
+                                stream)
+
+    def deltanet(self, layer: int, rows: int, decode: bool, stream) -> None:
+        c, b, w, k = self.c, self.b, self.w, self.k
+        p = f"layers.{layer}."
+        self.matmul(b.proj, b.h, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size, stream)
+        seqs, seq_rows = (rows, 1) if decode else (1, rows)
+        slot_floats = c.state_floats
+        conv_state = b.states.at(self.state_offset[layer] * 4)
+        conv = k["deltanet_conv"]
+        conv.launch((-(-c.conv_dim // conv.meta["threads"]), seqs), (conv.meta["threads"],),
+                    (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, b.inputs.d_lanes, seq_rows,
+                     c.conv_dim, w[p + "conv"]), stream)
+        rule = k[self.rule_name]
+        rule.launch((c.linear_num_v_heads, seqs), (rule.meta["threads"],),
+                    (b.mixed, b.proj, b.core, conv_state.at(self.conv_floats * 4), slot_floats, b.inputs.d_lanes,
+                     seq_rows, c.linear_num_k_heads, c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"],
+                     w[p + "A_log"], w[p + "linear_norm"], float(c.rms_norm_eps)), stream)
+        self.matmul(b.delta, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
+
+    def attention(self, layer: int, rows: int, stream) -> None:
+        c, b, w, k = self.c, self.b, self.w, self.k
+        inp = b.inputs
+        p = f"layers.{layer}."
+        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        # The grid covers the shortest split of the mode; inputs.split holds the actual length.
+        n_splits = b.splits["decode" if rows <= inp.lanes.size else "prefill"]
+        layer_kv = b.kv.at(self.kv_index[layer] * b.layer_elems * b.kv_itemsize)
+        self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
+        k[self.qk_name].launch(
+            (rows, H + 2 * KV), (D,),
+            (b.qkv, b.q, b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, layer_kv, b.page_elems,
+             inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, c.rotary_dim // 2,
+             self.page_size, float(c.rms_norm_eps)), stream)
+        attention = k[self.gated_attention_name]
+        attention.launch(
+            (H, rows, n_splits), (attention.meta["threads"],),
+            (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
+             b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits, self.scale), stream)
+        k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
+                                                    n_splits, D, inp.d_split), stream)
+        self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+
+    def dense_mlp(self, p: str, rows: int, stream) -> None:
+        c, b, w, k = self.c, self.b, self.w, self.k
+        self.matmul(b.gate_up, b.h, w[p + "gate_up"], rows, 2 * c.intermediate_size, c.hidden_size, stream)
+        k["silu_mul"].launch((-(-c.intermediate_size // 256), rows), (256,), (b.act, b.gate_up, c.intermediate_size),
+                             stream)
+        self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
+
+    def decode(self, rows: int, stream) -> None:
+        """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""
+        inp = self.b.inputs
+        self.k["count_tokens"].launch((-(-rows // 32),), (32,),
+                                      (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
+        self.layers(rows, stream, decode=True)
+        self.logits(0, rows, stream)
+        self.sample(rows, stream)

@@ -1,0 +1,238 @@
+"""``CudaHybridRunner``: the reference ``HybridRunner``'s protocol on one NVIDIA GPU.
+
+It is ``CudaRunner`` (same checks, sampler, decode CUDA Graph per batch size, prefill sub-chunks,
+KV page operations) with the hybrid forward pass of ``hybrid_forward.py``, a KV pool for the
+full-attention layers only (``read_pages`` gives ``[2, attention_layers, pages, page_size,
+kv_heads, head_dim]``, as the reference does) and ``max_batch + state_slots`` StateImage slots in
+device memory (``hybrid_state.py``): slot ``i < max_batch`` is lane ``i``'s live state, the rest
+hold checkpoints. ``copy_state`` is a device copy; ``read_state`` / ``write_state`` go through
+pinned staging.
+
+The rules the Engine relies on are the reference's: a prefill chunk with ``start == 0`` starts from
+the zero state, one with ``start > 0`` and a decode row at position ``p`` need the lane's state to
+summarise exactly that many tokens (a state written without a length is trusted).
+
+``open_runner(path, ...)`` builds the right CUDA runner for an artifact, dense or hybrid.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ninfer.artifact.bf16 import from_float32, to_float32
+from ninfer.backends.cuda import hybrid_weights as hw
+from ninfer.backends.cuda import runtime as rt
+from ninfer.backends.cuda.forward import GEMV_MAX_ROWS, PREFILL_GEMMS
+from ninfer.backends.cuda.hybrid_forward import HybridBuffers, HybridForward, check_supported
+from ninfer.backends.cuda.runner import CudaRunner
+from ninfer.backends.reference.hybrid_runner import is_hybrid_config
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
+from ninfer.models.hybrid import ARCHITECTURES, HybridConfig
+
+
+def open_runner(artifact: Any, *, state_slots: int = 0, **options: Any) -> CudaRunner:
+    """A ``CudaHybridRunner`` for a hybrid artifact (with ``state_slots`` extra StateImages), else a
+    ``CudaRunner``; ``options`` are the runners' shared keyword arguments."""
+    if isinstance(artifact, (str, Path)):
+        from ninfer.artifact import open_artifact
+
+        artifact = open_artifact(artifact, components=("text",))
+    if is_hybrid_config(artifact.config):
+        return CudaHybridRunner(artifact, state_slots=state_slots, **options)
+    return CudaRunner(artifact, **options)
+
+
+class CudaHybridRunner(CudaRunner):
+    """A Qwen3-Next / Qwen3.5 hybrid on the GPU; see the module docstring."""
+
+    def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int, max_batch: int, max_context: int,
+                 device: int | rt.Device = 0, kv_dtype: str = "bf16", cuda_graph: bool = True,
+                 max_prefill_rows: int = 512, prefill_gemm: str = "fp32", state_slots: int = 0):
+        """``artifact``: an opened artifact or a path; ``state_slots``: extra StateImage slots."""
+        if isinstance(artifact, (str, Path)):
+            from ninfer.artifact import open_artifact
+
+            artifact = open_artifact(artifact, components=("text",))
+        config = _hybrid_config(artifact.config)
+        check_supported(config, kv_dtype)
+        dev = device if isinstance(device, rt.Device) else rt.Device(device)
+        stream = dev.stream()
+        weights, report = hw.upload(dev, stream, config, artifact.tensor)
+        self._setup(config, dev, stream, weights, page_size=page_size, num_pages=num_pages, max_batch=max_batch,
+                    max_context=max_context, kv_dtype=kv_dtype, cuda_graph=cuda_graph,
+                    max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots)
+        self.startup["weights_bytes"] = report.nbytes
+        self.startup["weights_upload_gb_per_s"] = round(report.gb_per_s, 2)
+
+    @classmethod
+    def from_device_weights(cls, config: HybridConfig, weights: Mapping[str, rt.DevicePtr], *,
+                            device: rt.Device, page_size: int = 16, num_pages: int, max_batch: int,
+                            max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
+                            max_prefill_rows: int = 512, prefill_gemm: str = "fp32",
+                            state_slots: int = 0) -> CudaHybridRunner:
+        """A runner over weights already on ``device`` in the layout of ``hybrid_weights.device_layout``
+        (zero-centred norm weights stored as ``1 + w``)."""
+        check_supported(config, kv_dtype)
+        hw.check_device_weights(config, weights)
+        runner = cls.__new__(cls)
+        runner._setup(config, device, device.stream(), dict(weights), page_size=page_size, num_pages=num_pages,
+                      max_batch=max_batch, max_context=max_context, kv_dtype=kv_dtype, cuda_graph=cuda_graph,
+                      max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots)
+        return runner
+
+    def _setup(self, config, device, stream, weights, *, page_size, num_pages, max_batch, max_context,
+               kv_dtype, cuda_graph, max_prefill_rows, prefill_gemm, state_slots=0):
+        if prefill_gemm not in PREFILL_GEMMS:
+            raise ValueError(f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, got {prefill_gemm!r}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        if not isinstance(num_pages, int):
+            raise ValueError(f"num_pages must be a positive int for a hybrid model, got {num_pages!r}")
+        for name, value in (("num_pages", num_pages), ("max_batch", max_batch), ("max_context", max_context),
+                            ("max_prefill_rows", max_prefill_rows)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if state_slots < 0:
+            raise ValueError(f"state_slots must be >= 0, got {state_slots}")
+        if max_batch > GEMV_MAX_ROWS:
+            raise ValueError(f"max_batch {max_batch}: the CUDA backend's decode GEMVs take at most {GEMV_MAX_ROWS} rows")
+        self.config = config
+        self.device = device
+        self.stream = stream
+        self.fault = None  # the sticky CudaError that ended this runner, if any (CudaRunner's guard)
+        self.kv_dtype = kv_dtype
+        self.kernels = rt.Kernels(device)
+        self.buffers = HybridBuffers(device, config, page_size=page_size, num_pages=num_pages, max_batch=max_batch,
+                                     max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
+                                     state_slots=state_slots, tensor_core_prefill=prefill_gemm == "cublaslt")
+        self.buffers.init(stream)
+        self.states = self.buffers.state_slots
+        self._lt = None
+        if prefill_gemm == "cublaslt":
+            from ninfer.backends.cuda.cublaslt import LtMatmul
+
+            self._lt = LtMatmul(self.buffers.lt_workspace)
+        self.forward = HybridForward(self.kernels, config, weights, self.buffers, page_size=page_size,
+                                     kv_dtype=kv_dtype, lt=self._lt)
+        for name in self.forward.kernel_names():  # module loads are not allowed during capture
+            self.kernels[name]
+        self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
+                               vocab_size=config.vocab_size, max_context=max_context, backend="cuda")
+        self._out = device.pinned(4 * max_batch).view(np.int32)
+        self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
+        self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
+        self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
+                                        "prefill_gemm": prefill_gemm, "kv_pages": num_pages,
+                                        "state_slots": self.states.slots, "state_bytes": 4 * config.state_floats,
+                                        "workspace_bytes": self.buffers.workspace_bytes}
+        self.graphs: dict[int, rt.Graph] = {}
+        if cuda_graph:
+            free_before = device.free_memory()
+            start = time.perf_counter()
+            for rows in range(1, max_batch + 1):
+                self.graphs[rows] = rt.Graph.capture(stream, lambda rows=rows: self.forward.decode(rows, stream))
+            self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
+            self.startup["graph_bytes"] = free_before - device.free_memory()
+            self.startup["graph_nodes"] = self.graphs[1].nodes
+
+    # -- the protocol: CudaRunner's, with the lanes' recurrent state kept in step ----------------
+
+    def prefill(self, chunk: PrefillChunk) -> StepResult:
+        self.device.make_current()
+        self._check_lane(chunk.lane, "prefill lane")
+        if chunk.start == 0:
+            self.states.clear(chunk.lane, self.stream)
+        else:
+            self._check_continues(chunk.lane, chunk.start, "prefill start")
+        self.buffers.inputs.lanes[0] = chunk.lane  # the state slot the chunk continues
+        result = super().prefill(chunk)
+        self.states.length[chunk.lane] = chunk.start + np.asarray(chunk.tokens).size
+        return result
+
+    def decode(self, batch: DecodeBatch) -> StepResult:
+        lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
+        positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
+        if lanes.size == positions.size and lanes.size and 0 <= lanes.min() and lanes.max() < self.info.max_batch:
+            for lane, position in zip(lanes.tolist(), positions.tolist()):
+                self._check_continues(lane, position, "decode position")
+        result = super().decode(batch)  # validates the rest before anything runs
+        self.states.length[lanes] = positions + 1
+        return result
+
+    def _check_continues(self, lane: int, position: int, field: str) -> None:
+        have = int(self.states.length[lane])
+        if have >= 0 and have != position:
+            raise ValueError(f"{field} {position}: lane {lane}'s recurrent state summarises {have} tokens; "
+                             f"restore the state at {position} first (copy_state / write_state)")
+
+    def read_pages(self, pages: Sequence[int]) -> np.ndarray:
+        """``[2, attention_layers, len(pages), page_size, kv_heads, head_dim]`` float32."""
+        self.device.make_current()
+        idx = self._pages(pages)
+        raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
+        for i, page in enumerate(idx):
+            rt.copy_d2h(self._page_staging, self._page(int(page)), self.stream)
+            rt.synchronize(self.stream)
+            raw[i] = self._page_staging.view(self._pool_dtype())
+        values = to_float32(raw) if self.kv_dtype == "bf16" else raw
+        c = self.config
+        values = values.reshape(len(idx), self.buffers.kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
+        return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
+
+    def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
+        self.device.make_current()
+        idx = self._pages(pages)
+        c = self.config
+        expected = (2, self.buffers.kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
+        if data.shape != expected:
+            raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
+        pool = np.ascontiguousarray(np.asarray(data, np.float32).transpose(2, 1, 0, 4, 3, 5))
+        pool = from_float32(pool) if self.kv_dtype == "bf16" else pool
+        pool = pool.reshape(len(idx), -1)
+        for i, page in enumerate(idx):
+            self._page_staging.view(self._pool_dtype())[:] = pool[i]
+            rt.copy_h2d(self._page(int(page)), self._page_staging, self.stream)
+            rt.synchronize(self.stream)
+
+    # -- StateImages ----------------------------------------------------------------------------
+
+    @property
+    def num_state_slots(self) -> int:
+        """Lanes first (slot i = lane i), then the extra slots."""
+        return self.states.slots
+
+    @property
+    def state_floats(self) -> int:
+        """Length of the float32 vector ``read_state`` returns."""
+        return self.states.floats
+
+    def read_state(self, slot: int) -> np.ndarray:
+        """A copy of the StateImage in ``slot`` as float32 [state_floats]."""
+        self.device.make_current()
+        return self.states.read(slot, self.stream)
+
+    def write_state(self, slot: int, data: np.ndarray, length: int | None = None) -> None:
+        """Replace the StateImage in ``slot``; ``length``: tokens it summarises (None: unknown)."""
+        self.device.make_current()
+        self.states.write(slot, data, length, self.stream)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy a StateImage between slots on the device (checkpoint capture or reuse)."""
+        self.device.make_current()
+        self.states.copy(src, dst, self.stream)
+
+    def state_length(self, slot: int) -> int:
+        """Tokens the image in ``slot`` summarises (-1: unknown)."""
+        return int(self.states.length[self.states.check_slot(slot, "state_length slot")])
+
+
+def _hybrid_config(config: Any) -> HybridConfig:
+    if isinstance(config, HybridConfig):
+        return config
+    if not is_hybrid_config(config):
+        raise ValueError(f"CudaHybridRunner runs {', '.join(ARCHITECTURES)}, not {config.get('architecture')!r}")
+    return HybridConfig.from_json(config)

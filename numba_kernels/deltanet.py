@@ -1,0 +1,148 @@
+"""Gated DeltaNet kernels: the depthwise causal conv and the gated delta rule (hybrid models).
+
+Both run over *sequences*: ``n_seqs`` groups of ``seq_rows`` consecutive activation rows, sequence
+``s`` continuing from and updating the state of StateImage slot ``lanes[s]``. A decode step is
+``rows`` sequences of one row, a prefill chunk one sequence of ``rows`` rows: one kernel serves
+both, and in a prefill the state stays in registers for the whole chunk. The state pointer is
+the layer's part of slot 0; slot ``s`` lies ``slot_stride`` floats further (one StateImage is one
+contiguous block: for each DeltaNet layer its conv tail then its delta-rule state, see
+``ninfer/backends/cuda/hybrid_state.py``).
+
+``deltanet_conv``: conv (kernel 4, compile-time) over [conv tail | new rows] then SiLU, per
+channel; the tail becomes the last three input rows. Input ``x`` is the first ``channels`` columns
+of the in-projection (row stride ``x_stride``). Grid ``(ceil(channels / 128), n_seqs)``, block 128.
+
+``deltanet_rule_k{DK}_v{DV}``: per (value head, sequence) one block of ``max(32, DV)`` threads,
+thread ``j`` owning column ``j`` of the head's ``[DK, DV]`` fp32 state in registers. Per token:
+q, k of the head's key head into shared memory, L2-normalised (q also scaled by ``DK ** -0.5``),
+``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, then the recurrent step
+(decay, ``S^T k``, delta write, ``o = S^T q``) and the gated RMSNorm ``norm(o) * w * silu(z)`` over
+the head, fused so ``o`` never leaves the block. This is the per-token (recurrent) form for prefill
+too; the chunked tensor-core form is not built yet. Grid ``(v_heads, n_seqs)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, int64
+
+from numba_kernels.common import F32P, I32P, block_sum
+
+CONV_KERNEL = 4
+CONV_THREADS = 128
+HEAD_DIMS = (16, 32, 64, 128)  # DK = DV variants built
+L2_EPS = float32(1e-6)
+
+
+@cuda.jit(device=True, inline=True)
+def sigmoid(x):
+    # The reference's overflow-free form.
+    return float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * x)
+
+
+@cuda.jit(device=True, inline=True)
+def softplus(x):
+    """log(1 + e^x) without overflow, as np.logaddexp(0, x)."""
+    return max(x, float32(0.0)) + math.log1p(math.exp(-abs(x)))
+
+
+def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channels, weight):
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    seq = cuda.blockIdx.y
+    if c >= channels:
+        return
+    base = int64(lanes[seq]) * slot_stride + c
+    s0 = states[base]
+    s1 = states[base + channels]
+    s2 = states[base + 2 * channels]
+    w0 = weight[c * CONV_KERNEL]
+    w1 = weight[c * CONV_KERNEL + 1]
+    w2 = weight[c * CONV_KERNEL + 2]
+    w3 = weight[c * CONV_KERNEL + 3]
+    for t in range(seq_rows):
+        r = int64(seq * seq_rows + t)
+        v = x[r * x_stride + c]
+        y = s0 * w0 + s1 * w1 + s2 * w2 + v * w3  # the reference's tap order
+        out[r * channels + c] = y * sigmoid(y)
+        s0, s1, s2 = s1, s2, v
+    states[base] = s0
+    states[base + channels] = s1
+    states[base + 2 * channels] = s2
+
+
+def make_rule(DK, DV):
+    scale = float32(np.float32(DK) ** np.float32(-0.5))
+
+    def rule(mixed, proj, out, states, slot_stride, lanes, seq_rows, n_k, n_v, in_stride, dt_bias, a_log,
+             norm_w, eps):
+        sh_q = cuda.shared.array(DK, float32)
+        sh_k = cuda.shared.array(DK, float32)
+        scratch = cuda.shared.array(32, float32)
+        head = cuda.blockIdx.x
+        seq = cuda.blockIdx.y
+        j = cuda.threadIdx.x
+        threads = cuda.blockDim.x
+        active = j < DV
+        key_dim = n_k * DK
+        conv_dim = 2 * key_dim + n_v * DV
+        value_dim = n_v * DV
+        q_off = (head // (n_v // n_k)) * DK  # value head j reads key head j // (n_v / n_k)
+        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + j
+        col = cuda.local.array(DK, float32)
+        w = float32(0.0)
+        if active:
+            w = norm_w[j]
+            for i in range(DK):
+                col[i] = states[base + i * DV]
+        neg_a = -math.exp(a_log[head])
+        bias = dt_bias[head]
+        for t in range(seq_rows):
+            r = int64(seq * seq_rows + t)
+            for i in range(j, DK, threads):
+                sh_q[i] = mixed[r * conv_dim + q_off + i]
+                sh_k[i] = mixed[r * conv_dim + key_dim + q_off + i]
+            cuda.syncthreads()
+            qq = float32(0.0)
+            kk = float32(0.0)
+            for i in range(DK):
+                qq += sh_q[i] * sh_q[i]
+                kk += sh_k[i] * sh_k[i]
+            q_inv = float32(1.0) / math.sqrt(qq + L2_EPS)
+            k_inv = float32(1.0) / math.sqrt(kk + L2_EPS)
+            beta = sigmoid(proj[r * in_stride + conv_dim + value_dim + head])
+            decay = math.exp(neg_a * softplus(proj[r * in_stride + conv_dim + value_dim + n_v + head] + bias))
+            o = float32(0.0)
+            if active:
+                v = mixed[r * conv_dim + 2 * key_dim + head * DV + j]
+                predicted = float32(0.0)
+                for i in range(DK):
+                    col[i] *= decay
+                    predicted += (sh_k[i] * k_inv) * col[i]
+                d = (v - predicted) * beta
+                for i in range(DK):
+                    col[i] += (sh_k[i] * k_inv) * d
+                    o += (sh_q[i] * q_inv * scale) * col[i]
+            # block_sum synchronises: every thread is done with sh_q / sh_k before the next token.
+            total = block_sum(o * o, scratch)
+            if active:
+                z = proj[r * in_stride + conv_dim + head * DV + j]
+                normed = o / math.sqrt(total / float32(DV) + eps) * w
+                out[r * value_dim + head * DV + j] = normed * (z * sigmoid(z))
+        if active:
+            for i in range(DK):
+                states[base + i * DV] = col[i]
+
+    return rule
+
+
+KERNELS = {
+    "deltanet_conv": (deltanet_conv, (F32P, F32P, int32, F32P, int64, I32P, int32, int32, F32P),
+                      {"threads": CONV_THREADS, "kernel": CONV_KERNEL}),
+}
+for _d in HEAD_DIMS:
+    KERNELS[f"deltanet_rule_k{_d}_v{_d}"] = (
+        make_rule(_d, _d),
+        (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
+        {"threads": max(32, _d)})

@@ -1,0 +1,207 @@
+"""Gated full attention of the hybrid models: q/k preparation, paged attention, gated combine.
+
+The attention layer's projection row holds, per query head, ``D`` query then ``D`` gate values,
+then the K and V heads (``ninfer.models.hybrid``). Three kernels:
+
+``gated_qk_rope_{bf16|f32}``: grid ``(rows, n_heads + 2 n_kv)``, block ``D`` threads (one per
+dim, D in 32..256). Query heads: the gate goes to ``gate_out [rows, n_heads * D]``, the query
+through its RMSNorm (weight ``1 + w`` folded at upload) and RoPE on the first ``2 * rot_half``
+dims (rotate-half within them) into ``q_out [rows, n_heads * D]``. K heads: RMSNorm and RoPE into
+the KV page; V heads: into the page as they are. Pool layout as ``rope.py``'s.
+
+``gated_attention_d{D}_{bf16|f32}``: grid ``(n_heads, rows, n_splits)``, block 128 (4 warps).
+One block per query head (any GQA group size, as 6 in Qwen3.6-27B), keys of one split; each warp
+walks every 4th key, lanes own ``D / 32`` dims, scores warp-reduced and folded into an online
+softmax; the warps merge and write the unnormalised partial (``o``, max, sum) in the
+``attention.py`` layout. The split length is a step input (device memory), so one captured graph
+serves every context; blocks past a row's length exit at once.
+
+``gated_combine``: grid ``(n_heads, rows)``, block ``D``: merges the splits of each (row, head)
+and multiplies by ``sigmoid(gate)``, giving the input of the ``o`` projection.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32, int64
+
+from numba_kernels.common import F32P, I32P, NEG_BIG, U16P, bf16_to_f32, block_sum, warp_sum
+from numba_kernels.deltanet import sigmoid
+from numba_kernels.rope import store_bf16, store_f32
+
+HEAD_DIMS = (32, 64, 128, 256)
+MAX_HEAD_DIM = 256
+WARPS = 4
+
+
+def make_qk_rope(store):
+    def qk_rope(qkv, q_out, gate_out, q_norm, k_norm, cos_t, sin_t, kc, page_stride, page_tables,
+                max_pages, row_table, positions, n_heads, n_kv, head_dim, rot_half, page_size, eps):
+        sh = cuda.shared.array(MAX_HEAD_DIM, float32)
+        scratch = cuda.shared.array(32, float32)
+        row = int64(cuda.blockIdx.x)
+        head = cuda.blockIdx.y
+        i = cuda.threadIdx.x
+        width = 2 * (n_heads + n_kv) * head_dim
+        is_q = head < n_heads
+        is_v = head >= n_heads + n_kv
+        if is_q:
+            src = row * width + head * 2 * head_dim + i
+            gate_out[row * n_heads * head_dim + head * head_dim + i] = qkv[src + head_dim]
+        else:
+            src = row * width + 2 * n_heads * head_dim + (head - n_heads) * head_dim + i
+        x = qkv[src]
+        pos = positions[row]
+        if not is_v:  # uniform per block, so every thread of it reaches the block_sum
+            total = block_sum(x * x, scratch)
+            inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
+            x = (x * inv) * (q_norm[i] if is_q else k_norm[i])
+            sh[i] = x
+            cuda.syncthreads()
+            if i < rot_half:
+                c = cos_t[pos * rot_half + i]
+                s = sin_t[pos * rot_half + i]
+                x = x * c - sh[i + rot_half] * s
+            elif i < 2 * rot_half:
+                c = cos_t[pos * rot_half + i - rot_half]
+                s = sin_t[pos * rot_half + i - rot_half]
+                x = x * c + sh[i - rot_half] * s
+        if is_q:
+            q_out[row * n_heads * head_dim + head * head_dim + i] = x
+            return
+        page = int64(page_tables[row_table[row] * max_pages + pos // page_size])
+        slot = pos % page_size
+        kv_head = head - n_heads
+        base = page * page_stride
+        if is_v:
+            kv_head -= n_kv
+            base += int64(n_kv) * page_size * head_dim
+        store(kc, base + (int64(kv_head) * page_size + slot) * head_dim + i, x)
+
+    return qk_rope
+
+
+@cuda.jit(device=True, inline=True)
+def load_bf16(pool, index):
+    return bf16_to_f32(pool[index])
+
+
+@cuda.jit(device=True, inline=True)
+def load_f32(pool, index):
+    return pool[index]
+
+
+def make_attention(D, load):
+    E = D // 32  # dims per lane
+
+    def attention(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
+                  n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
+        sh_m = cuda.shared.array(WARPS, float32)
+        sh_l = cuda.shared.array(WARPS, float32)
+        sh_o = cuda.shared.array((WARPS, D), float32)
+        h = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        length = positions[row] + 1
+        split_len = split_ptr[0]
+        start = split * split_len
+        if start >= length:
+            return
+        end = min(start + split_len, length)
+        kvh = h // (n_heads // n_kv)
+        q = cuda.local.array(E, float32)
+        acc = cuda.local.array(E, float32)
+        for e in range(E):
+            q[e] = q_in[(int64(row) * n_heads + h) * D + lane * E + e]
+            acc[e] = float32(0.0)
+        m = NEG_BIG
+        l = float32(0.0)
+        table = row_table[row] * max_pages
+        page_mask = (int64(1) << page_shift) - 1
+        head_off = int64(kvh) * (page_mask + 1) * D + lane * E
+        v_off = int64(n_kv) * (page_mask + 1) * D
+        for t in range(start + warp, end, WARPS):
+            page = int64(page_tables[table + (t >> page_shift)])
+            kbase = page * page_stride + head_off + (t & page_mask) * D
+            dot = float32(0.0)
+            for e in range(E):
+                dot += q[e] * load(kc, kbase + e)
+            s = warp_sum(dot) * scale
+            m_new = max(m, s)
+            alpha = math.exp(m - m_new)
+            p = math.exp(s - m_new)
+            l = l * alpha + p
+            for e in range(E):
+                acc[e] = acc[e] * alpha + p * load(kc, kbase + v_off + e)
+            m = m_new
+        if lane == 0:
+            sh_m[warp] = m
+            sh_l[warp] = l
+        for e in range(E):
+            sh_o[warp, lane * E + e] = acc[e]
+        cuda.syncthreads()
+        for d in range(cuda.threadIdx.x, D, WARPS * 32):
+            mm = NEG_BIG
+            for w in range(WARPS):
+                mm = max(mm, sh_m[w])
+            ll = float32(0.0)
+            oo = float32(0.0)
+            for w in range(WARPS):
+                f = math.exp(sh_m[w] - mm) if sh_l[w] > float32(0.0) else float32(0.0)
+                ll += sh_l[w] * f
+                oo += sh_o[w, d] * f
+            cell = (row * n_heads + h) * n_splits + split
+            part_o[cell * D + d] = oo
+            if d == 0:
+                part_ml[cell * 2] = mm
+                part_ml[cell * 2 + 1] = ll
+
+    return attention
+
+
+def gated_combine(out, gate, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_ptr):
+    h = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    d = cuda.threadIdx.x
+    cell0 = (row * n_heads + h) * n_splits
+    split_len = split_ptr[0]
+    active = min(n_splits, (positions[row] + split_len) // split_len)
+    mm = NEG_BIG
+    ll = float32(0.0)
+    oo = float32(0.0)
+    for sp in range(active):
+        m_sp = part_ml[(cell0 + sp) * 2]
+        l_sp = part_ml[(cell0 + sp) * 2 + 1]
+        if l_sp > float32(0.0):
+            m_new = max(mm, m_sp)
+            a = math.exp(mm - m_new)
+            b = math.exp(m_sp - m_new)
+            ll = ll * a + l_sp * b
+            oo = oo * a + part_o[(cell0 + sp) * head_dim + d] * b
+            mm = m_new
+    index = (row * n_heads + h) * head_dim + d
+    out[index] = oo / ll * sigmoid(gate[index])
+
+
+def _rope_signature(pool):
+    return (F32P, F32P, F32P, F32P, F32P, F32P, F32P, pool, int64, I32P, int32, I32P, I32P,
+            int32, int32, int32, int32, int32, float32)
+
+
+def _attention_signature(pool):
+    return (F32P, pool, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, I32P, int32, float32)
+
+
+KERNELS = {
+    "gated_qk_rope_bf16": (make_qk_rope(store_bf16), _rope_signature(U16P)),
+    "gated_qk_rope_f32": (make_qk_rope(store_f32), _rope_signature(F32P)),
+    "gated_combine": (gated_combine, (F32P, F32P, F32P, F32P, I32P, int32, int32, int32, I32P)),
+}
+for _d in HEAD_DIMS:
+    KERNELS[f"gated_attention_d{_d}_bf16"] = (make_attention(_d, load_bf16), _attention_signature(U16P),
+                                              {"threads": WARPS * 32})
+    KERNELS[f"gated_attention_d{_d}_f32"] = (make_attention(_d, load_f32), _attention_signature(F32P),
+                                             {"threads": WARPS * 32})
