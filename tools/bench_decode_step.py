@@ -1,0 +1,106 @@
+"""Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
+
+    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--shapes]
+
+Qwen3-8B shape, random bf16 weights made on the GPU (tools/gpu_bench.py's). For each (batch x context)
+case it captures the decode step as a CUDA Graph under each variant and times back-to-back replays:
+``unfused`` (separate RMSNorm / SiLU kernels, fp32 GEMV), ``fused`` (the default: tensor-core GEMMs
+with the norms, residual adds and SwiGLU folded in), the fused step with other L2 prefetch sizes of the
+o projection, and with ``--shapes`` every tensor-core GEMM shape in the manifest for all matrices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ninfer.backends.cuda import forward as fw  # noqa: E402
+from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.runner import DecodeBatch, SamplingRow  # noqa: E402
+from tools.gpu_bench import PAGE, QWEN3_8B, copy_bandwidth, random_weights, weight_bytes_per_step  # noqa: E402
+
+
+def step_ms(runner, batch: int, reps: int) -> float:
+    dev, stream = runner.device, runner.stream
+    graph = rt.Graph.capture(stream, lambda: runner.forward.decode(batch, stream))
+    start, stop = dev.event(timing=True), dev.event(timing=True)
+    graph.launch(stream)
+    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+    for _ in range(reps):
+        graph.launch(stream)
+    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+    rt.synchronize(stream)
+    graph.destroy()
+    return rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--cases", default="1x512,8x512,8x8192")
+    parser.add_argument("--shapes", action="store_true", help="also every tensor-core GEMM shape")
+    parser.add_argument("--prefetch-mb", default="0,16,32", help="L2 prefetch sizes to try (MB)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from ninfer.backends.cuda import CudaRunner
+
+    torch.zeros(1, device="cuda")
+    device = rt.Device(0)
+    stream = device.stream()
+    copy_bw = copy_bandwidth(device, stream)
+    config = QWEN3_8B
+    tensors = random_weights(config, torch)
+    ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    max_batch = max(b for b, _ in cases)
+    max_context = max(c for _, c in cases) + 64
+    max_pages = -(-max_context // PAGE)
+    runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
+                                            num_pages=max_batch * max_pages, max_batch=max_batch,
+                                            max_context=max_context, cuda_graph=False)
+    shapes = sorted({name.rsplit("_", 1)[1] for name in runner.kernels.entries if name.startswith("mma_gemv_")})
+    for name in runner.kernels.entries:  # module loads are not allowed during capture
+        if name.startswith(("mma_gemv_", "gemv_m", "rmsnorm", "add_rmsnorm", "silu_mul")):
+            runner.kernels[name]
+    default_shapes = dict(fw.DECODE_GEMM_SHAPES)
+    default_prefetch = runner.forward.l2_prefetch_bytes
+    weights_bytes = weight_bytes_per_step(config)
+    print(f"copy {copy_bw / 1e9:.0f} GB/s; weights per step {weights_bytes / 1e9:.2f} GB", flush=True)
+    for batch, context in cases:
+        tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
+        runner.decode(DecodeBatch(lanes=np.arange(batch, dtype=np.int32), tokens=np.full(batch, 7, np.int32),
+                                  positions=np.full(batch, context, np.int32), page_tables=tables,
+                                  sampling=[SamplingRow()] * batch))  # leaves the step inputs in place
+        roofline_ms = (weights_bytes + batch * context * config.kv_bytes_per_token) / copy_bw * 1e3
+        results = {}
+        os.environ["NINFER_DECODE_FUSED_WIP"] = "0"
+        results["unfused"] = step_ms(runner, batch, args.reps)
+        os.environ["NINFER_DECODE_FUSED_WIP"] = "1"
+        results["fused"] = step_ms(runner, batch, args.reps)
+        for mb in (int(v) for v in args.prefetch_mb.split(",")):
+            runner.forward.l2_prefetch_bytes = mb << 20
+            results[f"fused prefetch {mb} MB"] = step_ms(runner, batch, args.reps)
+        runner.forward.l2_prefetch_bytes = default_prefetch
+        if args.shapes:
+            for shape in shapes:
+                t, w, u, s = (int(v) for v in shape[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
+                fw.DECODE_GEMM_SHAPES.update({r: (t, w, u, s) for r in default_shapes})
+                results[f"fused {shape}"] = step_ms(runner, batch, args.reps)
+            fw.DECODE_GEMM_SHAPES.update(default_shapes)
+        print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "
+              + ", ".join(f"{k} {v:.3f} ms ({100 * roofline_ms / v:.1f}%)" for k, v in results.items()), flush=True)
+    print(json.dumps({"shapes": shapes}), flush=True)
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
