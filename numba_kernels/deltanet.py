@@ -12,9 +12,10 @@ contiguous block: for each DeltaNet layer its conv tail then its delta-rule stat
 channel; the tail becomes the last three input rows. Input ``x`` is the first ``channels`` columns
 of the in-projection (row stride ``x_stride``). Grid ``(ceil(channels / 128), n_seqs)``, block 128.
 
-``deltanet_rule_k{DK}_v{DV}``: per (value head, sequence) one block of ``max(32, DV)`` threads,
-thread ``j`` owning column ``j`` of the head's ``[DK, DV]`` fp32 state in registers. Per token:
-q, k of the head's key head into shared memory, L2-normalised (q also scaled by ``DK ** -0.5``),
+``deltanet_rule_k{DK}_v{DV}`` (DK = DV): per (value head, sequence) one block of ``2 * DV``
+threads; the two adjacent lanes ``2j, 2j + 1`` hold column ``j`` of the head's ``[DK, DV]`` fp32
+state in registers, half the rows each (partial sums meet by one shuffle). Per token (its inputs loaded during the previous one): q, k
+of the head's key head L2-normalised by block sums (q also scaled by ``DK ** -0.5``) into shared memory,
 ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, then the recurrent step
 (decay, ``S^T k``, delta write, ``o = S^T q``) and the gated RMSNorm ``norm(o) * w * silu(z)`` over
 the head, fused so ``o`` never leaves the block. This is the per-token (recurrent) form for prefill
@@ -74,6 +75,7 @@ def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channe
 
 def make_rule(DK, DV):
     scale = float32(np.float32(DK) ** np.float32(-0.5))
+    HALF = DK // 2  # state rows per thread: two threads (adjacent lanes) share a column
 
     def rule(mixed, proj, out, states, slot_stride, lanes, seq_rows, n_k, n_v, in_stride, dt_bias, a_log,
              norm_w, eps):
@@ -82,57 +84,72 @@ def make_rule(DK, DV):
         scratch = cuda.shared.array(32, float32)
         head = cuda.blockIdx.x
         seq = cuda.blockIdx.y
-        j = cuda.threadIdx.x
-        threads = cuda.blockDim.x
-        active = j < DV
+        j = cuda.threadIdx.x >> 1  # column of the state, dim of v and z
+        half = cuda.threadIdx.x & 1  # rows half * HALF .. + HALF of the column
+        owner = half == 0  # the thread that loads q_j, k_j and writes out_j
         key_dim = n_k * DK
         conv_dim = 2 * key_dim + n_v * DV
         value_dim = n_v * DV
-        q_off = (head // (n_v // n_k)) * DK  # value head j reads key head j // (n_v / n_k)
-        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + j
-        col = cuda.local.array(DK, float32)
-        w = float32(0.0)
-        if active:
-            w = norm_w[j]
-            for i in range(DK):
-                col[i] = states[base + i * DV]
+        q_col = (head // (n_v // n_k)) * DK + j  # value head h reads key head h // (n_v / n_k)
+        v_col = 2 * key_dim + head * DV + j
+        z_col = conv_dim + head * DV + j
+        b_col = conv_dim + value_dim + head
+        row0 = half * HALF
+        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + row0 * DV + j
+        col = cuda.local.array(HALF, float32)
+        for i in range(HALF):
+            col[i] = states[base + i * DV]
+        w = norm_w[j]
         neg_a = -math.exp(a_log[head])
         bias = dt_bias[head]
+        # Token t's inputs are loaded during token t - 1: global latency hides behind the math.
+        r = int64(seq * seq_rows)
+        q_next = k_next = float32(0.0)
+        if owner:
+            q_next = mixed[r * conv_dim + q_col]
+            k_next = mixed[r * conv_dim + key_dim + q_col]
+        v_next = mixed[r * conv_dim + v_col]
+        z_next = proj[r * in_stride + z_col]
+        b_next = proj[r * in_stride + b_col]
+        a_next = proj[r * in_stride + b_col + n_v]
         for t in range(seq_rows):
+            q, k, v, z, b, a = q_next, k_next, v_next, z_next, b_next, a_next
             r = int64(seq * seq_rows + t)
-            for i in range(j, DK, threads):
-                sh_q[i] = mixed[r * conv_dim + q_off + i]
-                sh_k[i] = mixed[r * conv_dim + key_dim + q_off + i]
+            if t + 1 < seq_rows:
+                n = r + 1
+                if owner:
+                    q_next = mixed[n * conv_dim + q_col]
+                    k_next = mixed[n * conv_dim + key_dim + q_col]
+                v_next = mixed[n * conv_dim + v_col]
+                z_next = proj[n * in_stride + z_col]
+                b_next = proj[n * in_stride + b_col]
+                a_next = proj[n * in_stride + b_col + n_v]
+            q_inv = float32(1.0) / math.sqrt(block_sum(q * q, scratch) + L2_EPS)
+            k_inv = float32(1.0) / math.sqrt(block_sum(k * k, scratch) + L2_EPS)
+            if owner:
+                sh_q[j] = q * q_inv * scale
+                sh_k[j] = k * k_inv
             cuda.syncthreads()
-            qq = float32(0.0)
-            kk = float32(0.0)
-            for i in range(DK):
-                qq += sh_q[i] * sh_q[i]
-                kk += sh_k[i] * sh_k[i]
-            q_inv = float32(1.0) / math.sqrt(qq + L2_EPS)
-            k_inv = float32(1.0) / math.sqrt(kk + L2_EPS)
-            beta = sigmoid(proj[r * in_stride + conv_dim + value_dim + head])
-            decay = math.exp(neg_a * softplus(proj[r * in_stride + conv_dim + value_dim + n_v + head] + bias))
+            beta = sigmoid(b)
+            decay = math.exp(neg_a * softplus(a + bias))
+            predicted = float32(0.0)
+            for i in range(HALF):
+                col[i] *= decay
+                predicted += sh_k[row0 + i] * col[i]
+            predicted += cuda.shfl_xor_sync(0xFFFFFFFF, predicted, 1)
+            d = (v - predicted) * beta
             o = float32(0.0)
-            if active:
-                v = mixed[r * conv_dim + 2 * key_dim + head * DV + j]
-                predicted = float32(0.0)
-                for i in range(DK):
-                    col[i] *= decay
-                    predicted += (sh_k[i] * k_inv) * col[i]
-                d = (v - predicted) * beta
-                for i in range(DK):
-                    col[i] += (sh_k[i] * k_inv) * d
-                    o += (sh_q[i] * q_inv * scale) * col[i]
+            for i in range(HALF):
+                col[i] += sh_k[row0 + i] * d
+                o += sh_q[row0 + i] * col[i]
+            o += cuda.shfl_xor_sync(0xFFFFFFFF, o, 1)
             # block_sum synchronises: every thread is done with sh_q / sh_k before the next token.
-            total = block_sum(o * o, scratch)
-            if active:
-                z = proj[r * in_stride + conv_dim + head * DV + j]
+            total = block_sum(o * o if owner else float32(0.0), scratch)
+            if owner:
                 normed = o / math.sqrt(total / float32(DV) + eps) * w
                 out[r * value_dim + head * DV + j] = normed * (z * sigmoid(z))
-        if active:
-            for i in range(DK):
-                states[base + i * DV] = col[i]
+        for i in range(HALF):
+            states[base + i * DV] = col[i]
 
     return rule
 
@@ -145,4 +162,4 @@ for _d in HEAD_DIMS:
     KERNELS[f"deltanet_rule_k{_d}_v{_d}"] = (
         make_rule(_d, _d),
         (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
-        {"threads": max(32, _d)})
+        {"threads": 2 * _d})

@@ -6,7 +6,8 @@ then the K and V heads (``ninfer.models.hybrid``). Three kernels:
 ``gated_qk_rope_{bf16|f32}``: grid ``(rows, n_heads + 2 n_kv)``, block ``D`` threads (one per
 dim, D in 32..256). Query heads: the gate goes to ``gate_out [rows, n_heads * D]``, the query
 through its RMSNorm (weight ``1 + w`` folded at upload) and RoPE on the first ``2 * rot_half``
-dims (rotate-half within them) into ``q_out [rows, n_heads * D]``. K heads: RMSNorm and RoPE into
+dims (rotate-half within them) into ``q_out``, whose rows are ``(n_heads + 2 n_kv) * D`` wide
+with head ``h`` at ``h * D``: the dense qkv layout that ``prefill_attention.py`` reads too. K heads: RMSNorm and RoPE into
 the KV page; V heads: into the page as they are. Pool layout as ``rope.py``'s.
 
 ``gated_attention_d{D}_{bf16|f32}``: grid ``(n_heads, rows, n_splits)``, block 128 (4 warps).
@@ -18,6 +19,9 @@ serves every context; blocks past a row's length exit at once.
 
 ``gated_combine``: grid ``(n_heads, rows)``, block ``D``: merges the splits of each (row, head)
 and multiplies by ``sigmoid(gate)``, giving the input of the ``o`` projection.
+
+``sigmoid_gate``: ``out[i] = x[i] * sigmoid(gate[i])``, for attention that wrote its output
+whole (the tensor-core prefill kernel). Grid ``(ceil(count / 256),)``, block 256.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def make_qk_rope(store):
                 s = sin_t[pos * rot_half + i - rot_half]
                 x = x * c + sh[i - rot_half] * s
         if is_q:
-            q_out[row * n_heads * head_dim + head * head_dim + i] = x
+            q_out[row * (n_heads + 2 * n_kv) * head_dim + head * head_dim + i] = x
             return
         page = int64(page_tables[row_table[row] * max_pages + pos // page_size])
         slot = pos % page_size
@@ -115,7 +119,7 @@ def make_attention(D, load):
         q = cuda.local.array(E, float32)
         acc = cuda.local.array(E, float32)
         for e in range(E):
-            q[e] = q_in[(int64(row) * n_heads + h) * D + lane * E + e]
+            q[e] = q_in[(int64(row) * (n_heads + 2 * n_kv) + h) * D + lane * E + e]
             acc[e] = float32(0.0)
         m = NEG_BIG
         l = float32(0.0)
@@ -186,6 +190,12 @@ def gated_combine(out, gate, part_o, part_ml, positions, n_heads, n_splits, head
     out[index] = oo / ll * sigmoid(gate[index])
 
 
+def sigmoid_gate(out, x, gate, count):
+    i = cuda.grid(1)
+    if i < count:
+        out[i] = x[i] * sigmoid(gate[i])
+
+
 def _rope_signature(pool):
     return (F32P, F32P, F32P, F32P, F32P, F32P, F32P, pool, int64, I32P, int32, I32P, I32P,
             int32, int32, int32, int32, int32, float32)
@@ -199,6 +209,7 @@ KERNELS = {
     "gated_qk_rope_bf16": (make_qk_rope(store_bf16), _rope_signature(U16P)),
     "gated_qk_rope_f32": (make_qk_rope(store_f32), _rope_signature(F32P)),
     "gated_combine": (gated_combine, (F32P, F32P, F32P, F32P, I32P, int32, int32, int32, I32P)),
+    "sigmoid_gate": (sigmoid_gate, (F32P, F32P, F32P, int32)),
 }
 for _d in HEAD_DIMS:
     KERNELS[f"gated_attention_d{_d}_bf16"] = (make_attention(_d, load_bf16), _attention_signature(U16P),

@@ -140,7 +140,7 @@ def test_delta_rule_kernel_matches_the_reference(decode):
     norm = rng.standard_normal(DH).astype(np.float32)
     d_states, out = gpu.put(states), gpu.empty(rows * VALUE_DIM * 4)
     seqs, seq_rows = (rows, 1) if decode else (1, rows)
-    gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (NV, seqs), (DH,),
+    gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (NV, seqs), (2 * DH,),
                (gpu.put(mixed), gpu.put(proj), out, d_states, NV * DH * DH, gpu.put(lanes), seq_rows, NK, NV,
                 IN_SIZE, gpu.put(dt_bias), gpu.put(a_log), gpu.put(norm), 1e-6))
     got, got_states = gpu.get(out, np.float32, (rows, VALUE_DIM)), gpu.get(d_states, np.float32, states.shape)

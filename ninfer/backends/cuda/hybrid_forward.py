@@ -73,8 +73,9 @@ class HybridBuffers:
         plan = {
             "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
             "proj": R * c.in_proj_size * f32, "mixed": R * c.conv_dim * f32, "core": R * c.value_dim * f32,
-            "qkv": R * c.qkv_size * f32, "q": R * c.q_size * f32, "gate": R * c.q_size * f32,
-            "attn": R * c.q_size * f32,
+            # q rows are (heads + 2 kv_heads) * head_dim wide: the layout the prefill kernel reads.
+            "qkv": R * c.qkv_size * f32, "q": R * (c.q_size + 2 * c.kv_size) * f32, "gate": R * c.q_size * f32,
+            "attn": R * c.q_size * f32, "attn_raw": R * c.q_size * f32,
             "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
             "part_o": cells * c.head_dim * f32, "part_ml": cells * 2 * f32,
             "logits": self.logit_rows * c.vocab_size * f32,
@@ -117,14 +118,19 @@ class HybridForward(Forward):
         self.rule_name = f"deltanet_rule_k{c.linear_k_head_dim}_v{c.linear_v_head_dim}"
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
+        # Prefill attention on the tensor cores where a variant exists (bf16 pool; prefill_attention.py).
+        flash = f"prefill_attention_d{c.head_dim}"
+        self.flash_name = flash if kv_dtype == "bf16" and flash in kernels.entries else None
         self.state_offset = layer_offsets(c)
         self.kv_index = {layer: i for i, layer in enumerate(c.attention_layers)}
         self.conv_floats = (c.conv_kernel - 1) * c.conv_dim
 
     def kernel_names(self) -> list[str]:
+        # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine"}
-        names = [n for n in super().kernel_names() if n not in dense_only]
-        return names + ["deltanet_conv", self.rule_name, self.qk_name, self.gated_attention_name, "gated_combine"]
+        names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
+        names += ["deltanet_conv", self.rule_name, self.qk_name, self.gated_attention_name, "gated_combine"]
+        return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
     def layers(self, rows: int, stream, decode: bool = False) -> None:
         """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
@@ -176,8 +182,6 @@ class HybridForward(Forward):
         inp = b.inputs
         p = f"layers.{layer}."
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-        # The grid covers the shortest split of the mode; inputs.split holds the actual length.
-        n_splits = b.splits["decode" if rows <= inp.lanes.size else "prefill"]
         layer_kv = b.kv.at(self.kv_index[layer] * b.layer_elems * b.kv_itemsize)
         self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
         k[self.qk_name].launch(
@@ -185,6 +189,18 @@ class HybridForward(Forward):
             (b.qkv, b.q, b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, layer_kv, b.page_elems,
              inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, c.rotary_dim // 2,
              self.page_size, float(c.rms_norm_eps)), stream)
+        if self.flash_name and rows > inp.lanes.size:
+            self.prefill_gated_attention(layer_kv, rows, stream)
+        else:
+            self.decode_gated_attention(layer_kv, rows, stream)
+        self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+
+    def decode_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
+        """Split-K partials then their merge with the output gate: any head_dim and pool dtype."""
+        c, b, k, inp = self.c, self.b, self.k, self.b.inputs
+        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        # The grid covers the shortest split of the mode; inputs.split holds the actual length.
+        n_splits = b.splits["decode" if rows <= inp.lanes.size else "prefill"]
         attention = k[self.gated_attention_name]
         attention.launch(
             (H, rows, n_splits), (attention.meta["threads"],),
@@ -192,7 +208,18 @@ class HybridForward(Forward):
              b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits, self.scale), stream)
         k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
                                                     n_splits, D, inp.d_split), stream)
-        self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+
+    def prefill_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
+        """Prefill rows on the tensor cores (``prefill_attention.py``, bf16 pool), then the gate."""
+        c, b, inp = self.c, self.b, self.b.inputs
+        kernel = self.k[self.flash_name]
+        scale_log2 = float(c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
+        kernel.launch((-(-rows // kernel.meta["rows"]), c.num_heads), (kernel.meta["threads"],),
+                      (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
+                       inp.d_positions, b.attn_raw, rows, c.num_heads, c.num_kv_heads, self.page_shift,
+                       scale_log2), stream)
+        count = rows * c.q_size
+        self.k["sigmoid_gate"].launch((-(-count // 256),), (256,), (b.attn, b.attn_raw, b.gate, count), stream)
 
     def dense_mlp(self, p: str, rows: int, stream) -> None:
         c, b, w, k = self.c, self.b, self.w, self.k
