@@ -97,6 +97,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--log-level", "pretty stderr verbosity", "info", str, "LEVEL", tuple(LEVELS)),
     Option("--device", "serve on this CUDA device (the CUDA backend); omitted: the reference CPU backend", None, _int_range(0, None), "N",
            default_text="reference backend"),
+    Option("--random-weights", "serve random bf16 weights made on the GPU for a dense preset (e.g. qwen3-8b) or "
+           "DenseConfig JSON, with the synthetic tokenizer, instead of an artifact (needs --device)", None,
+           metavar="CONFIG", default_text="off"),
     Option("--context-cost-presets", "optional runtime context-cost preset registry", None, metavar="FILE",
            default_text="generic + compiled defaults"),
     Option("--max-request-mib", "body-size limit before JSON parsing", 384, _int_range(1, None), "N"),
@@ -171,8 +174,14 @@ def check_capabilities(args: argparse.Namespace, *, cuda_available: bool = False
     if args.device is not None and not cuda_available:
         raise OptionError("--device: no CUDA GPU is usable here (needs the cuda extra and a driver); without "
                           "--device the server runs the reference (CPU) backend.")
-    if args.kv_capacity == "auto":
-        raise OptionError("--kv-capacity auto (sizing from free GPU memory) is not built yet; give a number.")
+    if args.kv_capacity == "auto" and args.device is None:
+        raise OptionError("--kv-capacity auto sizes the KV pool from free GPU memory, so it needs --device; "
+                          "the reference (CPU) backend takes a number.")
+    if args.random_weights is not None:
+        if args.device is None:
+            raise OptionError("--random-weights makes its weights on the GPU, so it needs --device.")
+        if getattr(args, "artifact", None) is not None:
+            raise OptionError("--random-weights serves random weights instead of an artifact; give one or the other.")
 
 
 def markdown_table() -> str:

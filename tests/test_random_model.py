@@ -55,7 +55,7 @@ def test_cli_random_from_hybrid_config_file(tmp_path, capsys):
 
 def test_cli_random_rejects_unknown_config(tmp_path, capsys):
     assert main(["convert", "--random", "huge-llama", str(tmp_path / "r.ninfer")]) == 1
-    assert "neither a preset (tiny-llama, tiny-qwen3, tiny-qwen3-next, tiny-qwen3.5) nor a file" in capsys.readouterr().err
+    assert "neither a preset (tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5) nor a file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"hidden_size": 3}')
     assert main(["convert", "--random", str(tmp_path / "bad.json"), str(tmp_path / "r.ninfer")]) == 1
     assert "is not a DenseConfig or HybridConfig JSON" in capsys.readouterr().err

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SRC (Hugging Face checkpoint directory or .gguf file) and OUT.ninfer")
     parser.add_argument("--random", metavar="CONFIG",
                         help="write random weights for a DenseConfig or HybridConfig JSON file or a preset "
-                             "(tiny-llama, tiny-qwen3, tiny-qwen3-next, tiny-qwen3.5) instead of converting SRC")
+                             "(tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5) instead of converting SRC")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (with --random)")
 
 

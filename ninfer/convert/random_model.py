@@ -36,6 +36,14 @@ PRESETS: dict[str, DenseConfig] = {
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=True, qk_norm=True),
 }
+# Benchmark shapes, too large for the tests that run every tiny preset: the Qwen3-8B shape (16.4 GB
+# of bf16) is served from random weights made on the GPU (`ninfer serve --random-weights qwen3-8b`).
+LARGE_PRESETS: dict[str, DenseConfig] = {
+    "qwen3-8b": DenseConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True),
+}
 
 _L, _F = hybrid.LINEAR, hybrid.FULL
 # Three DeltaNet layers per full-attention layer, as the real models interleave them.
@@ -65,11 +73,13 @@ def resolve_config(spec: str | os.PathLike[str] | AnyConfig) -> tuple[AnyConfig,
         return spec, None
     if str(spec) in PRESETS:
         return PRESETS[str(spec)], str(spec)
+    if str(spec) in LARGE_PRESETS:
+        return LARGE_PRESETS[str(spec)], str(spec)
     if str(spec) in HYBRID_PRESETS:
         return HYBRID_PRESETS[str(spec)], str(spec)
     path = Path(spec)
     if not path.is_file():
-        names = ", ".join([*PRESETS, *HYBRID_PRESETS])
+        names = ", ".join([*PRESETS, *LARGE_PRESETS, *HYBRID_PRESETS])
         raise ValueError(f"--random: {spec!r} is neither a preset ({names}) nor a file")
     try:
         data = json.loads(path.read_text())
@@ -163,4 +173,4 @@ def make_random_artifact(path: str | os.PathLike[str], config: AnyConfig | str, 
     return write_artifact(path, fields, random_sources(resolved, seed), progress=progress)
 
 
-__all__ = ["HYBRID_PRESETS", "PRESETS", "make_random_artifact", "random_weight", "resolve_config"]
+__all__ = ["HYBRID_PRESETS", "LARGE_PRESETS", "PRESETS", "make_random_artifact", "random_weight", "resolve_config"]

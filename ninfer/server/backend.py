@@ -49,12 +49,27 @@ def cuda_available() -> bool:
     return err == driver.CUresult.CUDA_SUCCESS and count > 0
 
 
-def cuda_runner(path: str, args: argparse.Namespace, config: EngineConfig) -> WorkerBuiltRunner:
+def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> WorkerBuiltRunner:
+    """``model``: an artifact path, or a ``RandomWeightsModel`` whose weights are made on the GPU.
+    With ``--kv-capacity auto`` the runner sizes its KV pool itself (``runner.info.num_pages``)."""
+    num_pages = "auto" if args.kv_capacity == "auto" else config.kv_pages
+    shape = dict(page_size=config.page_size, num_pages=num_pages, max_batch=config.max_concurrency,
+                 max_context=config.max_context, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph)
+
     def build():
         from ninfer.backends.cuda import CudaRunner
 
-        return CudaRunner(path, page_size=config.page_size, num_pages=config.kv_pages,
-                          max_batch=config.max_concurrency, max_context=config.max_context,
-                          device=args.device, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph)
+        if isinstance(model, str):
+            return CudaRunner(model, device=args.device, **shape)
+        from ninfer.backends.cuda import runtime
+        from ninfer.backends.cuda.random_weights import random_device_weights
+
+        device = runtime.Device(args.device)
+        weights, report = random_device_weights(device, device.stream(), model.dense, model.seed,
+                                                visible_ids=model.visible_ids)
+        runner = CudaRunner.from_device_weights(model.dense, weights, device=device, **shape)
+        runner.startup["weights_bytes"] = report.nbytes
+        runner.startup["weights_random_fill_s"] = round(report.seconds, 3)
+        return runner
 
     return WorkerBuiltRunner(build)

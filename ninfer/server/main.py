@@ -62,7 +62,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         max_concurrency=args.max_concurrency, max_pending_requests=args.max_pending_requests,
         pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk, max_context=args.max_context,
-        kv_capacity=args.kv_capacity, prefix_reuse=not args.no_prefix_reuse, host_context_mib=args.host_context_mib,
+        # "auto" is resolved by the CUDA runner at startup (run_server), then set here as a number.
+        kv_capacity=None if args.kv_capacity == "auto" else args.kv_capacity,
+        prefix_reuse=not args.no_prefix_reuse, host_context_mib=args.host_context_mib,
         device_state_slots=args.device_state_slots, context_cost_presets=args.context_cost_presets,
         **{flag: getattr(args, flag) for flag in SAMPLING_FLAGS},
     )
@@ -109,12 +111,26 @@ class _TerminalProgress:
             self._bar.finish()
 
 
-def _text_side(path: str, args: argparse.Namespace):
+def _open_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(what the runner loads: an artifact path or a RandomWeightsModel, the opened text side)."""
+    if args.random_weights is not None:
+        from ninfer.server.random_weights import RandomWeightsModel
+
+        try:
+            model = RandomWeightsModel(args.random_weights)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        return model, model
     from ninfer.artifact import open_artifact
+
+    path = _artifact_path(args)
+    return path, open_artifact(path, components=("text",))
+
+
+def _text_side(art: Any, args: argparse.Namespace):
     from ninfer.text import ChatFormatter, Tokenizer
     from ninfer.text.chat_template import TemplateError
 
-    art = open_artifact(path, components=("text",))
     tokenizer = Tokenizer.from_artifact(art)
     if args.chat_template is not None:
         try:
@@ -142,19 +158,20 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
     from ninfer.engine.api import Engine
 
     t0 = time.monotonic()
-    path = _artifact_path(args)
-    art, tokenizer, formatter, model_id = await trio.to_thread.run_sync(_text_side, path, args)
+    model, art = await trio.to_thread.run_sync(_open_model, args)
+    path = model if isinstance(model, str) else model.source
+    art, tokenizer, formatter, model_id = await trio.to_thread.run_sync(_text_side, art, args)
     request_log = None
     if args.request_log_jsonl:
         try:
-            request_log = RequestLog(args.request_log_jsonl, artifact_path=path)
+            request_log = RequestLog(args.request_log_jsonl, artifact_path=model if isinstance(model, str) else None)
         except OSError as e:
             raise StartupError(str(e)) from None
     config = engine_config(args)
     log.info("loading %s (%s)", model_id, art.metadata["architecture"])
     if runner_factory is None and args.device is not None:
         def runner_factory(art: Any, config: EngineConfig) -> Any:
-            return cuda_runner(path, args, config)
+            return cuda_runner(model, args, config)
 
         log.info("backend: CUDA on device %d", args.device)
     if runner_factory is None:
@@ -163,8 +180,11 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
     else:  # CUDA, or a test's runner over the same artifact
         source = runner_factory(art, config)
         extra = {"eos_token_ids": art.special_tokens.get("eos_token_ids") or [], "generation": art.generation}
+        if args.kv_capacity == "auto":
+            config = await _resolve_auto_capacity(source, config)
     try:
         async with Engine.open(source, config, **extra) as engine:
+            _log_runner_startup(source)
             state = ServerState(engine, model_id, int(time.time()),
                                 PromptBuilder(tokenizer, formatter, serve_defaults(args)),
                                 Metrics(engine, model_id), request_log,
@@ -193,11 +213,42 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
             request_log.close()
 
 
+async def _resolve_auto_capacity(runner: Any, config: EngineConfig) -> EngineConfig:
+    """--kv-capacity auto: build the runner now (it sizes its KV pool from free device memory, once)
+    and give the Engine that capacity. The runner makes its context current at every call, so being
+    built on this helper thread rather than the Engine's worker is harmless."""
+    info = (await trio.to_thread.run_sync(lambda: runner.runner)).info
+    tokens = info.num_pages * info.page_size
+    sizing = getattr(runner.runner, "startup", {}).get("kv_auto", {})
+    log.info("--kv-capacity auto: %d tokens (%d pages, %.2f GiB; %.2f GiB were free after the weights)", tokens,
+             info.num_pages, info.num_pages * sizing.get("page_bytes", 0) / 2**30, sizing.get("free_bytes", 0) / 2**30)
+    return attrs.evolve(config, kv_capacity=tokens)
+
+
+def _log_runner_startup(runner: Any) -> None:
+    """The CUDA runner's startup facts: weights, workspace, graph capture time and memory."""
+    facts = getattr(getattr(runner, "runner", runner), "startup", None)
+    if not facts:
+        return
+    parts = [f"{facts['device']}"]
+    if "weights_bytes" in facts:
+        rate = facts.get("weights_upload_gb_per_s")
+        parts.append(f"weights {facts['weights_bytes'] / 2**30:.2f} GiB"
+                     + (f" at {rate} GB/s" if rate else " made on the device"))
+    parts.append(f"workspace {facts['workspace_bytes'] / 2**30:.2f} GiB incl. {facts['kv_pages']} KV pages")
+    if "graph_capture_s" in facts:
+        parts.append(f"decode graphs captured in {facts['graph_capture_s']} s "
+                     f"({facts['graph_bytes'] / 2**20:.0f} MiB, {facts['graph_nodes']} nodes each)")
+    parts.append(f"{facts['free_bytes_after_startup'] / 2**30:.2f} GiB free")
+    log.info("CUDA startup: %s", "; ".join(parts))
+    log.debug("CUDA startup record: %s", facts)
+
+
 def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine: Any,
                       args: argparse.Namespace, argv: list[str]) -> None:
     cfg = engine.config
     rl.write(
-        "server_start", artifact=os.path.abspath(path), architecture=art.metadata["architecture"], model_id=model_id,
+        "server_start", artifact=os.path.abspath(path) if os.path.isfile(path) else path, architecture=art.metadata["architecture"], model_id=model_id,
         backend=engine.info.backend,
         engine={"max_concurrency": cfg.max_concurrency, "max_pending_requests": cfg.max_pending_requests,
                 "pending_timeout_ms": cfg.pending_timeout_ms, "prefill_chunk": cfg.prefill_chunk,

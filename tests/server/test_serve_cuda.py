@@ -44,3 +44,29 @@ async def test_cuda_serve_matches_reference(start_server, gpu_artifact, tmp_path
         done = [json.loads(line) for line in log.read_text().splitlines() if '"request_done"' in line]
         ids[name] = [d["result"]["generated_token_ids"] for d in done]
     assert ids["cuda"] == ids["reference"]  # greedy tokens agree across backends
+
+
+async def test_random_weights_with_auto_kv_capacity(nursery, tmp_path, caplog):
+    """`--random-weights CONFIG --kv-capacity auto`: no artifact; the pool fills the free memory; text is visible."""
+    import logging
+
+    from ninfer.cli import build_parser
+    from ninfer.server.main import run_server
+
+    config = tmp_path / "qwen3.json"
+    config.write_text(json.dumps(QWEN3.to_json()))
+    caplog.set_level(logging.INFO, logger="ninfer")
+    args = build_parser().parse_args(["serve", "--port", "0", "--max-context", "512", "--log-stats-interval-ms", "0",
+                                      "--device", "0", "--random-weights", str(config), "--kv-capacity", "auto",
+                                      "--max-concurrency", "4", "--temperature", "1.0"])
+    srv = await nursery.start(lambda task_status: run_server(args, [], task_status=task_status))
+    assert srv.state.engine.config.kv_capacity > 100_000  # tokens: far beyond --max-context
+    assert any("--kv-capacity auto" in r.getMessage() for r in caplog.records)
+    assert any("CUDA startup" in r.getMessage() for r in caplog.records)
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
+    r = await client.chat.completions.create(model="random-Qwen3ForCausalLM", max_tokens=32,
+                                             messages=[{"role": "user", "content": "Hello there"}])
+    await client.close()
+    message = r.choices[0].message
+    text = (message.content or "") + (getattr(message, "reasoning_content", None) or "")
+    assert r.usage.completion_tokens > 0 and text.strip()

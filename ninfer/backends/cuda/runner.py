@@ -9,10 +9,18 @@ sampled token ids. Prefill runs direct launches in sub-chunks of ``max_prefill_r
 Requests are validated like the reference backend's: a wrong lane, token, position or page table
 raises ``ValueError`` naming the field before anything reaches the GPU. Every call makes the
 runner's context current first (about a microsecond), so the runner may be driven from any thread.
+A sticky CUDA error (``CudaError.sticky``: the context is unusable) is logged once and then raised
+by every later call without touching the device, so the Engine fails over to "unavailable" and
+nothing waits on a dead context.
+
+``num_pages="auto"`` (``--kv-capacity auto``) sizes the KV pool from the device memory left once the
+weights are placed: see ``auto_kv_pages``; ``startup["kv_auto"]`` records the arithmetic.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -29,12 +37,55 @@ from ninfer.backends.sampling import TOP_K_CAP
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
 
 _MASK64 = (1 << 64) - 1
+log = logging.getLogger("ninfer.cuda")
+AUTO = "auto"  # num_pages: size the KV pool from the free device memory (``auto_kv_pages``)
+KV_HEADROOM_BYTES = 1 << 30  # what --kv-capacity auto leaves free (the spec's sizing headroom)
+# Device memory the decode graphs take once instantiated, per captured batch size; measured on the
+# H200 for the Qwen3-8B shape (docs/benchmarks.md), rounded up. The startup record shows the real figure.
+GRAPH_BYTES_ESTIMATE = 32 << 20
+
+
+def auto_kv_pages(device: rt.Device, probe: StepBuffers, graphs: int) -> tuple[int, dict[str, int]]:
+    """KV pages for ``--kv-capacity auto``: the free memory once weights, kernels and the workspace
+    without its KV pool are placed, less the graphs still to be captured and the 1 GiB headroom.
+
+    ``probe`` is a workspace with a one-page pool: its size gives the fixed part; it is freed here."""
+    page_bytes = probe.page_elems * probe.kv_itemsize
+    fixed = probe.workspace_bytes - -(-page_bytes // 256) * 256
+    device.free(probe.arena.base)
+    free = device.free_memory()
+    usable = free - fixed - graphs * GRAPH_BYTES_ESTIMATE - KV_HEADROOM_BYTES
+    pages = usable // page_bytes
+    if pages < 1:
+        raise MemoryError(f"--kv-capacity auto: {free} bytes free leave no room for a KV pool after "
+                          f"{fixed} bytes of workspace, the graphs and the {KV_HEADROOM_BYTES}-byte headroom")
+    return int(pages), {"free_bytes": free, "workspace_without_kv": fixed, "graph_reserve": graphs * GRAPH_BYTES_ESTIMATE,
+                        "headroom": KV_HEADROOM_BYTES, "page_bytes": page_bytes, "pages": int(pages)}
+
+
+def _on_device(method):
+    """A protocol call: make the context current first; after a sticky CUDA error (the context is
+    unusable until the process ends) refuse every later call with that same error, at once."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.fault is not None:
+            raise self.fault
+        self.device.make_current()
+        try:
+            return method(self, *args, **kwargs)
+        except rt.CudaError as e:
+            if e.sticky:
+                self.fault = e
+                log.critical("CUDA error %s in %s: the GPU context is unusable; the engine stops", e.name,
+                             method.__name__)
+            raise
+    return call
 
 
 class CudaRunner:
     """A dense (Llama / Qwen3) model on the GPU; see the module docstring."""
 
-    def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int, max_batch: int,
+    def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int,
                  max_context: int, device: int | rt.Device = 0, kv_dtype: str = "bf16",
                  cuda_graph: bool = True, max_prefill_rows: int = 512, prefill_gemm: str = "fp32"):
         """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one."""
@@ -55,7 +106,7 @@ class CudaRunner:
 
     @classmethod
     def from_device_weights(cls, config: DenseConfig, weights: Mapping[str, rt.DevicePtr], *,
-                            device: rt.Device, page_size: int = 16, num_pages: int, max_batch: int,
+                            device: rt.Device, page_size: int = 16, num_pages: int | str, max_batch: int,
                             max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
                             max_prefill_rows: int = 512, prefill_gemm: str = "fp32") -> CudaRunner:
         """A runner over weights already on ``device`` in the layout of ``weights.device_layout``."""
@@ -74,7 +125,9 @@ class CudaRunner:
             raise ValueError(f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, got {prefill_gemm!r}")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
-        for name, value in (("num_pages", num_pages), ("max_batch", max_batch), ("max_context", max_context),
+        if num_pages != AUTO and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages must be a positive int or {AUTO!r}, got {num_pages!r}")
+        for name, value in (("max_batch", max_batch), ("max_context", max_context),
                             ("max_prefill_rows", max_prefill_rows)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -83,12 +136,19 @@ class CudaRunner:
         self.config = config
         self.device = device
         self.stream = stream
+        self.fault: rt.CudaError | None = None  # the sticky error that ended this runner, if any
         self.kv_dtype = kv_dtype
         self.kernels = rt.Kernels(device)
-        self.buffers = StepBuffers(device, config, page_size=page_size, num_pages=num_pages,
-                                   max_batch=max_batch, max_context=max_context,
-                                   max_rows=max_prefill_rows, kv_dtype=kv_dtype,
-                                   tensor_core_prefill=prefill_gemm == "cublaslt")
+
+        def buffers(pages: int) -> StepBuffers:
+            return StepBuffers(device, config, page_size=page_size, num_pages=pages, max_batch=max_batch,
+                               max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
+                               tensor_core_prefill=prefill_gemm == "cublaslt")
+
+        kv_sizing = None
+        if num_pages == AUTO:
+            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=max_batch if cuda_graph else 0)
+        self.buffers = buffers(num_pages)
         self.buffers.init(stream)
         self._lt = None
         if prefill_gemm == "cublaslt":
@@ -105,8 +165,10 @@ class CudaRunner:
         self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
         self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
         self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
-                                        "prefill_gemm": prefill_gemm,
+                                        "prefill_gemm": prefill_gemm, "kv_pages": num_pages,
                                         "workspace_bytes": self.buffers.workspace_bytes}
+        if kv_sizing is not None:
+            self.startup["kv_auto"] = kv_sizing
         self.graphs: dict[int, rt.Graph] = {}
         if cuda_graph:
             free_before = device.free_memory()
@@ -116,11 +178,12 @@ class CudaRunner:
             self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
             self.startup["graph_bytes"] = free_before - device.free_memory()
             self.startup["graph_nodes"] = self.graphs[1].nodes
+        self.startup["free_bytes_after_startup"] = device.free_memory()
 
     # -- the protocol -------------------------------------------------------------------------
 
+    @_on_device
     def bind_lane(self, lane: int, generated: Sequence[int]) -> None:
-        self.device.make_current()
         self._check_lane(lane, "bind_lane lane")
         ids = self._check_tokens(np.asarray(generated, dtype=np.int64).reshape(-1), "bind_lane generated")
         self._count_staging[:] = np.bincount(ids, minlength=self.info.vocab_size)
@@ -128,8 +191,8 @@ class CudaRunner:
         rt.copy_h2d(row, self._count_staging, self.stream)
         rt.synchronize(self.stream)
 
+    @_on_device
     def prefill(self, chunk: PrefillChunk) -> StepResult:
-        self.device.make_current()
         self._check_lane(chunk.lane, "prefill lane")
         tokens = self._check_tokens(np.asarray(chunk.tokens).reshape(-1), "prefill tokens")
         if tokens.size == 0:
@@ -166,8 +229,8 @@ class CudaRunner:
             out = self._out[:1].copy()
         return StepResult(tokens=out, logits=logits)
 
+    @_on_device
     def decode(self, batch: DecodeBatch) -> StepResult:
-        self.device.make_current()
         lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
         rows = lanes.size
         if rows == 0:
@@ -209,8 +272,8 @@ class CudaRunner:
         rt.synchronize(stream)
         return StepResult(tokens=self._out[:rows].copy(), logits=logits)
 
+    @_on_device
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        self.device.make_current()
         src_i, dst_i = self._pages(src), self._pages(dst)
         if len(src_i) != len(dst_i):
             raise ValueError(f"copy_pages: {len(src_i)} source pages but {len(dst_i)} destination pages")
@@ -223,9 +286,9 @@ class CudaRunner:
             rt.copy_d2d(self.buffers.kv.at(int(d) * size, size), self.buffers.kv.at(int(s) * size, size), size, self.stream)
         rt.synchronize(self.stream)
 
+    @_on_device
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
         """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]`` float32, the reference layout."""
-        self.device.make_current()
         idx = self._pages(pages)
         raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
         for i, page in enumerate(idx):
@@ -238,8 +301,8 @@ class CudaRunner:
         values = values.reshape(len(idx), c.num_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
         return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
 
+    @_on_device
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
-        self.device.make_current()
         idx = self._pages(pages)
         c = self.config
         expected = (2, c.num_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
@@ -254,6 +317,8 @@ class CudaRunner:
             rt.synchronize(self.stream)
 
     def close(self) -> None:
+        if self.fault is not None:  # the context is unusable: even a synchronize would fail again
+            return
         if self._lt is not None:
             self._lt.close()
         for graph in self.graphs.values():
