@@ -34,7 +34,8 @@ WIDE = HybridConfig(
     num_heads=6, num_kv_heads=1, head_dim=256, rotary_dim=64, rope_theta=10000000.0,
     max_position_embeddings=4096, linear_num_k_heads=1, linear_num_v_heads=2, linear_k_head_dim=128,
     linear_v_head_dim=128, intermediate_size=256)
-CONFIGS = {"tiny-qwen3.5": HYBRID_PRESETS["tiny-qwen3.5"], "next-dense": NEXT_DENSE, "wide": WIDE}
+CONFIGS = {"tiny-qwen3.5": HYBRID_PRESETS["tiny-qwen3.5"], "tiny-qwen3-next": HYBRID_PRESETS["tiny-qwen3-next"],
+           "next-dense": NEXT_DENSE, "wide": WIDE}
 PAGE, MAX_CTX, BATCH, EXTRA_SLOTS = 16, 512, 4, 2
 PAGES_PER_LANE = MAX_CTX // PAGE
 

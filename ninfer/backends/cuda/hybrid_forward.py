@@ -11,7 +11,7 @@ dimensions, the sampler state, the per-step inputs (``forward.Inputs``) and ever
   ``deltanet_rule_k{dk}_v{dv}`` (L2 norms, gates, delta rule, gated RMSNorm) -> ``out`` GEMM;
 - attention: qkv GEMM -> ``gated_qk_rope`` (query/gate split, q/k norm, partial RoPE, KV append)
   -> ``gated_attention_d{D}`` (split-K partials) -> ``gated_combine`` (merge, sigmoid gate) -> ``o``;
-- MLP: the dense SwiGLU kernels (MoE layers are refused until the CUDA MoE lands).
+- MLP: the dense SwiGLU kernels, or ``moe.CudaMoe`` (routing and grouped expert GEMMs on the device).
 
 A decode step treats each row as its own sequence (state slot ``lanes[r]``); a prefill chunk is one
 sequence (slot ``lanes[0]``) whose rows the DeltaNet kernels walk in order.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MIN_SPLIT, NORM_THREADS, PREFILL_SPLIT,
                                           Forward, Inputs)
@@ -37,9 +38,7 @@ ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 def check_supported(config: HybridConfig, kv_dtype: str) -> None:
     """Reject shapes the kernels were not built for, naming the field."""
     c = config
-    if MOE in c.mlp_types:
-        raise ValueError("the CUDA hybrid runner does not run MoE layers yet (the CUDA MoE is not built); "
-                         "use the reference backend")
+    moe.check_supported(c)
     if c.head_dim not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"the CUDA hybrid runner supports head_dim {ATTENTION_HEAD_DIMS}, the model has {c.head_dim}")
     if c.linear_k_head_dim != c.linear_v_head_dim or c.linear_k_head_dim not in DELTANET_HEAD_DIMS:
@@ -85,6 +84,8 @@ class HybridBuffers:
             "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
             "states": max(1, (max_batch + state_slots) * c.state_floats * f32),
         }
+        if MOE in c.mlp_types:
+            plan["moe"] = moe.CudaMoe.scratch_bytes(c, R)
         if tensor_core_prefill:  # bf16 copies of prefill activations and cuBLASLt's workspace
             widest = max(c.hidden_size, c.intermediate_size, c.q_size, c.value_dim)
             plan["x_bf16"] = R * widest * 2
@@ -124,12 +125,14 @@ class HybridForward(Forward):
         self.state_offset = layer_offsets(c)
         self.kv_index = {layer: i for i, layer in enumerate(c.attention_layers)}
         self.conv_floats = (c.conv_kernel - 1) * c.conv_dim
+        self.moe = moe.CudaMoe(kernels, c, buffers.moe, buffers.rows) if MOE in c.mlp_types else None
 
     def kernel_names(self) -> list[str]:
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine"}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
         names += ["deltanet_conv", self.rule_name, self.qk_name, self.gated_attention_name, "gated_combine"]
+        names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
     def layers(self, rows: int, stream, decode: bool = False) -> None:
@@ -156,6 +159,8 @@ class HybridForward(Forward):
                                     (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
             if c.mlp_types[i] == DENSE:
                 self.dense_mlp(p, rows, stream)
+            else:
+                self.moe.forward(b.delta, b.h, w, i, rows, stream)
         k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps),
                                 stream)
 
