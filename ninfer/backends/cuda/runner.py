@@ -40,9 +40,10 @@ _MASK64 = (1 << 64) - 1
 log = logging.getLogger("ninfer.cuda")
 AUTO = "auto"  # num_pages: size the KV pool from the free device memory (``auto_kv_pages``)
 KV_HEADROOM_BYTES = 1 << 30  # what --kv-capacity auto leaves free (the spec's sizing headroom)
-# Device memory the decode graphs take once instantiated, per captured batch size; measured on the
-# H200 for the Qwen3-8B shape (docs/benchmarks.md), rounded up. The startup record shows the real figure.
-GRAPH_BYTES_ESTIMATE = 32 << 20
+# Device memory the decode graphs take once instantiated, per captured batch size: 4 MiB for all
+# eight of the Qwen3-8B shape on the H200 (0.5 MiB each), taken 8x for safety. The startup record
+# shows the real figure (graph_bytes, free_bytes_after_startup).
+GRAPH_BYTES_ESTIMATE = 4 << 20
 
 
 def auto_kv_pages(device: rt.Device, probe: StepBuffers, graphs: int) -> tuple[int, dict[str, int]]:
