@@ -26,7 +26,63 @@ construction; addresses never change.
 from __future__ import annotations
 
 from ninfer.backends.cuda import runtime as rt
-from ninfer.models.hybrid import HybridConfig
+from ninfer.backends.cuda.forward import GEMV_MAX_ROWS, decode_gemm_name
+from ninfer.models.hybrid import MOE, HybridConfig
+
+# Pairs per chunk of the decode and prefill grouped-GEMM variants (numba_kernels/moe.py GROUPED_SHAPES).
+DECODE_CHUNK = 8
+PREFILL_CHUNK = 32
+MAX_EXPERTS = 1024  # moe_plan's shared-memory tables
+MAX_TOP_K = 32  # moe_topk: one lane of the row's warp per pick
+TILED_GEMM_TILE = 64  # gemm_tiled's output tile (router logits of prefill rows)
+GROUPED = ("moe_gate_up_d", "moe_down_d", "moe_gate_up_p", "moe_down_p")
+
+
+def check_supported(config: HybridConfig) -> None:
+    """Reject MoE shapes the kernels were not built for, naming the field."""
+    c = config
+    if MOE not in c.mlp_types:
+        return
+    if c.num_experts > MAX_EXPERTS:
+        raise ValueError(f"the CUDA MoE supports at most {MAX_EXPERTS} experts, the model has {c.num_experts}")
+    if c.num_experts_per_tok > MAX_TOP_K:
+        raise ValueError(f"the CUDA MoE routes to at most {MAX_TOP_K} experts a token, the model asks "
+                         f"num_experts_per_tok {c.num_experts_per_tok}")
+    for field in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(c, field) % 8:  # 16-byte vector loads of weight rows and activations
+            raise ValueError(f"the CUDA MoE needs {field} divisible by 8, got {getattr(c, field)}")
+
+
+def max_chunks(config: HybridConfig, rows: int, chunk: int) -> int:
+    """Chunks ``moe_plan`` can write for ``rows`` rows: each used expert's pairs in runs of ``chunk``,
+    then the shared expert's rows. A row picks an expert once, so with ``rows <= chunk`` every used
+    expert fits one chunk."""
+    pairs = rows * config.num_experts_per_tok
+    used = min(config.num_experts, pairs)
+    routed = used if rows <= chunk else used + pairs // chunk
+    return routed + -(-rows // chunk)
+
+
+def _regions(config: HybridConfig, max_rows: int) -> dict[str, int]:
+    c = config
+    k = c.num_experts_per_tok
+    pairs = max_rows * (k + 1)  # routed pairs, then one shared pair a row
+    chunks = max(max_chunks(c, max_rows, DECODE_CHUNK), max_chunks(c, max_rows, PREFILL_CHUNK))
+    return {
+        "logits": max_rows * c.num_experts * 4,
+        "topk_ids": max_rows * k * 4, "topk_w": max_rows * k * 4, "row_pair": max_rows * k * 4,
+        "pair_row": pairs * 4, "pair_weight": pairs * 4,
+        "chunks": 3 * chunks * 4, "n_chunks": 4,
+        "act": pairs * _act_width(c) * 4, "out": pairs * c.hidden_size * 4,
+    }
+
+
+def _act_width(config: HybridConfig) -> int:
+    return max(config.moe_intermediate_size, config.shared_expert_intermediate_size)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
 
 
 class CudaMoe:
@@ -35,19 +91,70 @@ class CudaMoe:
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        raise NotImplementedError  # filled in with the kernels (numba_kernels/moe.py)
+        routers = [decode_gemm_name("store", False, rows) for rows in range(1, GEMV_MAX_ROWS + 1)]
+        return ["moe_topk", "moe_plan", "moe_combine", "gemm_tiled", *GROUPED, *sorted(set(routers))]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
         """Device bytes ``forward`` needs for up to ``max_rows`` rows (logits, plan, pair activations)."""
-        raise NotImplementedError
+        return sum(_aligned(n) for n in _regions(config, max_rows).values())
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, scratch: rt.DevicePtr, max_rows: int):
         """``scratch``: at least ``scratch_bytes(config, max_rows)`` bytes, owned by this object."""
-        raise NotImplementedError
+        check_supported(config)
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be positive, got {max_rows}")
+        self.k = kernels
+        self.c = config
+        self.max_rows = max_rows
+        arena = rt.Arena(scratch)
+        for name, nbytes in _regions(config, max_rows).items():
+            setattr(self, name, arena.take(nbytes, f"moe.{name}"))
 
     def forward(self, y: rt.DevicePtr, x: rt.DevicePtr, weights: dict[str, rt.DevicePtr], layer: int, rows: int,
                 stream) -> None:
         """Enqueue ``y[:rows, :hidden] = MoE_layer(x[:rows])`` (fp32 ``[rows, hidden]`` each, y fully
         written, x untouched) on ``stream``: no host sync, fixed addresses, capturable."""
-        raise NotImplementedError
+        if not 0 < rows <= self.max_rows:
+            raise ValueError(f"MoE of {rows} rows: this CudaMoe takes 1..{self.max_rows}")
+        c, k = self.c, self.k
+        p = f"layers.{layer}."
+        H, E, top_k = c.hidden_size, c.num_experts, c.num_experts_per_tok
+        decode = rows <= GEMV_MAX_ROWS
+        self.router_logits(x, weights[p + "router"], rows, stream)
+        k["moe_topk"].launch((rows,), (32,), (self.topk_ids, self.topk_w, self.pair_row, self.pair_weight,
+                                              self.logits, x, weights[p + "shared_gate"], rows, E, H, top_k,
+                                              int(c.norm_topk_prob)), stream)
+        chunk = DECODE_CHUNK if decode else PREFILL_CHUNK
+        plan = k["moe_plan"]
+        plan.launch((1,), (plan.meta["threads"],), (self.chunks, self.n_chunks, self.pair_row, self.pair_weight,
+                                                    self.row_pair, self.topk_ids, self.topk_w, rows, top_k, E,
+                                                    chunk), stream)
+        chunks = max_chunks(c, rows, chunk)
+        I, S, width = c.moe_intermediate_size, c.shared_expert_intermediate_size, _act_width(c)
+        suffix = "_d" if decode else "_p"
+        self.grouped("moe_gate_up" + suffix, chunks, max(I, S), stream,
+                     (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
+                      self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H))
+        self.grouped("moe_down" + suffix, chunks, H, stream,
+                     (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
+                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width))
+        combine = k["moe_combine"]
+        threads = combine.meta["threads"]
+        combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
+
+    def router_logits(self, x: rt.DevicePtr, router: rt.DevicePtr, rows: int, stream) -> None:
+        """``logits[:rows] = x @ router.T`` in fp32 (the tensor-core decode GEMM is fp32-faithful)."""
+        E, H = self.c.num_experts, self.c.hidden_size
+        if rows <= GEMV_MAX_ROWS:
+            kernel = self.k[decode_gemm_name("store", False, rows)]
+            kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                          (self.logits, x, router, self.logits, rows, E, H, E, 0.0), stream)
+        else:
+            tile = TILED_GEMM_TILE
+            self.k["gemm_tiled"].launch((-(-E // tile), -(-rows // tile)), (256,),
+                                        (self.logits, x, router, rows, E, H, E), stream)
+
+    def grouped(self, name: str, chunks: int, n: int, stream, args: tuple) -> None:
+        kernel = self.k[name]
+        kernel.launch((-(-n // kernel.meta["cols"]), chunks), (kernel.meta["threads"],), args, stream)

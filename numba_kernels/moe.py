@@ -1,0 +1,333 @@
+"""Sparse MoE on the device: top-k routing, the expert-sorted plan, grouped expert GEMMs, the combine.
+
+The host never sees the routing, so a decode step's MoE fits in a CUDA Graph; every launch has a
+fixed grid and blocks with nothing to do return at once. A "pair" is one (row, routed slot) or one
+row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expert order (after
+``moe_plan``), pairs ``[rows * top_k, rows * top_k + rows)`` the shared expert's, one per row.
+
+- ``moe_topk``: one warp a row. Softmax over the router logits, then ``top_k`` rounds of a warp
+  argmax over the probabilities below the previous pick in the order (probability desc, id asc), so
+  ties go to the lower expert id as in the reference ``route``; optional renormalisation
+  (``top_k <= 32``: lane j keeps pick j). The same warp computes the shared-expert gate ``sigmoid(shared_gate . x)`` and fills the shared pairs.
+  Launch: grid ``(rows,)``, block 32.
+- ``moe_plan``: one block. Counts pairs per expert, scans, places each pair at its expert's range
+  (``row_pair`` remembers where), and cuts every expert's range into chunks of at most ``chunk``
+  pairs ``(expert, first pair, count)``; the shared expert's pairs follow as chunks of expert -1.
+  Launch: grid ``(1,)``, block ``PLAN_THREADS``; ``n_experts <= MAX_EXPERTS``.
+- ``moe_{gate_up,down}_{d,p}``: the grouped GEMM, one block per (output tile, chunk), the chunk's
+  expert weights streamed once for all its pairs. It is ``mma.sync`` m16n8k16 with the weights as
+  the A operand (16 output features x 16 k) and up to 8 pairs' activations as B (k x 8 pairs); the
+  lane's k slots are 8 contiguous k so each lane issues 16-byte loads, and each fp32 activation is
+  split into ``terms`` bf16 parts, one MMA each (fp32-faithful for 3). W warps split K and meet in
+  shared memory in a fixed order, so results never depend on the grid or on which pairs share a
+  chunk. ``gate_up`` gathers x by the pair's row and writes ``silu(gate) * up`` (tile rows 0..7 the
+  gate rows, 8..15 the matching up rows); ``down`` reads the pair's activation and writes
+  ``weight * (act @ down.T)``. ``_d`` (decode: chunks of 8 pairs) and ``_p`` (prefill: 32).
+  Launch: grid ``(ceil(max(n) / cols), max_chunks)``, block ``32 * warps`` (the manifest's meta).
+- ``moe_combine``: ``y[row] = sum over slots of out[row_pair[row, slot]] + out[shared pair of row]``.
+  Launch: grid ``(ceil(hidden / 256), rows)``, block 256.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from numba_kernels.common import F32P, I32P, NEG_BIG, U16P, U64P, bf16_to_f32, load_f32x4, load_u64x2, warp_sum
+from numba_kernels.gemm import split3_bf16x2
+from numba_kernels.mma import mma_bf16_16816, split_bf16x2
+
+MAX_EXPERTS = 1024
+PLAN_THREADS = 1024
+COMBINE_THREADS = 256
+
+
+def moe_topk(topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden, top_k,
+             renormalise):
+    r = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    base = int64(r) * n_experts
+    m = NEG_BIG
+    for e in range(lane, n_experts, 32):
+        m = max(m, logits[base + e])
+    for offset in (16, 8, 4, 2, 1):
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, offset))
+    s = float32(0.0)
+    for e in range(lane, n_experts, 32):
+        s += math.exp(logits[base + e] - m)
+    s = warp_sum(s)
+    prev_p = float32(3.0e38)
+    prev_e = int32(-1)
+    total = float32(0.0)
+    mine_p = float32(0.0)  # lane j keeps pick j: no lane reads another's global writes
+    mine_e = int32(0)
+    for slot in range(top_k):
+        best_p = float32(-1.0)
+        best_e = int32(n_experts)
+        for e in range(lane, n_experts, 32):
+            p = math.exp(logits[base + e] - m) / s
+            below = p < prev_p or (p == prev_p and e > prev_e)
+            if below and (p > best_p or (p == best_p and e < best_e)):
+                best_p = p
+                best_e = e
+        for offset in (16, 8, 4, 2, 1):
+            other_p = cuda.shfl_xor_sync(0xFFFFFFFF, best_p, offset)
+            other_e = cuda.shfl_xor_sync(0xFFFFFFFF, best_e, offset)
+            if other_p > best_p or (other_p == best_p and other_e < best_e):
+                best_p = other_p
+                best_e = other_e
+        if lane == slot:
+            mine_p = best_p
+            mine_e = best_e
+        total += best_p
+        prev_p = best_p
+        prev_e = best_e
+    if lane < top_k:
+        topk_ids[r * top_k + lane] = mine_e
+        topk_w[r * top_k + lane] = mine_p / total if renormalise != 0 else mine_p
+    dot = float32(0.0)
+    row = int64(r) * hidden
+    for h in range(lane, hidden, 32):
+        dot += x[row + h] * bf16_to_f32(shared_gate[h])
+    dot = warp_sum(dot)
+    if lane == 0:
+        pair = rows * top_k + r
+        pair_row[pair] = r
+        pair_weight[pair] = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * dot)
+
+
+def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, rows, top_k, n_experts, chunk):
+    counts = cuda.shared.array(MAX_EXPERTS, int32)
+    fill = cuda.shared.array(MAX_EXPERTS, int32)
+    starts = cuda.shared.array(MAX_EXPERTS, int32)
+    chunk_starts = cuda.shared.array(MAX_EXPERTS, int32)
+    routed_chunks = cuda.shared.array(1, int32)
+    tid = cuda.threadIdx.x
+    pairs = rows * top_k
+    for e in range(tid, n_experts, PLAN_THREADS):
+        counts[e] = 0
+        fill[e] = 0
+    cuda.syncthreads()
+    for p in range(tid, pairs, PLAN_THREADS):
+        cuda.atomic.add(counts, topk_ids[p], 1)
+    cuda.syncthreads()
+    if tid < 32:  # one warp scans: each lane a contiguous run of experts, then a shuffle scan
+        per = (n_experts + 31) // 32
+        lo = tid * per
+        hi = min(lo + per, n_experts)
+        own_pairs = 0
+        own_chunks = 0
+        for e in range(lo, hi):
+            own_pairs += counts[e]
+            own_chunks += (counts[e] + chunk - 1) // chunk
+        inc_pairs = own_pairs
+        inc_chunks = own_chunks
+        for offset in (1, 2, 4, 8, 16):
+            up_pairs = cuda.shfl_up_sync(0xFFFFFFFF, inc_pairs, offset)
+            up_chunks = cuda.shfl_up_sync(0xFFFFFFFF, inc_chunks, offset)
+            if tid >= offset:
+                inc_pairs += up_pairs
+                inc_chunks += up_chunks
+        at_pair = inc_pairs - own_pairs
+        at_chunk = inc_chunks - own_chunks
+        for e in range(lo, hi):
+            starts[e] = at_pair
+            chunk_starts[e] = at_chunk
+            at_pair += counts[e]
+            at_chunk += (counts[e] + chunk - 1) // chunk
+        if tid == 31:
+            routed_chunks[0] = inc_chunks
+    cuda.syncthreads()
+    for p in range(tid, pairs, PLAN_THREADS):
+        e = topk_ids[p]
+        at = starts[e] + cuda.atomic.add(fill, e, 1)
+        pair_row[at] = p // top_k
+        pair_weight[at] = topk_w[p]
+        row_pair[p] = at
+    for e in range(tid, n_experts, PLAN_THREADS):
+        q = chunk_starts[e]
+        for first in range(0, counts[e], chunk):
+            chunks[3 * q] = e
+            chunks[3 * q + 1] = starts[e] + first
+            chunks[3 * q + 2] = min(chunk, counts[e] - first)
+            q += 1
+    routed = routed_chunks[0]
+    shared = (rows + chunk - 1) // chunk
+    for i in range(tid, shared, PLAN_THREADS):
+        q = routed + i
+        chunks[3 * q] = -1
+        chunks[3 * q + 1] = pairs + i * chunk
+        chunks[3 * q + 2] = min(chunk, rows - i * chunk)
+    if tid == 0:
+        n_chunks[0] = routed + shared
+
+
+def make_grouped(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int):
+    """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs."""
+    THREADS = 32 * W
+    COLS = 8 if swiglu else 16  # output columns per 16-row tile
+    PAIRS = 8 * P
+    OUTS = T * COLS * PAIRS
+    MATRICES = 2 if swiglu else 1  # gate_up holds 2n rows per expert
+
+    def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                k_routed, k_shared, ldy, ldx):
+        ci = cuda.blockIdx.y
+        if ci >= n_chunks[0]:
+            return
+        expert = chunks[3 * ci]
+        start = chunks[3 * ci + 1]
+        count = chunks[3 * ci + 2]
+        if expert >= 0:
+            n = n_routed
+            k = k_routed
+            w = w_experts
+            w_base = int64(expert) * MATRICES * n * k
+        else:
+            n = n_shared
+            k = k_shared
+            w = w_shared
+            w_base = int64(0)
+        col_base = cuda.blockIdx.x * T * COLS
+        if col_base >= n:
+            return
+        red = cuda.shared.array((W, T, P, 16, 8), float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        t = lane & 3
+        row_at = cuda.local.array((T, 2), int64)  # element offset of the lane's weight rows, -1 past n
+        for tt in range(T):
+            for h in range(2):
+                if swiglu:
+                    j = col_base + tt * 8 + g
+                    row_at[tt, h] = w_base + (int64(j) + h * int64(n)) * k if j < n else int64(-1)
+                else:
+                    f = col_base + tt * 16 + g + 8 * h
+                    row_at[tt, h] = w_base + int64(f) * k if f < n else int64(-1)
+        x_at = cuda.local.array(P, int64)  # element offset of the lane's pairs' activations, -1 past count
+        for pp in range(P):
+            q = g + 8 * pp
+            if q < count:
+                src = pair_row[start + q] if swiglu else start + q
+                x_at[pp] = int64(src) * ldx
+            else:
+                x_at[pp] = int64(-1)
+        acc = cuda.local.array((T, P, 4), float32)
+        for tt in range(T):
+            for pp in range(P):
+                for e in range(4):
+                    acc[tt, pp, e] = float32(0.0)
+        wr = cuda.local.array((U, T, 2, 4), uint32)
+        xr = cuda.local.array((U, P, 8), float32)
+        steps = (k + 31) >> 5
+        for s0 in range(warp, steps, W * U):
+            for u in range(U):  # every load of U steps before the first MMA
+                kk = (s0 + u * W) * 32 + 8 * t
+                inside = kk < k
+                for tt in range(T):
+                    for h in range(2):
+                        if inside and row_at[tt, h] >= 0:
+                            a, b = load_u64x2(w, (row_at[tt, h] + kk) >> 2)
+                            wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
+                            wr[u, tt, h, 1] = uint32(a >> uint64(32))
+                            wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
+                            wr[u, tt, h, 3] = uint32(b >> uint64(32))
+                        else:
+                            for e in range(4):
+                                wr[u, tt, h, e] = uint32(0)
+                for pp in range(P):
+                    if inside and x_at[pp] >= 0:
+                        x0, x1, x2, x3 = load_f32x4(x, x_at[pp] + kk)
+                        x4, x5, x6, x7 = load_f32x4(x, x_at[pp] + kk + 4)
+                        xr[u, pp, 0], xr[u, pp, 1], xr[u, pp, 2], xr[u, pp, 3] = x0, x1, x2, x3
+                        xr[u, pp, 4], xr[u, pp, 5], xr[u, pp, 6], xr[u, pp, 7] = x4, x5, x6, x7
+                    else:
+                        for e in range(8):
+                            xr[u, pp, e] = float32(0.0)
+            for u in range(U):
+                for half in range(2):  # k = 8t+0..3, then 8t+4..7
+                    e = 4 * half
+                    for pp in range(P):
+                        if TERMS == 3:
+                            p0, q0, r0 = split3_bf16x2(xr[u, pp, e], xr[u, pp, e + 1])
+                            p1, q1, r1 = split3_bf16x2(xr[u, pp, e + 2], xr[u, pp, e + 3])
+                        else:
+                            p0, q0 = split_bf16x2(xr[u, pp, e], xr[u, pp, e + 1])
+                            p1, q1 = split_bf16x2(xr[u, pp, e + 2], xr[u, pp, e + 3])
+                        for tt in range(T):
+                            a0 = wr[u, tt, 0, 2 * half]
+                            a1 = wr[u, tt, 1, 2 * half]
+                            a2 = wr[u, tt, 0, 2 * half + 1]
+                            a3 = wr[u, tt, 1, 2 * half + 1]
+                            c0, c1, c2, c3 = acc[tt, pp, 0], acc[tt, pp, 1], acc[tt, pp, 2], acc[tt, pp, 3]
+                            if TERMS == 3:  # smallest part first
+                                c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, r0, r1, c0, c1, c2, c3)
+                            c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, q0, q1, c0, c1, c2, c3)
+                            c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, p0, p1, c0, c1, c2, c3)
+                            acc[tt, pp, 0], acc[tt, pp, 1], acc[tt, pp, 2], acc[tt, pp, 3] = c0, c1, c2, c3
+        for tt in range(T):
+            for pp in range(P):
+                red[warp, tt, pp, g, 2 * t] = acc[tt, pp, 0]
+                red[warp, tt, pp, g, 2 * t + 1] = acc[tt, pp, 1]
+                red[warp, tt, pp, g + 8, 2 * t] = acc[tt, pp, 2]
+                red[warp, tt, pp, g + 8, 2 * t + 1] = acc[tt, pp, 3]
+        cuda.syncthreads()
+        for idx in range(tid, OUTS, THREADS):  # consecutive threads: consecutive columns of one pair
+            q = idx // (T * COLS)
+            col = idx % (T * COLS)
+            tt = col // COLS
+            i = col % COLS
+            out_col = col_base + col
+            if q < count and out_col < n:
+                pp = q >> 3
+                c = q & 7
+                v = float32(0.0)
+                for wp in range(W):
+                    v += red[wp, tt, pp, i, c]
+                pair = start + q
+                at = int64(pair) * ldy + out_col
+                if swiglu:
+                    up = float32(0.0)
+                    for wp in range(W):
+                        up += red[wp, tt, pp, i + 8, c]
+                    y[at] = v * (float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * v)) * up
+                else:
+                    y[at] = pair_weight[pair] * v
+
+    return grouped
+
+
+def moe_combine(y, out, row_pair, rows, top_k, hidden):
+    r = cuda.blockIdx.y
+    h = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
+    if h >= hidden:
+        return
+    total = float32(0.0)
+    for slot in range(top_k):
+        total += out[int64(row_pair[r * top_k + slot]) * hidden + h]
+    total += out[int64(rows * top_k + r) * hidden + h]
+    y[int64(r) * hidden + h] = total
+
+
+# (swiglu, tiles, warps, steps in flight, pair groups of 8, activation terms) per variant.
+GROUPED_SHAPES = {
+    "moe_gate_up_d": (True, 1, 8, 2, 1, 3),
+    "moe_down_d": (False, 1, 4, 2, 1, 3),
+    "moe_gate_up_p": (True, 2, 4, 1, 4, 2),
+    "moe_down_p": (False, 2, 4, 1, 4, 2),
+}
+GROUPED_SIG = (F32P, F32P, U64P, U64P, I32P, I32P, I32P, F32P, int32, int32, int32, int32, int32, int32)
+
+KERNELS = {
+    "moe_topk": (moe_topk, (I32P, F32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32),
+                 {"threads": 32}),
+    "moe_plan": (moe_plan, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, int32, int32, int32, int32),
+                 {"threads": PLAN_THREADS, "max_experts": MAX_EXPERTS}),
+    "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS}),
+}
+for _name, (_swiglu, _T, _W, _U, _P, _terms) in GROUPED_SHAPES.items():
+    KERNELS[_name] = (make_grouped(_swiglu, _T, _W, _U, _P, _terms), GROUPED_SIG,
+                      {"threads": 32 * _W, "cols": _T * (8 if _swiglu else 16), "pairs": 8 * _P, "terms": _terms})

@@ -1,0 +1,175 @@
+"""CudaMoe (routing, plan and grouped expert GEMMs on the device) against the reference ``_moe`` (GPU only).
+
+Two shapes: the tiny-qwen3-next preset's MoE (4 experts, top 2, expert width 32 != shared width 48)
+and the Qwen3.6-35B-A3B block (hidden 2048, 256 experts, top 8 renormalised, experts and shared
+expert 512 wide), each for decode rows 1..8 (chunks of 8 pairs, fp32-faithful activations) and a
+prefill chunk (chunks of 32 pairs, two bf16 parts per activation). Routing must pick the same
+experts as ``route``; outputs agree to fp32 summation order (decode) or to the 2-part split (prefill).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+from ninfer.artifact.bf16 import to_float32  # noqa: E402
+from ninfer.backends.reference.hybrid import HybridForward, route  # noqa: E402
+from ninfer.backends.reference.hybrid_weights import DenseMlpWeights, MoeWeights  # noqa: E402
+from ninfer.convert.random_model import HYBRID_PRESETS  # noqa: E402
+from ninfer.models.hybrid import HybridConfig, MOE, tensor_names  # noqa: E402
+
+from cuda_helpers import Gpu, rel_err  # noqa: E402
+
+TINY = HYBRID_PRESETS["tiny-qwen3-next"]
+A3B = HybridConfig(
+    architecture="Qwen3_5MoeForCausalLM", vocab_size=1024, hidden_size=2048, num_layers=4,
+    layer_types=("linear_attention",) * 3 + ("full_attention",), mlp_types=(MOE,) * 4, rms_norm_eps=1e-6,
+    num_heads=16, num_kv_heads=2, head_dim=256, rotary_dim=64, rope_theta=10000000.0,
+    max_position_embeddings=4096, linear_num_k_heads=16, linear_num_v_heads=32, linear_k_head_dim=128,
+    linear_v_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, norm_topk_prob=True)
+CONFIGS = {"tiny": TINY, "a3b": A3B}
+PREFILL_ROWS = {"tiny": 150, "a3b": 64}  # tiny: > 32 pairs an expert, so experts span several chunks
+DECODE_TOL, PREFILL_TOL = 1e-5, 1e-4
+MOE_ROLES = ("router", "experts.gate_up", "experts.down", "shared.gate_up", "shared.down", "shared_gate")
+
+
+def _bf16_bits(rng, shape, scale):
+    """Random bf16 bit patterns: random sign and 7-bit mantissa, magnitudes in [scale / 8, 2 * scale).
+
+    Built from 16 random bits an element: normal samples would take most of the test's time at the
+    35B-A3B shape (1.5 G weights)."""
+    raw = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    top = np.uint16(127 + int(np.floor(np.log2(scale))))
+    exponent = top - ((raw >> np.uint16(7)) & np.uint16(3))
+    return (raw & np.uint16(0x807F)) | (exponent << np.uint16(7))
+
+
+class _Experts:
+    """The reference's ``[E, in, out]`` float32 experts, widened on first use (256 full ones are 3 GB)."""
+
+    def __init__(self, bits):
+        self.bits = bits
+        self.cache = {}
+
+    def __getitem__(self, expert):
+        expert = int(expert)
+        if expert not in self.cache:
+            self.cache[expert] = to_float32(self.bits[expert]).T
+        return self.cache[expert]
+
+
+class Block:
+    """One MoE layer's random weights on the device and in the reference's layout."""
+
+    def __init__(self, gpu, config, layer, seed):
+        rng = np.random.default_rng(seed)
+        prefix = f"layers.{layer}."
+        shapes = tensor_names(config)
+        self.bits = {prefix + role: _bf16_bits(rng, shapes[prefix + role], shapes[prefix + role][-1] ** -0.5)
+                     for role in MOE_ROLES}
+        self.device = {name: gpu.put(bits, name) for name, bits in self.bits.items()}
+        b = {name[len(prefix):]: bits for name, bits in self.bits.items()}
+        self.reference = MoeWeights(
+            router=to_float32(b["router"]).T.copy(), gate_up=_Experts(b["experts.gate_up"]),
+            down=_Experts(b["experts.down"]),
+            shared=DenseMlpWeights(gate_up=to_float32(b["shared.gate_up"]).T.copy(),
+                                   down=to_float32(b["shared.down"]).T.copy()),
+            shared_gate=to_float32(b["shared_gate"]).T.copy())
+
+
+def _reference(config, weights, x):
+    model = HybridForward.__new__(HybridForward)  # _moe reads only the config
+    model.config = config
+    return model._moe(weights, x)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return Gpu()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def case(request, gpu):
+    from ninfer.backends.cuda.moe import CudaMoe
+
+    config = CONFIGS[request.param]
+    layer = config.mlp_types.index(MOE)
+    block = Block(gpu, config, layer, seed=11)
+    max_rows = PREFILL_ROWS[request.param]
+    scratch = gpu.empty(CudaMoe.scratch_bytes(config, max_rows))
+    moe = CudaMoe(gpu.kernels, config, scratch, max_rows)
+    return request.param, config, layer, block, moe
+
+
+def _run(gpu, moe, config, layer, block, x):
+    rows, hidden = x.shape
+    d_x = gpu.put(x)
+    d_y = gpu.empty(rows * hidden * 4)
+    moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream)
+    got = gpu.get(d_y, np.float32, (rows, hidden))
+    for ptr in (d_x, d_y):
+        gpu.device.free(ptr)
+    return got
+
+
+def _check_routing(gpu, moe, config, block, x):
+    rows, k = x.shape[0], config.num_experts_per_tok
+    want_ids, want_w = route(x @ block.reference.router, k, config.norm_topk_prob)
+    got_ids = gpu.get(moe.topk_ids, np.int32, (rows, k))
+    got_w = gpu.get(moe.topk_w, np.float32, (rows, k))
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_decode_rows_match_reference(gpu, case, rows):
+    name, config, layer, block, moe = case
+    x = np.random.default_rng(rows).standard_normal((rows, config.hidden_size), dtype=np.float32)
+    got = _run(gpu, moe, config, layer, block, x)
+    _check_routing(gpu, moe, config, block, x)
+    assert rel_err(got, _reference(config, block.reference, x)) < DECODE_TOL
+
+
+def test_prefill_chunk_matches_reference(gpu, case):
+    name, config, layer, block, moe = case
+    x = np.random.default_rng(99).standard_normal((PREFILL_ROWS[name], config.hidden_size), dtype=np.float32)
+    got = _run(gpu, moe, config, layer, block, x)
+    _check_routing(gpu, moe, config, block, x)
+    want = _reference(config, block.reference, x)
+    assert rel_err(got, want) < PREFILL_TOL
+    worst_row = max(rel_err(got[r], want[r]) for r in range(x.shape[0]))
+    assert worst_row < 10 * PREFILL_TOL
+
+
+def test_decode_replays_in_a_cuda_graph(gpu, case):
+    from ninfer.backends.cuda import runtime as rt
+
+    name, config, layer, block, moe = case
+    rows, hidden = 4, config.hidden_size
+    d_x, d_y = gpu.put(np.zeros((rows, hidden), np.float32)), gpu.empty(rows * hidden * 4)
+    graph = rt.Graph.capture(gpu.stream, lambda: moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream))
+    try:
+        for seed in (1, 2):  # new inputs at the captured address, new routing, same graph
+            x = np.random.default_rng(seed).standard_normal((rows, hidden), dtype=np.float32)
+            rt.check(rt.cu.cuMemcpyHtoD(d_x.addr, x.ctypes.data, x.nbytes), "cuMemcpyHtoD")
+            graph.launch(gpu.stream)
+            got = gpu.get(d_y, np.float32, (rows, hidden))
+            assert rel_err(got, _reference(config, block.reference, x)) < DECODE_TOL
+    finally:
+        graph.destroy()
+        for ptr in (d_x, d_y):
+            gpu.device.free(ptr)
+
+
+def test_rejects_unsupported_shapes():
+    import attrs
+
+    from ninfer.backends.cuda.moe import check_supported
+
+    with pytest.raises(ValueError, match="experts"):
+        check_supported(attrs.evolve(A3B, num_experts=2048))
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        check_supported(attrs.evolve(A3B, moe_intermediate_size=500))
