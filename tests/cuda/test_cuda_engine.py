@@ -78,7 +78,16 @@ async def alone(runner, tokens: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("host_mib, route", [(16, "snapshot"), (0, "replay")])
-async def test_pause_and_restore_match_alone(runner, host_mib, route):
+def test_pause_and_restore_match_alone(runner, host_mib, route):
+    trio.run(pause_and_restore_match_alone, runner, host_mib, route)
+
+
+def test_reused_prefix_matches_alone(runner):
+    trio.run(reused_prefix_matches_alone, runner)
+
+
+# The cases run under trio.run, so they need no async pytest plugin on the GPU host.
+async def pause_and_restore_match_alone(runner, host_mib, route):
     # 6 pages of 16 tokens: two requests growing to 70 tokens cannot both stay resident.
     requests = [GenerationRequest(prompt=prompt(i, 40), max_tokens=30) for i in range(2)]
     results = await run(runner, requests, max_concurrency=2, kv_capacity=96, max_context=96,
@@ -92,7 +101,7 @@ async def test_pause_and_restore_match_alone(runner, host_mib, route):
     assert restores >= 1, counters
 
 
-async def test_reused_prefix_matches_alone(runner):
+async def reused_prefix_matches_alone(runner):
     [(first, _)] = await run(runner, [GenerationRequest(prompt=prompt(3, 45), max_tokens=8)])
     cont = prompt(3, 45) + first[:-1] + [7, 8, 9]
     partial = prompt(3, 45)[:30] + [5, 6]  # reuse ends inside a page: copy-on-write
