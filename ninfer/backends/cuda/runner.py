@@ -6,8 +6,9 @@ inputs into pinned memory, copies them with one host-to-device copy, replays the
 for exactly that batch size (or launches directly with ``cuda_graph=False``), and copies back only the
 sampled token ids. Prefill runs direct launches in sub-chunks of ``max_prefill_rows`` rows.
 
-Requests are validated like the reference backend's: a wrong lane, token, position or page table
-raises ``ValueError`` naming the field before anything reaches the GPU. Every call makes the
+Requests are validated by the checks every backend shares (``ninfer/backends/inputs.py``): a wrong
+lane, token, position or page table raises ``ValueError`` naming the field before anything reaches
+the GPU. Every call makes the
 runner's context current first (about a microsecond), so the runner may be driven from any thread.
 A sticky CUDA error (``CudaError.sticky``: the context is unusable) is logged once and then raised
 by every later call without touching the device, so the Engine fails over to "unavailable" and
@@ -32,6 +33,7 @@ from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, PREFILL_GEMMS, PREFILL_SPLIT, Forward, StepBuffers, check_supported,
                                           decode_split)
+from ninfer.backends.inputs import check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.backends.sampling import TOP_K_CAP
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
@@ -186,7 +188,7 @@ class CudaRunner:
     @_on_device
     def bind_lane(self, lane: int, generated: Sequence[int]) -> None:
         self._check_lane(lane, "bind_lane lane")
-        ids = self._check_tokens(np.asarray(generated, dtype=np.int64).reshape(-1), "bind_lane generated")
+        ids = check_tokens(self.info, np.asarray(generated, dtype=np.int64).reshape(-1), "bind_lane generated")
         self._count_staging[:] = np.bincount(ids, minlength=self.info.vocab_size)
         row = self.buffers.counts.at(lane * self.info.vocab_size * 4, self.info.vocab_size * 4)
         rt.copy_h2d(row, self._count_staging, self.stream)
@@ -194,20 +196,13 @@ class CudaRunner:
 
     @_on_device
     def prefill(self, chunk: PrefillChunk) -> StepResult:
-        self._check_lane(chunk.lane, "prefill lane")
-        tokens = self._check_tokens(np.asarray(chunk.tokens).reshape(-1), "prefill tokens")
-        if tokens.size == 0:
-            raise ValueError("prefill tokens: the chunk is empty")
-        if chunk.start < 0:
-            raise ValueError(f"prefill start must be >= 0, got {chunk.start}")
-        end = chunk.start + tokens.size
-        table = self._check_page_table(np.asarray(chunk.page_table).reshape(1, -1), [end], "prefill page_table")
+        tokens, positions, table = prefill_inputs(self.info, chunk)
         inp, b, stream = self.buffers.inputs, self.buffers, self.stream
         logits = np.empty((tokens.size, self.info.vocab_size), np.float32) if chunk.return_logits else None
         for first in range(0, tokens.size, b.rows):
             n = min(b.rows, tokens.size - first)
             inp.tokens[:n] = tokens[first:first + n]
-            inp.positions[:n] = np.arange(chunk.start + first, chunk.start + first + n)
+            inp.positions[:n] = positions[first:first + n]
             inp.row_table[:n] = 0
             inp.split[0] = PREFILL_SPLIT
             self._fill_table(0, table[0])
@@ -232,25 +227,8 @@ class CudaRunner:
 
     @_on_device
     def decode(self, batch: DecodeBatch) -> StepResult:
-        lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
+        lanes, tokens, positions, tables = decode_inputs(self.info, batch)
         rows = lanes.size
-        if rows == 0:
-            raise ValueError("decode: the batch is empty")
-        if rows > self.info.max_batch:
-            raise ValueError(f"decode: {rows} rows exceed max_batch {self.info.max_batch}")
-        if lanes.min() < 0 or lanes.max() >= self.info.max_batch:
-            self._check_lane(int(lanes[(lanes < 0) | (lanes >= self.info.max_batch)][0]), "decode lanes")
-        if np.unique(lanes).size != rows:
-            raise ValueError(f"decode lanes must be distinct, got {lanes.tolist()}")
-        tokens = self._check_tokens(np.asarray(batch.tokens).reshape(-1), "decode tokens")
-        positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
-        if tokens.size != rows or positions.size != rows or len(batch.sampling) != rows:
-            raise ValueError(f"decode: lanes ({rows}), tokens ({tokens.size}), positions ({positions.size}) and "
-                             f"sampling ({len(batch.sampling)}) must have one entry per row")
-        if positions.min() < 0:
-            raise ValueError(f"decode positions must be >= 0, got {positions.tolist()}")
-        tables = self._check_page_table(np.asarray(batch.page_tables).reshape(rows, -1),
-                                        (positions + 1).tolist(), "decode page_tables")
         inp, stream = self.buffers.inputs, self.stream
         inp.tokens[:rows] = tokens
         inp.positions[:rows] = positions
@@ -356,35 +334,7 @@ class CudaRunner:
         inp.keys[2 * row:2 * row + 2] = (s.seed & _MASK64, s.step & _MASK64)
 
     def _check_lane(self, lane: int, field: str) -> None:
-        if not 0 <= lane < self.info.max_batch:
-            raise ValueError(f"{field} must lie in [0, {self.info.max_batch}), got {lane}")
-
-    def _check_tokens(self, tokens: np.ndarray, field: str) -> np.ndarray:
-        tokens = tokens.astype(np.int64, copy=False)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.info.vocab_size):
-            bad = tokens[(tokens < 0) | (tokens >= self.info.vocab_size)][0]
-            raise ValueError(f"{field}: token id {int(bad)} is outside the vocabulary [0, {self.info.vocab_size})")
-        return tokens
-
-    def _check_page_table(self, tables: np.ndarray, ends: Sequence[int], field: str) -> np.ndarray:
-        tables = tables.astype(np.int64, copy=False)
-        size = self.info.page_size
-        ends_a = np.asarray(ends, dtype=np.int64)
-        needed = -(-ends_a // size)
-        if (ends_a <= self.info.max_context).all() and (needed <= tables.shape[1]).all():
-            used = np.arange(tables.shape[1])[None, :] < needed[:, None]
-            if not ((tables < 0) | (tables >= self.info.num_pages))[used].any():
-                return tables  # the common case, checked without a Python loop per row
-        for row, end in enumerate(ends):  # find the first offending row for the message
-            if end > self.info.max_context:
-                raise ValueError(f"{field}: position {end - 1} exceeds max_context {self.info.max_context}")
-            needed = -(-end // size)
-            used = tables[row, :needed]
-            if used.size < needed:
-                raise ValueError(f"{field}: row {row} has {used.size} pages, position {end - 1} needs {needed}")
-            if used.min() < 0 or used.max() >= self.info.num_pages:
-                raise ValueError(f"{field}: row {row} uses page ids {used.tolist()} outside [0, {self.info.num_pages})")
-        return tables
+        check_lane(self.info, lane, field)
 
     def _pages(self, pages: Sequence[int]) -> np.ndarray:
         idx = np.asarray(pages, dtype=np.int64).reshape(-1)

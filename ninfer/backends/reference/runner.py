@@ -1,7 +1,7 @@
 """``ReferenceRunner``: the ModelRunner protocol over the NumPy forward pass.
 
-It checks every request from the engine (lanes, positions, page tables, token ids: ``inputs.py``)
-and fails with a ``ValueError`` naming the field, because the reference backend is also how the
+It checks every request from the engine (lanes, positions, page tables, token ids: the checks all
+backends share, ``ninfer/backends/inputs.py``) and fails with a ``ValueError`` naming the field, because the reference backend is also how the
 engine's own tests find their mistakes. Sampling uses ``ninfer.backends.sampling.sample_row`` with per-lane
 generated-token counts, as the protocol defines them.
 
@@ -22,7 +22,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ninfer.backends.reference.forward import PREFILL_BLOCK, DenseForward
-from ninfer.backends.reference.inputs import check_lane, check_tokens, decode_inputs, prefill_inputs
+from ninfer.backends.inputs import check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.reference.kv_cache import PagedKVCache
 from ninfer.backends.reference.weights import load_weights, mapping_getter
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
