@@ -1,15 +1,19 @@
 """Benchmark of the CUDA backend on a Qwen3-8B-shaped model with random bf16 weights made on the GPU.
 
-    python tools/gpu_bench.py [--json OUT.json] [--steps 32] [--prefill 8192] [--peer eager|none]
+    python tools/gpu_bench.py [--json OUT.json] [--steps 32] [--prefill 8192] [--ttft 512,8192]
+                              [--peer eager|compile|none] [--peer-batches 1,8]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator), decode tok/s at batch 1/4/8 for contexts 512 and 8192 (CUDA Graph replay),
 achieved GB/s and % of roofline (weights + KV bytes read per step / copy bandwidth), host time and
 host CPU per step, the GEMV alone, with ``--ablation`` the step time with each kernel family left
-out of the graph, prefill tok/s for one prompt, and the Hugging Face transformers peer.
-torch is used only to make the random weights on the GPU and to run the peer; NInfer itself runs
-through cuda.bindings and our PTX. KV contents are whatever the pool holds (zeros at start): our
-kernels' time does not depend on the values.
+out of the graph, prefill tok/s for one prompt, time to first token (prefill + first sample through
+the runner) for each ``--ttft`` prompt, and the Hugging Face transformers eager peer. ``--peer
+compile`` instead runs only transformers' static cache + torch.compile fast path (its compile takes
+50-80 s per batch size, so it gets a run of its own).
+The random weights are made on the GPU by our fill kernel (ninfer/backends/cuda/random_weights.py);
+torch only runs the peer; NInfer itself runs through cuda.bindings and our PTX. KV contents are
+whatever the pool holds (zeros at start): our kernels' time does not depend on the values.
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.random_weights import random_device_weights  # noqa: E402
 from ninfer.backends.cuda.weights import device_layout  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
+from ninfer.convert.random_model import LARGE_PRESETS  # noqa: E402
 from ninfer.models.dense import DenseConfig  # noqa: E402
 
-QWEN3_8B = DenseConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
-                       intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True)
+QWEN3_8B = LARGE_PRESETS["qwen3-8b"]
 PAGE = 16
 
 
@@ -52,21 +56,6 @@ def copy_bandwidth(device: rt.Device, stream, nbytes: int = 4 << 30, reps: int =
     device.free(a)
     device.free(b)
     return 2 * nbytes / float(np.median(times))
-
-
-def random_weights(config: DenseConfig, torch):
-    """Canonical tensors on the GPU: bf16 matrices ~N(0, 1/fan_in), fp32 norms ~1."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tensors = {}
-    for name, (shape, kind) in device_layout(config).items():
-        if kind == "bf16":
-            scale = 1.0 if name == "embed" else shape[-1] ** -0.5
-            t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) * scale
-        else:
-            t = 1 + 0.1 * torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
-        tensors[name] = t.contiguous()
-    torch.cuda.synchronize()
-    return tensors
 
 
 def weight_bytes_per_step(config: DenseConfig) -> int:
@@ -216,8 +205,21 @@ def bench_prefill(runner, tokens: int) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_tokens: int, prefill: int) -> list[dict]:
-    """transformers eager decode with its dynamic cache, random weights, same shape."""
+def bench_ttft(runner, tokens: int, reps: int = 3) -> dict:
+    """Time to the first sampled token through the runner: prefill of a ``tokens`` prompt from an empty
+    context plus the sample, host to host (median of ``reps``; the prompt's pages start at page 0)."""
+    prompt = (np.arange(tokens) * 7919 % 151936).astype(np.int32)
+    table = np.arange(runner.buffers.max_pages, dtype=np.int32)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=table, sample=SamplingRow()))
+        times.append(time.perf_counter() - t0)
+    return {"prompt": tokens, "ttft_ms": float(np.median(times)) * 1e3}
+
+
+def hf_model(torch, config: DenseConfig):
+    """transformers' Qwen3 of the same shape, random bf16 weights on the GPU."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     hf = Qwen3Config(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -229,6 +231,41 @@ def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_token
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(hf).eval()
     torch.set_default_dtype(torch.float32)
+    return model
+
+
+def bench_peer_compile(torch, config: DenseConfig, batches, prompt: int, new_tokens: int) -> list[dict]:
+    """transformers' fast path: static KV cache + torch.compile(mode="reduce-overhead") of the forward
+    (CUDA graphs). The first generate per batch size compiles (50-80 s), so it runs as a warm-up."""
+    model = hf_model(torch, config)
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    results = []
+    with torch.no_grad():
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, prompt), device="cuda")
+            t0 = time.perf_counter()
+            for _ in range(2):  # compile, then the CUDA graph recordings
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            timings = {}
+            for n in (1, new_tokens):
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                torch.cuda.synchronize()
+                timings[n] = time.perf_counter() - t0
+            decode_s = (timings[new_tokens] - timings[1]) / (new_tokens - 1)
+            results.append({"peer": "transformers static cache + torch.compile", "batch": batch, "context": prompt,
+                            "tok_s": batch / decode_s, "ttft_ms": timings[1] * 1e3, "warmup_s": compile_s})
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_tokens: int, prefill: int) -> list[dict]:
+    """transformers eager decode with its dynamic cache, random weights, same shape."""
+    model = hf_model(torch, config)
     results = []
     with torch.no_grad():
         for batch in batches:
@@ -265,7 +302,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", type=int, default=8192)
     parser.add_argument("--contexts", default="512,8192")
     parser.add_argument("--batches", default="1,4,8")
-    parser.add_argument("--peer", choices=("eager", "none"), default="eager")
+    parser.add_argument("--peer", choices=("eager", "compile", "none"), default="eager",
+                        help="compile: only the transformers static-cache + torch.compile peer (its compile "
+                             "takes 50-80 s per batch size, so it gets a run of its own)")
+    parser.add_argument("--peer-batches", default="1,8", help="batch sizes of the peer")
+    parser.add_argument("--ttft", default="512,8192", help="prompt lengths for time to first token ('' skips)")
     parser.add_argument("--ablation", action="store_true", help="leave-one-out timing of kernel families")
     args = parser.parse_args(argv)
     import torch
@@ -273,6 +314,14 @@ def main(argv=None) -> int:
     from ninfer.backends.cuda import CudaRunner
 
     torch.zeros(1, device="cuda")  # torch and NInfer share the device's primary context
+    if args.peer == "compile":
+        peer = bench_peer_compile(torch, QWEN3_8B, [int(b) for b in args.peer_batches.split(",")], prompt=512,
+                                  new_tokens=32)
+        for r in peer:
+            print("peer", json.dumps(r), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"peer": peer}, indent=1))
+        return 0
     device = rt.Device(0)
     stream = device.stream()
     report: dict = {"device": device.name, "sync": device.sync}
@@ -280,8 +329,8 @@ def main(argv=None) -> int:
     print(f"device {device.name}; copy bandwidth {report['copy_gb_s']:.0f} GB/s", flush=True)
     config = QWEN3_8B
     t0 = time.perf_counter()
-    tensors = random_weights(config, torch)
-    ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
+    ptrs, fill = random_device_weights(device, stream, config)
+    report["random_fill_s"] = fill.seconds
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     max_context = max(max(contexts) + args.steps + 8, args.prefill)
@@ -322,12 +371,15 @@ def main(argv=None) -> int:
             print(f"prefill ({name} GEMMs) {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s",
                   flush=True)
         runner.forward.lt = lt
+    report["ttft"] = [bench_ttft(runner, int(n)) for n in args.ttft.split(",") if n]
+    for r in report["ttft"]:
+        print(f"TTFT prompt {r['prompt']}: {r['ttft_ms']:.1f} ms (prefill + first sample, through the runner)",
+              flush=True)
     runner.close()
-    del tensors
     torch.cuda.empty_cache()
     if args.peer == "eager":
-        report["peer"] = bench_peer_eager(torch, config, batches=[1, 8], prompt=512, new_tokens=16,
-                                          prefill=args.prefill or 8192)
+        report["peer"] = bench_peer_eager(torch, config, batches=[int(b) for b in args.peer_batches.split(",")],
+                                          prompt=512, new_tokens=16, prefill=args.prefill or 8192)
         for r in report["peer"]:
             print("peer", json.dumps(r), flush=True)
     if args.json:
