@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64, uint32, uint64
+from llvmlite import ir
+from numba import cuda, float32, int32, int64, types, uint32, uint64
+from numba.cuda.extending import intrinsic
 
 from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, load_f32x4, load_u64x2
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
@@ -28,27 +30,43 @@ GEMV_THREADS = 128
 GEMV_WARPS = GEMV_THREADS // 32
 
 
-def make_gemv(M, COLS):
-    """``COLS`` output columns per block: each x value loaded serves that many columns."""
+def make_gemv(M, COLS, normed=False, epilogue="store"):
+    """``COLS`` weight rows per block: each x value loaded serves that many rows.
 
-    def gemv(y, x, w, rows, n, k, ldy):
+    ``normed`` / ``epilogue`` are the decode fusions of ``mma_gemv`` below (same meaning; with
+    "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows)."""
+    SWIGLU = epilogue == "swiglu"
+    OUT_COLS = COLS // 2 if SWIGLU else COLS
+
+    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
+        red_ss = cuda.shared.array((GEMV_WARPS, M), float32)
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
-        col0 = cuda.blockIdx.x * COLS
         acc = cuda.local.array((M, COLS), float32)
+        ss = cuda.local.array(M, float32)
         for r in range(M):
+            ss[r] = float32(0.0)
             for c in range(COLS):
                 acc[r, c] = float32(0.0)
+        # Weight row of each block column (-1: past the matrix).
+        row_of = cuda.local.array(COLS, int64)
+        for c in range(COLS):
+            if SWIGLU:
+                j = cuda.blockIdx.x * OUT_COLS + c % OUT_COLS
+                row_of[c] = int64(j) + (int64(n) if c >= OUT_COLS else int64(0)) if j < n else int64(-1)
+            else:
+                f = cuda.blockIdx.x * COLS + c
+                row_of[c] = int64(f) if f < n else int64(-1)
         wv = cuda.local.array((COLS, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)
         words = k >> 2
         # The whole block walks K together: 128 threads read 2 KiB of each weight row per step.
         for j in range(tid, chunks, GEMV_THREADS):
             for c in range(COLS):
-                if col0 + c < n:
-                    a, b = load_u64x2(w, int64(col0 + c) * words + 2 * j)
+                if row_of[c] >= 0:
+                    a, b = load_u64x2(w, row_of[c] * words + 2 * j)
                     for h in range(2):
                         word = a if h == 0 else b
                         lo = uint32(word & uint64(0xFFFFFFFF))
@@ -60,11 +78,18 @@ def make_gemv(M, COLS):
                 else:
                     for e in range(8):
                         wv[c, e] = float32(0.0)
+            if normed:
+                n0, n1, n2, n3 = load_f32x4(norm_w, 8 * j)
+                n4, n5, n6, n7 = load_f32x4(norm_w, 8 * j + 4)
             for r in range(M):
                 if r < rows:
                     xb = int64(r) * k + 8 * j
                     x0, x1, x2, x3 = load_f32x4(x, xb)
                     x4, x5, x6, x7 = load_f32x4(x, xb + 4)
+                    if normed:
+                        ss[r] += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
+                        x0, x1, x2, x3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+                        x4, x5, x6, x7 = x4 * n4, x5 * n5, x6 * n6, x7 * n7
                     for c in range(COLS):
                         acc[r, c] += (x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
                                       + x4 * wv[c, 4] + x5 * wv[c, 5] + x6 * wv[c, 6] + x7 * wv[c, 7])
@@ -75,17 +100,52 @@ def make_gemv(M, COLS):
                     v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
                 if lane == 0:
                     red[warp, r, c] = v
+            if normed:
+                v = ss[r]
+                for offset in (16, 8, 4, 2, 1):
+                    v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+                if lane == 0:
+                    red_ss[warp, r] = v
         cuda.syncthreads()
-        if tid < M * COLS:
-            r = tid // COLS
-            c = tid % COLS
-            if r < rows and col0 + c < n:
+        if tid < M * OUT_COLS:
+            r = tid // OUT_COLS
+            c = tid % OUT_COLS
+            col = cuda.blockIdx.x * OUT_COLS + c
+            if r < rows and col < n:
                 total = float32(0.0)
                 for wp in range(GEMV_WARPS):
                     total += red[wp, r, c]
-                y[int64(r) * ldy + col0 + c] = total
+                if normed:
+                    sq = float32(0.0)
+                    for wp in range(GEMV_WARPS):
+                        sq += red_ss[wp, r]
+                    inv = float32(1.0) / math.sqrt(sq / float32(k) + eps)
+                    total *= inv
+                at = int64(r) * ldy + col
+                if SWIGLU:
+                    up = float32(0.0)
+                    for wp in range(GEMV_WARPS):
+                        up += red[wp, r, c + OUT_COLS]
+                    if normed:
+                        up *= inv
+                    sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * total)
+                    y[at] = total * sig * up
+                elif epilogue == "residual":
+                    y[at] += total
+                else:
+                    y[at] = total
 
-    return gemv
+    body = cuda.jit(device=True, inline=True)(gemv)
+    if normed or epilogue != "store":
+        def fused(y, x, w, norm_w, rows, n, k, ldy, eps):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps)
+
+        return fused
+
+    def plain(y, x, w, rows, n, k, ldy):  # the undecorated product (prefill tails, the LM head of prefill)
+        body(y, x, w, x, rows, n, k, ldy, float32(0.0))
+
+    return plain
 
 
 TILE = 64
@@ -174,6 +234,24 @@ KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int
 MMA_EPILOGUES = ("store", "residual", "swiglu")
 
 
+@intrinsic
+def load_weights_u64x2(typingctx, ptr, index):
+    """16 bytes of weights, read once per step: non-coherent path, not kept in L1."""
+    sig = types.UniTuple(uint64, 2)(ptr, index)
+
+    def codegen(context, builder, signature, args):
+        base, idx = args
+        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [i64])
+        call = builder.call(ir.InlineAsm(fnty, "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];", "=l,=l,l"),
+                            [addr])
+        parts = [builder.extract_value(call, i) for i in range(2)]
+        return context.make_tuple(builder, signature.return_type, parts)
+
+    return sig, codegen
+
+
 @cuda.jit(device=True, inline=True)
 def split3_bf16x2(lo, hi):
     """Three bf16 pairs whose sum is (lo, hi) to fp32 precision: big, remainder, remainder's remainder."""
@@ -227,7 +305,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 for tt in range(T):
                     for h in range(2):
                         if inside and row_at[tt, h] >= 0:
-                            a, b = load_u64x2(w, (row_at[tt, h] + kk) >> 2)
+                            a, b = load_weights_u64x2(w, (row_at[tt, h] + kk) >> 2)
                             wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
                             wr[u, tt, h, 1] = uint32(a >> uint64(32))
                             wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
@@ -324,10 +402,19 @@ def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: 
 
 
 # Candidate shapes, timed by tools/bench_decode_gemm.py; forward.py picks per matrix and row count.
-MMA_SHAPES = [(1, 8, 2, 3), (1, 4, 4, 3), (2, 8, 2, 3), (2, 4, 2, 3), (4, 4, 1, 3), (1, 8, 2, 2), (2, 8, 2, 2)]
+MMA_SHAPES = [(1, 8, 2, 3), (4, 4, 1, 3), (1, 8, 4, 3), (1, 16, 2, 3), (1, 16, 4, 3), (4, 4, 2, 3), (8, 4, 1, 3),
+              (1, 8, 4, 2), (4, 4, 1, 2), (1, 16, 4, 2)]
+FUSIONS = ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu"))
 for _shape in MMA_SHAPES:
-    for _normed, _epilogue in ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu")):
+    for _normed, _epilogue in FUSIONS:
         KERNELS[mma_kernel_name(_normed, _epilogue, *_shape)] = (
             make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
             {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
-             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3]})
+             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8})
+# The fp32 GEMV with the same fusions and arguments (terms 0: exact fp32 products), for few rows.
+for _m in GEMV_ROWS:
+    for _normed, _epilogue in FUSIONS[1:]:
+        KERNELS[f"gemv_{'normed_' if _normed else ''}{_epilogue}_m{_m}"] = (
+            make_gemv(_m, 4, _normed, _epilogue), MMA_SIG,
+            {"threads": GEMV_THREADS, "cols": 2 if _epilogue == "swiglu" else 4, "epilogue": _epilogue,
+             "normed": int(_normed), "terms": 0, "max_rows": _m})

@@ -3,7 +3,8 @@
     python3 tools/bench_decode_gemm.py [--reps 20] [--rows 1,2,4,8] [--only SUBSTRING]
 
 For every matrix of a decode step (qkv, o, gate_up, down, LM head) and every row count it times the
-fp32 CUDA-core GEMV (``gemv_m{M}_c4``) and each tensor-core shape of ``mma_gemv`` (numba_kernels/gemm.py)
+fp32 CUDA-core GEMV plain (``gemv_m{M}_c4``) and with the matrix's fusion (``gemv_<fusion>_m{M}``),
+and each tensor-core shape of ``mma_gemv`` with the fusion (numba_kernels/gemm.py)
 inside one CUDA Graph of ``--reps`` launches. Launches cycle through enough copies of the weights to
 exceed the 50 MB L2, so every launch streams its matrix from HBM as in a real step. Prints one line
 per (matrix, rows) with the best kernel first; forward.py's choice table comes from these figures.
@@ -71,6 +72,10 @@ def main(argv=None) -> int:
             candidates = {gemv.name: [lambda wt=wt: gemv.launch((-(-n_plain // 4),), (128,),
                                                                   (y, x, wt, rows, n_plain, k, n_plain), stream)
                                       for wt in weights]}
+            fused = kernels[f"gemv_{'normed_' if normed else ''}{epilogue}_m{rows}"]
+            candidates[fused.name] = [lambda wt=wt: fused.launch(
+                (-(-cols // fused.meta["cols"]),), (fused.meta["threads"],),
+                (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream) for wt in weights]
             for shape in MMA_SHAPES:
                 kern = kernels[mma_kernel_name(normed, epilogue, *shape)]
                 grid = (-(-cols // kern.meta["cols"]),)

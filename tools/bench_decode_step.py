@@ -6,13 +6,12 @@ Qwen3-8B shape, random bf16 weights made on the GPU (tools/gpu_bench.py's). For 
 case it captures the decode step as a CUDA Graph under each variant and times back-to-back replays:
 ``unfused`` (separate RMSNorm / SiLU kernels, fp32 GEMV), ``fused`` (the default: tensor-core GEMMs
 with the norms, residual adds and SwiGLU folded in), the fused step with other L2 prefetch sizes of the
-o projection, and with ``--shapes`` every tensor-core GEMM shape in the manifest for all matrices.
+o projection, and with every matrix on the fp32 GEMV or on one tensor-core shape (``--mma``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--cases", default="1x512,8x512,8x8192")
-    parser.add_argument("--shapes", action="store_true", help="also every tensor-core GEMM shape")
+    parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     parser.add_argument("--prefetch-mb", default="0,16,32", help="L2 prefetch sizes to try (MB)")
     args = parser.parse_args(argv)
     import torch
@@ -66,11 +65,11 @@ def main(argv=None) -> int:
     runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
                                             num_pages=max_batch * max_pages, max_batch=max_batch,
                                             max_context=max_context, cuda_graph=False)
-    shapes = sorted({name.rsplit("_", 1)[1] for name in runner.kernels.entries if name.startswith("mma_gemv_")})
     for name in runner.kernels.entries:  # module loads are not allowed during capture
-        if name.startswith(("mma_gemv_", "gemv_m", "rmsnorm", "add_rmsnorm", "silu_mul")):
+        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul")):
             runner.kernels[name]
-    default_shapes = dict(fw.DECODE_GEMM_SHAPES)
+    mma = tuple(int(v) for v in args.mma[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
+    default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
     default_prefetch = runner.forward.l2_prefetch_bytes
     weights_bytes = weight_bytes_per_step(config)
     print(f"copy {copy_bw / 1e9:.0f} GB/s; weights per step {weights_bytes / 1e9:.2f} GB", flush=True)
@@ -89,15 +88,14 @@ def main(argv=None) -> int:
             runner.forward.l2_prefetch_bytes = mb << 20
             results[f"fused prefetch {mb} MB"] = step_ms(runner, batch, args.reps)
         runner.forward.l2_prefetch_bytes = default_prefetch
-        if args.shapes:
-            for shape in shapes:
-                t, w, u, s = (int(v) for v in shape[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
-                fw.DECODE_GEMM_SHAPES.update({r: (t, w, u, s) for r in default_shapes})
-                results[f"fused {shape}"] = step_ms(runner, batch, args.reps)
-            fw.DECODE_GEMM_SHAPES.update(default_shapes)
+        for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", mma)):
+            for table in fw.DECODE_GEMMS.values():
+                table.update({r: choice for r in table})
+            results[f"fused, {label}"] = step_ms(runner, batch, args.reps)
+            for matrix, table in fw.DECODE_GEMMS.items():
+                table.update(default_gemms[matrix])
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "
               + ", ".join(f"{k} {v:.3f} ms ({100 * roofline_ms / v:.1f}%)" for k, v in results.items()), flush=True)
-    print(json.dumps({"shapes": shapes}), flush=True)
     runner.close()
     return 0
 

@@ -61,17 +61,20 @@ def test_gemv_fewer_rows_than_compiled(gpu):
     assert np.isnan(got[3:]).all()
 
 
-MMA_KERNELS = sorted(name for name in json.loads((PTX_DIR / "manifest.json").read_text())["kernels"]
-                     if name.startswith("mma_gemv_"))
-MMA_TOLERANCE = {2: 2e-5, 3: 2e-6}  # activations split into 2 bf16 parts keep ~16 bits, 3 parts all 24
+DECODE_GEMMS = sorted(name for name, entry in json.loads((PTX_DIR / "manifest.json").read_text())["kernels"].items()
+                      if "epilogue" in entry["meta"])
+# By bf16 parts per activation (0: the fp32 GEMV). The tensor cores' fp32 accumulation is not
+# IEEE-exact (its error grows with k), so even three parts (all 24 bits) get 1e-5, not 1e-6.
+DECODE_GEMM_TOLERANCE = {0: 1e-6, 2: 3e-5, 3: 1e-5}
 
 
-@pytest.mark.parametrize("name", MMA_KERNELS)
+@pytest.mark.parametrize("name", DECODE_GEMMS)
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 24), (3, 301, 1000), (8, 4096, 256), (5, 40, 4104)])
-def test_mma_gemv_matches_numpy(gpu, name, rows, n, k):
-    """Every tensor-core decode GEMM variant (meta: epilogue, normed, terms) against float64 NumPy."""
+def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
+    """Every fused decode GEMM (meta: epilogue, normed, terms, max_rows) against float64 NumPy."""
     kernel = gpu.kernels[name]
     epilogue, normed = kernel.meta["epilogue"], kernel.meta["normed"]
+    rows = min(rows, kernel.meta["max_rows"])
     rng = np.random.default_rng(rows * 7 + n + k)
     eps = 1e-6
     w = from_float32(rng.standard_normal((2 * n if epilogue == "swiglu" else n, k)))
@@ -88,7 +91,7 @@ def test_mma_gemv_matches_numpy(gpu, name, rows, n, k):
     gpu.launch(kernel.name, (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
                (y, gpu.put(x), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps))
     got = gpu.get(y, np.float32, (8, n))
-    assert _err(got[:rows], want) < MMA_TOLERANCE[kernel.meta["terms"]]
+    assert _err(got[:rows], want) < DECODE_GEMM_TOLERANCE[kernel.meta["terms"]]
     if epilogue == "residual":
         assert np.array_equal(got[rows:], y0[rows:])  # rows past ``rows`` untouched
     else:

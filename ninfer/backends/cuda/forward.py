@@ -39,15 +39,23 @@ def flash_prefill(kv_dtype: str) -> bool:
     return kv_dtype == "bf16"
 
 
-# Tensor-core decode GEMM shape (tiles of 16 weight rows per block, warps splitting K, 32-k steps
-# in flight per warp, bf16 parts per fp32 activation) by row count: tools/bench_decode_gemm.py.
-DECODE_GEMM_SHAPES = {rows: (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
+# The decode GEMM of each matrix by row count (tools/bench_decode_gemm.py on the H200): "fp32" is
+# the CUDA-core GEMV (``gemv_<fusion>_m<rows>``), a tuple a tensor-core ``mma_gemv`` shape (tiles of
+# 16 weight rows per block, warps splitting K, 32-k steps in flight per warp, bf16 parts per activation).
+DECODE_FUSIONS = {"qkv": ("store", True), "o": ("residual", False), "gate_up": ("swiglu", True),
+                  "down": ("residual", False), "lm_head": ("store", True)}  # (epilogue, normed)
+DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
+                for matrix in DECODE_FUSIONS}
 
 
-def decode_gemm_name(epilogue: str, normed: bool, rows: int) -> str:
-    """The ``mma_gemv`` kernel (numba_kernels/gemm.py) a decode step of ``rows`` rows launches."""
-    tiles, warps, steps, terms = DECODE_GEMM_SHAPES[rows]
-    return f"mma_gemv_{'normed_' if normed else ''}{epilogue}_t{tiles}w{warps}u{steps}s{terms}"
+def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
+    """The kernel a decode step of ``rows`` rows launches for ``matrix``."""
+    choice = DECODE_GEMMS[matrix][rows]
+    fusion = f"{'normed_' if normed else ''}{epilogue}"
+    if choice == "fp32":
+        return f"gemv_{fusion}_m{rows}"
+    tiles, warps, steps, terms = choice
+    return f"mma_gemv_{fusion}_t{tiles}w{warps}u{steps}s{terms}"
 
 
 L2_PREFETCH_BYTES = 32 << 20  # of the o projection, prefetched by decode attention (H200 L2: 50 MB)
@@ -176,8 +184,8 @@ class Forward:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample", "to_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
         names += [self.prefill_attention_name] if self.prefill_attention_name else []
-        names += [decode_gemm_name(epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
-                  for epilogue, normed in (("store", True), ("residual", False), ("swiglu", True))]
+        names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
+                  for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
@@ -247,12 +255,12 @@ class Forward:
             self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
         k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
 
-    def decode_gemm(self, epilogue: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
+    def decode_gemm(self, matrix: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
                     k: int, stream, norm: rt.DevicePtr | None = None) -> None:
-        """Tensor-core GEMM of a decode step (``mma_gemv``): ``norm`` given = rmsnorm(x) * norm first;
-        ``epilogue`` "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up])."""
-        normed = norm is not None
-        kernel = self.k[decode_gemm_name(epilogue, normed, rows)]
+        """A decode GEMM with its fusion (DECODE_FUSIONS): "normed" = rmsnorm(x) * ``norm`` first;
+        epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up])."""
+        epilogue, normed = DECODE_FUSIONS[matrix]
+        kernel = self.k[decode_gemm_name(matrix, epilogue, normed, rows)]
         kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
                       (y, x, w, norm if normed else self.b.cos, rows, n, k, n, float(self.c.rms_norm_eps)), stream)
 
@@ -267,13 +275,13 @@ class Forward:
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            self.decode_gemm("store", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
+            self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
                              norm=w[p + "attn_norm"])
             self.attend(i, rows, n_splits, stream)
-            self.decode_gemm("residual", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
-            self.decode_gemm("swiglu", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
+            self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+            self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
                              stream, norm=w[p + "mlp_norm"])
-            self.decode_gemm("residual", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
+            self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
                              stream)
 
     def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
@@ -307,7 +315,7 @@ class Forward:
             self.sample(rows, stream)
             return
         self.decode_layers(rows, stream)
-        self.decode_gemm("store", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size, self.c.hidden_size,
+        self.decode_gemm("lm_head", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size, self.c.hidden_size,
                          stream, norm=self.w["final_norm"])
         self.sample(rows, stream)
 
