@@ -26,7 +26,7 @@ construction; addresses never change.
 from __future__ import annotations
 
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import GEMV_MAX_ROWS, decode_gemm_name
+from ninfer.backends.cuda.forward import GEMV_MAX_ROWS
 from ninfer.models.hybrid import MOE, HybridConfig
 
 # Pairs per chunk of the decode and prefill grouped-GEMM variants (numba_kernels/moe.py GROUPED_SHAPES).
@@ -35,6 +35,9 @@ PREFILL_CHUNK = 32
 MAX_EXPERTS = 1024  # moe_plan's shared-memory tables
 MAX_TOP_K = 32  # moe_topk: one lane of the row's warp per pick
 TILED_GEMM_TILE = 64  # gemm_tiled's output tile (router logits of prefill rows)
+# Router logits of up to 8 rows: numba_kernels/gemm.py's tensor-core GEMM, one 16-expert tile per
+# block, three bf16 parts per activation (fp32-faithful: a near tie must break as in the reference).
+ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
 GROUPED = ("moe_gate_up_d", "moe_down_d", "moe_gate_up_p", "moe_down_p")
 
 
@@ -91,8 +94,7 @@ class CudaMoe:
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        routers = [decode_gemm_name("store", False, rows) for rows in range(1, GEMV_MAX_ROWS + 1)]
-        return ["moe_topk", "moe_plan", "moe_combine", "gemm_tiled", *GROUPED, *sorted(set(routers))]
+        return ["moe_topk", "moe_plan", "moe_combine", "gemm_tiled", ROUTER_DECODE_GEMM, *GROUPED]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -147,7 +149,7 @@ class CudaMoe:
         """``logits[:rows] = x @ router.T`` in fp32 (the tensor-core decode GEMM is fp32-faithful)."""
         E, H = self.c.num_experts, self.c.hidden_size
         if rows <= GEMV_MAX_ROWS:
-            kernel = self.k[decode_gemm_name("store", False, rows)]
+            kernel = self.k[ROUTER_DECODE_GEMM]
             kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],),
                           (self.logits, x, router, self.logits, rows, E, H, E, 0.0), stream)
         else:

@@ -1,0 +1,323 @@
+"""Issue 7's benchmark: the CUDA hybrid runner on Qwen3.6-27B- and 35B-A3B-shaped models, random bf16
+weights made on the GPU, side by side with transformers on the same shapes in the same run.
+
+    python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
+                                     [--batches 1,4,8] [--context 512] [--peer transformers|none]
+
+Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
+roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
+time alone), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE
+layers the router, the shared expert and the distinct experts the batch routes to, expected count
+under uniform routing), each lane's StateImage once and writes it once, and its KV; prefill tok/s of
+one ``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
+conversation prefilled) and reused (the checkpointed StateImage copied back, the KV pages kept); then
+transformers (``qwen3_5`` / ``qwen3_5_moe`` text models, random init, bf16, eager, its own DeltaNet
+fallback when flash-linear-attention is absent) on the same measurements.
+torch makes the random weights on the GPU and runs the peer; NInfer itself runs through cuda.bindings
+and our PTX, over the same primary context. Our weights are freed before the peer is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
+
+from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
+from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
+
+PAGE = 16
+CONVERSATION, TURN = 4096, 64  # TTFT: a new turn of TURN tokens after CONVERSATION tokens
+
+
+def _layer_types(layers: int) -> tuple[str, ...]:
+    """Every fourth layer full attention, as the Qwen3.5 family's full_attention_interval 4."""
+    return tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers))
+
+
+SHARED = dict(vocab_size=248320, rms_norm_eps=1e-6, head_dim=256, rotary_dim=64, rope_theta=1e7,
+              max_position_embeddings=262144, linear_num_k_heads=16, linear_k_head_dim=128,
+              linear_v_head_dim=128, conv_kernel=4)
+MODELS = {
+    "27b": HybridConfig(architecture="Qwen3_5ForCausalLM", hidden_size=5120, num_layers=64,
+                        layer_types=_layer_types(64), mlp_types=(DENSE,) * 64, num_heads=24, num_kv_heads=4,
+                        linear_num_v_heads=48, intermediate_size=17408, **SHARED),
+    "a3b": HybridConfig(architecture="Qwen3_5MoeForCausalLM", hidden_size=2048, num_layers=40,
+                        layer_types=_layer_types(40), mlp_types=(MOE,) * 40, num_heads=16, num_kv_heads=2,
+                        linear_num_v_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                        shared_expert_intermediate_size=512, norm_topk_prob=True, **SHARED),
+}
+
+
+# -- weights and the bytes a step reads -----------------------------------------------------------
+
+def random_weights(config: HybridConfig, torch) -> dict:
+    """Every tensor of ``hybrid_weights.device_layout``: bf16 matrices ~N(0, 1/fan_in), fp32 norms
+    (stored as ``1 + w``) ~1, ``A_log`` and ``dt_bias`` small, the depthwise conv ~N(0, 1/4)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {}
+    for name, (shape, kind) in device_layout(config).items():
+        role = name.rsplit(".", 1)[-1]
+        if kind == "bf16":
+            scale = 1.0 if role == "embed" else shape[-1] ** -0.5
+            t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) * scale
+        elif role.endswith("norm"):
+            t = 1 + 0.1 * torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+        else:
+            t = shape[-1] ** -0.5 * torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+        tensors[name] = t.contiguous()
+    torch.cuda.synchronize()
+    return tensors
+
+
+def expected_experts(config: HybridConfig, batch: int) -> float:
+    """Distinct experts ``batch`` rows route to in one layer if each row picks k of E uniformly."""
+    e, k = config.num_experts, config.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** batch) if e else 0.0
+
+
+def step_bytes(config: HybridConfig, batch: int, context: int) -> float:
+    """Bytes one decode step must move: weights (not the embedding table), states, KV."""
+    total = 0.0
+    for name, (shape, kind) in device_layout(config).items():
+        size = int(np.prod(shape)) * (2 if kind == "bf16" else 4)
+        if name == "embed" and not config.tie_word_embeddings:
+            continue
+        if name.endswith(("experts.gate_up", "experts.down")):
+            size *= expected_experts(config, batch) / config.num_experts
+        total += size
+    states = 2 * batch * config.state_floats * 4  # read and written once
+    return total + states + batch * context * config.kv_bytes_per_token
+
+
+# -- our side ---------------------------------------------------------------------------------
+
+def _tables(runner, lanes) -> np.ndarray:
+    pages = runner.buffers.max_pages
+    return np.stack([np.arange(pages) + lane * pages for lane in lanes]).astype(np.int32)
+
+
+def _forget_states(runner) -> None:
+    """Trust whatever the lanes hold (benchmark inputs, not a conversation): any position may follow."""
+    runner.states.length[:] = -1
+
+
+def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float) -> dict:
+    _forget_states(runner)
+    lanes = np.arange(batch, dtype=np.int32)
+    tables = _tables(runner, lanes)
+    tokens = np.full(batch, 7, np.int32)
+    times = []
+    for step in range(steps + 3):
+        positions = np.full(batch, context + step, np.int32)
+        t0 = time.perf_counter()
+        out = runner.decode(DecodeBatch(lanes=lanes, tokens=tokens, positions=positions, page_tables=tables,
+                                        sampling=[SamplingRow()] * batch))
+        times.append(time.perf_counter() - t0)
+        tokens = out.tokens
+    step_s = float(np.median(times[3:]))
+    dev, stream = runner.device, runner.stream
+    start, stop = dev.event(timing=True), dev.event(timing=True)
+    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+    for _ in range(steps):  # device time alone: the graph replayed back to back
+        runner.graphs[batch].launch(stream)
+    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+    rt.synchronize(stream)
+    gpu_s = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / steps
+    nbytes = step_bytes(config, batch, context + steps // 2)
+    return {"batch": batch, "context": context, "tok_s": batch / step_s, "step_ms": step_s * 1e3,
+            "gpu_step_ms": gpu_s * 1e3, "achieved_gb_s": nbytes / gpu_s / 1e9,
+            "roofline_tok_s": batch * copy_bw / nbytes, "pct_roofline": 100 * nbytes / copy_bw / step_s}
+
+
+def _prompt(n: int, salt: int = 0) -> np.ndarray:
+    return ((np.arange(n) * 7919 + salt) % 151936).astype(np.int32)
+
+
+def _prefill(runner, lane: int, tokens: np.ndarray, start: int) -> float:
+    t0 = time.perf_counter()
+    runner.prefill(PrefillChunk(lane=lane, tokens=tokens, start=start, page_table=_tables(runner, [lane])[0],
+                                sample=SamplingRow()))
+    return time.perf_counter() - t0
+
+
+def bench_prefill(runner, tokens: int) -> dict:
+    _forget_states(runner)
+    _prefill(runner, 0, _prompt(512), 0)  # warm-up (module loads, cuBLASLt plans)
+    seconds = _prefill(runner, 0, _prompt(tokens), 0)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def bench_ttft(runner) -> dict:
+    """A 64-token turn after a 4k conversation: cold (all prefilled) vs reused (state checkpoint + KV)."""
+    _forget_states(runner)
+    conversation, turn = _prompt(CONVERSATION, 1), _prompt(TURN, 2)
+    checkpoint = runner.info.max_batch  # the first extra StateImage slot
+    _prefill(runner, 0, conversation, 0)
+    runner.copy_state(0, checkpoint)  # what the Engine keeps at the end of a turn
+    cold = _prefill(runner, 1, np.concatenate([conversation, turn]), 0)
+    t0 = time.perf_counter()
+    runner.copy_state(checkpoint, 0)
+    _prefill(runner, 0, turn, CONVERSATION)
+    reused = time.perf_counter() - t0
+    return {"conversation": CONVERSATION, "turn": TURN, "cold_ms": cold * 1e3, "reused_ms": reused * 1e3,
+            "speedup": cold / reused}
+
+
+def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
+    from ninfer.backends.cuda.hybrid_runner import CudaHybridRunner
+
+    device = rt.Device(0)
+    t0 = time.perf_counter()
+    tensors = random_weights(config, torch)
+    ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
+    made_s = time.perf_counter() - t0
+    batches = [int(b) for b in args.batches.split(",")]
+    max_context = max(args.context + args.steps + 8, args.prefill, CONVERSATION + TURN)
+    pages = -(-max_context // PAGE)
+    runner = CudaHybridRunner.from_device_weights(
+        config, ptrs, device=device, page_size=PAGE, num_pages=max(max(batches), 2) * pages,
+        max_batch=max(max(batches), 2), max_context=max_context, max_prefill_rows=512, prefill_gemm="cublaslt",
+        state_slots=1)
+    report = {"weights_gb": sum(p.nbytes for p in ptrs.values()) / 1e9, "weights_made_s": made_s,
+              "startup": runner.startup, "decode": []}
+    print(f"ours: {report['weights_gb']:.1f} GB of weights made in {made_s:.1f} s; startup",
+          json.dumps(runner.startup), flush=True)
+    for batch in batches:
+        r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
+        report["decode"].append(r)
+        print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
+              " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
+              flush=True)
+    if args.prefill:
+        report["prefill"] = r = bench_prefill(runner, args.prefill)
+        print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
+    report["ttft"] = r = bench_ttft(runner)
+    print(f"ours TTFT of a {TURN}-token turn after {CONVERSATION} tokens: cold {r['cold_ms']:.0f} ms, "
+          f"reused {r['reused_ms']:.1f} ms ({r['speedup']:.0f}x)", flush=True)
+    runner.close()
+    del tensors, ptrs
+    torch.cuda.empty_cache()
+    return report
+
+
+# -- transformers -----------------------------------------------------------------------------
+
+def hf_model(config: HybridConfig, torch):
+    import transformers
+
+    fields = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                  num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+                  num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+                  linear_num_key_heads=config.linear_num_k_heads, linear_num_value_heads=config.linear_num_v_heads,
+                  linear_key_head_dim=config.linear_k_head_dim, linear_value_head_dim=config.linear_v_head_dim,
+                  linear_conv_kernel_dim=config.conv_kernel, rms_norm_eps=config.rms_norm_eps,
+                  max_position_embeddings=config.max_position_embeddings, layer_types=list(config.layer_types),
+                  tie_word_embeddings=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=config.rope_theta,
+                                       partial_rotary_factor=config.rotary_dim / config.head_dim))
+    if MOE in config.mlp_types:
+        fields.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                      moe_intermediate_size=config.moe_intermediate_size,
+                      shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                      norm_topk_prob=config.norm_topk_prob)
+        hf_config, cls = transformers.Qwen3_5MoeTextConfig(**fields), transformers.Qwen3_5MoeForCausalLM
+    else:
+        hf_config = transformers.Qwen3_5TextConfig(intermediate_size=config.intermediate_size, **fields)
+        cls = transformers.Qwen3_5ForCausalLM
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = cls(hf_config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model
+
+
+def _timed(torch, fn) -> tuple[float, object]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def run_peer(args, config: HybridConfig, torch) -> dict:
+    import transformers
+
+    t0 = time.perf_counter()
+    model = hf_model(config, torch)
+    report = {"peer": f"transformers {transformers.__version__} eager",
+              "build_s": time.perf_counter() - t0, "decode": []}
+    print(f"peer: {report['peer']}, built in {report['build_s']:.1f} s", flush=True)
+    vocab = config.vocab_size
+    with torch.no_grad():
+        for batch in [int(b) for b in args.batches.split(",")]:
+            ids = torch.randint(0, vocab, (batch, args.context), device="cuda")
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+            first, _ = _timed(torch, lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False))
+            n = args.peer_tokens
+            total, _ = _timed(torch, lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False))
+            tok_s = batch * (n - 1) / (total - first)
+            report["decode"].append({"batch": batch, "context": args.context, "tok_s": tok_s})
+            print(f"peer decode b={batch} ctx={args.context}: {tok_s:.1f} tok/s", flush=True)
+        if args.prefill:
+            ids = torch.randint(0, vocab, (1, args.prefill), device="cuda")
+            seconds, _ = _timed(torch, lambda: model(ids, logits_to_keep=1))
+            report["prefill"] = {"tokens": args.prefill, "seconds": seconds, "tok_s": args.prefill / seconds}
+            print(f"peer prefill {args.prefill} tokens: {seconds:.2f} s = {args.prefill / seconds:.0f} tok/s", flush=True)
+        ids = torch.randint(0, vocab, (1, CONVERSATION + TURN), device="cuda")
+        cold, _ = _timed(torch, lambda: model(ids, logits_to_keep=1))
+        out = model(ids[:, :CONVERSATION], use_cache=True, logits_to_keep=1)
+        reused, _ = _timed(torch, lambda: model(ids[:, CONVERSATION:], past_key_values=out.past_key_values,
+                                                use_cache=True, logits_to_keep=1))
+        report["ttft"] = {"cold_ms": cold * 1e3, "reused_ms": reused * 1e3}
+        print(f"peer TTFT of a {TURN}-token turn after {CONVERSATION} tokens: cold {cold * 1e3:.0f} ms, "
+              f"reused (its cache object) {reused * 1e3:.1f} ms", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prefill", type=int, default=8192)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--peer", choices=("transformers", "none"), default="transformers")
+    parser.add_argument("--peer-tokens", type=int, default=8, help="tokens each peer decode generates")
+    parser.add_argument("--ours", choices=("yes", "no"), default="yes", help="no: the peer alone")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.zeros(1, device="cuda")  # torch and NInfer share the device's primary context
+    device = rt.Device(0)
+    config = MODELS[args.model]
+    report: dict = {"model": args.model, "config": config.to_json(), "device": device.name}
+    report["copy_gb_s"] = copy_bandwidth(device, device.stream(), nbytes=1 << 30) / 1e9
+    print(f"{args.model}: device {device.name}; copy bandwidth {report['copy_gb_s']:.0f} GB/s; "
+          f"batch-1 roofline {report['copy_gb_s'] * 1e9 / step_bytes(config, 1, args.context):.1f} tok/s", flush=True)
+    if args.ours == "yes":
+        report["ours"] = run_ours(args, config, torch, report["copy_gb_s"] * 1e9)
+    if args.peer == "transformers":
+        report["peer"] = run_peer(args, config, torch)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
