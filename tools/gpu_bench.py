@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     report["random_fill_s"] = fill.seconds
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    max_context = max(max(contexts) + args.steps + 8, args.prefill)
+    max_context = max(max(contexts) + args.steps + 8, args.prefill, *(int(n) for n in args.ttft.split(",") if n))
     max_pages = -(-max_context // PAGE)
     runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
                                             num_pages=max(batches) * max_pages, max_batch=max(batches),

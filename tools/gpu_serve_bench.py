@@ -36,8 +36,12 @@ def start_server(args, streams: int, log_path: Path) -> tuple[subprocess.Popen, 
         model = [args.cpu_artifact, "--kv-capacity", str(streams * args.max_context)]
     else:
         model = ["--random-weights", args.config, "--device", "0", "--kv-capacity", "auto"]
-    cmd = [sys.executable, "-m", "ninfer.cli", "serve", *model, "--port", "0", "--max-context", str(args.max_context),
-           "--max-concurrency", str(streams), "--temperature", "1.0", "--log-stats-interval-ms", "0"]
+    serve = ["serve", *model, "--port", "0", "--max-context", str(args.max_context),
+             "--max-concurrency", str(streams), "--temperature", "1.0", "--log-stats-interval-ms", "0"]
+    cmd = [sys.executable, "-m", "ninfer.cli", *serve]
+    if args.gil_switch_ms is not None:  # the interpreter's thread switch interval (Python's default: 5 ms)
+        cmd = [sys.executable, "-c", f"import sys; sys.setswitchinterval({args.gil_switch_ms / 1000}); "
+               f"from ninfer.cli import main; sys.exit(main({serve!r}))"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + args.startup_timeout
@@ -77,13 +81,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--startup-timeout", type=float, default=120)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--gil-switch-ms", type=float, help="run the server with this sys.setswitchinterval")
     parser.add_argument("--cpu-artifact", help="serve this artifact on the reference backend instead (dry run)")
     args = parser.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",")]
     log_path = Path(tempfile.mkdtemp()) / "serve.log"
     t0 = time.monotonic()
     proc, url = start_server(args, max(levels), log_path)
-    report: dict = {"config": args.config, "startup_s": round(time.monotonic() - t0, 1), "levels": []}
+    report: dict = {"config": args.config, "gil_switch_ms": args.gil_switch_ms, "startup_s": round(time.monotonic() - t0, 1), "levels": []}
     startup = [line for line in log_path.read_text().splitlines() if "CUDA startup" in line or "kv-capacity" in line]
     report["startup_log"] = [line.split(" ", 3)[-1] for line in startup]
     for line in report["startup_log"]:
