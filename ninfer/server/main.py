@@ -217,9 +217,10 @@ async def _resolve_auto_capacity(runner: Any, config: EngineConfig) -> EngineCon
     """--kv-capacity auto: build the runner now (it sizes its KV pool from free device memory, once)
     and give the Engine that capacity. The runner makes its context current at every call, so being
     built on this helper thread rather than the Engine's worker is harmless."""
-    info = (await trio.to_thread.run_sync(lambda: runner.runner)).info
+    built = await trio.to_thread.run_sync(lambda: getattr(runner, "runner", runner))  # WorkerBuiltRunner builds
+    info = built.info
     tokens = info.num_pages * info.page_size
-    sizing = getattr(runner.runner, "startup", {}).get("kv_auto", {})
+    sizing = getattr(built, "startup", {}).get("kv_auto", {})
     log.info("--kv-capacity auto: %d tokens (%d pages, %.2f GiB; %.2f GiB were free after the weights)", tokens,
              info.num_pages, info.num_pages * sizing.get("page_bytes", 0) / 2**30, sizing.get("free_bytes", 0) / 2**30)
     return attrs.evolve(config, kv_capacity=tokens)
