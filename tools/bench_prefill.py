@@ -1,0 +1,112 @@
+"""Prefill throughput and time to first token of the CUDA backend, next to transformers on the same card.
+
+    python tools/bench_prefill.py [--tokens 8192] [--chunks 512,1024,2048,4096,8192] [--peer eager|none]
+
+Qwen3-8B shape, random bf16 weights made on the GPU (our fill kernel), bf16 KV pool, cuBLASLt
+prefill GEMMs. The prompt is fed as the engine feeds it: ``PrefillChunk``s of ``--prefill-chunk``
+tokens (``--prefill-chunk`` of ``ninfer serve``), each over the prefix before it, the first token
+sampled after the last; the runner splits each chunk into sub-chunks of ``max_prefill_rows`` rows
+(set to the chunk here). Prints, per chunk size, tok/s for the whole prompt (median of ``--reps``),
+the share of that time spent in attention (the same prefill with the attention launches left out),
+TTFT of a 512-token prompt, and transformers eager's forward of the same prompt measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_bench import PAGE, QWEN3_8B, bench_peer_eager  # noqa: E402
+
+from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.random_weights import random_device_weights  # noqa: E402
+from ninfer.backends.runner import PrefillChunk, SamplingRow  # noqa: E402
+
+
+def prefill_seconds(runner, tokens: int, chunk: int, reps: int) -> float:
+    """Median wall time to prefill ``tokens`` in chunks of ``chunk`` and sample the first token."""
+    prompt = (np.arange(tokens) * 7919 % QWEN3_8B.vocab_size).astype(np.int32)
+    table = np.arange(runner.buffers.max_pages, dtype=np.int32)
+    times = []
+    for _ in range(reps + 1):  # the first pass plans cuBLASLt for these row counts
+        t0 = time.perf_counter()
+        for start in range(0, tokens, chunk):
+            end = min(tokens, start + chunk)
+            runner.prefill(PrefillChunk(lane=0, tokens=prompt[start:end], start=start, page_table=table,
+                                        sample=SamplingRow() if end == tokens else None))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def without_attention(runner):
+    """Context: the runner's prefill attention launches skipped (their share of the prefill time)."""
+    forward = runner.forward
+
+    class Skip:
+        def __enter__(self):
+            forward.prefill_attention = lambda *args: None
+
+        def __exit__(self, *exc):
+            del forward.prefill_attention
+
+    return Skip()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--chunks", default="512,1024,2048,4096,8192")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--peer", choices=("eager", "none"), default="eager")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    import torch
+
+    from ninfer.backends.cuda import CudaRunner
+
+    torch.zeros(1, device="cuda")  # torch and NInfer share the device's primary context
+    config = QWEN3_8B
+    chunks = [int(c) for c in args.chunks.split(",")]
+    max_context = args.tokens + PAGE
+    device = rt.Device(0)
+    ptrs, _ = random_device_weights(device, device.stream(), config)
+    runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
+                                            num_pages=-(-max_context // PAGE), max_batch=1, max_context=max_context,
+                                            kv_dtype="bf16", cuda_graph=False, max_prefill_rows=max(chunks),
+                                            prefill_gemm="cublaslt")
+    report: dict = {"device": device.name, "tokens": args.tokens, "prefill": []}
+    print(f"{device.name}: prefill of {args.tokens} tokens, Qwen3-8B shape, bf16 KV, cuBLASLt GEMMs", flush=True)
+    for chunk in chunks:
+        seconds = prefill_seconds(runner, args.tokens, chunk, args.reps)
+        with without_attention(runner):
+            rest = prefill_seconds(runner, args.tokens, chunk, 1)
+        r = {"chunk": chunk, "seconds": seconds, "tok_s": args.tokens / seconds,
+             "attention_share": 1 - rest / seconds}
+        report["prefill"].append(r)
+        print(f"  chunks of {chunk}: {seconds * 1e3:.0f} ms = {r['tok_s']:.0f} tok/s "
+              f"(attention {100 * r['attention_share']:.0f}%)", flush=True)
+    for tokens in (512, args.tokens):
+        chunk = min(tokens, 1024)  # ninfer serve's default --prefill-chunk
+        ttft = prefill_seconds(runner, tokens, chunk, args.reps)
+        report[f"ttft_{tokens}_ms"] = ttft * 1e3
+        print(f"  TTFT {tokens} tokens (chunks of {chunk}): {ttft * 1e3:.1f} ms", flush=True)
+    runner.close()  # frees the weights too (allocated on the runner's device)
+    if args.peer == "eager":
+        report["peer"] = bench_peer_eager(torch, config, batches=[], prompt=512, new_tokens=2, prefill=args.tokens)
+        for r in report["peer"]:
+            print("  peer", json.dumps(r), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""The tensor-core prefill attention kernel alone, against torch's flash SDPA on the same card.
+
+    python tools/bench_prefill_attention.py [--tokens 8192] [--chunks 512,2048,8192] [--head-dim 128]
+
+Qwen3-8B's attention shape (32 q heads, 8 KV heads). For each chunk size C the prompt is walked in
+chunks of C rows, each over the prefix before it (what the runner's sub-chunks do), and the total
+time of the launches is reported with the achieved TFLOP/s (causal: 4 * heads * head_dim * N(N+1)/2
+multiply-adds x2) next to torch's ``scaled_dot_product_attention(is_causal=True)`` on bf16 q/k/v of
+the whole prompt, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ninfer.backends.cuda import runtime as rt  # noqa: E402
+
+PAGE = 16
+
+
+def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
+    return 4.0 * heads * head_dim * tokens * (tokens + 1) / 2
+
+
+def time_ms(device, stream, body, reps: int) -> float:
+    start, stop = device.event(timing=True), device.event(timing=True)
+    body()  # warm-up
+    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+    for _ in range(reps):
+        body()
+    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+    rt.synchronize(stream)
+    return rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--chunks", default="512,2048,8192")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--peer", choices=("torch", "none"), default="torch")
+    parser.add_argument("--variants", default="", help="comma-separated kernel name suffixes to time too")
+    args = parser.parse_args(argv)
+    N, H, KV, D = args.tokens, args.heads, args.kv_heads, args.head_dim
+    device = rt.Device(0)
+    stream = device.stream()
+    kernels = rt.Kernels(device)
+    rng = np.random.default_rng(0)
+    pages = -(-N // PAGE)
+    page_elems = 2 * KV * PAGE * D
+    pool = device.alloc(pages * page_elems * 2, "pool")
+    kv_bits = (rng.standard_normal(pages * page_elems, dtype=np.float32).view(np.uint32) >> 16)
+    rt.copy_h2d(pool, kv_bits.astype(np.uint16), stream)  # bf16 truncations of normals
+    width = (H + 2 * KV) * D
+    qkv = device.alloc(N * width * 4, "qkv")
+    rt.copy_h2d(qkv, rng.standard_normal(N * width, dtype=np.float32), stream)
+    out = device.alloc(N * H * D * 4, "out")
+    table = device.alloc(pages * 4, "table")
+    rt.copy_h2d(table, rng.permutation(pages).astype(np.int32), stream)
+    positions = device.alloc(N * 4, "positions")
+    rt.copy_h2d(positions, np.arange(N, dtype=np.int32), stream)
+    row_table = device.alloc(N * 4, "row_table")
+    rt.memset32(row_table, 0, N, stream)
+    rt.synchronize(stream)
+    scale_log2 = float(D ** -0.5 * np.log2(np.e))
+    flops = causal_flops(N, H, D)
+    print(f"prefill attention {N} tokens, {H} q heads / {KV} kv heads, head_dim {D}: "
+          f"{flops / 1e12:.2f} TFLOP (causal)", flush=True)
+    names = [f"prefill_attention_d{D}"] + [f"prefill_attention_d{D}_{v}" for v in args.variants.split(",") if v]
+    for name, chunk in ((n, int(c)) for n in names for c in args.chunks.split(",")):
+        kernel = kernels[name]
+
+        def body(chunk=chunk, kernel=kernel):
+            for first in range(0, N, chunk):
+                n = min(chunk, N - first)
+                kernel.launch((-(-n // kernel.meta["rows"]), H), (kernel.meta["threads"],),
+                              (qkv.at(first * width * 4), pool, page_elems, table, pages,
+                               row_table.at(first * 4), positions.at(first * 4), out.at(first * H * D * 4), n,
+                               H, KV, PAGE.bit_length() - 1, scale_log2), stream)
+
+        ms = time_ms(device, stream, body, args.reps)
+        print(f"  {name}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+    if args.peer == "torch":
+        import torch
+        import torch.nn.functional as F
+
+        q = torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, KV, N, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, KV, N, D, device="cuda", dtype=torch.bfloat16)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.reps):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        stop.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(stop) / args.reps
+        print(f"  torch SDPA (bf16, causal, whole prompt): {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+    device.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
