@@ -86,11 +86,13 @@ def load_quad_f32(pool, element):
     return load_f32x4(pool, element)
 
 
-def make_attention(G, D, load_pair, load_quad):
+def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
+    """``U`` keys in flight per warp (default: 4, 2 for the widest groups), ``WARPS`` warps a block."""
     E = D // 32  # dims per lane (even: D is a multiple of 64)
     EW = E // 2  # uint32 words per lane
     QUADS = E % 4 == 0  # D = 128: each lane's K (and V) slice of a key is one vector load
-    U = 2 if G * D > 512 else 4  # keys in flight per warp (fewer for the widest groups: registers)
+    if U is None:
+        U = 2 if G * D > 512 else 4  # fewer for the widest groups: registers
     NV = U * G  # scores per warp step, a power of two <= 32
     LOG = NV.bit_length() - 1
 
@@ -295,7 +297,12 @@ def _signature(pool):
 KERNELS = {}
 for _g, _d in VARIANTS:
     KERNELS[f"attention_g{_g}_d{_d}_bf16"] = (make_attention(_g, _d, load_pair_bf16, load_quad_bf16),
-                                               _signature(U32P))
-    KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32, load_quad_f32), _signature(F32P))
+                                               _signature(U32P), {"threads": 32 * WARPS})
+    KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32, load_quad_f32), _signature(F32P),
+                                              {"threads": 32 * WARPS})
+# Candidates for long contexts (more keys or warps in flight), timed by tools/bench_decode_step.py.
+for _u, _w in ((8, 4), (4, 8), (2, 8)):
+    KERNELS[f"attention_g4_d128_bf16_u{_u}w{_w}"] = (
+        make_attention(4, 128, load_pair_bf16, load_quad_bf16, U=_u, WARPS=_w), _signature(U32P), {"threads": 32 * _w})
 KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, I32P),
                                 {"threads_per_dim": COMBINE_GROUPS})

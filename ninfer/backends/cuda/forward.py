@@ -222,8 +222,9 @@ class Forward:
             return
         o_proj = w[p + "o"]  # decode: pulled into L2 while attention waits on latency
         prefetch = min(o_proj.nbytes, self.l2_prefetch_bytes) if rows <= inp.lanes.size else 0
-        k[self.attention_name].launch(
-            (KV, rows, n_splits), (128,),
+        attention = k[self.attention_name]
+        attention.launch(
+            (KV, rows, n_splits), (attention.meta["threads"],),
             (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
              inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits,
              self.scale, o_proj, prefetch), stream)
