@@ -6,7 +6,8 @@ Qwen3-8B shape, random bf16 weights made on the GPU (tools/gpu_bench.py's). For 
 case it captures the decode step as a CUDA Graph under each variant and times back-to-back replays:
 ``unfused`` (separate RMSNorm / SiLU kernels, fp32 GEMV), ``fused`` (the default: tensor-core GEMMs
 with the norms, residual adds and SwiGLU folded in), the fused step with other L2 prefetch sizes of the
-o projection, and with every matrix on the fp32 GEMV or on one tensor-core shape (``--mma``).
+o projection, with every matrix on the fp32 GEMV or on one tensor-core shape (``--mma``), and with
+other decode attention kernels (``--attention``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--cases", default="1x512,8x512,8x8192")
+    parser.add_argument("--attention", default="", help="attention variants to try (manifest suffixes: u8w4,...)")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     parser.add_argument("--prefetch-mb", default="0,16,32", help="L2 prefetch sizes to try (MB)")
     args = parser.parse_args(argv)
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
                                             num_pages=max_batch * max_pages, max_batch=max_batch,
                                             max_context=max_context, cuda_graph=False)
     for name in runner.kernels.entries:  # module loads are not allowed during capture
-        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul")):
+        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul", "attention_")):
             runner.kernels[name]
     mma = tuple(int(v) for v in args.mma[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
     default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
@@ -94,6 +96,11 @@ def main(argv=None) -> int:
             results[f"fused, {label}"] = step_ms(runner, batch, args.reps)
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
+        default_attention = runner.forward.attention_name
+        for suffix in filter(None, args.attention.split(",")):
+            runner.forward.attention_name = f"{default_attention}_{suffix}"
+            results[f"fused, attention {suffix}"] = step_ms(runner, batch, args.reps)
+        runner.forward.attention_name = default_attention
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "
               + ", ".join(f"{k} {v:.3f} ms ({100 * roofline_ms / v:.1f}%)" for k, v in results.items()), flush=True)
     runner.close()
