@@ -151,6 +151,32 @@ def test_delta_rule_kernel_matches_the_reference(decode):
     assert rel_err(got_states[lanes], want_state.reshape(got_states[lanes].shape)) < 1e-5
 
 
+def test_prefill_delta_rule_pipeline_matches_the_reference():
+    """prep (norms, gates) -> scan (the recurrence) -> gated norm, over one sequence."""
+    gpu, rng = Gpu(), np.random.default_rng(3)
+    rows, slots, lane = 130, 3, 1
+    mixed = rng.standard_normal((rows, CONV_DIM)).astype(np.float32)
+    proj = rng.standard_normal((rows, IN_SIZE)).astype(np.float32)
+    states = (rng.standard_normal((slots, NV, DH, DH)) * 0.1).astype(np.float32)
+    dt_bias, a_log = rng.standard_normal(NV).astype(np.float32), rng.standard_normal(NV).astype(np.float32)
+    norm = rng.standard_normal(DH).astype(np.float32)
+    d_mixed, d_proj, d_states = gpu.put(mixed), gpu.put(proj), gpu.put(states)
+    qk, gates = gpu.empty(rows * 2 * KEY_DIM * 4), gpu.empty(rows * 2 * NV * 4)
+    o_raw, out = gpu.empty(rows * VALUE_DIM * 4), gpu.empty(rows * VALUE_DIM * 4)
+    prep, scan = gpu.kernels[f"deltanet_prep_k{DH}"], gpu.kernels[f"deltanet_scan_k{DH}_v{DH}"]
+    gpu.launch(prep.name, (rows, NK + 1), (prep.meta["threads"],),
+               (qk, gates, d_mixed, d_proj, NK, NV, IN_SIZE, gpu.put(dt_bias), gpu.put(a_log)))
+    gpu.launch(scan.name, (NV, scan.meta["splits"], 1), (scan.meta["threads"],),
+               (qk, gates, d_mixed, o_raw, d_states, NV * DH * DH, gpu.put(np.array([lane], np.int32)), rows, NK, NV))
+    gpu.launch(f"deltanet_gated_norm_v{DH}", (rows, NV), (DH,),
+               (out, o_raw, d_proj, IN_SIZE, NK, NV, gpu.put(norm), 1e-6))
+    want, want_state = _reference_rule(mixed, proj, states[lane], dt_bias, a_log, norm, 1e-6, False)
+    assert rel_err(gpu.get(out, np.float32, (rows, VALUE_DIM)), want) < 1e-5
+    got_states = gpu.get(d_states, np.float32, states.shape)
+    assert rel_err(got_states[lane], want_state) < 1e-5
+    np.testing.assert_array_equal(got_states[[0, 2]], states[[0, 2]])
+
+
 # -- the runner ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_dtype, tol", [("f32", 1e-3), ("bf16", 3e-2)])

@@ -72,6 +72,8 @@ class HybridBuffers:
         plan = {
             "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
             "proj": R * c.in_proj_size * f32, "mixed": R * c.conv_dim * f32, "core": R * c.value_dim * f32,
+            # prefill's delta rule: normalised q|k, beta|decay per head, the ungated output
+            "qk": R * 2 * c.key_dim * f32, "gates": R * 2 * c.linear_num_v_heads * f32, "o_raw": R * c.value_dim * f32,
             # q rows are (heads + 2 kv_heads) * head_dim wide: the layout the prefill kernel reads.
             "qkv": R * c.qkv_size * f32, "q": R * (c.q_size + 2 * c.kv_size) * f32, "gate": R * c.q_size * f32,
             "attn": R * c.q_size * f32, "attn_raw": R * c.q_size * f32,
@@ -116,7 +118,9 @@ class HybridForward(Forward):
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
         super().__init__(kernels, config, weights, buffers, page_size=page_size, kv_dtype=kv_dtype, lt=lt)
         c = config
-        self.rule_name = f"deltanet_rule_k{c.linear_k_head_dim}_v{c.linear_v_head_dim}"
+        dk, dv = c.linear_k_head_dim, c.linear_v_head_dim
+        self.rule_name = f"deltanet_rule_k{dk}_v{dv}"
+        self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
         # Prefill attention on the tensor cores where a variant exists (bf16 pool; prefill_attention.py).
@@ -131,7 +135,8 @@ class HybridForward(Forward):
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine"}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
-        names += ["deltanet_conv", self.rule_name, self.qk_name, self.gated_attention_name, "gated_combine"]
+        names += ["deltanet_conv", self.rule_name, *self.prefill_rule_names, self.qk_name, self.gated_attention_name,
+                  "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
@@ -175,12 +180,30 @@ class HybridForward(Forward):
         conv.launch((-(-c.conv_dim // conv.meta["threads"]), seqs), (conv.meta["threads"],),
                     (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, b.inputs.d_lanes, seq_rows,
                      c.conv_dim, w[p + "conv"]), stream)
-        rule = k[self.rule_name]
-        rule.launch((c.linear_num_v_heads, seqs), (rule.meta["threads"],),
-                    (b.mixed, b.proj, b.core, conv_state.at(self.conv_floats * 4), slot_floats, b.inputs.d_lanes,
-                     seq_rows, c.linear_num_k_heads, c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"],
-                     w[p + "A_log"], w[p + "linear_norm"], float(c.rms_norm_eps)), stream)
+        state = conv_state.at(self.conv_floats * 4)
+        if decode:
+            rule = k[self.rule_name]
+            rule.launch((c.linear_num_v_heads, seqs), (rule.meta["threads"],),
+                        (b.mixed, b.proj, b.core, state, slot_floats, b.inputs.d_lanes, seq_rows,
+                         c.linear_num_k_heads, c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"],
+                         w[p + "A_log"], w[p + "linear_norm"], float(c.rms_norm_eps)), stream)
+        else:
+            self.prefill_rule(p, state, rows, stream)
         self.matmul(b.delta, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
+
+    def prefill_rule(self, p: str, state: rt.DevicePtr, rows: int, stream) -> None:
+        """The delta rule over one sequence of ``rows`` tokens: the row-parallel parts (q/k norms,
+        gates; the gated norm) in their own launches, so the sequential scan does only the recurrence."""
+        c, b, w, k = self.c, self.b, self.w, self.k
+        nk, nv = c.linear_num_k_heads, c.linear_num_v_heads
+        prep, scan, norm = (k[name] for name in self.prefill_rule_names)
+        prep.launch((rows, nk + 1), (prep.meta["threads"],),
+                    (b.qk, b.gates, b.mixed, b.proj, nk, nv, c.in_proj_size, w[p + "dt_bias"], w[p + "A_log"]), stream)
+        scan.launch((nv, scan.meta["splits"], 1), (scan.meta["threads"],),
+                    (b.qk, b.gates, b.mixed, b.o_raw, state, c.state_floats, b.inputs.d_lanes, rows, nk, nv), stream)
+        norm.launch((rows, nv), (norm.meta["threads"],),
+                    (b.core, b.o_raw, b.proj, c.in_proj_size, nk, nv, w[p + "linear_norm"], float(c.rms_norm_eps)),
+                    stream)
 
     def attention(self, layer: int, rows: int, stream) -> None:
         c, b, w, k = self.c, self.b, self.w, self.k
