@@ -59,8 +59,11 @@ def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> W
     def build():
         from ninfer.backends.cuda import CudaRunner
 
-        if isinstance(model, str):
-            return CudaRunner(model, device=args.device, **shape)
+        if isinstance(model, str):  # a hybrid artifact gets CudaHybridRunner with the checkpoint slots
+            from ninfer.backends.cuda.hybrid_runner import open_runner
+
+            return open_runner(model, device=args.device, state_slots=config.state_slots - config.max_concurrency,
+                               **shape)
         from ninfer.backends.cuda import runtime
         from ninfer.backends.cuda.random_weights import random_device_weights
 

@@ -28,7 +28,7 @@ from ninfer.backends.cuda import hybrid_weights as hw
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import GEMV_MAX_ROWS, PREFILL_GEMMS
 from ninfer.backends.cuda.hybrid_forward import HybridBuffers, HybridForward, check_supported
-from ninfer.backends.cuda.runner import CudaRunner
+from ninfer.backends.cuda.runner import AUTO, CudaRunner, _on_device, auto_kv_pages
 from ninfer.backends.reference.hybrid_runner import is_hybrid_config
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
 from ninfer.models.hybrid import ARCHITECTURES, HybridConfig
@@ -49,7 +49,7 @@ def open_runner(artifact: Any, *, state_slots: int = 0, **options: Any) -> CudaR
 class CudaHybridRunner(CudaRunner):
     """A Qwen3-Next / Qwen3.5 hybrid on the GPU; see the module docstring."""
 
-    def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int, max_batch: int, max_context: int,
+    def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int, max_context: int,
                  device: int | rt.Device = 0, kv_dtype: str = "bf16", cuda_graph: bool = True,
                  max_prefill_rows: int = 512, prefill_gemm: str = "fp32", state_slots: int = 0):
         """``artifact``: an opened artifact or a path; ``state_slots``: extra StateImage slots."""
@@ -70,7 +70,7 @@ class CudaHybridRunner(CudaRunner):
 
     @classmethod
     def from_device_weights(cls, config: HybridConfig, weights: Mapping[str, rt.DevicePtr], *,
-                            device: rt.Device, page_size: int = 16, num_pages: int, max_batch: int,
+                            device: rt.Device, page_size: int = 16, num_pages: int | str, max_batch: int,
                             max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
                             max_prefill_rows: int = 512, prefill_gemm: str = "fp32",
                             state_slots: int = 0) -> CudaHybridRunner:
@@ -90,9 +90,9 @@ class CudaHybridRunner(CudaRunner):
             raise ValueError(f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, got {prefill_gemm!r}")
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
-        if not isinstance(num_pages, int):
-            raise ValueError(f"num_pages must be a positive int for a hybrid model, got {num_pages!r}")
-        for name, value in (("num_pages", num_pages), ("max_batch", max_batch), ("max_context", max_context),
+        if num_pages != AUTO and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages must be a positive int or {AUTO!r}, got {num_pages!r}")
+        for name, value in (("max_batch", max_batch), ("max_context", max_context),
                             ("max_prefill_rows", max_prefill_rows)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -106,9 +106,16 @@ class CudaHybridRunner(CudaRunner):
         self.fault = None  # the sticky CudaError that ended this runner, if any (CudaRunner's guard)
         self.kv_dtype = kv_dtype
         self.kernels = rt.Kernels(device)
-        self.buffers = HybridBuffers(device, config, page_size=page_size, num_pages=num_pages, max_batch=max_batch,
-                                     max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
-                                     state_slots=state_slots, tensor_core_prefill=prefill_gemm == "cublaslt")
+
+        def buffers(pages: int) -> HybridBuffers:
+            return HybridBuffers(device, config, page_size=page_size, num_pages=pages, max_batch=max_batch,
+                                 max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
+                                 state_slots=state_slots, tensor_core_prefill=prefill_gemm == "cublaslt")
+
+        kv_sizing = None
+        if num_pages == AUTO:  # the StateImages are part of the workspace, so the pool gets what they leave
+            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=max_batch if cuda_graph else 0)
+        self.buffers = buffers(num_pages)
         self.buffers.init(stream)
         self.states = self.buffers.state_slots
         self._lt = None
@@ -129,6 +136,8 @@ class CudaHybridRunner(CudaRunner):
                                         "prefill_gemm": prefill_gemm, "kv_pages": num_pages,
                                         "state_slots": self.states.slots, "state_bytes": 4 * config.state_floats,
                                         "workspace_bytes": self.buffers.workspace_bytes}
+        if kv_sizing is not None:
+            self.startup["kv_auto"] = kv_sizing
         self.graphs: dict[int, rt.Graph] = {}
         if cuda_graph:
             free_before = device.free_memory()
@@ -138,11 +147,12 @@ class CudaHybridRunner(CudaRunner):
             self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
             self.startup["graph_bytes"] = free_before - device.free_memory()
             self.startup["graph_nodes"] = self.graphs[1].nodes
+        self.startup["free_bytes_after_startup"] = device.free_memory()
 
     # -- the protocol: CudaRunner's, with the lanes' recurrent state kept in step ----------------
 
+    @_on_device
     def prefill(self, chunk: PrefillChunk) -> StepResult:
-        self.device.make_current()
         self._check_lane(chunk.lane, "prefill lane")
         if chunk.start == 0:
             self.states.clear(chunk.lane, self.stream)
@@ -153,6 +163,7 @@ class CudaHybridRunner(CudaRunner):
         self.states.length[chunk.lane] = chunk.start + np.asarray(chunk.tokens).size
         return result
 
+    @_on_device
     def decode(self, batch: DecodeBatch) -> StepResult:
         lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
         positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
@@ -169,9 +180,9 @@ class CudaHybridRunner(CudaRunner):
             raise ValueError(f"{field} {position}: lane {lane}'s recurrent state summarises {have} tokens; "
                              f"restore the state at {position} first (copy_state / write_state)")
 
+    @_on_device
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
         """``[2, attention_layers, len(pages), page_size, kv_heads, head_dim]`` float32."""
-        self.device.make_current()
         idx = self._pages(pages)
         raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
         for i, page in enumerate(idx):
@@ -183,8 +194,8 @@ class CudaHybridRunner(CudaRunner):
         values = values.reshape(len(idx), self.buffers.kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
         return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
 
+    @_on_device
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
-        self.device.make_current()
         idx = self._pages(pages)
         c = self.config
         expected = (2, self.buffers.kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
@@ -210,19 +221,19 @@ class CudaHybridRunner(CudaRunner):
         """Length of the float32 vector ``read_state`` returns."""
         return self.states.floats
 
+    @_on_device
     def read_state(self, slot: int) -> np.ndarray:
         """A copy of the StateImage in ``slot`` as float32 [state_floats]."""
-        self.device.make_current()
         return self.states.read(slot, self.stream)
 
+    @_on_device
     def write_state(self, slot: int, data: np.ndarray, length: int | None = None) -> None:
         """Replace the StateImage in ``slot``; ``length``: tokens it summarises (None: unknown)."""
-        self.device.make_current()
         self.states.write(slot, data, length, self.stream)
 
+    @_on_device
     def copy_state(self, src: int, dst: int) -> None:
         """Copy a StateImage between slots on the device (checkpoint capture or reuse)."""
-        self.device.make_current()
         self.states.copy(src, dst, self.stream)
 
     def state_length(self, slot: int) -> int:
