@@ -9,7 +9,8 @@ synthetic tokenizer; ``--kv-capacity auto``; ``--max-concurrency`` = the largest
 ``ninfer bench http`` (ninfer/server/load.py) at each stream count in turn: N concurrent streaming
 clients, N x ``--requests-per-stream`` requests. Prints one line per level (client-side TTFT and
 inter-token p50/p99, aggregate output tok/s, requests/s) plus the server's own figures from
-/metrics (engine TTFT) and its startup record; exits 1 if any answer was incorrect.
+/metrics (engine TTFT), its one-second throughput records (engine decode tok/s, host share) and its
+startup record; exits 1 if any answer was incorrect.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def start_server(args, streams: int, log_path: Path) -> tuple[subprocess.Popen, 
     else:
         model = ["--random-weights", args.config, "--device", "0", "--kv-capacity", "auto"]
     serve = ["serve", *model, "--port", "0", "--max-context", str(args.max_context),
-             "--max-concurrency", str(streams), "--temperature", "1.0", "--log-stats-interval-ms", "0"]
+             "--max-concurrency", str(streams), "--temperature", "1.0", "--log-stats-interval-ms", "1000"]
     cmd = [sys.executable, "-m", "ninfer.cli", *serve]
     if args.gil_switch_ms is not None:  # the interpreter's thread switch interval (Python's default: 5 ms)
         cmd = [sys.executable, "-c", f"import sys; sys.setswitchinterval({args.gil_switch_ms / 1000}); "
@@ -99,12 +100,16 @@ def main(argv=None) -> int:
         trio.run(lambda: run_load(url, clients=max(levels), requests=max(levels), prompt_words=(8,),
                                   max_tokens=(4,)))
         for streams in levels:
+            seen = len(log_path.read_text().splitlines())
             ttft_sum0, ttft_n0 = engine_ttft(url)
             r = trio.run(lambda: run_load(url, clients=streams, requests=streams * args.requests_per_stream,
                                           prompt_words=(args.prompt_words,), max_tokens=(args.max_tokens,)))
             ttft_sum, ttft_n = engine_ttft(url)
             r["engine_ttft_mean_ms"] = 1000 * (ttft_sum - ttft_sum0) / max(1, ttft_n - ttft_n0)
             r["streams"] = streams
+            # The server's own one-second throughput records of this level (engine decode rate, host share).
+            r["server_throughput"] = [line.split("throughput: ", 1)[1] for line in
+                                      log_path.read_text().splitlines()[seen:] if "throughput: " in line]
             report["levels"].append(r)
             failed |= bool(r["incorrect"])
             print(f"streams {streams}: {r['output_tokens_per_second']:.0f} output tok/s, "
@@ -112,6 +117,8 @@ def main(argv=None) -> int:
                   f"(engine mean {ms(r['engine_ttft_mean_ms'])}); inter-token p50 {ms(r['inter_token_p50_ms'])} "
                   f"p99 {ms(r['inter_token_p99_ms'])}; {r['completed']} completed, incorrect {r['incorrect']}",
                   flush=True)
+            for line in r["server_throughput"][:3]:
+                print(f"  server: {line}", flush=True)
     finally:
         proc.terminate()
         try:
