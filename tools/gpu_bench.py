@@ -258,6 +258,7 @@ def bench_peer_compile(torch, config: DenseConfig, batches, prompt: int, new_tok
             decode_s = (timings[new_tokens] - timings[1]) / (new_tokens - 1)
             results.append({"peer": "transformers static cache + torch.compile", "batch": batch, "context": prompt,
                             "tok_s": batch / decode_s, "ttft_ms": timings[1] * 1e3, "warmup_s": compile_s})
+            print("peer", json.dumps(results[-1]), flush=True)  # each batch size as soon as it is known
     del model
     torch.cuda.empty_cache()
     return results
@@ -317,8 +318,6 @@ def main(argv=None) -> int:
     if args.peer == "compile":
         peer = bench_peer_compile(torch, QWEN3_8B, [int(b) for b in args.peer_batches.split(",")], prompt=512,
                                   new_tokens=32)
-        for r in peer:
-            print("peer", json.dumps(r), flush=True)
         if args.json:
             args.json.write_text(json.dumps({"peer": peer}, indent=1))
         return 0
