@@ -14,6 +14,8 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   (``row_pair`` remembers where), and cuts every expert's range into chunks of at most ``chunk``
   pairs ``(expert, first pair, count)``; the shared expert's pairs follow as chunks of expert -1.
   Launch: grid ``(1,)``, block ``PLAN_THREADS``; ``n_experts <= MAX_EXPERTS``.
+- ``moe_route``: both of the above in one block (warps take rows, a barrier, then the plan): one
+  launch for a decode step's few rows. Launch: grid ``(1,)``, block ``ROUTE_THREADS``.
 - ``moe_{gate_up,down}_{d,p}``: the grouped GEMM, one block per (output tile, chunk), the chunk's
   expert weights streamed once for all its pairs. It is ``mma.sync`` m16n8k16 with the weights as
   the A operand (16 output features x 16 k) and up to 8 pairs' activations as B (k x 8 pairs); the
@@ -22,7 +24,7 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   shared memory in a fixed order, so results never depend on the grid or on which pairs share a
   chunk. ``gate_up`` gathers x by the pair's row and writes ``silu(gate) * up`` (tile rows 0..7 the
   gate rows, 8..15 the matching up rows); ``down`` reads the pair's activation and writes
-  ``weight * (act @ down.T)``. ``_d`` (decode: chunks of 8 pairs) and ``_p`` (prefill: 32).
+  ``weight * (act @ down.T)``. Named by shape (``grouped_name``); a chunk holds ``8 * P`` pairs.
   Launch: grid ``(ceil(max(n) / cols), max_chunks)``, block ``32 * warps`` (the manifest's meta).
 - ``moe_combine``: ``y[row] = sum over slots of out[row_pair[row, slot]] + out[shared pair of row]``.
   Launch: grid ``(ceil(hidden / 256), rows)``, block 256.
@@ -40,13 +42,14 @@ from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
 PLAN_THREADS = 1024
+ROUTE_THREADS = 512  # moe_route needs more registers than 1024 threads may have
 COMBINE_THREADS = 256
 
 
-def moe_topk(topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden, top_k,
-             renormalise):
-    r = cuda.blockIdx.x
-    lane = cuda.threadIdx.x
+@cuda.jit(device=True)
+def route_row(r, lane, topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden,
+              top_k, renormalise):
+    """Row ``r``'s routing by one warp (``lane`` = its lane): top-k picks, weights, shared pair."""
     base = int64(r) * n_experts
     m = NEG_BIG
     for e in range(lane, n_experts, 32):
@@ -97,19 +100,24 @@ def moe_topk(topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, ro
         pair_weight[pair] = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * dot)
 
 
-def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, rows, top_k, n_experts, chunk):
-    counts = cuda.shared.array(MAX_EXPERTS, int32)
-    fill = cuda.shared.array(MAX_EXPERTS, int32)
-    starts = cuda.shared.array(MAX_EXPERTS, int32)
-    chunk_starts = cuda.shared.array(MAX_EXPERTS, int32)
-    routed_chunks = cuda.shared.array(1, int32)
+def moe_topk(topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden, top_k,
+             renormalise):
+    route_row(cuda.blockIdx.x, cuda.threadIdx.x, topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate,
+              rows, n_experts, hidden, top_k, renormalise)
+
+
+@cuda.jit(device=True)
+def plan_pairs(counts, fill, starts, chunk_starts, routed_chunks, chunks, n_chunks, pair_row, pair_weight, row_pair,
+               topk_ids, topk_w, rows, top_k, n_experts, chunk):
+    """The whole block sorts the pairs by expert and writes the chunks (shared tables given)."""
     tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
     pairs = rows * top_k
-    for e in range(tid, n_experts, PLAN_THREADS):
+    for e in range(tid, n_experts, threads):
         counts[e] = 0
         fill[e] = 0
     cuda.syncthreads()
-    for p in range(tid, pairs, PLAN_THREADS):
+    for p in range(tid, pairs, threads):
         cuda.atomic.add(counts, topk_ids[p], 1)
     cuda.syncthreads()
     if tid < 32:  # one warp scans: each lane a contiguous run of experts, then a shuffle scan
@@ -139,13 +147,13 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
         if tid == 31:
             routed_chunks[0] = inc_chunks
     cuda.syncthreads()
-    for p in range(tid, pairs, PLAN_THREADS):
+    for p in range(tid, pairs, threads):
         e = topk_ids[p]
         at = starts[e] + cuda.atomic.add(fill, e, 1)
         pair_row[at] = p // top_k
         pair_weight[at] = topk_w[p]
         row_pair[p] = at
-    for e in range(tid, n_experts, PLAN_THREADS):
+    for e in range(tid, n_experts, threads):
         q = chunk_starts[e]
         for first in range(0, counts[e], chunk):
             chunks[3 * q] = e
@@ -154,13 +162,40 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
             q += 1
     routed = routed_chunks[0]
     shared = (rows + chunk - 1) // chunk
-    for i in range(tid, shared, PLAN_THREADS):
+    for i in range(tid, shared, threads):
         q = routed + i
         chunks[3 * q] = -1
         chunks[3 * q + 1] = pairs + i * chunk
         chunks[3 * q + 2] = min(chunk, rows - i * chunk)
     if tid == 0:
         n_chunks[0] = routed + shared
+
+
+def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, rows, top_k, n_experts, chunk):
+    counts = cuda.shared.array(MAX_EXPERTS, int32)
+    fill = cuda.shared.array(MAX_EXPERTS, int32)
+    starts = cuda.shared.array(MAX_EXPERTS, int32)
+    chunk_starts = cuda.shared.array(MAX_EXPERTS, int32)
+    routed_chunks = cuda.shared.array(1, int32)
+    plan_pairs(counts, fill, starts, chunk_starts, routed_chunks, chunks, n_chunks, pair_row, pair_weight, row_pair,
+               topk_ids, topk_w, rows, top_k, n_experts, chunk)
+
+
+def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
+              n_experts, hidden, top_k, renormalise, chunk):
+    """``moe_topk`` and ``moe_plan`` in one block (decode: a few rows, one launch instead of two)."""
+    counts = cuda.shared.array(MAX_EXPERTS, int32)
+    fill = cuda.shared.array(MAX_EXPERTS, int32)
+    starts = cuda.shared.array(MAX_EXPERTS, int32)
+    chunk_starts = cuda.shared.array(MAX_EXPERTS, int32)
+    routed_chunks = cuda.shared.array(1, int32)
+    lane = cuda.threadIdx.x & 31
+    for r in range(cuda.threadIdx.x >> 5, rows, cuda.blockDim.x >> 5):
+        route_row(r, lane, topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden,
+                  top_k, renormalise)
+    cuda.syncthreads()  # the picks in global memory are visible to the whole block after the barrier
+    plan_pairs(counts, fill, starts, chunk_starts, routed_chunks, chunks, n_chunks, pair_row, pair_weight, row_pair,
+               topk_ids, topk_w, rows, top_k, n_experts, chunk)
 
 
 def make_grouped(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int):
@@ -312,13 +347,19 @@ def moe_combine(y, out, row_pair, rows, top_k, hidden):
     y[int64(r) * hidden + h] = total
 
 
-# (swiglu, tiles, warps, steps in flight, pair groups of 8, activation terms) per variant.
-GROUPED_SHAPES = {
-    "moe_gate_up_d": (True, 1, 8, 2, 1, 3),
-    "moe_down_d": (False, 1, 4, 2, 1, 3),
-    "moe_gate_up_p": (True, 2, 4, 1, 4, 2),
-    "moe_down_p": (False, 2, 4, 1, 4, 2),
-}
+def grouped_name(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int) -> str:
+    return f"moe_{'gate_up' if swiglu else 'down'}_t{T}w{W}u{U}p{P}s{TERMS}"
+
+
+# Candidates (swiglu, tiles, warps, steps in flight, pair groups of 8, activation terms): decode ones
+# with one group of 8 pairs and three parts, prefill ones with more pairs per chunk and two parts.
+# ninfer/backends/cuda/moe.py names the ones it launches.
+GROUPED_SHAPES = [
+    (True, 1, 8, 2, 1, 3), (True, 1, 4, 4, 1, 3), (True, 2, 4, 2, 1, 3),
+    (False, 1, 4, 2, 1, 3), (False, 1, 8, 1, 1, 3), (False, 2, 4, 2, 1, 3),
+    (True, 2, 4, 1, 4, 2), (True, 4, 4, 1, 2, 2), (True, 8, 4, 1, 2, 2), (True, 4, 4, 1, 4, 2),
+    (False, 2, 4, 1, 4, 2), (False, 4, 4, 1, 2, 2), (False, 8, 4, 1, 2, 2), (False, 4, 4, 1, 4, 2),
+]
 GROUPED_SIG = (F32P, F32P, U64P, U64P, I32P, I32P, I32P, F32P, int32, int32, int32, int32, int32, int32)
 
 KERNELS = {
@@ -326,8 +367,10 @@ KERNELS = {
                  {"threads": 32}),
     "moe_plan": (moe_plan, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, int32, int32, int32, int32),
                  {"threads": PLAN_THREADS, "max_experts": MAX_EXPERTS}),
+    "moe_route": (moe_route, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32,
+                              int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS}),
     "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS}),
 }
-for _name, (_swiglu, _T, _W, _U, _P, _terms) in GROUPED_SHAPES.items():
-    KERNELS[_name] = (make_grouped(_swiglu, _T, _W, _U, _P, _terms), GROUPED_SIG,
+for _swiglu, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
+    KERNELS[grouped_name(_swiglu, _T, _W, _U, _P, _terms)] = (make_grouped(_swiglu, _T, _W, _U, _P, _terms), GROUPED_SIG,
                       {"threads": 32 * _W, "cols": _T * (8 if _swiglu else 16), "pairs": 8 * _P, "terms": _terms})

@@ -11,7 +11,8 @@ Routing never leaves the device, so a decode step's MoE can be captured in a CUD
 2. ``moe_topk`` (one warp a row): softmax, top-k, renormalisation, and the shared-expert gate
    ``sigmoid(shared_gate . x)``;
 3. ``moe_plan`` (one block): the (row, slot) pairs sorted by expert and cut into chunks of at most
-   ``chunk`` pairs of one expert; the shared expert's rows follow as chunks of expert -1;
+   ``chunk`` pairs of one expert; the shared expert's rows follow as chunks of expert -1
+   (decode runs 2 and 3 as one launch, ``moe_route``);
 4. ``moe_gate_up_*`` then ``moe_down_*``: one block per (chunk, output tile), so each distinct
    expert's weights are streamed once per chunk (once a step in decode, where a chunk holds all its
    rows); mma.sync with fp32-faithful split activations; the down epilogue scales by the pair weight;
@@ -29,16 +30,17 @@ from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import GEMV_MAX_ROWS
 from ninfer.models.hybrid import MOE, HybridConfig
 
-# Pairs per chunk of the decode and prefill grouped-GEMM variants (numba_kernels/moe.py GROUPED_SHAPES).
-DECODE_CHUNK = 8
-PREFILL_CHUNK = 32
+# The grouped GEMMs (gate_up, down) and pairs per chunk of each mode (numba_kernels/moe.py
+# GROUPED_SHAPES: a chunk holds 8 * P pairs; both kernels of a mode read the same plan).
+DECODE_GEMMS = ("moe_gate_up_t1w8u2p1s3", "moe_down_t1w4u2p1s3", 8)
+PREFILL_GEMMS = ("moe_gate_up_t2w4u1p4s2", "moe_down_t2w4u1p4s2", 32)
+MIN_CHUNK = 8  # P >= 1: the most chunks a plan can hold is bounded with 8 pairs a chunk
 MAX_EXPERTS = 1024  # moe_plan's shared-memory tables
 MAX_TOP_K = 32  # moe_topk: one lane of the row's warp per pick
 TILED_GEMM_TILE = 64  # gemm_tiled's output tile (router logits of prefill rows)
 # Router logits of up to 8 rows: numba_kernels/gemm.py's tensor-core GEMM, one 16-expert tile per
 # block, three bf16 parts per activation (fp32-faithful: a near tie must break as in the reference).
 ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
-GROUPED = ("moe_gate_up_d", "moe_down_d", "moe_gate_up_p", "moe_down_p")
 
 
 def check_supported(config: HybridConfig) -> None:
@@ -70,7 +72,8 @@ def _regions(config: HybridConfig, max_rows: int) -> dict[str, int]:
     c = config
     k = c.num_experts_per_tok
     pairs = max_rows * (k + 1)  # routed pairs, then one shared pair a row
-    chunks = max(max_chunks(c, max_rows, DECODE_CHUNK), max_chunks(c, max_rows, PREFILL_CHUNK))
+    pairs = max_rows * k
+    chunks = min(c.num_experts, pairs) + pairs // MIN_CHUNK + -(-max_rows // MIN_CHUNK)  # any chunk >= 8
     return {
         "logits": max_rows * c.num_experts * 4,
         "topk_ids": max_rows * k * 4, "topk_w": max_rows * k * 4, "row_pair": max_rows * k * 4,
@@ -91,10 +94,14 @@ def _aligned(nbytes: int) -> int:
 class CudaMoe:
     """The MoE blocks of one hybrid model over a fixed scratch region (see the module docstring)."""
 
+    decode_gemms = DECODE_GEMMS  # per instance, so a benchmark can try other shapes
+    prefill_gemms = PREFILL_GEMMS
+
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        return ["moe_topk", "moe_plan", "moe_combine", "gemm_tiled", ROUTER_DECODE_GEMM, *GROUPED]
+        return ["moe_route", "moe_topk", "moe_plan", "moe_combine", "gemm_tiled", ROUTER_DECODE_GEMM,
+                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2]]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -124,21 +131,25 @@ class CudaMoe:
         H, E, top_k = c.hidden_size, c.num_experts, c.num_experts_per_tok
         decode = rows <= GEMV_MAX_ROWS
         self.router_logits(x, weights[p + "router"], rows, stream)
-        k["moe_topk"].launch((rows,), (32,), (self.topk_ids, self.topk_w, self.pair_row, self.pair_weight,
-                                              self.logits, x, weights[p + "shared_gate"], rows, E, H, top_k,
-                                              int(c.norm_topk_prob)), stream)
-        chunk = DECODE_CHUNK if decode else PREFILL_CHUNK
-        plan = k["moe_plan"]
-        plan.launch((1,), (plan.meta["threads"],), (self.chunks, self.n_chunks, self.pair_row, self.pair_weight,
-                                                    self.row_pair, self.topk_ids, self.topk_w, rows, top_k, E,
-                                                    chunk), stream)
+        gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
+        picks = (self.topk_ids, self.topk_w, self.logits, x, weights[p + "shared_gate"], rows, E, H, top_k,
+                 int(c.norm_topk_prob))
+        plan = (self.chunks, self.n_chunks, self.pair_row, self.pair_weight, self.row_pair)
+        if decode:  # a few rows: top-k and plan in one block
+            route = k["moe_route"]
+            route.launch((1,), (route.meta["threads"],), (*plan, *picks, chunk), stream)
+        else:
+            k["moe_topk"].launch((rows,), (32,), (self.topk_ids, self.topk_w, self.pair_row, self.pair_weight,
+                                                  *picks[2:]), stream)
+            planner = k["moe_plan"]
+            planner.launch((1,), (planner.meta["threads"],),
+                           (*plan, self.topk_ids, self.topk_w, rows, top_k, E, chunk), stream)
         chunks = max_chunks(c, rows, chunk)
         I, S, width = c.moe_intermediate_size, c.shared_expert_intermediate_size, _act_width(c)
-        suffix = "_d" if decode else "_p"
-        self.grouped("moe_gate_up" + suffix, chunks, max(I, S), stream,
+        self.grouped(gate_up, chunks, max(I, S), stream,
                      (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
                       self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H))
-        self.grouped("moe_down" + suffix, chunks, H, stream,
+        self.grouped(down, chunks, H, stream,
                      (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                       self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width))
         combine = k["moe_combine"]
