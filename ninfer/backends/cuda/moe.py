@@ -72,8 +72,7 @@ def _regions(config: HybridConfig, max_rows: int) -> dict[str, int]:
     c = config
     k = c.num_experts_per_tok
     pairs = max_rows * (k + 1)  # routed pairs, then one shared pair a row
-    pairs = max_rows * k
-    chunks = min(c.num_experts, pairs) + pairs // MIN_CHUNK + -(-max_rows // MIN_CHUNK)  # any chunk >= 8
+    chunks = max_chunks(c, max_rows, MIN_CHUNK)  # chunks of 8 pairs or more never outnumber these
     return {
         "logits": max_rows * c.num_experts * 4,
         "topk_ids": max_rows * k * 4, "topk_w": max_rows * k * 4, "row_pair": max_rows * k * 4,
