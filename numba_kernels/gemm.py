@@ -401,9 +401,11 @@ def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: 
     return f"mma_gemv_{'normed_' if normed else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}"
 
 
-# Candidate shapes, timed by tools/bench_decode_gemm.py; forward.py picks per matrix and row count.
-MMA_SHAPES = [(1, 8, 2, 3), (4, 4, 1, 3), (1, 8, 4, 3), (1, 16, 2, 3), (1, 16, 4, 3), (4, 4, 2, 3), (8, 4, 1, 3),
-              (1, 8, 4, 2), (4, 4, 1, 2), (1, 16, 4, 2)]
+# The shapes forward.DECODE_GEMMS uses, from tools/bench_decode_gemm.py on the H200: 16 warps with
+# 4 steps in flight for the 4096-row matrices (too few tiles to fill 132 SMs otherwise), 4 tiles a
+# warp for gate/up (x read once per 64 weight rows). Also timed there and dropped: (1, 8, 4),
+# (1, 16, 2), (4, 4, 2), (8, 4, 1); 2 bf16 parts instead of 3 were about 3% faster.
+MMA_SHAPES = [(1, 8, 2, 3), (1, 16, 4, 3), (4, 4, 1, 3)]
 FUSIONS = ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu"))
 for _shape in MMA_SHAPES:
     for _normed, _epilogue in FUSIONS:

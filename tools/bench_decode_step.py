@@ -2,7 +2,7 @@
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--shapes]
 
-Qwen3-8B shape, random bf16 weights made on the GPU (tools/gpu_bench.py's). For each (batch x context)
+Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For each (batch x context)
 case it captures the decode step as a CUDA Graph under each variant and times back-to-back replays:
 ``unfused`` (separate RMSNorm / SiLU kernels, fp32 GEMV), ``fused`` (the default: tensor-core GEMMs
 with the norms, residual adds and SwiGLU folded in), the fused step with other L2 prefetch sizes of the
@@ -13,7 +13,6 @@ other decode attention kernels (``--attention``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ninfer.backends.cuda import forward as fw  # noqa: E402
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, SamplingRow  # noqa: E402
-from tools.gpu_bench import PAGE, QWEN3_8B, copy_bandwidth, random_weights, weight_bytes_per_step  # noqa: E402
+from ninfer.backends.cuda.random_weights import random_device_weights  # noqa: E402
+from tools.gpu_bench import PAGE, QWEN3_8B, copy_bandwidth, weight_bytes_per_step  # noqa: E402
 
 
 def step_ms(runner, batch: int, reps: int) -> float:
@@ -49,17 +49,13 @@ def main(argv=None) -> int:
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     parser.add_argument("--prefetch-mb", default="0,16,32", help="L2 prefetch sizes to try (MB)")
     args = parser.parse_args(argv)
-    import torch
-
     from ninfer.backends.cuda import CudaRunner
 
-    torch.zeros(1, device="cuda")
     device = rt.Device(0)
     stream = device.stream()
     copy_bw = copy_bandwidth(device, stream)
     config = QWEN3_8B
-    tensors = random_weights(config, torch)
-    ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
+    ptrs, _ = random_device_weights(device, stream, config)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     max_batch = max(b for b, _ in cases)
     max_context = max(c for _, c in cases) + 64
@@ -82,9 +78,9 @@ def main(argv=None) -> int:
                                   sampling=[SamplingRow()] * batch))  # leaves the step inputs in place
         roofline_ms = (weights_bytes + batch * context * config.kv_bytes_per_token) / copy_bw * 1e3
         results = {}
-        os.environ["NINFER_DECODE_FUSED_WIP"] = "0"
+        runner.forward.fused_decode = False
         results["unfused"] = step_ms(runner, batch, args.reps)
-        os.environ["NINFER_DECODE_FUSED_WIP"] = "1"
+        runner.forward.fused_decode = True
         results["fused"] = step_ms(runner, batch, args.reps)
         for mb in (int(v) for v in args.prefetch_mb.split(",")):
             runner.forward.l2_prefetch_bytes = mb << 20

@@ -9,8 +9,6 @@ directly or under CUDA Graph capture.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ninfer.backends.cuda import runtime as rt
@@ -44,8 +42,12 @@ def flash_prefill(kv_dtype: str) -> bool:
 # 16 weight rows per block, warps splitting K, 32-k steps in flight per warp, bf16 parts per activation).
 DECODE_FUSIONS = {"qkv": ("store", True), "o": ("residual", False), "gate_up": ("swiglu", True),
                   "down": ("residual", False), "lm_head": ("store", True)}  # (epilogue, normed)
-DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
-                for matrix in DECODE_FUSIONS}
+# GB/s on the H200 (rows 1 / 2 / 8): qkv 3252 fp32 / 2721 / 2666, o 3366 fp32 / 2947 / 2884,
+# gate_up 3907 fp32 / 3653 / 3612, down 3888 fp32 / 3448 / 3251, LM head 4331 fp32 / 4017 fp32 / 3150.
+_MMA_FROM_2 = {"qkv": (1, 8, 2, 3), "o": (1, 16, 4, 3), "gate_up": (4, 4, 1, 3), "down": (1, 16, 4, 3)}
+DECODE_GEMMS = {matrix: {rows: "fp32" if rows == 1 else shape for rows in range(1, GEMV_MAX_ROWS + 1)}
+                for matrix, shape in _MMA_FROM_2.items()}
+DECODE_GEMMS["lm_head"] = {rows: "fp32" if rows <= 2 else (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
 
 
 def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
@@ -58,7 +60,7 @@ def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str
     return f"mma_gemv_{fusion}_t{tiles}w{warps}u{steps}s{terms}"
 
 
-L2_PREFETCH_BYTES = 32 << 20  # of the o projection, prefetched by decode attention (H200 L2: 50 MB)
+L2_PREFETCH_BYTES = 0  # of the o projection, prefetched by decode attention (H200 L2: 50 MB); 0: off
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -179,6 +181,7 @@ class Forward:
         self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
         self.l2_prefetch_bytes = L2_PREFETCH_BYTES
+        self.fused_decode = True
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample", "to_bf16",
@@ -310,7 +313,7 @@ class Forward:
         inp = self.b.inputs
         self.k["count_tokens"].launch((-(-rows // 32),), (32,),
                                       (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
-        if os.environ.get("NINFER_DECODE_FUSED_WIP") != "1":  # TEMPORARY until the GPU run verifies it
+        if not self.fused_decode:  # the prefill kernels, for comparison (tools/bench_decode_step.py)
             self.layers(rows, stream)
             self.logits(0, rows, stream)
             self.sample(rows, stream)
