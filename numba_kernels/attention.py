@@ -11,7 +11,6 @@ walks every 4th key, lanes own ``D / 32`` dims, the ``G`` dot products are warp-
 into an online softmax. The block writes an unnormalised partial (``o``, max ``m``, sum ``l``) per
 (row, head, split). ``G`` and ``D`` are compile-time so the per-lane arrays stay in registers.
 A captured graph launches a fixed grid; blocks of splits past a row's length exit at once.
-Every block first spreads L2 prefetches of ``prefetch[0 : prefetch_bytes]`` (0: none) over the grid.
 
 Pages hold ``2**page_shift`` tokens (the launcher passes the shift, not the size).
 
@@ -23,43 +22,12 @@ from __future__ import annotations
 
 import math
 
-from llvmlite import ir
-from numba import cuda, float32, int32, int64, types
-from numba.cuda.extending import intrinsic
+from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, U32P, U64P, NEG_BIG, bf16_hi, bf16_lo, load_f32x4, load_u32x2
+from numba_kernels.common import F32P, I32P, U32P, NEG_BIG, bf16_hi, bf16_lo, load_f32x4, load_u32x2
 
 WARPS = 4
-LINE_WORDS = 16  # uint64 words per 128-byte L2 line
 VARIANTS = [(g, d) for d in (64, 128) for g in (1, 2, 4, 8)]
-
-
-@intrinsic
-def prefetch_l2(typingctx, ptr, index):
-    """Ask L2 for the line holding ``ptr[index]`` (``prefetch.L2``; no register waits for it)."""
-    sig = types.void(ptr, index)
-
-    def codegen(context, builder, signature, args):
-        base, idx = args
-        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
-        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-        builder.call(ir.InlineAsm(fnty, "prefetch.L2 [$0];", "l", side_effect=True), [addr])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@cuda.jit(device=True, inline=True)
-def prefetch_lines(prefetch, prefetch_bytes):
-    """Spread L2 prefetches of ``prefetch[0 : prefetch_bytes]`` over every thread of the grid.
-
-    Decode attention at short contexts is latency-bound and leaves HBM idle; pulling the next
-    GEMM's weights (the o projection) into L2 meanwhile makes that GEMM read them from L2."""
-    blocks = cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z
-    block = (cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x
-    first = int64(block) * cuda.blockDim.x + cuda.threadIdx.x
-    for line in range(first, prefetch_bytes >> 7, int64(blocks) * cuda.blockDim.x):
-        prefetch_l2(prefetch, line * LINE_WORDS)
 
 
 @cuda.jit(device=True, inline=True)
@@ -97,8 +65,7 @@ def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
     LOG = NV.bit_length() - 1
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
-                  part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale, prefetch, prefetch_bytes):
-        prefetch_lines(prefetch, prefetch_bytes)
+                  part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
         sh_m = cuda.shared.array((WARPS, G), float32)
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
@@ -291,7 +258,7 @@ def attention_combine(out, part_o, part_ml, positions, n_heads, n_splits, head_d
 
 def _signature(pool):
     return (F32P, pool, int64, I32P, int32, I32P, I32P, F32P, F32P, int32, int32, int32, I32P,
-            int32, float32, U64P, int64)
+            int32, float32)
 
 
 KERNELS = {}

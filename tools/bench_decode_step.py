@@ -1,13 +1,14 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
-    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--shapes]
+    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
+                                       [--attention u8w4,u4w8]
 
-Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For each (batch x context)
-case it captures the decode step as a CUDA Graph under each variant and times back-to-back replays:
-``unfused`` (separate RMSNorm / SiLU kernels, fp32 GEMV), ``fused`` (the default: tensor-core GEMMs
-with the norms, residual adds and SwiGLU folded in), the fused step with other L2 prefetch sizes of the
-o projection, with every matrix on the fp32 GEMV or on one tensor-core shape (``--mma``), and with
-other decode attention kernels (``--attention``).
+Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
+each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
+back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
+(the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
+every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), and other decode
+attention kernels of the manifest (``--attention``: suffixes of the default kernel's name).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="1x512,8x512,8x8192")
     parser.add_argument("--attention", default="", help="attention variants to try (manifest suffixes: u8w4,...)")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
-    parser.add_argument("--prefetch-mb", default="0,16,32", help="L2 prefetch sizes to try (MB)")
     args = parser.parse_args(argv)
     from ninfer.backends.cuda import CudaRunner
 
@@ -68,7 +68,6 @@ def main(argv=None) -> int:
             runner.kernels[name]
     mma = tuple(int(v) for v in args.mma[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
     default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
-    default_prefetch = runner.forward.l2_prefetch_bytes
     weights_bytes = weight_bytes_per_step(config)
     print(f"copy {copy_bw / 1e9:.0f} GB/s; weights per step {weights_bytes / 1e9:.2f} GB", flush=True)
     for batch, context in cases:
@@ -82,10 +81,6 @@ def main(argv=None) -> int:
         results["unfused"] = step_ms(runner, batch, args.reps)
         runner.forward.fused_decode = True
         results["fused"] = step_ms(runner, batch, args.reps)
-        for mb in (int(v) for v in args.prefetch_mb.split(",")):
-            runner.forward.l2_prefetch_bytes = mb << 20
-            results[f"fused prefetch {mb} MB"] = step_ms(runner, batch, args.reps)
-        runner.forward.l2_prefetch_bytes = default_prefetch
         for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", mma)):
             for table in fw.DECODE_GEMMS.values():
                 table.update({r: choice for r in table})

@@ -241,8 +241,7 @@ def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pag
     scale = float(np.float32(D ** -0.5))
     gpu.launch(f"attention_g{group}_d{D}_{kv_dtype}", (KV, rows, n_splits), (128,),
                (qkv_dev, layer_kv, page_elems, gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions),
-                part_o, part_ml, H, KV, ps.bit_length() - 1, split_ptr, n_splits, scale,
-               layer_kv, layer_kv.nbytes))  # L2 prefetch of any buffer: a hint, no effect on results
+                part_o, part_ml, H, KV, ps.bit_length() - 1, split_ptr, n_splits, scale))
     gpu.launch("attention_combine", (H, rows), (4 * D,), (out, part_o, part_ml, gpu.put(positions), H, n_splits, D, split_ptr))
     got = gpu.get(out, np.float32, (rows, H * D))
     for r in range(rows):

@@ -60,7 +60,6 @@ def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str
     return f"mma_gemv_{fusion}_t{tiles}w{warps}u{steps}s{terms}"
 
 
-L2_PREFETCH_BYTES = 0  # of the o projection, prefetched by decode attention (H200 L2: 50 MB); 0: off
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -180,7 +179,6 @@ class Forward:
         self.scale = float(np.float32(config.head_dim ** -0.5))
         self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
-        self.l2_prefetch_bytes = L2_PREFETCH_BYTES
         self.fused_decode = True
 
     def kernel_names(self) -> list[str]:
@@ -223,14 +221,12 @@ class Forward:
         if self.prefill_attention_name and rows > inp.lanes.size:
             self.prefill_attention(layer_kv, rows, stream)
             return
-        o_proj = w[p + "o"]  # decode: pulled into L2 while attention waits on latency
-        prefetch = min(o_proj.nbytes, self.l2_prefetch_bytes) if rows <= inp.lanes.size else 0
         attention = k[self.attention_name]
         attention.launch(
             (KV, rows, n_splits), (attention.meta["threads"],),
             (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
              inp.d_positions, b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits,
-             self.scale, o_proj, prefetch), stream)
+             self.scale), stream)
         combine.launch((H, rows), (D * combine.meta["threads_per_dim"],),
                        (b.attn, b.part_o, b.part_ml, inp.d_positions, H, n_splits, D, inp.d_split), stream)
 
