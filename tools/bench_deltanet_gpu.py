@@ -3,7 +3,7 @@
     python tools/bench_deltanet_gpu.py
 
 Decode: the fused delta-rule step and the conv at 1, 4 and 8 rows, and what 48 layers of them cost
-a step. Prefill: prep (norms, gates), the sequential scan and the gated norm over 512 and 4096
+a step (launches replayed from a CUDA Graph). Prefill: prep (norms, gates), the sequential scan and the gated norm over 512 and 4096
 tokens, next to the fused per-token kernel over the same tokens. Inputs are constant (timing only).
 """
 import sys
@@ -26,11 +26,16 @@ small = buf(4096); lanes = dev.alloc(64, "l"); rt.memset32(lanes, 0, 16, s)
 st_conv, conv_w = buf(9 * 3 * conv_dim), buf(conv_dim * 4)
 e0, e1 = dev.event(True), dev.event(True)
 def timed(fn, reps=20):
+    """Device microseconds per call: ``reps`` launches captured in one CUDA Graph, so host launch
+    cost (tens of microseconds from Python) does not hide short kernels."""
     fn(); rt.synchronize(s)
+    graph = rt.Graph.capture(s, lambda: [fn() for _ in range(reps)])
+    graph.launch(s); rt.synchronize(s)
     rt.check(rt.cu.cuEventRecord(e0, s), "r")
-    for _ in range(reps): fn()
+    graph.launch(s)
     rt.check(rt.cu.cuEventRecord(e1, s), "r"); rt.synchronize(s)
-    return rt.check(rt.cu.cuEventElapsedTime(e0, e1), "t") / reps * 1e3  # us
+    graph.destroy()
+    return rt.check(rt.cu.cuEventElapsedTime(e0, e1), "t") / reps * 1e3
 rule = K["deltanet_rule_k128_v128"]; conv = K["deltanet_conv"]
 prep, scan, gn = K["deltanet_prep_k128"], K["deltanet_scan_k128_v128"], K["deltanet_gated_norm_v128"]
 for rows in (1, 4, 8):
