@@ -198,8 +198,13 @@ def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_
                topk_ids, topk_w, rows, top_k, n_experts, chunk)
 
 
-def make_grouped(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int):
-    """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs."""
+def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
+    """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs.
+
+    ``kind``: "gate_up", "down", or "router": one dense matrix (``w_shared``, n = ``n_shared``, k =
+    ``k_shared``) over rows ``[0, n_routed)`` in chunks of 8 P by block, no plan, no pair weights."""
+    swiglu = kind == "gate_up"
+    DENSE = kind == "router"
     THREADS = 32 * W
     COLS = 8 if swiglu else 16  # output columns per 16-row tile
     PAIRS = 8 * P
@@ -209,11 +214,16 @@ def make_grouped(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int):
     def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                 k_routed, k_shared, ldy, ldx):
         ci = cuda.blockIdx.y
-        if ci >= n_chunks[0]:
-            return
-        expert = chunks[3 * ci]
-        start = chunks[3 * ci + 1]
-        count = chunks[3 * ci + 2]
+        if DENSE:
+            expert = -1
+            start = ci * PAIRS
+            count = min(PAIRS, n_routed - start)
+        else:
+            if ci >= n_chunks[0]:
+                return
+            expert = chunks[3 * ci]
+            start = chunks[3 * ci + 1]
+            count = chunks[3 * ci + 2]
         if expert >= 0:
             n = n_routed
             k = k_routed
@@ -329,6 +339,8 @@ def make_grouped(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int):
                     for wp in range(W):
                         up += red[wp, tt, pp, i + 8, c]
                     y[at] = v * (float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * v)) * up
+                elif DENSE:
+                    y[at] = v
                 else:
                     y[at] = pair_weight[pair] * v
 
@@ -347,18 +359,20 @@ def moe_combine(y, out, row_pair, rows, top_k, hidden):
     y[int64(r) * hidden + h] = total
 
 
-def grouped_name(swiglu: bool, T: int, W: int, U: int, P: int, TERMS: int) -> str:
-    return f"moe_{'gate_up' if swiglu else 'down'}_t{T}w{W}u{U}p{P}s{TERMS}"
+def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int) -> str:
+    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}"
 
 
-# Candidates (swiglu, tiles, warps, steps in flight, pair groups of 8, activation terms): decode ones
-# with one group of 8 pairs and three parts, prefill ones with more pairs per chunk and two parts.
+# Candidates (kind, tiles, warps, steps in flight, pair groups of 8, activation terms): decode ones
+# with one group of 8 pairs and three parts, prefill ones with more pairs per chunk and two parts;
+# the prefill router keeps three parts (a near tie must break as in the reference).
 # ninfer/backends/cuda/moe.py names the ones it launches.
 GROUPED_SHAPES = [
-    (True, 1, 8, 2, 1, 3), (True, 1, 4, 4, 1, 3), (True, 2, 4, 2, 1, 3),
-    (False, 1, 4, 2, 1, 3), (False, 1, 8, 1, 1, 3), (False, 2, 4, 2, 1, 3),
-    (True, 2, 4, 1, 4, 2), (True, 4, 4, 1, 2, 2), (True, 8, 4, 1, 2, 2), (True, 4, 4, 1, 4, 2),
-    (False, 2, 4, 1, 4, 2), (False, 4, 4, 1, 2, 2), (False, 8, 4, 1, 2, 2), (False, 4, 4, 1, 4, 2),
+    ("gate_up", 1, 8, 2, 1, 3), ("gate_up", 1, 4, 4, 1, 3), ("gate_up", 2, 4, 2, 1, 3),
+    ("down", 1, 4, 2, 1, 3), ("down", 1, 8, 1, 1, 3), ("down", 2, 4, 2, 1, 3),
+    ("gate_up", 2, 4, 1, 4, 2), ("gate_up", 4, 4, 1, 2, 2), ("gate_up", 8, 4, 1, 2, 2), ("gate_up", 4, 4, 1, 4, 2),
+    ("down", 2, 4, 1, 4, 2), ("down", 4, 4, 1, 2, 2), ("down", 8, 4, 1, 2, 2), ("down", 4, 4, 1, 4, 2),
+    ("router", 4, 4, 1, 2, 3),
 ]
 GROUPED_SIG = (F32P, F32P, U64P, U64P, I32P, I32P, I32P, F32P, int32, int32, int32, int32, int32, int32)
 
@@ -371,6 +385,7 @@ KERNELS = {
                               int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS}),
     "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS}),
 }
-for _swiglu, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
-    KERNELS[grouped_name(_swiglu, _T, _W, _U, _P, _terms)] = (make_grouped(_swiglu, _T, _W, _U, _P, _terms), GROUPED_SIG,
-                      {"threads": 32 * _W, "cols": _T * (8 if _swiglu else 16), "pairs": 8 * _P, "terms": _terms})
+for _kind, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
+    KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms)] = (
+        make_grouped(_kind, _T, _W, _U, _P, _terms), GROUPED_SIG,
+        {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms})

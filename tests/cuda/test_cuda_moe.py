@@ -3,7 +3,7 @@
 Two shapes: the tiny-qwen3-next preset's MoE (4 experts, top 2, expert width 32 != shared width 48)
 and the Qwen3.6-35B-A3B block (hidden 2048, 256 experts, top 8 renormalised, experts and shared
 expert 512 wide), each for decode rows 1..8 (chunks of 8 pairs, fp32-faithful activations) and a
-prefill chunk (chunks of 32 pairs, two bf16 parts per activation). Routing must pick the same
+prefill chunk (chunks of 16 pairs, two bf16 parts per activation). Routing must pick the same
 experts as ``route``; outputs agree to fp32 summation order (decode) or to the 2-part split (prefill).
 """
 
