@@ -69,6 +69,11 @@ def compile_one(name: str, func, argtypes) -> tuple[str, list[str]]:
     envs = list(dict.fromkeys(re.findall(r"_ZN08NumbaEnv[\w$]*", ptx)))
     for i, env in enumerate(envs):  # one per jitted function (helpers too); unused but declared
         ptx = ptx.replace(env, f"{symbol}_env{i}")
+    # Numba numbers shared arrays from a process-wide counter, so the names would depend on what
+    # the process compiled before; number them per module so the text is reproducible.
+    arrays = list(dict.fromkeys(re.findall(r"_cudapy_smem_\d+", ptx)))
+    for i, array in enumerate(arrays):
+        ptx = re.sub(rf"\b{array}\b", f"{symbol}_smem{i}", ptx)
     params = [TYPE_NAMES[t] for t in argtypes]
     declared = len(re.findall(rf"\.param\s+\.\w+\s+{symbol}_param_\d+", ptx))
     if declared != len(params):
