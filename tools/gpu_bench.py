@@ -67,12 +67,13 @@ def weight_bytes_per_step(config: DenseConfig) -> int:
     return total
 
 
-def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float) -> dict:
+def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float,
+                 sampling: SamplingRow = SamplingRow()) -> dict:
     max_pages = runner.buffers.max_pages
     tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
     lanes = np.arange(batch, dtype=np.int32)
     tokens = np.full(batch, 7, np.int32)
-    greedy = [SamplingRow()] * batch
+    rows = [sampling] * batch
     times = []
     cpu0 = wall0 = 0.0
     for step in range(steps + 3):
@@ -81,7 +82,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
         positions = np.full(batch, context + step, np.int32)
         t0 = time.perf_counter()
         out = runner.decode(DecodeBatch(lanes=lanes, tokens=tokens, positions=positions, page_tables=tables,
-                                        sampling=greedy))
+                                        sampling=rows))
         times.append(time.perf_counter() - t0)
         tokens = out.tokens
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -99,7 +100,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     kv_bytes = batch * (context + steps // 2) * config.kv_bytes_per_token
     step_bytes = weight_bytes_per_step(config) + kv_bytes
     roofline_step = step_bytes / copy_bw
-    return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
+    return {"batch": batch, "context": context, "temperature": sampling.temperature, "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
             "host_ms": (step_s - gpu_s) * 1e3, "tok_s": batch / step_s,
             "achieved_gb_s": step_bytes / gpu_s / 1e9, "roofline_tok_s": batch / roofline_step,
             "pct_roofline": 100 * roofline_step / step_s, "cpu_cores_busy": cpu_share}
@@ -348,6 +349,12 @@ def main(argv=None) -> int:
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
                   "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores".format(**r), flush=True)
+    sampled = SamplingRow(temperature=1.0, top_p=0.95, seed=1)  # top_k 0 = the sampler's cap of 20
+    for batch in sorted({min(batches), max(batches)}):
+        r = bench_decode(runner, config, batch, min(contexts), args.steps, report["copy_gb_s"] * 1e9, sampled)
+        report["decode"].append(r)
+        print("decode sampled (temperature 1, top_p 0.95) b={batch} ctx={context}: {tok_s:.1f} tok/s, step "
+              "{step_ms:.3f} ms (gpu {gpu_step_ms:.3f})".format(**r), flush=True)
     if args.ablation:
         report["ablation"] = {}
         for batch, context in ((1, 512), (max(batches), 512), (max(batches), max(contexts))):

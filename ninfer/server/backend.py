@@ -49,12 +49,21 @@ def cuda_available() -> bool:
     return err == driver.CUresult.CUDA_SUCCESS and count > 0
 
 
+def prefill_gemm() -> str:
+    """Prefill GEMMs on the tensor cores through cuBLASLt when nvmath-python (the cuda extra) is
+    installed: about 3x our fp32 kernel at 8192 tokens (docs/benchmarks.md); else the fp32 kernel."""
+    import importlib.util
+
+    return "cublaslt" if importlib.util.find_spec("nvmath") is not None else "fp32"
+
+
 def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> WorkerBuiltRunner:
     """``model``: an artifact path, or a ``RandomWeightsModel`` whose weights are made on the GPU.
     With ``--kv-capacity auto`` the runner sizes its KV pool itself (``runner.info.num_pages``)."""
     num_pages = "auto" if args.kv_capacity == "auto" else config.kv_pages
     shape = dict(page_size=config.page_size, num_pages=num_pages, max_batch=config.max_concurrency,
-                 max_context=config.max_context, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph)
+                 max_context=config.max_context, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph,
+                 prefill_gemm=prefill_gemm())
 
     def build():
         from ninfer.backends.cuda import CudaRunner

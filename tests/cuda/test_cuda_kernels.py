@@ -259,13 +259,18 @@ def _sample_gpu(gpu, logits, counts, lanes, rows_params):
                         for p in rows_params], np.float32)
     iparams = np.array([[p.top_k if 1 <= p.top_k <= 20 else 0, lane] for p, lane in zip(rows_params, lanes)], np.int32)
     keys = np.array([[p.seed & (2**64 - 1), p.step] for p in rows_params], np.uint64)
-    out = gpu.empty(rows * 4)
-    gpu.launch("sample", (rows,), (1024,), (out, gpu.put(logits), gpu.put(counts), gpu.put(fparams),
-                                             gpu.put(iparams), gpu.put(keys), vocab))
+    meta = gpu.kernels["sample"].meta
+    parts = max(1, min(meta["max_parts"], -(-vocab // meta["threads"])))
+    slots = rows * parts * meta["top_k_cap"] * 4
+    out, part_v, part_i = gpu.empty(rows * 4), gpu.empty(slots), gpu.empty(slots)
+    d_f, d_i = gpu.put(fparams), gpu.put(iparams)
+    gpu.launch("sample_partial", (parts, rows), (meta["threads"],),
+               (part_v, part_i, gpu.put(logits), gpu.put(counts), d_f, d_i, vocab, parts))
+    gpu.launch("sample", (rows,), (meta["threads"],), (out, part_v, part_i, d_f, d_i, gpu.put(keys), vocab, parts))
     return gpu.get(out, np.int32, (rows,))
 
 
-@pytest.mark.parametrize("vocab", [5, 1000, 151936])
+@pytest.mark.parametrize("vocab", [5, 1000, 16387, 151936])
 def test_sampling_matches_the_rule(gpu, vocab):
     rng = np.random.default_rng(vocab)
     rows = 8
@@ -281,6 +286,8 @@ def test_sampling_matches_the_rule(gpu, vocab):
     for trial in range(3):
         logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
         logits[0, :3] = logits[0].max() + 1  # a tie: the lowest index wins
+        # Ties that straddle vocabulary slices, among the top-k of a sampled row.
+        logits[3, [vocab - 1, vocab // 2, 1]] = logits[3].max() + 0.5
         got = _sample_gpu(gpu, logits, counts, lanes, params)
         want = [sample_row(logits[i], params[i], counts[i]) for i in range(rows)]
         assert got.tolist() == want, trial

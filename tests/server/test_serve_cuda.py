@@ -25,14 +25,19 @@ def gpu_artifact(tmp_path_factory):
     return str(path)
 
 
-async def test_cuda_serve_matches_reference(start_server, gpu_artifact, tmp_path):
+async def _served_greedy_ids(artifact: str, log, flags: list[str]) -> list[list[int]]:
+    """Serve ``artifact`` with ``flags``; one plain and one streamed greedy chat; the generated ids."""
+    import trio
+
+    from ninfer.cli import build_parser
+    from ninfer.server.main import run_server
+
     body = {"model": "random-Qwen3ForCausalLM", "messages": [{"role": "user", "content": "Hello there"}],
             "max_tokens": 24, "temperature": 0}
-    ids = {}
-    for name, flags in (("cuda", ["--device", "0"]), ("reference", [])):
-        log = tmp_path / f"{name}.jsonl"
-        srv = await start_server("--max-context", "512", "--request-log-jsonl", str(log), *flags,
-                                 artifact=gpu_artifact)
+    args = build_parser().parse_args(["serve", artifact, "--port", "0", "--max-context", "512",
+                                      "--log-stats-interval-ms", "0", "--request-log-jsonl", str(log), *flags])
+    async with trio.open_nursery() as nursery:
+        srv = await nursery.start(lambda task_status: run_server(args, [], task_status=task_status))
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x")
         r = await client.chat.completions.create(**body)
         assert r.usage.completion_tokens == 24
@@ -41,9 +46,18 @@ async def test_cuda_serve_matches_reference(start_server, gpu_artifact, tmp_path
         await client.close()
         async with httpx.AsyncClient(base_url=srv.url) as c:
             assert "ninfer_model_info" in (await c.get("/metrics")).text
-        done = [json.loads(line) for line in log.read_text().splitlines() if '"request_done"' in line]
-        ids[name] = [d["result"]["generated_token_ids"] for d in done]
-    assert ids["cuda"] == ids["reference"]  # greedy tokens agree across backends
+        nursery.cancel_scope.cancel()
+    done = [json.loads(line) for line in log.read_text().splitlines() if '"request_done"' in line]
+    return [d["result"]["generated_token_ids"] for d in done]
+
+
+def test_cuda_serve_matches_reference(gpu_artifact, tmp_path):
+    """Greedy tokens agree across backends. Runs under trio.run (no async pytest plugin on the GPU host)."""
+    import trio
+
+    ids = {name: trio.run(_served_greedy_ids, gpu_artifact, tmp_path / f"{name}.jsonl", flags)
+           for name, flags in (("cuda", ["--device", "0"]), ("reference", []))}
+    assert len(ids["cuda"]) == 2 and ids["cuda"] == ids["reference"]
 
 
 def test_random_weights_with_auto_kv_capacity(tmp_path, caplog):

@@ -63,9 +63,9 @@ def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
-SAMPLE_THREADS = 1024
 LT_WORKSPACE_BYTES = 32 << 20
 PREFILL_GEMMS = ("fp32", "cublaslt")
+SAMPLE_PARTS, SAMPLE_TOP_K = 64, 20  # the sampler's candidate buffers (manifest meta of "sample")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
 
 
@@ -131,6 +131,7 @@ class StepBuffers:
             "part_ml": self._cells(c, R, max_batch) * 2 * f32,
             "logits": self.logit_rows * c.vocab_size * f32,
             "counts": max_batch * c.vocab_size * 4,
+            "part_v": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4, "part_i": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4,
             "out": max_batch * 4,
             "cos": max_context * c.head_dim // 2 * f32, "sin": max_context * c.head_dim // 2 * f32,
             "kv": num_pages * self.page_elems * self.kv_itemsize,
@@ -182,7 +183,7 @@ class Forward:
         self.fused_decode = True
 
     def kernel_names(self) -> list[str]:
-        names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample", "to_bf16",
+        names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
         names += [self.prefill_attention_name] if self.prefill_attention_name else []
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
@@ -299,10 +300,18 @@ class Forward:
         self.matmul(self.b.logits, x, self.lm_head, rows, self.c.vocab_size, self.c.hidden_size, stream)
 
     def sample(self, rows: int, stream) -> None:
-        b, inp = self.b, self.b.inputs
-        self.k["sample"].launch((rows,), (SAMPLE_THREADS,),
-                                (b.out, b.logits, b.counts, inp.d_fparams, inp.d_iparams, inp.d_keys,
-                                 self.c.vocab_size), stream)
+        """Token ids of ``logits[:rows]`` into ``out``: each row's vocabulary is cut into ``parts``
+        slices whose best candidates one block each finds, then one block per row merges and draws."""
+        b, inp, vocab = self.b, self.b.inputs, self.c.vocab_size
+        partial, final = self.k["sample_partial"], self.k["sample"]
+        meta = final.meta
+        if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
+            raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")
+        parts = max(1, min(SAMPLE_PARTS, -(-vocab // meta["threads"])))
+        partial.launch((parts, rows), (meta["threads"],),
+                       (b.part_v, b.part_i, b.logits, b.counts, inp.d_fparams, inp.d_iparams, vocab, parts), stream)
+        final.launch((rows,), (meta["threads"],),
+                     (b.out, b.part_v, b.part_i, inp.d_fparams, inp.d_iparams, inp.d_keys, vocab, parts), stream)
 
     def decode(self, rows: int, stream) -> None:
         """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""

@@ -24,7 +24,7 @@ import numpy as np
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MIN_SPLIT, NORM_THREADS, PREFILL_SPLIT,
-                                          Forward, Inputs)
+                                          SAMPLE_PARTS, SAMPLE_TOP_K, Forward, Inputs)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -81,6 +81,7 @@ class HybridBuffers:
             "part_o": cells * c.head_dim * f32, "part_ml": cells * 2 * f32,
             "logits": self.logit_rows * c.vocab_size * f32,
             "counts": max_batch * c.vocab_size * 4,
+            "part_v": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4, "part_i": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4,
             "out": max_batch * 4,
             "cos": max_context * c.rotary_dim // 2 * f32, "sin": max_context * c.rotary_dim // 2 * f32,
             "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
