@@ -1,7 +1,7 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
-                                       [--attention u8w4,u4w8]
+                                       [--attention base,u2w8]
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
@@ -14,6 +14,7 @@ attention kernels of the manifest (``--attention``: suffixes of the default kern
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--cases", default="1x512,8x512,8x8192")
-    parser.add_argument("--attention", default="", help="attention variants to try (manifest suffixes: u8w4,...)")
+    parser.add_argument("--attention", default="", help="attention variants to try: manifest suffixes (u2w8, ...) or 'base'")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     args = parser.parse_args(argv)
     from ninfer.backends.cuda import CudaRunner
@@ -88,8 +89,9 @@ def main(argv=None) -> int:
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
         default_attention = runner.forward.attention_name
+        base = re.sub(r"_u\d+w\d+$", "", default_attention)  # the kernel without a tuned-block suffix
         for suffix in filter(None, args.attention.split(",")):
-            runner.forward.attention_name = f"{default_attention}_{suffix}"
+            runner.forward.attention_name = base + (f"_{suffix}" if suffix != "base" else "")
             results[f"fused, attention {suffix}"] = step_ms(runner, batch, args.reps)
         runner.forward.attention_name = default_attention
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "

@@ -60,6 +60,11 @@ def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str
     return f"mma_gemv_{fusion}_t{tiles}w{warps}u{steps}s{terms}"
 
 
+# Decode attention with a block tuned for the shape: keys in flight per warp and warps per block
+# (tools/bench_decode_step.py --attention base,u2w8 on the H200, Qwen3-8B's group of 4 at head_dim 128:
+# b=8 ctx 8192 12.21 ms a step with 2 keys x 8 warps vs 13.84 with the default 4 x 4; b=1 ctx 512 4.62 vs 4.69).
+DECODE_ATTENTION_BLOCKS = {(4, 128, "bf16"): "_u2w8"}
+
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -175,7 +180,8 @@ class Forward:
         self.page_size = page_size
         self.page_shift = page_size.bit_length() - 1  # page_size is a power of two (checked by the runner)
         group = config.num_heads // config.num_kv_heads
-        self.attention_name = f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
+        self.attention_name = (f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
+                               + DECODE_ATTENTION_BLOCKS.get((group, config.head_dim, kv_dtype), ""))
         self.rope_name = f"rope_kv_{kv_dtype}"
         self.scale = float(np.float32(config.head_dim ** -0.5))
         self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
