@@ -137,7 +137,7 @@ ABLATIONS = {
     "norms": ("rmsnorm", "add_rmsnorm"),
     "rope_kv": ("rope_kv",),
     "silu_mul": ("silu_mul",),
-    "gemv": ("gemv_m", "mma_gemv"),  # the fp32 GEMV (prefill tails) and the tensor-core decode GEMM
+    "gemv": ("gemv_", "mma_gemv"),  # the fp32 GEMVs (fused or not) and the tensor-core decode GEMM
     "sample+count": ("sample", "count_tokens"),
 }
 

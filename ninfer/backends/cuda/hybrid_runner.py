@@ -17,7 +17,6 @@ summarise exactly that many tokens (a state written without a length is trusted)
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -26,11 +25,10 @@ import numpy as np
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.backends.cuda import hybrid_weights as hw
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import GEMV_MAX_ROWS, PREFILL_GEMMS
 from ninfer.backends.cuda.hybrid_forward import HybridBuffers, HybridForward, check_supported
-from ninfer.backends.cuda.runner import AUTO, CudaRunner, _on_device, auto_kv_pages
+from ninfer.backends.cuda.runner import CudaRunner, _on_device
 from ninfer.backends.reference.hybrid_runner import is_hybrid_config
-from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, StepResult
 from ninfer.models.hybrid import ARCHITECTURES, HybridConfig
 
 
@@ -84,70 +82,22 @@ class CudaHybridRunner(CudaRunner):
                       max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots)
         return runner
 
-    def _setup(self, config, device, stream, weights, *, page_size, num_pages, max_batch, max_context,
-               kv_dtype, cuda_graph, max_prefill_rows, prefill_gemm, state_slots=0):
-        if prefill_gemm not in PREFILL_GEMMS:
-            raise ValueError(f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, got {prefill_gemm!r}")
-        if page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size}")
-        if num_pages != AUTO and (not isinstance(num_pages, int) or num_pages < 1):
-            raise ValueError(f"num_pages must be a positive int or {AUTO!r}, got {num_pages!r}")
-        for name, value in (("max_batch", max_batch), ("max_context", max_context),
-                            ("max_prefill_rows", max_prefill_rows)):
-            if value < 1:
-                raise ValueError(f"{name} must be positive, got {value}")
+    def _setup(self, config, device, stream, weights, *, state_slots=0, **options):
         if state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {state_slots}")
-        if max_batch > GEMV_MAX_ROWS:
-            raise ValueError(f"max_batch {max_batch}: the CUDA backend's decode GEMVs take at most {GEMV_MAX_ROWS} rows")
-        self.config = config
-        self.device = device
-        self.stream = stream
-        self.fault = None  # the sticky CudaError that ended this runner, if any (CudaRunner's guard)
-        self.kv_dtype = kv_dtype
-        self.kernels = rt.Kernels(device)
+        self._state_slots = state_slots
+        super()._setup(config, device, stream, weights, **options)
 
-        def buffers(pages: int) -> HybridBuffers:
-            return HybridBuffers(device, config, page_size=page_size, num_pages=pages, max_batch=max_batch,
-                                 max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
-                                 state_slots=state_slots, tensor_core_prefill=prefill_gemm == "cublaslt")
+    # The StateImages are part of the workspace, so with num_pages="auto" the KV pool gets what they leave.
+    def _make_buffers(self, **shape: Any) -> HybridBuffers:
+        return HybridBuffers(self.device, self.config, state_slots=self._state_slots, **shape)
 
-        kv_sizing = None
-        if num_pages == AUTO:  # the StateImages are part of the workspace, so the pool gets what they leave
-            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=max_batch if cuda_graph else 0)
-        self.buffers = buffers(num_pages)
-        self.buffers.init(stream)
+    def _make_forward(self, weights: Mapping[str, rt.DevicePtr], **options: Any) -> HybridForward:
         self.states = self.buffers.state_slots
-        self._lt = None
-        if prefill_gemm == "cublaslt":
-            from ninfer.backends.cuda.cublaslt import LtMatmul
+        return HybridForward(self.kernels, self.config, weights, self.buffers, lt=self._lt, **options)
 
-            self._lt = LtMatmul(self.buffers.lt_workspace)
-        self.forward = HybridForward(self.kernels, config, weights, self.buffers, page_size=page_size,
-                                     kv_dtype=kv_dtype, lt=self._lt)
-        for name in self.forward.kernel_names():  # module loads are not allowed during capture
-            self.kernels[name]
-        self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
-                               vocab_size=config.vocab_size, max_context=max_context, backend="cuda")
-        self._out = device.pinned(4 * max_batch).view(np.int32)
-        self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
-        self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
-        self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
-                                        "prefill_gemm": prefill_gemm, "kv_pages": num_pages,
-                                        "state_slots": self.states.slots, "state_bytes": 4 * config.state_floats,
-                                        "workspace_bytes": self.buffers.workspace_bytes}
-        if kv_sizing is not None:
-            self.startup["kv_auto"] = kv_sizing
-        self.graphs: dict[int, rt.Graph] = {}
-        if cuda_graph:
-            free_before = device.free_memory()
-            start = time.perf_counter()
-            for rows in range(1, max_batch + 1):
-                self.graphs[rows] = rt.Graph.capture(stream, lambda rows=rows: self.forward.decode(rows, stream))
-            self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
-            self.startup["graph_bytes"] = free_before - device.free_memory()
-            self.startup["graph_nodes"] = self.graphs[1].nodes
-        self.startup["free_bytes_after_startup"] = device.free_memory()
+    def _startup_details(self) -> dict[str, Any]:
+        return {"state_slots": self.states.slots, "state_bytes": 4 * self.config.state_floats}
 
     # -- the protocol: CudaRunner's, with the lanes' recurrent state kept in step ----------------
 

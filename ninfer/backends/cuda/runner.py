@@ -144,12 +144,12 @@ class CudaRunner:
         self.kernels = rt.Kernels(device)
 
         def buffers(pages: int) -> StepBuffers:
-            return StepBuffers(device, config, page_size=page_size, num_pages=pages, max_batch=max_batch,
-                               max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
-                               tensor_core_prefill=prefill_gemm == "cublaslt")
+            return self._make_buffers(page_size=page_size, num_pages=pages, max_batch=max_batch,
+                                      max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
+                                      tensor_core_prefill=prefill_gemm == "cublaslt")
 
         kv_sizing = None
-        if num_pages == AUTO:
+        if num_pages == AUTO:  # whatever else the workspace holds comes first; the pool gets the rest
             num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=max_batch if cuda_graph else 0)
         self.buffers = buffers(num_pages)
         self.buffers.init(stream)
@@ -158,8 +158,7 @@ class CudaRunner:
             from ninfer.backends.cuda.cublaslt import LtMatmul
 
             self._lt = LtMatmul(self.buffers.lt_workspace)
-        self.forward = Forward(self.kernels, config, weights, self.buffers, page_size=page_size, kv_dtype=kv_dtype,
-                               lt=self._lt)
+        self.forward = self._make_forward(weights, page_size=page_size, kv_dtype=kv_dtype)
         for name in self.forward.kernel_names():  # module loads are not allowed during capture
             self.kernels[name]
         self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
@@ -170,6 +169,7 @@ class CudaRunner:
         self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
                                         "prefill_gemm": prefill_gemm, "kv_pages": num_pages,
                                         "workspace_bytes": self.buffers.workspace_bytes}
+        self.startup.update(self._startup_details())
         if kv_sizing is not None:
             self.startup["kv_auto"] = kv_sizing
         self.graphs: dict[int, rt.Graph] = {}
@@ -182,6 +182,17 @@ class CudaRunner:
             self.startup["graph_bytes"] = free_before - device.free_memory()
             self.startup["graph_nodes"] = self.graphs[1].nodes
         self.startup["free_bytes_after_startup"] = device.free_memory()
+
+    # -- what a model family changes: its buffers, its forward pass, its start-up figures --------
+
+    def _make_buffers(self, **shape: Any) -> StepBuffers:
+        return StepBuffers(self.device, self.config, **shape)
+
+    def _make_forward(self, weights: Mapping[str, rt.DevicePtr], **options: Any) -> Forward:
+        return Forward(self.kernels, self.config, weights, self.buffers, lt=self._lt, **options)
+
+    def _startup_details(self) -> dict[str, Any]:
+        return {}
 
     # -- the protocol -------------------------------------------------------------------------
 
