@@ -93,8 +93,12 @@ class CudaHybridRunner(CudaRunner):
         return HybridBuffers(self.device, self.config, state_slots=self._state_slots, **shape)
 
     def _make_forward(self, weights: Mapping[str, rt.DevicePtr], **options: Any) -> HybridForward:
-        self.states = self.buffers.state_slots
         return HybridForward(self.kernels, self.config, weights, self.buffers, lt=self._lt, **options)
+
+    @property
+    def states(self):
+        """The StateImage slots (``hybrid_state.DeviceStates``) in the workspace."""
+        return self.buffers.state_slots
 
     def _startup_details(self) -> dict[str, Any]:
         return {"state_slots": self.states.slots, "state_bytes": 4 * self.config.state_floats}
