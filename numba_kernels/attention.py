@@ -1,8 +1,9 @@
-"""Paged attention over the KV pool for decode rows and prefill rows alike (split-K, GQA).
+"""Paged attention over the KV pool for rows of prefill chunks (split-K, GQA).
 
 Each query row ``r`` attends causally to positions ``0..positions[r]`` of the sequence whose page
 table is ``page_tables[row_table[r]]`` (its own K/V are already in the pool: ``rope_kv`` ran first),
-so one kernel serves a decode batch and a prefill chunk.
+so rows of one sequence may share a launch. Decode steps use ``decode_attention.py``, which reuses
+this module's key loop and warp merge (``make_key_loop``, ``make_warp_merge``).
 
 ``attention_g{G}_d{D}_{bf16|f32}`` (the KV pool's dtype): grid ``(kv_heads, rows, n_splits)``, block 128 (4 warps). A block takes the
 ``G`` query heads sharing one KV head and the keys ``[split * split_len, ...)`` of one row (``split_len``
@@ -54,54 +55,30 @@ def load_quad_f32(pool, element):
     return load_f32x4(pool, element)
 
 
-def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
-    """``U`` keys in flight per warp (default: 4, 2 for the widest groups), ``WARPS`` warps a block."""
+def keys_in_flight(G, D):
+    """Keys a warp loads per step by default: 4, or 2 for the widest groups (registers)."""
+    return 2 if G * D > 512 else 4
+
+
+def make_key_loop(G, D, load_pair, load_quad, U, WARPS):
+    """A device function folding one warp's share of the keys ``[start, end)`` into its online
+    softmax state (``acc``, ``m``, ``l``, per query head of the group) for the query ``q``."""
     E = D // 32  # dims per lane (even: D is a multiple of 64)
     EW = E // 2  # uint32 words per lane
     QUADS = E % 4 == 0  # D = 128: each lane's K (and V) slice of a key is one vector load
-    if U is None:
-        U = 2 if G * D > 512 else 4  # fewer for the widest groups: registers
     NV = U * G  # scores per warp step, a power of two <= 32
     LOG = NV.bit_length() - 1
 
-    def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
-                  part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
-        sh_m = cuda.shared.array((WARPS, G), float32)
-        sh_l = cuda.shared.array((WARPS, G), float32)
-        sh_o = cuda.shared.array((WARPS, G, D), float32)
-        kvh = cuda.blockIdx.x
-        row = cuda.blockIdx.y
-        split = cuda.blockIdx.z
-        warp = cuda.threadIdx.x >> 5
-        lane = cuda.threadIdx.x & 31
-        length = positions[row] + 1
-        split_len = split_ptr[0]  # a step input, so one captured graph serves every context length
-        start = split * split_len
-        if start >= length:
-            return  # the combine reads only the splits that hold keys
-        end = min(start + split_len, length)
-        width = (n_heads + 2 * n_kv) * D
-        q = cuda.local.array((G, E), float32)
-        acc = cuda.local.array((G, E), float32)
-        m = cuda.local.array(G, float32)
-        l = cuda.local.array(G, float32)
+    @cuda.jit(device=True, inline=True)
+    def key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start, end,
+                 warp, lane, scale):
         s = cuda.local.array((U, G), float32)
         vals = cuda.local.array(NV, float32)
         kb = cuda.local.array((U, E), float32)
         vb = cuda.local.array((U, E), float32)
-        for g in range(G):
-            m[g] = NEG_BIG
-            l[g] = float32(0.0)
-            for e in range(E):
-                q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e]
-                acc[g, e] = float32(0.0)
-        table = row_table[row] * max_pages
         # Pages hold 2**page_shift tokens: shifts and masks instead of the 64-bit divisions that
         # `t // page_size` compiles to (tens of instructions per key in an issue-bound loop).
-        page_size = int64(1) << page_shift
-        page_mask = page_size - 1
-        head_off = int64(kvh) * page_size * D
-        v_off = int64(n_kv) * page_size * D
+        page_mask = (int64(1) << page_shift) - 1
         # Each warp takes U consecutive keys per step and issues all their K and V loads before
         # any arithmetic: the per-key chain (page lookup -> load -> reduce) overlaps U ways.
         for t0 in range(start + warp * U, end, WARPS * U):
@@ -176,6 +153,17 @@ def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
                         acc[g, e] += p * vb[u, e]
                 l[g] = total
                 m[g] = m_new
+
+    return key_loop
+
+
+def make_warp_merge(G, D, WARPS):
+    """Device functions merging the warps' softmax states through shared memory: ``stash`` writes
+    a warp's state (then syncs the block), ``merged`` returns (max, sum, output) of (head g, dim d)."""
+    E = D // 32
+
+    @cuda.jit(device=True, inline=True)
+    def stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane):
         if lane == 0:
             for g in range(G):
                 sh_m[warp, g] = m[g]
@@ -184,21 +172,68 @@ def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
             for e in range(E):
                 sh_o[warp, g, lane * E + e] = acc[g, e]
         cuda.syncthreads()
-        # Merge the warps: thread t owns (g, d) pairs t, t + 128, ...
+
+    @cuda.jit(device=True, inline=True)
+    def merged(sh_m, sh_l, sh_o, g, d):
+        mm = NEG_BIG
+        for w in range(WARPS):
+            mm = max(mm, sh_m[w, g])
+        ll = float32(0.0)
+        oo = float32(0.0)
+        for w in range(WARPS):
+            f = math.exp(sh_m[w, g] - mm) if sh_l[w, g] > float32(0.0) else float32(0.0)
+            ll += sh_l[w, g] * f
+            oo += sh_o[w, g, d] * f
+        return mm, ll, oo
+
+    return stash, merged
+
+
+def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
+    """``U`` keys in flight per warp (default ``keys_in_flight``), ``WARPS`` warps a block."""
+    E = D // 32
+    key_loop = make_key_loop(G, D, load_pair, load_quad, U or keys_in_flight(G, D), WARPS)
+    stash, merged = make_warp_merge(G, D, WARPS)
+
+    def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
+                  part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
+        sh_m = cuda.shared.array((WARPS, G), float32)
+        sh_l = cuda.shared.array((WARPS, G), float32)
+        sh_o = cuda.shared.array((WARPS, G, D), float32)
+        kvh = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        length = positions[row] + 1
+        split_len = split_ptr[0]  # a step input, so one captured graph serves every context length
+        start = split * split_len
+        if start >= length:
+            return  # the combine reads only the splits that hold keys
+        end = min(start + split_len, length)
+        width = (n_heads + 2 * n_kv) * D
+        q = cuda.local.array((G, E), float32)
+        acc = cuda.local.array((G, E), float32)
+        m = cuda.local.array(G, float32)
+        l = cuda.local.array(G, float32)
+        for g in range(G):
+            m[g] = NEG_BIG
+            l[g] = float32(0.0)
+            for e in range(E):
+                q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e]
+                acc[g, e] = float32(0.0)
+        page_size = int64(1) << page_shift
+        head_off = int64(kvh) * page_size * D
+        v_off = int64(n_kv) * page_size * D
+        key_loop(q, acc, m, l, kc, page_stride, page_tables, row_table[row] * max_pages, page_shift, head_off, v_off,
+                 start, end, warp, lane, scale)
+        stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
+        # Merge the warps: thread t owns (g, d) pairs t, t + 32 * WARPS, ...
         for idx in range(cuda.threadIdx.x, G * D, WARPS * 32):
             g = idx // D
             d = idx % D
-            mm = NEG_BIG
-            for w in range(WARPS):
-                mm = max(mm, sh_m[w, g])
-            ll = float32(0.0)
-            oo = float32(0.0)
-            for w in range(WARPS):
-                f = math.exp(sh_m[w, g] - mm) if sh_l[w, g] > float32(0.0) else float32(0.0)
-                ll += sh_l[w, g] * f
-                oo += sh_o[w, g, d] * f
-            h = kvh * G + g
-            cell = (row * n_heads + h) * n_splits + split
+            mm, ll, oo = merged(sh_m, sh_l, sh_o, g, d)
+            cell = (row * n_heads + kvh * G + g) * n_splits + split
             part_o[cell * D + d] = oo
             if d == 0:
                 part_ml[cell * 2] = mm
@@ -267,9 +302,5 @@ for _g, _d in VARIANTS:
                                                _signature(U32P), {"threads": 32 * WARPS})
     KERNELS[f"attention_g{_g}_d{_d}_f32"] = (make_attention(_g, _d, load_pair_f32, load_quad_f32), _signature(F32P),
                                               {"threads": 32 * WARPS})
-# Qwen3-8B's shape with 2 keys in flight x 8 warps: faster at every context measured (forward.DECODE_ATTENTION_BLOCKS;
-# 8 x 4 and 4 x 8 were slower at batch 8, context 8192: 15.90 and 14.17 ms against 12.21).
-KERNELS["attention_g4_d128_bf16_u2w8"] = (make_attention(4, 128, load_pair_bf16, load_quad_bf16, U=2, WARPS=8),
-                                          _signature(U32P), {"threads": 32 * 8})
 KERNELS["attention_combine"] = (attention_combine, (F32P, F32P, F32P, I32P, int32, int32, int32, I32P),
                                 {"threads_per_dim": COMBINE_GROUPS})

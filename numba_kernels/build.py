@@ -22,7 +22,7 @@ from pathlib import Path
 
 CC = (9, 0)
 PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
-MODULES = ("elementwise", "rope", "attention", "gemm", "sampling", "mma", "random_fill", "deltanet", "gated_attention", "prefill_attention", "moe")
+MODULES = ("elementwise", "rope", "attention", "decode_attention", "gemm", "sampling", "mma", "random_fill", "deltanet", "gated_attention", "prefill_attention", "moe")
 REQUIRED_PTX_VERSION = "9.0"
 
 

@@ -102,3 +102,17 @@ load_f32x4 = _vector_load(ir.FloatType(), 4, float32)
 load_u64x2 = _vector_load(ir.IntType(64), 2, uint64)
 load_u32x2 = _vector_load(ir.IntType(32), 2, uint32, align=8)  # 4 bf16; 8-byte aligned
 load_u32x4 = _vector_load(ir.IntType(32), 4, uint32)  # 8 bf16; 16-byte aligned
+
+
+@intrinsic
+def atomic_add_i32(typingctx, ptr, index, value):
+    """``old = ptr[index]; ptr[index] += value`` as one relaxed device-scope atomic on a pointer
+    parameter (``cuda.atomic`` takes arrays only); the caller orders it with ``cuda.threadfence``."""
+    sig = int32(ptr, index, int32)
+
+    def codegen(context, builder, signature, args):
+        base, idx, val = args
+        val = context.cast(builder, val, signature.args[2], int32)
+        return builder.atomic_rmw("add", builder.gep(base, [idx]), val, "monotonic")
+
+    return sig, codegen

@@ -1,20 +1,19 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
-                                       [--attention base,u2w8]
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
-every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), and other decode
-attention kernels of the manifest (``--attention``: suffixes of the default kernel's name).
+every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), decode attention in the
+prefill path's three launches instead of ``decode_attention``'s one, longer attention splits than
+``forward.decode_split`` picks, and the step without attention at all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -47,7 +46,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--cases", default="1x512,8x512,8x8192")
-    parser.add_argument("--attention", default="", help="attention variants to try: manifest suffixes (u2w8, ...) or 'base'")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     args = parser.parse_args(argv)
     from ninfer.backends.cuda import CudaRunner
@@ -65,7 +63,7 @@ def main(argv=None) -> int:
                                             num_pages=max_batch * max_pages, max_batch=max_batch,
                                             max_context=max_context, cuda_graph=False)
     for name in runner.kernels.entries:  # module loads are not allowed during capture
-        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul", "attention_")):
+        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul", "attention_", "rope_kv")):
             runner.kernels[name]
     mma = tuple(int(v) for v in args.mma[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
     default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
@@ -88,12 +86,21 @@ def main(argv=None) -> int:
             results[f"fused, {label}"] = step_ms(runner, batch, args.reps)
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
-        default_attention = runner.forward.attention_name
-        base = re.sub(r"_u\d+w\d+$", "", default_attention)  # the kernel without a tuned-block suffix
-        for suffix in filter(None, args.attention.split(",")):
-            runner.forward.attention_name = base + (f"_{suffix}" if suffix != "base" else "")
-            results[f"fused, attention {suffix}"] = step_ms(runner, batch, args.reps)
-        runner.forward.attention_name = default_attention
+        runner.forward.fused_attention = False
+        results["fused, attention in 3 launches"] = step_ms(runner, batch, args.reps)
+        runner.forward.fused_attention = True
+        inp = runner.buffers.inputs
+        chosen = int(inp.split[0])
+        for split in (64, 128, 256):  # longer splits than decode_split's: fewer blocks, a shorter merge
+            if split > chosen and split < context:
+                inp.split[0] = split
+                inp.upload(runner.stream)
+                results[f"fused, splits of {split}"] = step_ms(runner, batch, args.reps)
+        inp.split[0] = chosen
+        inp.upload(runner.stream)
+        runner.forward.attend = lambda *a, **k: None
+        results["fused, no attention"] = step_ms(runner, batch, args.reps)
+        del runner.forward.attend  # the class's method again
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "
               + ", ".join(f"{k} {v:.3f} ms ({100 * roofline_ms / v:.1f}%)" for k, v in results.items()), flush=True)
     runner.close()

@@ -106,6 +106,46 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
             "pct_roofline": 100 * roofline_step / step_s, "cpu_cores_busy": cpu_share}
 
 
+def host_phases(runner, batch: int, context: int, steps: int = 64) -> dict[str, float]:
+    """Median microseconds of one ``runner.decode`` call and of its host phases: the input checks
+    (``decode_inputs``), the graph launch call, the wait for the device (the step's device time
+    included), and the rest (context switch, filling the pinned inputs, the result)."""
+    from ninfer.backends.cuda import runner as runner_module
+
+    max_pages = runner.buffers.max_pages
+    tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
+    phases: dict[str, list[int]] = {"checks": [], "launch": [], "wait": []}
+    patched = [(runner_module, "decode_inputs", "checks"), (rt.Graph, "launch", "launch"), (rt, "synchronize", "wait")]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+
+    def timed(fn, label):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            result = fn(*args, **kwargs)
+            phases[label].append(time.perf_counter_ns() - t0)
+            return result
+        return call
+
+    for (owner, name, label), fn in zip(patched, originals):
+        setattr(owner, name, timed(fn, label))
+    totals, tokens = [], np.full(batch, 7, np.int32)
+    try:
+        for step in range(steps):
+            batch_in = DecodeBatch(lanes=np.arange(batch, dtype=np.int32), tokens=tokens,
+                                   positions=np.full(batch, context + step, np.int32), page_tables=tables,
+                                   sampling=[SamplingRow()] * batch)
+            t0 = time.perf_counter_ns()
+            tokens = runner.decode(batch_in).tokens
+            totals.append(time.perf_counter_ns() - t0)
+    finally:
+        for (owner, name, _), fn in zip(patched, originals):
+            setattr(owner, name, fn)
+    out = {label: float(np.median(v[4:])) / 1e3 for label, v in phases.items()}
+    out["step"] = float(np.median(totals[4:])) / 1e3
+    out["other"] = out["step"] - out["checks"] - out["launch"] - out["wait"]
+    return out
+
+
 def profile_decode(runner, batch: int) -> dict[str, float]:
     """Device microseconds per kernel name for one eager decode step (events around each launch)."""
     dev, stream = runner.device, runner.stream
@@ -133,7 +173,7 @@ def profile_decode(runner, batch: int) -> dict[str, float]:
 
 
 ABLATIONS = {
-    "attention": ("attention_g", "attention_combine"),
+    "attention": ("attention_g", "attention_combine", "decode_attention"),
     "norms": ("rmsnorm", "add_rmsnorm"),
     "rope_kv": ("rope_kv",),
     "silu_mul": ("silu_mul",),
@@ -236,24 +276,28 @@ def hf_model(torch, config: DenseConfig):
 
 
 def bench_peer_compile(torch, config: DenseConfig, batches, prompt: int, new_tokens: int) -> list[dict]:
-    """transformers' fast path: static KV cache + torch.compile(mode="reduce-overhead") of the forward
-    (CUDA graphs). The first generate per batch size compiles (50-80 s), so it runs as a warm-up."""
+    """transformers' fast path: ``generate`` with a static KV cache compiles its decoding forward with
+    torch.compile (mode "reduce-overhead": CUDA graphs) by itself and marks the cache's tensors as
+    static inputs (compiling ``model.forward`` by hand instead lets the graphs overwrite the lazily
+    made cache: "accessing tensor output of CUDAGraphs that has been overwritten"). The first
+    generates per batch size compile (50-150 s), so they run as a warm-up."""
+    from transformers import CompileConfig
+
     model = hf_model(torch, config)
-    model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    fast = {"cache_implementation": "static", "compile_config": CompileConfig(fullgraph=True, mode="reduce-overhead")}
     results = []
     with torch.no_grad():
         for batch in batches:
             ids = torch.randint(0, config.vocab_size, (batch, prompt), device="cuda")
             t0 = time.perf_counter()
             for _ in range(2):  # compile, then the CUDA graph recordings
-                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **fast)
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
             timings = {}
             for n in (1, new_tokens):
                 t0 = time.perf_counter()
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **fast)
                 torch.cuda.synchronize()
                 timings[n] = time.perf_counter() - t0
             decode_s = (timings[new_tokens] - timings[1]) / (new_tokens - 1)
@@ -349,6 +393,11 @@ def main(argv=None) -> int:
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
                   "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores".format(**r), flush=True)
+    report["host_phases"] = {}
+    for batch in sorted({min(batches), max(batches)}):
+        r = report["host_phases"][f"b{batch}"] = host_phases(runner, batch, min(contexts))
+        print(f"host phases b={batch} ctx={min(contexts)}, us: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
+              flush=True)
     sampled = SamplingRow(temperature=1.0, top_p=0.95, seed=1)  # top_k 0 = the sampler's cap of 20
     for batch in sorted({min(batches), max(batches)}):
         r = bench_decode(runner, config, batch, min(contexts), args.steps, report["copy_gb_s"] * 1e9, sampled)

@@ -253,6 +253,74 @@ def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pag
         assert _err(got[r], want.reshape(-1)) < 1e-4, r
 
 
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (4, 128), (8, 64)])
+def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
+    """One launch per layer: rope + norm + bias, the KV append and split attention with its merge.
+
+    Four decode rows (each its own sequence, shuffled pages) with 700, 37, 1 and 96 keys: the new
+    key alone, a split ending exactly at the new key, one split (direct output) and up to 22."""
+    rng = np.random.default_rng(7 * group + head_dim)
+    KV, D, ps, layers, layer = 2, head_dim, 16, 2, 1
+    H = KV * group
+    lengths = np.array([700, 37, 1, 96])
+    rows, max_ctx = len(lengths), 768
+    max_pages = max_ctx // ps
+    num_pages = rows * max_pages + 3
+    tables = rng.permutation(num_pages)[:rows * max_pages].reshape(rows, max_pages).astype(np.int32)
+    positions = (lengths - 1).astype(np.int32)
+    width = (H + 2 * KV) * D
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(width)).astype(np.float32)
+    angles = np.arange(max_ctx)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    as_pool = (lambda a: to_float32(from_float32(a))) if kv_dtype == "bf16" else (lambda a: a)
+    hist_k = as_pool(rng.standard_normal((rows, max_ctx, KV, D)).astype(np.float32))
+    hist_v = as_pool(rng.standard_normal((rows, max_ctx, KV, D)).astype(np.float32))
+    pool = np.zeros((num_pages, layers, 2, KV, ps, D), np.float32)
+    for r in range(rows):
+        for t in range(lengths[r] - 1):  # earlier positions; the step appends the last
+            pool[tables[r, t // ps], layer, :, :, t % ps] = hist_k[r, t], hist_v[r, t]
+    # What the step must compute: q and the new k post-processed like rope_kv, v with its bias.
+    x = qkv + bias
+    c, s_ = cos[positions][:, None], sin[positions][:, None]
+    q = _rope_ref(rms_norm(x[:, :H * D].reshape(rows, H, D), qn, 1e-6), c, s_)
+    hist_k[np.arange(rows), positions] = as_pool(_rope_ref(rms_norm(x[:, H * D:(H + KV) * D].reshape(rows, KV, D),
+                                                                     kn, 1e-6), c, s_))
+    hist_v[np.arange(rows), positions] = as_pool(x[:, (H + KV) * D:].reshape(rows, KV, D))
+    scale = float(np.float32(D ** -0.5))
+    want = [ref_attention(q[r][None, None], hist_k[r][None, :lengths[r]], hist_v[r][None, :lengths[r]],
+                          np.zeros((1, 1, 1, 1, lengths[r]), np.float32), scale).reshape(-1) for r in range(rows)]
+    itemsize = 4 if kv_dtype == "f32" else 2
+    pool_dev = gpu.put(from_float32(pool) if kv_dtype == "bf16" else pool)
+    layer_kv = pool_dev.at(layer * 2 * KV * ps * D * itemsize)
+    counters = gpu.put(np.zeros(rows * KV, np.int32))
+    d_qkv, d_tables, d_positions = gpu.put(qkv), gpu.put(tables), gpu.put(positions)
+    name = f"decode_attention_g{group}_d{D}_{kv_dtype}"
+    for split in (32, 256, 96, 768, 32):  # 768: one split, no merge; 32 again: the tickets were reset
+        n_splits = -(-max_ctx // split)
+        part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
+        out = gpu.empty(rows * H * D * 4)
+        gpu.launch(name, (KV, rows, n_splits), (gpu.kernels[name].meta["threads"],),
+                   (d_qkv, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv, layer_kv,
+                    pool.size // num_pages, d_tables, max_pages, gpu.put(np.arange(rows, dtype=np.int32)), d_positions,
+                    out, part_o, part_ml, counters, H, KV, ps.bit_length() - 1, gpu.put(np.array([split], np.int32)),
+                    n_splits, scale, 1, 1, 1e-6))
+        got = gpu.get(out, np.float32, (rows, H * D))
+        for r in range(rows):
+            assert _err(got[r], want[r]) < 1e-4, (split, r)
+        assert not gpu.get(counters, np.int32, (rows * KV,)).any(), split
+    got_pool = gpu.get(pool_dev, np.uint16 if kv_dtype == "bf16" else np.float32, pool.shape)
+    got_pool = to_float32(got_pool) if kv_dtype == "bf16" else got_pool
+    for r in range(rows):
+        t = positions[r]
+        page, slot = tables[r, t // ps], t % ps
+        assert _err(got_pool[page, layer, 0, :, slot], hist_k[r, t]) < (1e-6 if kv_dtype == "f32" else 1e-2)
+        assert np.array_equal(got_pool[page, layer, 1, :, slot], hist_v[r, t])
+
+
 def _sample_gpu(gpu, logits, counts, lanes, rows_params):
     rows, vocab = logits.shape
     fparams = np.array([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty]

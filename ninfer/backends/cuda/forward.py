@@ -27,8 +27,15 @@ PREFILL_SPLIT = 256
 
 
 def decode_split(length: int) -> int:
-    """Split length for a decode step whose longest row has ``length`` keys."""
+    """Split length for a decode step whose longest row has ``length`` keys: at most MAX_DECODE_SPLITS splits."""
     return max(MIN_SPLIT, -(-length // (MAX_DECODE_SPLITS * MIN_SPLIT)) * MIN_SPLIT)
+
+
+def attention_splits(max_context: int) -> dict[str, int]:
+    """The attention grid's depth (splits per row) in each mode. A decode step never has more than
+    MAX_DECODE_SPLITS (``decode_split``): a deeper grid only adds blocks that exit at once, which cost
+    microseconds per launch at short contexts. Prefill splits are PREFILL_SPLIT keys long."""
+    return {"decode": min(MAX_DECODE_SPLITS, -(-max_context // MIN_SPLIT)), "prefill": -(-max_context // PREFILL_SPLIT)}
 
 
 def flash_prefill(kv_dtype: str) -> bool:
@@ -60,11 +67,6 @@ def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str
     return f"mma_gemv_{fusion}_t{tiles}w{warps}u{steps}s{terms}"
 
 
-# Decode attention with a block tuned for the shape: keys in flight per warp and warps per block
-# (tools/bench_decode_step.py --attention base,u2w8 on the H200, Qwen3-8B's group of 4 at head_dim 128:
-# b=8 ctx 8192 12.21 ms a step with 2 keys x 8 warps vs 13.84 with the default 4 x 4; b=1 ctx 512 4.62 vs 4.69).
-DECODE_ATTENTION_BLOCKS = {(4, 128, "bf16"): "_u2w8"}
-
 KV_DTYPES = {"bf16": 2, "f32": 4}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
@@ -72,6 +74,14 @@ LT_WORKSPACE_BYTES = 32 << 20
 PREFILL_GEMMS = ("fp32", "cublaslt")
 SAMPLE_PARTS, SAMPLE_TOP_K = 64, 20  # the sampler's candidate buffers (manifest meta of "sample")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
+
+
+def sampler_regions(max_batch: int, vocab: int) -> dict[str, int]:
+    """Bytes of the sampler's workspace regions: a row of logits and of token counts (penalties) per
+    lane, each vocabulary slice's top-k candidates (values, ids), the sampled ids."""
+    candidates = max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4
+    return {"logits": max_batch * vocab * 4, "counts": max_batch * vocab * 4, "part_v": candidates, "part_i": candidates,
+            "out": max_batch * 4}
 
 
 def check_supported(config: DenseConfig, kv_dtype: str) -> None:
@@ -120,7 +130,7 @@ class StepBuffers:
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
-        self.splits = {"decode": -(-max_context // MIN_SPLIT), "prefill": -(-max_context // PREFILL_SPLIT)}
+        self.splits = attention_splits(max_context)
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.flash_prefill = flash_prefill(kv_dtype)
         self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
@@ -133,11 +143,9 @@ class StepBuffers:
             "qkv": R * c.qkv_size * f32, "attn": R * c.q_size * f32,
             "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
             "part_o": self._cells(c, R, max_batch) * c.head_dim * f32,
+            "counters": max_batch * c.num_kv_heads * 4,  # decode attention's split tickets, zero between launches
             "part_ml": self._cells(c, R, max_batch) * 2 * f32,
-            "logits": self.logit_rows * c.vocab_size * f32,
-            "counts": max_batch * c.vocab_size * 4,
-            "part_v": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4, "part_i": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4,
-            "out": max_batch * 4,
+            **sampler_regions(max_batch, c.vocab_size),
             "cos": max_context * c.head_dim // 2 * f32, "sin": max_context * c.head_dim // 2 * f32,
             "kv": num_pages * self.page_elems * self.kv_itemsize,
         }
@@ -156,13 +164,13 @@ class StepBuffers:
     def _cells(self, c: DenseConfig, rows: int, max_batch: int) -> int:
         """(row, head, split) cells of the attention partials, the larger of decode and prefill."""
         prefill = rows * self.splits["prefill"] if not self.flash_prefill else 0  # the flash kernel needs none
-        return c.num_heads * max(max_batch * self.splits["decode"], prefill)
+        return c.num_heads * max(max_batch * max(self.splits.values()), prefill)
 
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
         rt.copy_h2d(self.sin, self._tables[1], stream)
-        rt.memset32(self.counts, 0, self.counts.nbytes // 4, stream)
-        rt.memset32(self.kv, 0, self.kv.nbytes // 4, stream)
+        for region in (self.counts, self.counters, self.kv):
+            rt.memset32(region, 0, region.nbytes // 4, stream)
         rt.synchronize(stream)
         self._tables = None
 
@@ -180,17 +188,21 @@ class Forward:
         self.page_size = page_size
         self.page_shift = page_size.bit_length() - 1  # page_size is a power of two (checked by the runner)
         group = config.num_heads // config.num_kv_heads
-        self.attention_name = (f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
-                               + DECODE_ATTENTION_BLOCKS.get((group, config.head_dim, kv_dtype), ""))
+        self.attention_name = f"attention_g{group}_d{config.head_dim}_{kv_dtype}"
         self.rope_name = f"rope_kv_{kv_dtype}"
+        self.decode_attention_name = f"decode_attention_g{group}_d{config.head_dim}_{kv_dtype}"
         self.scale = float(np.float32(config.head_dim ** -0.5))
         self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
-        self.fused_decode = True
+        meta = kernels["sample"].meta
+        if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
+            raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")
+        self.fused_decode = True  # False: decode through the prefill kernels (tools/bench_decode_step.py)
+        self.fused_attention = True  # False: decode attention in the prefill path's three launches
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
-                 "attention_combine", "gemm_tiled", self.attention_name, self.rope_name]
+                 "attention_combine", "gemm_tiled", self.attention_name, self.rope_name, self.decode_attention_name]
         names += [self.prefill_attention_name] if self.prefill_attention_name else []
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
@@ -207,28 +219,43 @@ class Forward:
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
 
-    def n_splits(self, rows: int) -> int:
-        """The grid covers the shortest split of the mode; inputs.split holds the actual length."""
-        return self.b.splits["decode" if rows <= self.b.inputs.lanes.size else "prefill"]
+    def n_splits(self, rows: int, decode: bool = False) -> int:
+        """The attention grid's depth; ``inputs.split`` holds the actual split length. A decode step's
+        rows need at most ``splits["decode"]``; other launches of a few rows may be a short prefill
+        chunk (PREFILL_SPLIT keys a split) or a decode step through the prefill kernels."""
+        s = self.b.splits
+        if decode:
+            return s["decode"]
+        return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
-    def attend(self, i: int, rows: int, n_splits: int, stream) -> None:
-        """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``."""
+    def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False) -> None:
+        """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``.
+
+        ``decode``: every row is its own sequence, so one ``decode_attention`` launch does it all;
+        else rows of one sequence read each other's keys and the append runs first, alone."""
         c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         p = f"layers.{i}."
-        combine = k["attention_combine"]
         bias = w.get(p + "qkv_bias", b.cos)
         q_norm, k_norm = w.get(p + "q_norm", b.cos), w.get(p + "k_norm", b.cos)
         layer_kv = b.kv.at(i * b.layer_elems * b.kv_itemsize)
+        flags = (int(c.attention_bias), int(c.qk_norm), float(c.rms_norm_eps))
+        if decode and self.fused_attention:
+            fused = k[self.decode_attention_name]
+            fused.launch((KV, rows, n_splits), (fused.meta["threads"],),
+                         (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
+                          inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
+                          b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale, *flags),
+                         stream)
+            return
         k[self.rope_name].launch(
             (rows, H + 2 * KV), (D // 2,),
             (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
-             b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size,
-             int(c.attention_bias), int(c.qk_norm), float(c.rms_norm_eps)), stream)
+             b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags), stream)
         if self.prefill_attention_name and rows > inp.lanes.size:
             self.prefill_attention(layer_kv, rows, stream)
             return
-        attention = k[self.attention_name]
+        attention, combine = k[self.attention_name], k["attention_combine"]
         attention.launch(
             (KV, rows, n_splits), (attention.meta["threads"],),
             (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
@@ -277,14 +304,14 @@ class Forward:
         Seven launches a layer: the RMSNorms ride in the GEMMs that consume them, the residual adds
         in the GEMMs that produce them, SiLU-mul in the gate/up GEMM's epilogue."""
         c, b, w = self.c, self.b, self.w
-        n_splits = self.n_splits(rows)
+        n_splits = self.n_splits(rows, decode=True)
         self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
                              norm=w[p + "attn_norm"])
-            self.attend(i, rows, n_splits, stream)
+            self.attend(i, rows, n_splits, stream, decode=True)
             self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
             self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
                              stream, norm=w[p + "mlp_norm"])
@@ -310,13 +337,11 @@ class Forward:
         slices whose best candidates one block each finds, then one block per row merges and draws."""
         b, inp, vocab = self.b, self.b.inputs, self.c.vocab_size
         partial, final = self.k["sample_partial"], self.k["sample"]
-        meta = final.meta
-        if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
-            raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")
-        parts = max(1, min(SAMPLE_PARTS, -(-vocab // meta["threads"])))
-        partial.launch((parts, rows), (meta["threads"],),
+        threads = final.meta["threads"]
+        parts = max(1, min(SAMPLE_PARTS, -(-vocab // threads)))
+        partial.launch((parts, rows), (threads,),
                        (b.part_v, b.part_i, b.logits, b.counts, inp.d_fparams, inp.d_iparams, vocab, parts), stream)
-        final.launch((rows,), (meta["threads"],),
+        final.launch((rows,), (threads,),
                      (b.out, b.part_v, b.part_i, inp.d_fparams, inp.d_iparams, inp.d_keys, vocab, parts), stream)
 
     def decode(self, rows: int, stream) -> None:

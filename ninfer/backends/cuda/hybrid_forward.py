@@ -5,13 +5,25 @@ activation, the KV pool of the full-attention layers only (pool layout of ``rope
 ``layer`` = index among the attention layers), the RoPE tables of the first ``rotary_dim``
 dimensions, the sampler state, the per-step inputs (``forward.Inputs``) and every StateImage slot
 (``hybrid_state.DeviceStates``). ``HybridForward`` enqueues one step; it inherits the dense
-``Forward``'s GEMM dispatch, LM head and sampler, and differs in the layers:
+``Forward``'s GEMM dispatch (prefill GEMMs and fused decode GEMMs), LM head and sampler, and differs
+in the layers:
 
 - DeltaNet: in-projection GEMM -> ``deltanet_conv`` (conv + SiLU, conv tail updated) ->
   ``deltanet_rule_k{dk}_v{dv}`` (L2 norms, gates, delta rule, gated RMSNorm) -> ``out`` GEMM;
 - attention: qkv GEMM -> ``gated_qk_rope`` (query/gate split, q/k norm, partial RoPE, KV append)
   -> ``gated_attention_d{D}`` (split-K partials) -> ``gated_combine`` (merge, sigmoid gate) -> ``o``;
 - MLP: the dense SwiGLU kernels, or ``moe.CudaMoe`` (routing and grouped expert GEMMs on the device).
+
+A prefill chunk (``layers``) normalises in ``rmsnorm`` / ``add_rmsnorm`` launches of their own and
+leaves the final-normed rows in ``h``. A decode step (``decode`` -> ``decode_layers``) is the dense
+decode step around the same mixer kernels: the residual stream stays in ``x``; in_proj and qkv are
+"normed store" GEMMs (attn_norm in the prologue), out and o "residual" GEMMs adding into ``x``,
+gate/up a normed SwiGLU GEMM into ``act`` and down a residual GEMM, the LM head a normed GEMM
+(final_norm); ``forward.DECODE_GEMMS`` picks each kernel by row count (in_proj under the "qkv"
+entry, out under "o"). A DeltaNet mixer is 4 launches, an attention mixer 5 and a dense MLP 2,
+where a decode step through the prefill kernels has 5, 6 and 4. ``CudaMoe`` reads a normalised
+input and overwrites its output, so an MoE MLP keeps an ``rmsnorm`` before it and an add
+(``add_rmsnorm``) after it, 7 launches to 6: an MoE layer keeps its count, with its GEMMs fused.
 
 A decode step treats each row as its own sequence (state slot ``lanes[r]``); a prefill chunk is one
 sequence (slot ``lanes[0]``) whose rows the DeltaNet kernels walk in order.
@@ -23,8 +35,8 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MIN_SPLIT, NORM_THREADS, PREFILL_SPLIT,
-                                          SAMPLE_PARTS, SAMPLE_TOP_K, Forward, Inputs)
+from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, NORM_THREADS, Forward, Inputs,
+                                          attention_splits, sampler_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -46,9 +58,13 @@ def check_supported(config: HybridConfig, kv_dtype: str) -> None:
                          f"the model has k {c.linear_k_head_dim}, v {c.linear_v_head_dim}")
     if c.conv_kernel != CONV_KERNEL:
         raise ValueError(f"the CUDA hybrid runner supports conv_kernel {CONV_KERNEL}, the model has {c.conv_kernel}")
+    # The K of every GEMM (hidden: in_proj, qkv, gate_up, LM head; intermediate: down; value_dim: out;
+    # q_size: o). The GEMVs and the fused decode GEMMs (numba_kernels/gemm.py make_gemv, make_mma_gemv)
+    # load 8 K at a time in 16-byte vectors and mask weight rows past N, so K % 8 == 0 is all they
+    # ask: every decode GEMM of a supported model runs fused, none falls back.
     for field, value in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
                          ("value_dim", c.value_dim), ("q_size", c.q_size)):
-        if value % 8:  # 16-byte vector loads in the GEMV
+        if value % 8:
             raise ValueError(f"the CUDA hybrid runner needs {field} divisible by 8, got {value}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -61,7 +77,7 @@ class HybridBuffers:
         c = config
         self.rows = R = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
-        self.splits = {"decode": -(-max_context // MIN_SPLIT), "prefill": -(-max_context // PREFILL_SPLIT)}
+        self.splits = attention_splits(max_context)
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.kv_layers = len(c.attention_layers)
         self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
@@ -79,10 +95,7 @@ class HybridBuffers:
             "attn": R * c.q_size * f32, "attn_raw": R * c.q_size * f32,
             "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
             "part_o": cells * c.head_dim * f32, "part_ml": cells * 2 * f32,
-            "logits": self.logit_rows * c.vocab_size * f32,
-            "counts": max_batch * c.vocab_size * 4,
-            "part_v": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4, "part_i": max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4,
-            "out": max_batch * 4,
+            **sampler_regions(max_batch, c.vocab_size),
             "cos": max_context * c.rotary_dim // 2 * f32, "sin": max_context * c.rotary_dim // 2 * f32,
             "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
             "states": max(1, (max_batch + state_slots) * c.state_floats * f32),
@@ -134,7 +147,7 @@ class HybridForward(Forward):
 
     def kernel_names(self) -> list[str]:
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
-        dense_only = {self.attention_name, self.rope_name, "attention_combine"}
+        dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
         names += ["deltanet_conv", self.rule_name, *self.prefill_rule_names, self.qk_name, self.gated_attention_name,
                   "gated_combine"]
@@ -171,9 +184,16 @@ class HybridForward(Forward):
                                 stream)
 
     def deltanet(self, layer: int, rows: int, decode: bool, stream) -> None:
-        c, b, w, k = self.c, self.b, self.w, self.k
+        c, b, w = self.c, self.b, self.w
         p = f"layers.{layer}."
         self.matmul(b.proj, b.h, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size, stream)
+        self.deltanet_core(layer, rows, decode, stream)
+        self.matmul(b.delta, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
+
+    def deltanet_core(self, layer: int, rows: int, decode: bool, stream) -> None:
+        """``proj`` -> ``core``: the conv (tail updated) and the delta rule, per lane or over one sequence."""
+        c, b, w, k = self.c, self.b, self.w, self.k
+        p = f"layers.{layer}."
         seqs, seq_rows = (rows, 1) if decode else (1, rows)
         slot_floats = c.state_floats
         conv_state = b.states.at(self.state_offset[layer] * 4)
@@ -190,7 +210,6 @@ class HybridForward(Forward):
                          w[p + "A_log"], w[p + "linear_norm"], float(c.rms_norm_eps)), stream)
         else:
             self.prefill_rule(p, state, rows, stream)
-        self.matmul(b.delta, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
 
     def prefill_rule(self, p: str, state: rt.DevicePtr, rows: int, stream) -> None:
         """The delta rule over one sequence of ``rows`` tokens: the row-parallel parts (q/k norms,
@@ -207,12 +226,19 @@ class HybridForward(Forward):
                     stream)
 
     def attention(self, layer: int, rows: int, stream) -> None:
+        c, b, w = self.c, self.b, self.w
+        p = f"layers.{layer}."
+        self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
+        self.gated_attend(layer, rows, stream)
+        self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+
+    def gated_attend(self, layer: int, rows: int, stream, decode: bool = False) -> None:
+        """``qkv`` -> ``attn``: query/gate split, q/k norm, RoPE and KV append, then gated attention."""
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
         p = f"layers.{layer}."
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         layer_kv = b.kv.at(self.kv_index[layer] * b.layer_elems * b.kv_itemsize)
-        self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
         k[self.qk_name].launch(
             (rows, H + 2 * KV), (D,),
             (b.qkv, b.q, b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, layer_kv, b.page_elems,
@@ -221,15 +247,13 @@ class HybridForward(Forward):
         if self.flash_name and rows > inp.lanes.size:
             self.prefill_gated_attention(layer_kv, rows, stream)
         else:
-            self.decode_gated_attention(layer_kv, rows, stream)
-        self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+            self.decode_gated_attention(layer_kv, rows, stream, decode)
 
-    def decode_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
+    def decode_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, decode: bool) -> None:
         """Split-K partials then their merge with the output gate: any head_dim and pool dtype."""
         c, b, k, inp = self.c, self.b, self.k, self.b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-        # The grid covers the shortest split of the mode; inputs.split holds the actual length.
-        n_splits = b.splits["decode" if rows <= inp.lanes.size else "prefill"]
+        n_splits = self.n_splits(rows, decode)
         attention = k[self.gated_attention_name]
         attention.launch(
             (H, rows, n_splits), (attention.meta["threads"],),
@@ -257,8 +281,52 @@ class HybridForward(Forward):
                              stream)
         self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
 
+    def decode_layers(self, rows: int, stream) -> None:
+        """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
+
+        ``Forward.decode_layers``' fusions around the hybrid mixers: each RMSNorm rides in the GEMM
+        that consumes it, each residual add in the GEMM that produces it. in_proj is a normed store
+        like qkv and out a residual like o, so they run under those entries of ``DECODE_GEMMS``."""
+        c, b, w = self.c, self.b, self.w
+        self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
+                               (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            if c.layer_types[i] == LINEAR:
+                self.decode_gemm("qkv", b.proj, b.x, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size, stream,
+                                 norm=w[p + "attn_norm"])
+                self.deltanet_core(i, rows, True, stream)
+                self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
+            else:
+                self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
+                                 norm=w[p + "attn_norm"])
+                self.gated_attend(i, rows, stream, decode=True)
+                self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+            if c.mlp_types[i] == DENSE:
+                self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
+                                 stream, norm=w[p + "mlp_norm"])
+                self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
+                                 stream)
+            else:
+                self.decode_moe(i, rows, stream)
+
+    def decode_moe(self, layer: int, rows: int, stream) -> None:
+        """x += MoE(rmsnorm(x) * mlp_norm). ``CudaMoe`` reads a normalised input and overwrites its
+        output, so the norm and the add keep launches of their own."""
+        c, b, w, k = self.c, self.b, self.w, self.k
+        eps, norm = float(c.rms_norm_eps), w[f"layers.{layer}.mlp_norm"]
+        k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, norm, c.hidden_size, eps), stream)
+        self.moe.forward(b.delta, b.h, w, layer, rows, stream)
+        # add_rmsnorm is the only kernel that adds into x; the h it writes again is thrown away (the
+        # next layer's GEMM normalises x itself): 4 * hidden bytes a row next to the experts' weights.
+        k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, norm, c.hidden_size, eps), stream)
+
     def decode(self, rows: int, stream) -> None:
-        """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""
+        """One decode step of ``rows`` rows (graph body): ``Forward.decode`` over ``decode_layers`` and
+        the normed LM head; unfused (``fused_decode`` off), the prefill kernels with one lane a row."""
+        if self.fused_decode:
+            super().decode(rows, stream)
+            return
         inp = self.b.inputs
         self.k["count_tokens"].launch((-(-rows // 32),), (32,),
                                       (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)

@@ -2,9 +2,9 @@
 
 Weights live in one device allocation; activations, the KV pool, RoPE tables, sampler counts and
 the per-step inputs in one workspace allocation (``forward.StepBuffers``). A decode step writes its
-inputs into pinned memory, copies them with one host-to-device copy, replays the CUDA Graph captured
-for exactly that batch size (or launches directly with ``cuda_graph=False``), and copies back only the
-sampled token ids. Prefill runs direct launches in sub-chunks of ``max_prefill_rows`` rows.
+inputs into pinned memory and replays the CUDA Graph captured for exactly that batch size (or launches
+directly with ``cuda_graph=False``): the graph copies the inputs up, runs the step and copies back
+only the sampled token ids. Prefill runs direct launches in sub-chunks of ``max_prefill_rows`` rows.
 
 Requests are validated by the checks every backend shares (``ninfer/backends/inputs.py``): a wrong
 lane, token, position or page table raises ``ValueError`` naming the field before anything reaches
@@ -177,7 +177,7 @@ class CudaRunner:
             free_before = device.free_memory()
             start = time.perf_counter()
             for rows in range(1, max_batch + 1):
-                self.graphs[rows] = rt.Graph.capture(stream, lambda rows=rows: self.forward.decode(rows, stream))
+                self.graphs[rows] = rt.Graph.capture(stream, lambda rows=rows: self._decode_step(rows))
             self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
             self.startup["graph_bytes"] = free_before - device.free_memory()
             self.startup["graph_nodes"] = self.graphs[1].nodes
@@ -249,18 +249,24 @@ class CudaRunner:
         width = min(tables.shape[1], self.buffers.max_pages)
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)
-        inp.upload(stream)
         if rows in self.graphs:
             self.graphs[rows].launch(stream)
         else:
-            self.forward.decode(rows, stream)
-        rt.copy_d2h(self._out[:rows], self.buffers.out, stream)
+            self._decode_step(rows)
         logits = None
         if batch.return_logits:
             logits = np.empty((rows, self.info.vocab_size), np.float32)
             rt.copy_d2h(logits, self.buffers.logits, stream)
         rt.synchronize(stream)
         return StepResult(tokens=self._out[:rows].copy(), logits=logits)
+
+    def _decode_step(self, rows: int) -> None:
+        """A decode step's device work, the body of its CUDA Graph: the pinned inputs up, the forward
+        pass and the sampler, the token ids down to pinned memory. The copies ride in the graph (pinned
+        buffers at fixed addresses) so a step costs the host one graph launch and one wait."""
+        self.buffers.inputs.upload(self.stream)
+        self.forward.decode(rows, self.stream)
+        rt.copy_d2h(self._out[:rows], self.buffers.out, self.stream)
 
     @_on_device
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:

@@ -1,0 +1,119 @@
+"""The CUDA hybrid decode step's launches, checked on the CPU against ptx/manifest.json.
+
+``HybridForward`` runs over a fake device (addresses, no memory) and kernels that type-check and
+record each launch instead of running it. At the tiny test shapes and at Qwen3.6-27B / 35B-A3B
+shapes (4 layers each; the GPU tests only run tiny ones): every kernel a decode step launches is in
+``kernel_names()`` (modules cannot load during graph capture), every fused decode GEMM stays inside
+its buffers with K % 8 == 0, and a dense-MLP step has no norm, SiLU or plain GEMV launch left.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+hf = pytest.importorskip("ninfer.backends.cuda.hybrid_forward")
+
+from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
+from ninfer.convert.random_model import HYBRID_PRESETS  # noqa: E402
+from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
+
+LAYERS = (LINEAR, LINEAR, LINEAR, FULL)
+REAL = dict(vocab_size=248320, num_layers=4, layer_types=LAYERS, rms_norm_eps=1e-6, head_dim=256, rotary_dim=64,
+            rope_theta=1e7, max_position_embeddings=262144, linear_num_k_heads=16, linear_k_head_dim=128,
+            linear_v_head_dim=128)
+CONFIGS = {
+    "tiny-qwen3.5": HYBRID_PRESETS["tiny-qwen3.5"],
+    "tiny-qwen3-next": HYBRID_PRESETS["tiny-qwen3-next"],  # MoE and dense MLPs
+    "27b": HybridConfig(architecture="Qwen3_5ForCausalLM", hidden_size=5120, mlp_types=(DENSE,) * 4, num_heads=24,
+                        num_kv_heads=4, linear_num_v_heads=48, intermediate_size=17408, **REAL),
+    "35b-a3b": HybridConfig(architecture="Qwen3_5MoeForCausalLM", hidden_size=2048, mlp_types=(MOE,) * 4,
+                            num_heads=16, num_kv_heads=2, linear_num_v_heads=32, num_experts=256,
+                            num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                            **REAL),
+}
+MAX_BATCH = 8
+
+
+class FakeDevice:
+    def __init__(self):
+        self.next = 1 << 32
+
+    def alloc(self, nbytes, label):
+        ptr = rt.DevicePtr(self.next, nbytes, label)
+        self.next += -(-max(1, nbytes) // 4096) * 4096
+        return ptr
+
+    def pinned(self, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
+
+class Recorded(rt.Kernel):
+    def __init__(self, log, name, entry):
+        super().__init__(name, None, entry["params"], entry.get("meta"))
+        self.log = log
+
+    def launch(self, grid, block, args, stream, shared=0):
+        self.pack(args)  # the argument count and types of the manifest
+        self.log.append((self, tuple(grid), tuple(args)))
+
+
+class FakeKernels:
+    def __init__(self):
+        self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
+        self.log = []
+        self._kernels = {}
+
+    def __getitem__(self, name):
+        if name not in self._kernels:
+            self._kernels[name] = Recorded(self.log, name, self.entries[name])
+        return self._kernels[name]
+
+
+def forward(config, kv_dtype="bf16"):
+    device = FakeDevice()
+    buffers = hf.HybridBuffers(device, config, page_size=16, num_pages=8, max_batch=MAX_BATCH, max_context=128,
+                               max_rows=64, kv_dtype=kv_dtype, state_slots=1)
+    weights = {name: device.alloc(int(np.prod(shape)) * (2 if kind == "bf16" else 4), name)
+               for name, (shape, kind) in device_layout(config).items()}
+    return hf.HybridForward(FakeKernels(), config, weights, buffers, page_size=16, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
+    config = CONFIGS[name]
+    hf.check_supported(config, "bf16")
+    fwd = forward(config)
+    preloaded = set(fwd.kernel_names())
+    for rows in range(1, MAX_BATCH + 1):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        launched = {kernel.name for kernel, _, _ in fwd.k.log}
+        assert launched <= preloaded, sorted(launched - preloaded)
+        for kernel, grid, args in fwd.k.log:
+            if "epilogue" in kernel.meta:  # (y, x, w, norm, rows, n, k, ldy, eps)
+                _check_gemm(kernel, grid, *args)
+        if MOE not in config.mlp_types:
+            assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
+
+
+def _check_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps):
+    meta, f32 = kernel.meta, 4
+    weight_rows = 2 * n if meta["epilogue"] == "swiglu" else n
+    assert k % 8 == 0 and rows <= meta["max_rows"] and grid[0] * meta["cols"] >= n, kernel.name
+    assert y.nbytes >= rows * ldy * f32 and ldy >= n and x.nbytes >= rows * k * f32, kernel.name
+    assert w.nbytes >= weight_rows * k * 2, kernel.name
+    assert not meta["normed"] or norm.nbytes >= k * f32, kernel.name
+
+
+def test_unfused_decode_keeps_one_lane_a_row():
+    """``fused_decode`` off (tools/bench_decode_step.py): the prefill kernels, the decode delta rule."""
+    fwd = forward(HYBRID_PRESETS["tiny-qwen3.5"])
+    fwd.fused_decode = False
+    fwd.decode(3, None)
+    launched = [kernel.name for kernel, _, _ in fwd.k.log]
+    assert fwd.rule_name in launched and not set(fwd.prefill_rule_names) & set(launched)
+    assert "add_rmsnorm" in launched and launched[-2:] == ["sample_partial", "sample"]
