@@ -7,7 +7,7 @@ each (batch x context) case it captures the decode step as a CUDA Graph under ea
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), decode attention in the
-prefill path's three launches instead of ``decode_attention``'s one, longer attention splits than
+prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, and the step without attention at all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
 
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         runner.forward.fused_decode = False
         results["unfused"] = step_ms(runner, batch, args.reps)
         runner.forward.fused_decode = True
-        results["fused"] = step_ms(runner, batch, args.reps)
+        results[f"fused (splits of {int(runner.buffers.inputs.split[0])})"] = step_ms(runner, batch, args.reps)
         for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", mma)):
             for table in fw.DECODE_GEMMS.values():
                 table.update({r: choice for r in table})
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
         runner.forward.fused_attention = True
         inp = runner.buffers.inputs
         chosen = int(inp.split[0])
-        for split in (64, 128, 256):  # longer splits than decode_split's: fewer blocks, a shorter merge
-            if split > chosen and split < context:
+        for split in (32, 64, 128, 256, 512, 1024, 2048):  # other split lengths than decode_split's
+            if split != chosen and split < context + fw.MIN_SPLIT and split * fw.MAX_DECODE_SPLITS >= context:
                 inp.split[0] = split
                 inp.upload(runner.stream)
                 results[f"fused, splits of {split}"] = step_ms(runner, batch, args.reps)

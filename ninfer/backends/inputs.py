@@ -38,25 +38,27 @@ def check_lanes(info: RunnerInfo, lanes: np.ndarray, field: str) -> None:
 
 def check_page_table(info: RunnerInfo, tables: np.ndarray, ends: Sequence[int] | np.ndarray,
                      field: str) -> np.ndarray:
-    """Each row must cover positions [0, end) with valid page ids."""
-    tables = tables.astype(np.int64, copy=False)
-    ends_a = np.asarray(ends, dtype=np.int64).reshape(-1)
-    needed = -(-ends_a // info.page_size)
-    width = int(needed.max())
-    if int(ends_a.max()) <= info.max_context and width <= tables.shape[1]:
+    """Each row must cover positions [0, end) with valid page ids (entries past a row's end are not read)."""
+    if tables.dtype.kind not in "iu":
+        tables = tables.astype(np.int64)
+    ends_list = np.asarray(ends, dtype=np.int64).reshape(-1).tolist()
+    needed = [-(-end // info.page_size) for end in ends_list]
+    width = max(needed)
+    if max(ends_list) <= info.max_context and width <= tables.shape[1]:
         used = tables[:, :width]  # only the pages the rows reach, not the whole table
-        bad = (used < 0) | (used >= info.num_pages)
-        if needed.size > 1:
-            bad &= np.arange(width)[None, :] < needed[:, None]
+        # One comparison finds negative ids too: as unsigned they are larger than any page count.
+        bad = used.view(used.dtype.str.replace("i", "u")) >= info.num_pages
+        if min(needed) < width:  # shorter rows: their entries past their own end do not count
+            bad &= np.arange(width) < np.array(needed)[:, None]
         if not bad.any():
             return tables  # the common case: no Python loop per row
-    for row, end in enumerate(ends_a.tolist()):  # find the first offending row for the message
+    for row, end in enumerate(ends_list):  # find the first offending row for the message
         if end > info.max_context:
             raise ValueError(f"{field}: position {end - 1} exceeds max_context {info.max_context}")
-        needed = -(-end // info.page_size)
-        used = tables[row, :needed]
-        if used.size < needed:
-            raise ValueError(f"{field}: row {row} has {used.size} pages, position {end - 1} needs {needed}")
+        needed_row = -(-end // info.page_size)
+        used = tables[row, :needed_row]
+        if used.size < needed_row:
+            raise ValueError(f"{field}: row {row} has {used.size} pages, position {end - 1} needs {needed_row}")
         if used.min() < 0 or used.max() >= info.num_pages:
             raise ValueError(f"{field}: row {row} uses page ids {used.tolist()} outside [0, {info.num_pages})")
     return tables
@@ -77,32 +79,40 @@ def prefill_inputs(info: RunnerInfo, chunk: PrefillChunk) -> tuple[np.ndarray, n
 
 
 def decode_inputs(info: RunnerInfo, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The checked batch as (lanes [B], tokens [B], positions [B], page tables [B, pages])."""
+    """The checked batch as (lanes [B], tokens [B], positions [B], page tables [B, pages]).
+
+    The per-row checks run on Python lists (a decode step has at most ``max_batch`` rows, and each
+    NumPy call costs microseconds on the GPU's hot path); NumPy only scans the page tables."""
     lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
     rows = lanes.size
     if rows == 0:
         raise ValueError("decode: the batch is empty")
     if rows > info.max_batch:
         raise ValueError(f"decode: {rows} rows exceed max_batch {info.max_batch}")
-    check_lanes(info, lanes, "decode lanes")
-    if len(set(lanes.tolist())) != rows:  # a set beats np.unique on eight rows
-        raise ValueError(f"decode lanes must be distinct, got {lanes.tolist()}")
-    tokens = check_tokens(info, np.asarray(batch.tokens).reshape(-1), "decode tokens")
+    lane_list = lanes.tolist()
+    if min(lane_list) < 0 or max(lane_list) >= info.max_batch:
+        check_lanes(info, lanes, "decode lanes")
+    if len(set(lane_list)) != rows:
+        raise ValueError(f"decode lanes must be distinct, got {lane_list}")
+    tokens = np.asarray(batch.tokens).reshape(-1)
     positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
     if tokens.size != rows or positions.size != rows or len(batch.sampling) != rows:
         raise ValueError(
             f"decode: lanes ({rows}), tokens ({tokens.size}), positions ({positions.size}) and "
             f"sampling ({len(batch.sampling)}) must have one entry per row"
         )
-    if positions.min() < 0:
-        raise ValueError(f"decode positions must be >= 0, got {positions.tolist()}")
+    token_list, position_list = tokens.tolist(), positions.tolist()
+    if min(token_list) < 0 or max(token_list) >= info.vocab_size or tokens.dtype.kind not in "iu":
+        tokens = check_tokens(info, tokens, "decode tokens")
+    if min(position_list) < 0:
+        raise ValueError(f"decode positions must be >= 0, got {position_list}")
     tables = check_page_table(info, np.asarray(batch.page_tables).reshape(rows, -1), positions + 1,
                               "decode page_tables")
     if rows > 1:
         # Two rows writing one KV slot means a page is shared without copy-on-write.
-        targets = tables[np.arange(rows), positions // info.page_size] * info.page_size
-        targets += positions % info.page_size
-        if len(set(targets.tolist())) != rows:
+        size = info.page_size
+        pages = tables[range(rows), [p // size for p in position_list]].tolist()
+        if len({page * size + p % size for page, p in zip(pages, position_list)}) != rows:
             raise ValueError("decode page_tables: two rows write the same KV slot (a shared page "
                              "needs copy_pages before it is written)")
-    return lanes, tokens, positions, tables
+    return lanes, tokens.astype(np.int64, copy=False), positions, tables

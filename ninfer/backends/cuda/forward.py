@@ -18,17 +18,24 @@ from ninfer.models.dense import DenseConfig
 GEMV_MAX_ROWS = 8
 GEMV_VARIANT = "_c4"  # 4 columns per block: faster than 8 at every M on the H200 (tools/gpu_bench.py)
 # Keys per attention split. The split length is a step input (device memory), so one captured
-# graph serves every context: decode picks short splits for short contexts (enough blocks, short
-# serial chains per warp) and at most MAX_DECODE_SPLITS per row for long ones (a short combine);
-# prefill has many rows and bounds its partials with long splits.
+# graph serves every context: decode picks a split length per step (``decode_split``), prefill has
+# many rows and bounds its partials with long splits.
 MIN_SPLIT = 32
 MAX_DECODE_SPLITS = 64
 PREFILL_SPLIT = 256
+# Blocks a decode step's attention launch aims at. tools/bench_decode_step.py on the H200 (Qwen3-8B,
+# 8 KV heads): batch 1 at 512 keys was fastest with 128 blocks (splits of 32: 4.61 ms a step against
+# 4.63 with 64 blocks), batch 8 at 512 keys with 256 (splits of 128: 5.61 ms against 5.83 with 512
+# blocks and 6.24 with 1024): fewer, longer blocks cost less than many short ones once the GPU is full.
+DECODE_ATTENTION_BLOCKS = 256
 
 
-def decode_split(length: int) -> int:
-    """Split length for a decode step whose longest row has ``length`` keys: at most MAX_DECODE_SPLITS splits."""
-    return max(MIN_SPLIT, -(-length // (MAX_DECODE_SPLITS * MIN_SPLIT)) * MIN_SPLIT)
+def decode_split(length: int, row_blocks: int) -> int:
+    """Split length (a multiple of MIN_SPLIT) for a decode step whose longest row has ``length`` keys
+    and whose attention launch has ``row_blocks`` blocks per split (rows x heads of a block): about
+    DECODE_ATTENTION_BLOCKS blocks in all, never more than MAX_DECODE_SPLITS splits a row."""
+    splits = max(1, min(MAX_DECODE_SPLITS, DECODE_ATTENTION_BLOCKS // max(1, row_blocks)))
+    return max(MIN_SPLIT, -(-length // (splits * MIN_SPLIT)) * MIN_SPLIT)
 
 
 def attention_splits(max_context: int) -> dict[str, int]:
@@ -194,6 +201,7 @@ class Forward:
         self.scale = float(np.float32(config.head_dim ** -0.5))
         self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
+        self.attention_row_blocks = config.num_kv_heads  # decode attention blocks per row and split
         meta = kernels["sample"].meta
         if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
             raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")

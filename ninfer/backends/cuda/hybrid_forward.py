@@ -144,6 +144,7 @@ class HybridForward(Forward):
         self.kv_index = {layer: i for i, layer in enumerate(c.attention_layers)}
         self.conv_floats = (c.conv_kernel - 1) * c.conv_dim
         self.moe = moe.CudaMoe(kernels, c, buffers.moe, buffers.rows) if MOE in c.mlp_types else None
+        self.attention_row_blocks = c.num_heads  # gated_attention: one block per query head
 
     def kernel_names(self) -> list[str]:
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).

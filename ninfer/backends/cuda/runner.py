@@ -164,6 +164,7 @@ class CudaRunner:
         self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                                vocab_size=config.vocab_size, max_context=max_context, backend="cuda")
         self._out = device.pinned(4 * max_batch).view(np.int32)
+        self._decode_rows = np.arange(max_batch, dtype=np.int32)  # a decode step's row r is sequence r
         self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
         self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
         self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
@@ -243,9 +244,9 @@ class CudaRunner:
         inp, stream = self.buffers.inputs, self.stream
         inp.tokens[:rows] = tokens
         inp.positions[:rows] = positions
-        inp.row_table[:rows] = np.arange(rows)
+        inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
-        inp.split[0] = decode_split(int(positions.max()) + 1)
+        inp.split[0] = decode_split(max(positions.tolist()) + 1, rows * self.forward.attention_row_blocks)
         width = min(tables.shape[1], self.buffers.max_pages)
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -112,6 +113,9 @@ class Arena:
         return DevicePtr(self.base.addr + offset, nbytes, label)
 
 
+_current = threading.local()  # .device: the Device whose context this thread made current last
+
+
 class Device:
     """The primary context of one GPU, made current on the calling thread."""
 
@@ -142,7 +146,12 @@ class Device:
         return check(cu.cuDeviceGetAttribute(which, self.handle), "cuDeviceGetAttribute")
 
     def make_current(self) -> None:
-        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        """Make the context current on the calling thread. A context stays current on a thread until
+        another is set, and in this process only ``make_current`` sets one (torch, in the tools, shares
+        this primary context), so a thread whose last call was this device's skips the driver call."""
+        if getattr(_current, "device", None) is not self:
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+            _current.device = self
 
     def free_memory(self) -> int:
         free, _ = check(cu.cuMemGetInfo(), "cuMemGetInfo")
@@ -189,6 +198,8 @@ class Device:
             check(cu.cuModuleUnload(module), "cuModuleUnload")
         self._allocations, self._pinned, self._modules = [], [], []
         check(cu.cuDevicePrimaryCtxRelease(self.handle), "cuDevicePrimaryCtxRelease")
+        if getattr(_current, "device", None) is self:
+            _current.device = None
 
 
 # -- memory operations on a stream ----------------------------------------------------------------
