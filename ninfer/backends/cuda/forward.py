@@ -23,19 +23,27 @@ GEMV_VARIANT = "_c4"  # 4 columns per block: faster than 8 at every M on the H20
 MIN_SPLIT = 32
 MAX_DECODE_SPLITS = 64
 PREFILL_SPLIT = 256
-# Blocks a decode step's attention launch aims at. tools/bench_decode_step.py on the H200 (Qwen3-8B,
-# 8 KV heads): batch 1 at 512 keys was fastest with 128 blocks (splits of 32: 4.61 ms a step against
-# 4.63 with 64 blocks), batch 8 at 512 keys with 256 (splits of 128: 5.61 ms against 5.83 with 512
-# blocks and 6.24 with 1024): fewer, longer blocks cost less than many short ones once the GPU is full.
+# The dense decode attention's split policy (tools/bench_decode_step.py on the H200, Qwen3-8B, 8 KV
+# heads, ms a step): at 512 keys batch 1 was fastest with 128 blocks (splits of 32: 4.63 against 4.66
+# for 64 and 4.86 for 128 keys), batch 8 with 256-320 blocks (128 keys: 5.61; 32: 5.91; 512: 6.85);
+# at 8192 keys batch 1 with 256 keys a split (5.78; 128: 6.10; 512: 6.53), batch 8 with 512 (12.05;
+# 256: 12.71; 2048: 14.14). So: about DECODE_ATTENTION_BLOCKS blocks while rows are short, splits of
+# about LONG_SPLIT keys once there are enough of them to fill the GPU several times over.
 DECODE_ATTENTION_BLOCKS = 256
+LONG_SPLIT = 512
+
+
+def split_length(length: int, splits: int) -> int:
+    """The shortest multiple of MIN_SPLIT that cuts ``length`` keys into at most ``splits`` splits
+    (and never more than MAX_DECODE_SPLITS, the decode grid's depth)."""
+    splits = max(1, min(MAX_DECODE_SPLITS, splits))
+    return max(MIN_SPLIT, -(-length // (splits * MIN_SPLIT)) * MIN_SPLIT)
 
 
 def decode_split(length: int, row_blocks: int) -> int:
-    """Split length (a multiple of MIN_SPLIT) for a decode step whose longest row has ``length`` keys
-    and whose attention launch has ``row_blocks`` blocks per split (rows x heads of a block): about
-    DECODE_ATTENTION_BLOCKS blocks in all, never more than MAX_DECODE_SPLITS splits a row."""
-    splits = max(1, min(MAX_DECODE_SPLITS, DECODE_ATTENTION_BLOCKS // max(1, row_blocks)))
-    return max(MIN_SPLIT, -(-length // (splits * MIN_SPLIT)) * MIN_SPLIT)
+    """``decode_attention``'s split length for a step whose longest row has ``length`` keys and whose
+    launch has ``row_blocks`` blocks per split (rows x KV heads)."""
+    return split_length(length, max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-length // LONG_SPLIT)))
 
 
 def attention_splits(max_context: int) -> dict[str, int]:
@@ -201,7 +209,6 @@ class Forward:
         self.scale = float(np.float32(config.head_dim ** -0.5))
         self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
-        self.attention_row_blocks = config.num_kv_heads  # decode attention blocks per row and split
         meta = kernels["sample"].meta
         if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
             raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")
@@ -226,6 +233,10 @@ class Forward:
             self.lt.matmul(y, xb, w, rows, n, k, stream)
         else:
             self.k["gemm_tiled"].launch((-(-n // 64), -(-rows // 64)), (256,), (y, x, w, rows, n, k, n), stream)
+
+    def decode_split(self, length: int, rows: int) -> int:
+        """The split length of a decode step of ``rows`` rows whose longest has ``length`` keys."""
+        return decode_split(length, rows * self.c.num_kv_heads)
 
     def n_splits(self, rows: int, decode: bool = False) -> int:
         """The attention grid's depth; ``inputs.split`` holds the actual split length. A decode step's

@@ -31,8 +31,8 @@ import numpy as np
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
-from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, PREFILL_GEMMS, PREFILL_SPLIT, Forward, StepBuffers, check_supported,
-                                          decode_split)
+from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, PREFILL_GEMMS, PREFILL_SPLIT, Forward, StepBuffers,
+                                          check_supported)
 from ninfer.backends.inputs import check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.backends.sampling import TOP_K_CAP
@@ -246,7 +246,7 @@ class CudaRunner:
         inp.positions[:rows] = positions
         inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
-        inp.split[0] = decode_split(max(positions.tolist()) + 1, rows * self.forward.attention_row_blocks)
+        inp.split[0] = self.forward.decode_split(max(positions.tolist()) + 1, rows)
         width = min(tables.shape[1], self.buffers.max_pages)
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)

@@ -1,0 +1,26 @@
+"""The decode attention's split-length policies (``forward.decode_split``, ``split_length``): pure
+arithmetic, checked on the CPU. The kernels' grid is MAX_DECODE_SPLITS deep, so a split length that
+needs more splits would drop keys."""
+
+from __future__ import annotations
+
+import pytest
+
+fw = pytest.importorskip("ninfer.backends.cuda.forward")
+
+
+@pytest.mark.parametrize("row_blocks", [1, 2, 8, 24, 64, 256, 4096])
+def test_every_split_length_fits_the_grid(row_blocks):
+    for length in list(range(1, 3000)) + list(range(3000, 300_000, 997)):
+        for split in (fw.decode_split(length, row_blocks), fw.split_length(length, fw.MAX_DECODE_SPLITS)):
+            assert split % fw.MIN_SPLIT == 0 and split >= fw.MIN_SPLIT
+            assert -(-length // split) <= fw.MAX_DECODE_SPLITS, (length, row_blocks, split)
+
+
+def test_the_measured_choices():
+    """The Qwen3-8B cases of the H200 measurements the policy was fitted to (8 KV heads a row)."""
+    assert fw.decode_split(513, 8) == 32  # batch 1, short: many short splits
+    assert fw.decode_split(513, 64) == 160  # batch 8, short: about 256 blocks
+    assert fw.decode_split(8193, 64) == 512  # batch 8, long: splits of about LONG_SPLIT keys
+    assert fw.split_length(513, fw.MAX_DECODE_SPLITS) == 32
+    assert fw.split_length(8193, fw.MAX_DECODE_SPLITS) == 160  # the grid's depth bounds the count
