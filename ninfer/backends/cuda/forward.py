@@ -320,8 +320,9 @@ class Forward:
     def decode_layers(self, rows: int, stream) -> None:
         """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
 
-        Seven launches a layer: the RMSNorms ride in the GEMMs that consume them, the residual adds
-        in the GEMMs that produce them, SiLU-mul in the gate/up GEMM's epilogue."""
+        Five launches a layer: the RMSNorms ride in the GEMMs that consume them, the residual adds
+        in the GEMMs that produce them, SiLU-mul in the gate/up GEMM's epilogue, and one
+        ``decode_attention`` does rope, the KV append and attention (``attend``)."""
         c, b, w = self.c, self.b, self.w
         n_splits = self.n_splits(rows, decode=True)
         self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
