@@ -158,9 +158,18 @@ def make_key_loop(G, D, load_pair, load_quad, U, WARPS):
 
 
 def make_warp_merge(G, D, WARPS):
-    """Device functions merging the warps' softmax states through shared memory: ``stash`` writes
-    a warp's state (then syncs the block), ``merged`` returns (max, sum, output) of (head g, dim d)."""
+    """Device functions over a warp's softmax state (``acc`` [G, D / 32] of the lane's dims, max ``m``
+    and sum ``l`` per head): ``empty`` starts it, ``stash`` writes it to shared memory (then syncs the
+    block), ``merged`` returns the warps' merged (max, sum, output) of (head g, dim d)."""
     E = D // 32
+
+    @cuda.jit(device=True, inline=True)
+    def empty(acc, m, l):
+        for g in range(G):
+            m[g] = NEG_BIG
+            l[g] = float32(0.0)
+            for e in range(E):
+                acc[g, e] = float32(0.0)
 
     @cuda.jit(device=True, inline=True)
     def stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane):
@@ -186,14 +195,14 @@ def make_warp_merge(G, D, WARPS):
             oo += sh_o[w, g, d] * f
         return mm, ll, oo
 
-    return stash, merged
+    return empty, stash, merged
 
 
 def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
     """``U`` keys in flight per warp (default ``keys_in_flight``), ``WARPS`` warps a block."""
     E = D // 32
     key_loop = make_key_loop(G, D, load_pair, load_quad, U or keys_in_flight(G, D), WARPS)
-    stash, merged = make_warp_merge(G, D, WARPS)
+    empty, stash, merged = make_warp_merge(G, D, WARPS)
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
                   part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
@@ -216,12 +225,10 @@ def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
         acc = cuda.local.array((G, E), float32)
         m = cuda.local.array(G, float32)
         l = cuda.local.array(G, float32)
+        empty(acc, m, l)
         for g in range(G):
-            m[g] = NEG_BIG
-            l[g] = float32(0.0)
             for e in range(E):
                 q[g, e] = qkv[row * width + (kvh * G + g) * D + lane * E + e]
-                acc[g, e] = float32(0.0)
         page_size = int64(1) << page_shift
         head_off = int64(kvh) * page_size * D
         v_off = int64(n_kv) * page_size * D

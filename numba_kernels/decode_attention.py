@@ -55,7 +55,15 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
     ROWS = G + 2  # shared-array shapes must be plain constants
     ROPED = G + 1
     key_loop = make_key_loop(G, D, load_pair, load_quad, U, WARPS)
-    stash, merged = make_warp_merge(G, D, WARPS)
+    empty, stash, merged = make_warp_merge(G, D, WARPS)
+
+    @cuda.jit(device=True, inline=True)
+    def row_dot(sh_x, a, b, lane):
+        """``sh_x[a] . sh_x[b]`` summed over the warp; every lane gets it."""
+        total = float32(0.0)
+        for d in range(lane, D, 32):
+            total += sh_x[a, d] * sh_x[b, d]
+        return warp_sum(total)
 
     def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
                          row_table, positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift, split_ptr,
@@ -102,10 +110,7 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         roped = G + 1 if owner else G  # q heads, then the key
         if has_norm != 0:
             for slot in range(warp, roped, WARPS):
-                ss = float32(0.0)
-                for d in range(lane, D, 32):
-                    ss += sh_x[slot, d] * sh_x[slot, d]
-                ss = warp_sum(ss)
+                ss = row_dot(sh_x, slot, slot, lane)
                 if lane == 0:
                     sh_inv[slot] = float32(1.0) / math.sqrt(ss / float32(D) + eps)
             cuda.syncthreads()
@@ -146,22 +151,17 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         acc = cuda.local.array((G, E), float32)
         m = cuda.local.array(G, float32)
         l = cuda.local.array(G, float32)
+        empty(acc, m, l)
         for g in range(G):
-            m[g] = NEG_BIG
-            l[g] = float32(0.0)
             for e in range(E):
                 q[g, e] = sh_x[g, lane * E + e]
-                acc[g, e] = float32(0.0)
         head_off = (int64(kvh) << page_shift) * D
         v_off = (int64(n_kv) << page_shift) * D
         key_loop(q, acc, m, l, kc, page_stride, page_tables, row_table[row] * max_pages, page_shift, head_off, v_off,
                  start, end - 1 if owner else end, warp, lane, scale)
         if owner:
             for g in range(warp, G, WARPS):
-                dot = float32(0.0)
-                for d in range(lane, D, 32):
-                    dot += sh_x[g, d] * sh_x[G, d]
-                dot = warp_sum(dot)
+                dot = row_dot(sh_x, g, G, lane)
                 if lane == 0:
                     sh_s[g] = dot * scale
         stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)  # syncs the block (sh_s too)

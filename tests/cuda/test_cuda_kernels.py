@@ -158,6 +158,17 @@ def _rope_ref(x, cos, sin):
     return np.concatenate([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1)
 
 
+def _qkv_inputs(rng, rows, H, KV, D, max_ctx):
+    """A random fused qkv activation, q/k norm weights, qkv bias and RoPE tables (base 10000)."""
+    width = (H + 2 * KV) * D
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(width)).astype(np.float32)
+    angles = np.arange(max_ctx)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None]
+    return qkv, qn, kn, bias, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (4, 64), (8, 128)])
 def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
@@ -176,12 +187,7 @@ def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
     positions = np.array([lengths[0] - 5 + i for i in range(5)] + [lengths[1] - 3 + i for i in range(3)], np.int32)
     rows = len(row_table)
     width = (H + 2 * KV) * D
-    qkv = rng.standard_normal((rows, width)).astype(np.float32)
-    qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    bias = (0.1 * rng.standard_normal(width)).astype(np.float32)
-    angles = np.arange(max_ctx)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None]
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    qkv, qn, kn, bias, cos, sin = _qkv_inputs(rng, rows, H, KV, D, max_ctx)
     itemsize = 4 if kv_dtype == "f32" else 2
     page_elems = layers * 2 * KV * ps * D
     # Earlier positions' K/V: random, written straight into the pool.
@@ -269,13 +275,7 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     num_pages = rows * max_pages + 3
     tables = rng.permutation(num_pages)[:rows * max_pages].reshape(rows, max_pages).astype(np.int32)
     positions = (lengths - 1).astype(np.int32)
-    width = (H + 2 * KV) * D
-    qkv = rng.standard_normal((rows, width)).astype(np.float32)
-    qn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    kn = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
-    bias = (0.1 * rng.standard_normal(width)).astype(np.float32)
-    angles = np.arange(max_ctx)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None]
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    qkv, qn, kn, bias, cos, sin = _qkv_inputs(rng, rows, H, KV, D, max_ctx)
     as_pool = (lambda a: to_float32(from_float32(a))) if kv_dtype == "bf16" else (lambda a: a)
     hist_k = as_pool(rng.standard_normal((rows, max_ctx, KV, D)).astype(np.float32))
     hist_v = as_pool(rng.standard_normal((rows, max_ctx, KV, D)).astype(np.float32))
