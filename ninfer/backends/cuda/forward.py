@@ -364,13 +364,17 @@ class Forward:
         final.launch((rows,), (threads,),
                      (b.out, b.part_v, b.part_i, inp.d_fparams, inp.d_iparams, inp.d_keys, vocab, parts), stream)
 
+    def unfused_layers(self, rows: int, stream) -> None:
+        """A decode step's layers through the prefill kernels (``fused_decode`` off)."""
+        self.layers(rows, stream)
+
     def decode(self, rows: int, stream) -> None:
         """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""
         inp = self.b.inputs
         self.k["count_tokens"].launch((-(-rows // 32),), (32,),
                                       (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
         if not self.fused_decode:  # the prefill kernels, for comparison (tools/bench_decode_step.py)
-            self.layers(rows, stream)
+            self.unfused_layers(rows, stream)
             self.logits(0, rows, stream)
             self.sample(rows, stream)
             return

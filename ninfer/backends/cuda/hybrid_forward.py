@@ -326,15 +326,6 @@ class HybridForward(Forward):
         # next layer's GEMM normalises x itself): 4 * hidden bytes a row next to the experts' weights.
         k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, norm, c.hidden_size, eps), stream)
 
-    def decode(self, rows: int, stream) -> None:
-        """One decode step of ``rows`` rows (graph body): ``Forward.decode`` over ``decode_layers`` and
-        the normed LM head; unfused (``fused_decode`` off), the prefill kernels with one lane a row."""
-        if self.fused_decode:
-            super().decode(rows, stream)
-            return
-        inp = self.b.inputs
-        self.k["count_tokens"].launch((-(-rows // 32),), (32,),
-                                      (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
+    def unfused_layers(self, rows: int, stream) -> None:
+        """The prefill kernels with each row its own lane's sequence (``fused_decode`` off)."""
         self.layers(rows, stream, decode=True)
-        self.logits(0, rows, stream)
-        self.sample(rows, stream)
