@@ -32,7 +32,7 @@ from numba import cuda, float32, int32, int64
 from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_bf16, load_pair_f32, load_quad_bf16,
                                      load_quad_f32, make_key_loop, make_warp_merge)
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, atomic_add_i32, bf16_to_f32, f32_to_bf16,
-                                  warp_sum)
+                                  grid_dependency_wait, launch_dependents, warp_sum)
 from numba_kernels.rope import store_bf16, store_f32
 
 MERGE_BATCH = 4  # partials loaded per step of the final merge: independent loads in flight
@@ -76,6 +76,10 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
+        # Latency-bound and light on memory traffic: let the output projection come in at once and
+        # pull its weights into L2 while this runs (common.py, "programmatic dependent launch").
+        launch_dependents()
+        grid_dependency_wait()
         kvh = cuda.blockIdx.x
         row = cuda.blockIdx.y
         split = cuda.blockIdx.z
@@ -253,4 +257,4 @@ for _g, _d in VARIANTS:
         _u, _warps = BLOCKS.get((_g, _d, _dtype), (keys_in_flight(_g, _d), 4))
         KERNELS[f"decode_attention_g{_g}_d{_d}_{_dtype}"] = (
             make_decode_attention(_g, _d, _pair, _quad, _store, _as_stored, _u, _warps), _signature(_read, _write),
-            {"threads": 32 * _warps})
+            {"threads": 32 * _warps, "grid_wait": 1})

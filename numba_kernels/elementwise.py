@@ -10,11 +10,14 @@ import math
 
 from numba import cuda, float32, int32
 
-from numba_kernels.common import F32P, I32P, U16P, bf16_to_f32, block_sum, f32_to_bf16
+from numba_kernels.common import (F32P, I32P, U16P, bf16_to_f32, block_sum, f32_to_bf16, grid_dependency_wait,
+                                  launch_dependents)
 
 
 def embed(out, table, tokens, hidden):
     """out[r, :] = bf16 table[tokens[r], :] widened to fp32. Grid ``(ceil(hidden / 256), rows)``."""
+    launch_dependents()
+    grid_dependency_wait()  # may follow a kernel of the previous step that still reads ``out``
     row = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < hidden:
@@ -86,7 +89,7 @@ def count_tokens(counts, lanes, tokens, rows, vocab):
 
 
 KERNELS = {
-    "embed": (embed, (F32P, U16P, I32P, int32)),
+    "embed": (embed, (F32P, U16P, I32P, int32), {"grid_wait": 1}),
     "rmsnorm": (rmsnorm, (F32P, F32P, F32P, int32, float32)),
     "add_rmsnorm": (add_rmsnorm, (F32P, F32P, F32P, F32P, int32, float32)),
     "silu_mul": (silu_mul, (F32P, F32P, int32)),

@@ -20,7 +20,8 @@ from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, load_f32x4, load_u64x2
+from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
+                                  launch_dependents, load_f32x4, load_u64x2, prefetch_l2)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
@@ -28,6 +29,20 @@ GEMV_ROWS = tuple(range(1, 9))
 
 GEMV_THREADS = 128
 GEMV_WARPS = GEMV_THREADS // 32
+
+
+@cuda.jit(device=True, inline=True)
+def prefetch_block_rows(w, slots, span, swiglu, n, k):
+    """Start pulling this block's weight rows into L2, one row per thread ``i < slots``: row
+    ``blockIdx * span + i``, or with ``swiglu`` the gate row of output column ``blockIdx * span + i % span``
+    (``i < span``) and its up row ``n`` further on. Weights never depend on the previous kernel, so a
+    decode GEMM issues this before ``grid_dependency_wait`` (common.py) and streams them meanwhile."""
+    i = cuda.threadIdx.x
+    if i < slots:
+        col = cuda.blockIdx.x * span + i % span
+        if col < n:
+            row = int64(col) + (int64(n) if swiglu and i >= span else int64(0))
+            prefetch_l2(w, row * (k >> 2), k * 2)
 
 
 def make_gemv(M, COLS, normed=False, epilogue="store"):
@@ -59,6 +74,8 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
             else:
                 f = cuda.blockIdx.x * COLS + c
                 row_of[c] = int64(f) if f < n else int64(-1)
+        prefetch_block_rows(w, COLS, OUT_COLS, SWIGLU, n, k)
+        grid_dependency_wait()
         wv = cuda.local.array((COLS, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)
         words = k >> 2
@@ -93,6 +110,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
                     for c in range(COLS):
                         acc[r, c] += (x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
                                       + x4 * wv[c, 4] + x5 * wv[c, 5] + x6 * wv[c, 6] + x7 * wv[c, 7])
+        launch_dependents()  # the weights are read: the next kernel may come in and prefetch its own
         for r in range(M):
             for c in range(COLS):
                 v = acc[r, c]
@@ -201,9 +219,11 @@ def gemm_tiled(y, x, w, rows, n, k, ldy):
 
 
 GEMV_SIG = (F32P, F32P, U64P, int32, int32, int32, int32)
-KERNELS = {f"gemv_m{m}": (make_gemv(m, 8), GEMV_SIG, {"cols": 8, "threads": GEMV_THREADS}) for m in GEMV_ROWS}
+# "grid_wait": the kernel keeps common.py's rules for programmatic dependent launch.
+KERNELS = {f"gemv_m{m}": (make_gemv(m, 8), GEMV_SIG, {"cols": 8, "threads": GEMV_THREADS, "grid_wait": 1})
+           for m in GEMV_ROWS}
 # Narrower variants: fewer registers, more resident blocks; tools/gpu_bench.py times both.
-KERNELS.update({f"gemv_m{m}_c4": (make_gemv(m, 4), GEMV_SIG, {"cols": 4, "threads": GEMV_THREADS})
+KERNELS.update({f"gemv_m{m}_c4": (make_gemv(m, 4), GEMV_SIG, {"cols": 4, "threads": GEMV_THREADS, "grid_wait": 1})
                 for m in GEMV_ROWS})
 KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int32))
 
@@ -287,6 +307,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 else:
                     f = (cuda.blockIdx.x * T + tt) * 16 + i
                     row_at[tt, h] = int64(f) * k if f < n else int64(-1)
+        prefetch_block_rows(w, T * 16, T * COLS, SWIGLU, n, k)
+        grid_dependency_wait()
         acc = cuda.local.array((T, 4), float32)
         for tt in range(T):
             for e in range(4):
@@ -346,6 +368,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                         c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, q0, q1, c0, c1, c2, c3)
                         c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, p0, p1, c0, c1, c2, c3)
                         acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3] = c0, c1, c2, c3
+        launch_dependents()
         for tt in range(T):
             red[warp, tt, g, 2 * t] = acc[tt, 0]
             red[warp, tt, g, 2 * t + 1] = acc[tt, 1]
@@ -412,11 +435,11 @@ for _shape in MMA_SHAPES:
         KERNELS[mma_kernel_name(_normed, _epilogue, *_shape)] = (
             make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
             {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
-             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8})
+             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1})
 # The fp32 GEMV with the same fusions and arguments (terms 0: exact fp32 products), for few rows.
 for _m in GEMV_ROWS:
     for _normed, _epilogue in FUSIONS[1:]:
         KERNELS[f"gemv_{'normed_' if _normed else ''}{_epilogue}_m{_m}"] = (
             make_gemv(_m, 4, _normed, _epilogue), MMA_SIG,
             {"threads": GEMV_THREADS, "cols": 2 if _epilogue == "swiglu" else 4, "epilogue": _epilogue,
-             "normed": int(_normed), "terms": 0, "max_rows": _m})
+             "normed": int(_normed), "terms": 0, "max_rows": _m, "grid_wait": 1})

@@ -24,7 +24,7 @@ import math
 
 from numba import cuda, float32, int32, int64, uint64
 
-from numba_kernels.common import F32P, I32P, U64P
+from numba_kernels.common import F32P, I32P, U64P, grid_dependency_wait, launch_dependents
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -88,6 +88,8 @@ def block_best(bv, bi, red_v, red_i):
 def sample_partial(part_v, part_i, logits, counts, fparams, iparams, vocab, parts):
     red_v = cuda.shared.array(WARPS, float32)
     red_i = cuda.shared.array(WARPS, int32)
+    launch_dependents()
+    grid_dependency_wait()
     part = cuda.blockIdx.x
     row = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -127,6 +129,7 @@ def sample(out, part_v, part_i, fparams, iparams, keys, vocab, parts):
     cand_i = cuda.shared.array(TOP_K_CAP, int32)
     red_v = cuda.shared.array(WARPS, float32)
     red_i = cuda.shared.array(WARPS, int32)
+    grid_dependency_wait()
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     temperature = fparams[row * 5]
@@ -199,6 +202,6 @@ def sample(out, part_v, part_i, fparams, iparams, keys, vocab, parts):
     out[row] = cand_i[min(index, keep - 1)]
 
 
-_META = {"threads": THREADS, "max_parts": MAX_PARTS, "top_k_cap": TOP_K_CAP}
+_META = {"threads": THREADS, "max_parts": MAX_PARTS, "top_k_cap": TOP_K_CAP, "grid_wait": 1}
 KERNELS = {"sample_partial": (sample_partial, (F32P, I32P, F32P, I32P, F32P, I32P, int32, int32), _META),
            "sample": (sample, (I32P, F32P, I32P, F32P, I32P, U64P, int32, int32), _META)}

@@ -52,24 +52,29 @@ class FakeDevice:
 
 
 class Recorded(rt.Kernel):
-    def __init__(self, log, name, entry):
-        super().__init__(name, None, entry["params"], entry.get("meta"))
-        self.log = log
+    def __init__(self, kernels, name, entry):
+        super().__init__(name, None, entry["params"], entry.get("meta"), kernels.overlap)
+        self.kernels = kernels
 
     def launch(self, grid, block, args, stream, shared=0):
         self.pack(args)  # the argument count and types of the manifest
-        self.log.append((self, tuple(grid), tuple(args)))
+        self.kernels.log.append((self, tuple(grid), tuple(args)))
+        self.kernels.overlaps.append(bool(self.overlap.on and self.meta.get("grid_wait")))
 
 
 class FakeKernels:
+    overlapped = rt.Kernels.overlapped
+
     def __init__(self):
         self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
         self.log = []
+        self.overlaps = []  # per launch in ``log``: would it have overlapped its predecessor
         self._kernels = {}
+        self.overlap = rt.Overlap()
 
     def __getitem__(self, name):
         if name not in self._kernels:
-            self._kernels[name] = Recorded(self.log, name, self.entries[name])
+            self._kernels[name] = Recorded(self, name, self.entries[name])
         return self._kernels[name]
 
 
@@ -98,6 +103,22 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
                 _check_gemm(kernel, grid, *args)
         if MOE not in config.mlp_types:
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
+
+
+def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():
+    """Programmatic dependent launch: after count_tokens (never overlapped: it follows the input copy),
+    every launch of a kernel built to wait (``grid_wait``) overlaps its predecessor, the others do not."""
+    fwd = forward(CONFIGS["27b"])
+    fwd.decode(2, None)
+    flags = fwd.k.overlaps
+    assert fwd.k.log[0][0].name == "count_tokens" and not flags[0]
+    assert flags[1:] == [bool(kernel.meta.get("grid_wait")) for kernel, _, _ in fwd.k.log[1:]]
+    assert sum(flags) > 4 * 2 and not all(flags[1:])  # the GEMMs overlap; the DeltaNet kernels do not
+    assert not fwd.k.overlap.on
+    fwd.k.overlaps.clear()
+    fwd.overlap = False
+    fwd.decode(2, None)
+    assert fwd.k.overlaps and not any(fwd.k.overlaps)
 
 
 def _check_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps):

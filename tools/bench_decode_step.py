@@ -6,7 +6,8 @@ Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
-every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), decode attention in the
+every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), launches that do not overlap
+their predecessor (``Forward.overlap`` off: no programmatic dependent launch), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, and the step without attention at all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
             results[f"fused, {label}"] = step_ms(runner, batch, args.reps)
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
+        runner.forward.overlap = False
+        results["fused, launches not overlapped"] = step_ms(runner, batch, args.reps)
+        runner.forward.overlap = True
         runner.forward.fused_attention = False
         results["fused, attention in 3 launches"] = step_ms(runner, batch, args.reps)
         runner.forward.fused_attention = True
@@ -100,6 +104,9 @@ def main(argv=None) -> int:
         inp.upload(runner.stream)
         runner.forward.attend = lambda *a, **k: None
         results["fused, no attention"] = step_ms(runner, batch, args.reps)
+        runner.forward.overlap = False
+        results["fused, no attention, not overlapped"] = step_ms(runner, batch, args.reps)
+        runner.forward.overlap = True
         del runner.forward.attend  # the class's method again
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "
               + ", ".join(f"{k} {v:.3f} ms ({100 * roofline_ms / v:.1f}%)" for k, v in results.items()), flush=True)

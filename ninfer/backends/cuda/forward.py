@@ -9,6 +9,8 @@ directly or under CUDA Graph capture.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ninfer.backends.cuda import runtime as rt
@@ -214,6 +216,7 @@ class Forward:
             raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")
         self.fused_decode = True  # False: decode through the prefill kernels (tools/bench_decode_step.py)
         self.fused_attention = True  # False: decode attention in the prefill path's three launches
+        self.overlap = True  # decode launches overlap their predecessor (runtime.Kernels.overlapped)
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
@@ -378,10 +381,13 @@ class Forward:
             self.logits(0, rows, stream)
             self.sample(rows, stream)
             return
-        self.decode_layers(rows, stream)
-        self.decode_gemm("lm_head", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size, self.c.hidden_size,
-                         stream, norm=self.w["final_norm"])
-        self.sample(rows, stream)
+        # After count_tokens (a kernel: the first overlapped launch must follow one), each kernel may
+        # start while the one before finishes and stream its weights meanwhile.
+        with self.k.overlapped() if self.overlap else contextlib.nullcontext():
+            self.decode_layers(rows, stream)
+            self.decode_gemm("lm_head", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size,
+                             self.c.hidden_size, stream, norm=self.w["final_norm"])
+            self.sample(rows, stream)
 
 
 def kv_page_bytes(config: DenseConfig, page_size: int, kv_dtype: str) -> int:

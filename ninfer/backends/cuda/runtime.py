@@ -9,6 +9,7 @@ Every driver error is raised as ``CudaError`` carrying the CUDA error name.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -244,14 +245,24 @@ _PACK = {
 _RANGES = {"i32": (-(1 << 31), 1 << 31), "i64": (-(1 << 63), 1 << 63), "u64": (0, 1 << 64)}
 
 
+class Overlap:
+    """Whether launches may overlap their predecessor (programmatic dependent launch): set by
+    ``Kernels.overlapped`` and honoured by the kernels whose manifest meta says ``grid_wait``."""
+
+    def __init__(self):
+        self.on = False
+
+
 class Kernel:
     """One PTX entry with its manifest parameter types; ``launch`` checks every argument."""
 
-    def __init__(self, name: str, function, params: Sequence[str], meta: dict | None = None):
+    def __init__(self, name: str, function, params: Sequence[str], meta: dict | None = None,
+                 overlap: Overlap | None = None):
         self.name = name
         self.meta = dict(meta or {})  # launch facts from the manifest (e.g. GEMV columns per block)
         self.function = function
         self.params = tuple(params)
+        self.overlap = overlap or Overlap()
         # Argument slots and the pointer array the driver reads; reused by every launch (the
         # driver copies the values at launch, and at capture for graph nodes).
         self._slots = np.zeros(len(self.params), dtype=np.uint64)
@@ -284,8 +295,28 @@ class Kernel:
         if min(grid) < 1 or min(block) < 1:
             raise ValueError(f"{self.name}: empty launch grid {grid} block {block}")
         self.pack(args)
+        if self.overlap.on and self.meta.get("grid_wait"):
+            self._launch_overlapped(grid, block, shared, stream)
+            return
         check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream,
                                 self._pointers.ctypes.data, 0), f"cuLaunchKernel({self.name})")
+
+    def _launch_overlapped(self, grid, block, shared: int, stream) -> None:
+        """A launch that may begin while the stream's previous kernel runs: this kernel's blocks wait
+        for it in ``griddepcontrol.wait`` (numba_kernels/common.py) after prefetching their weights.
+        Under stream capture the driver records a programmatic edge between the two graph nodes."""
+        attribute = cu.CUlaunchAttribute()
+        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = shared
+        config.hStream = stream
+        config.attrs = [attribute]
+        config.numAttrs = 1
+        check(cu.cuLaunchKernelEx(config, self.function, self._pointers.ctypes.data, 0),
+              f"cuLaunchKernelEx({self.name})")
 
 
 class Kernels:
@@ -297,6 +328,17 @@ class Kernels:
         manifest = json.loads((self.directory / "manifest.json").read_text())
         self.entries: dict[str, dict] = manifest["kernels"]
         self._loaded: dict[str, Kernel] = {}
+        self.overlap = Overlap()
+
+    @contextlib.contextmanager
+    def overlapped(self):
+        """Launches made inside may overlap their predecessor (see ``Kernel._launch_overlapped``). The
+        first launch inside must follow a kernel, not a copy: begin the region after one."""
+        self.overlap.on = True
+        try:
+            yield
+        finally:
+            self.overlap.on = False
 
     def __getitem__(self, name: str) -> Kernel:
         kernel = self._loaded.get(name)
@@ -307,7 +349,7 @@ class Kernels:
             module = self.device.load_module((self.directory / entry["file"]).read_bytes())
             function = check(cu.cuModuleGetFunction(module, entry["symbol"].encode()),
                              f"cuModuleGetFunction({entry['symbol']})")
-            kernel = self._loaded[name] = Kernel(name, function, entry["params"], entry.get("meta"))
+            kernel = self._loaded[name] = Kernel(name, function, entry["params"], entry.get("meta"), self.overlap)
         return kernel
 
 
