@@ -38,7 +38,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, block_sum
+from numba_kernels.common import F32P, I32P, block_sum, grid_dependency_wait, launch_dependents
 
 CONV_KERNEL = 4
 CONV_THREADS = 128
@@ -60,6 +60,8 @@ def softplus(x):
 
 
 def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channels, weight):
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     seq = cuda.blockIdx.y
     if c >= channels:
@@ -89,6 +91,8 @@ def make_rule(DK, DV):
 
     def rule(mixed, proj, out, states, slot_stride, lanes, seq_rows, n_k, n_v, in_stride, dt_bias, a_log,
              norm_w, eps):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
         sh_q = cuda.shared.array(DK, float32)
         sh_k = cuda.shared.array(DK, float32)
         scratch = cuda.shared.array(32, float32)
@@ -278,13 +282,13 @@ def make_gated_norm(DV):
 
 KERNELS = {
     "deltanet_conv": (deltanet_conv, (F32P, F32P, int32, F32P, int64, I32P, int32, int32, F32P),
-                      {"threads": CONV_THREADS, "kernel": CONV_KERNEL}),
+                      {"threads": CONV_THREADS, "kernel": CONV_KERNEL, "grid_wait": 1}),
 }
 for _d in HEAD_DIMS:
     KERNELS[f"deltanet_rule_k{_d}_v{_d}"] = (
         make_rule(_d, _d),
         (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
-        {"threads": 2 * _d})
+        {"threads": 2 * _d, "grid_wait": 1})
     KERNELS[f"deltanet_prep_k{_d}"] = (make_prep(_d), (F32P, F32P, F32P, F32P, int32, int32, int32, F32P, F32P),
                                        {"threads": max(32, _d)})
     KERNELS[f"deltanet_scan_k{_d}_v{_d}"] = (

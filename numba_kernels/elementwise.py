@@ -26,6 +26,8 @@ def embed(out, table, tokens, hidden):
 
 def rmsnorm(out, x, weight, hidden, eps):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight."""
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     scratch = cuda.shared.array(32, float32)
     row = cuda.blockIdx.x
     acc = float32(0.0)
@@ -40,6 +42,8 @@ def rmsnorm(out, x, weight, hidden, eps):
 
 def add_rmsnorm(x, delta, out, weight, hidden, eps):
     """Residual stream update then norm: x[r] += delta[r]; out[r] = rmsnorm(x[r]) * weight."""
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     scratch = cuda.shared.array(32, float32)
     row = cuda.blockIdx.x
     acc = float32(0.0)
@@ -90,8 +94,8 @@ def count_tokens(counts, lanes, tokens, rows, vocab):
 
 KERNELS = {
     "embed": (embed, (F32P, U16P, I32P, int32), {"grid_wait": 1}),
-    "rmsnorm": (rmsnorm, (F32P, F32P, F32P, int32, float32)),
-    "add_rmsnorm": (add_rmsnorm, (F32P, F32P, F32P, F32P, int32, float32)),
+    "rmsnorm": (rmsnorm, (F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
+    "add_rmsnorm": (add_rmsnorm, (F32P, F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "silu_mul": (silu_mul, (F32P, F32P, int32)),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),

@@ -30,7 +30,8 @@ import math
 
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, NEG_BIG, U16P, bf16_to_f32, block_sum, warp_sum
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, bf16_to_f32, block_sum, grid_dependency_wait,
+                                  launch_dependents, warp_sum)
 from numba_kernels.deltanet import sigmoid
 from numba_kernels.rope import store_bf16, store_f32
 
@@ -42,6 +43,8 @@ WARPS = 4
 def make_qk_rope(store):
     def qk_rope(qkv, q_out, gate_out, q_norm, k_norm, cos_t, sin_t, kc, page_stride, page_tables,
                 max_pages, row_table, positions, n_heads, n_kv, head_dim, rot_half, page_size, eps):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
         sh = cuda.shared.array(MAX_HEAD_DIM, float32)
         scratch = cuda.shared.array(32, float32)
         row = int64(cuda.blockIdx.x)
@@ -101,6 +104,8 @@ def make_attention(D, load):
 
     def attention(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
                   n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
         sh_m = cuda.shared.array(WARPS, float32)
         sh_l = cuda.shared.array(WARPS, float32)
         sh_o = cuda.shared.array((WARPS, D), float32)
@@ -167,6 +172,8 @@ def make_attention(D, load):
 
 
 def gated_combine(out, gate, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_ptr):
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     h = cuda.blockIdx.x
     row = cuda.blockIdx.y
     d = cuda.threadIdx.x
@@ -206,13 +213,13 @@ def _attention_signature(pool):
 
 
 KERNELS = {
-    "gated_qk_rope_bf16": (make_qk_rope(store_bf16), _rope_signature(U16P)),
-    "gated_qk_rope_f32": (make_qk_rope(store_f32), _rope_signature(F32P)),
-    "gated_combine": (gated_combine, (F32P, F32P, F32P, F32P, I32P, int32, int32, int32, I32P)),
+    "gated_qk_rope_bf16": (make_qk_rope(store_bf16), _rope_signature(U16P), {"grid_wait": 1}),
+    "gated_qk_rope_f32": (make_qk_rope(store_f32), _rope_signature(F32P), {"grid_wait": 1}),
+    "gated_combine": (gated_combine, (F32P, F32P, F32P, F32P, I32P, int32, int32, int32, I32P), {"grid_wait": 1}),
     "sigmoid_gate": (sigmoid_gate, (F32P, F32P, F32P, int32)),
 }
 for _d in HEAD_DIMS:
     KERNELS[f"gated_attention_d{_d}_bf16"] = (make_attention(_d, load_bf16), _attention_signature(U16P),
-                                              {"threads": WARPS * 32})
+                                              {"threads": WARPS * 32, "grid_wait": 1})
     KERNELS[f"gated_attention_d{_d}_f32"] = (make_attention(_d, load_f32), _attention_signature(F32P),
-                                             {"threads": WARPS * 32})
+                                             {"threads": WARPS * 32, "grid_wait": 1})

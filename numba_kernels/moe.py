@@ -36,7 +36,8 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from numba_kernels.common import F32P, I32P, NEG_BIG, U16P, U64P, bf16_to_f32, load_f32x4, load_u64x2, warp_sum
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_to_f32, grid_dependency_wait, launch_dependents,
+                                  load_f32x4, load_u64x2, warp_sum)
 from numba_kernels.gemm import split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
@@ -102,6 +103,8 @@ def route_row(r, lane, topk_ids, topk_w, pair_row, pair_weight, logits, x, share
 
 def moe_topk(topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden, top_k,
              renormalise):
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     route_row(cuda.blockIdx.x, cuda.threadIdx.x, topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate,
               rows, n_experts, hidden, top_k, renormalise)
 
@@ -172,6 +175,8 @@ def plan_pairs(counts, fill, starts, chunk_starts, routed_chunks, chunks, n_chun
 
 
 def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, rows, top_k, n_experts, chunk):
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     counts = cuda.shared.array(MAX_EXPERTS, int32)
     fill = cuda.shared.array(MAX_EXPERTS, int32)
     starts = cuda.shared.array(MAX_EXPERTS, int32)
@@ -184,6 +189,8 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
 def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
               n_experts, hidden, top_k, renormalise, chunk):
     """``moe_topk`` and ``moe_plan`` in one block (decode: a few rows, one launch instead of two)."""
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     counts = cuda.shared.array(MAX_EXPERTS, int32)
     fill = cuda.shared.array(MAX_EXPERTS, int32)
     starts = cuda.shared.array(MAX_EXPERTS, int32)
@@ -213,6 +220,8 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
 
     def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                 k_routed, k_shared, ldy, ldx):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
         ci = cuda.blockIdx.y
         if DENSE:
             expert = -1
@@ -348,6 +357,8 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
 
 
 def moe_combine(y, out, row_pair, rows, top_k, hidden):
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
     r = cuda.blockIdx.y
     h = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
     if h >= hidden:
@@ -378,14 +389,14 @@ GROUPED_SIG = (F32P, F32P, U64P, U64P, I32P, I32P, I32P, F32P, int32, int32, int
 
 KERNELS = {
     "moe_topk": (moe_topk, (I32P, F32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32),
-                 {"threads": 32}),
+                 {"threads": 32, "grid_wait": 1}),
     "moe_plan": (moe_plan, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, int32, int32, int32, int32),
-                 {"threads": PLAN_THREADS, "max_experts": MAX_EXPERTS}),
+                 {"threads": PLAN_THREADS, "max_experts": MAX_EXPERTS, "grid_wait": 1}),
     "moe_route": (moe_route, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32,
-                              int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS}),
-    "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS}),
+                              int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS, "grid_wait": 1}),
+    "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
 for _kind, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms), GROUPED_SIG,
-        {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms})
+        {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms, "grid_wait": 1})

@@ -3,6 +3,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
 
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--peer transformers|none]
+                                     [--overlap-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -199,6 +200,17 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
               " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
               flush=True)
+    if args.overlap_ablation:  # the same steps with launches that do not overlap (Forward.overlap off)
+        runner.forward.overlap = False
+        for rows, graph in runner.graphs.items():
+            graph.destroy()
+            runner.graphs[rows] = rt.Graph.capture(runner.stream, lambda rows=rows: runner._decode_step(rows))
+        report["decode_not_overlapped"] = []
+        for batch in batches:
+            r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
+            report["decode_not_overlapped"].append(r)
+            print("ours decode, launches not overlapped, b={batch}: {tok_s:.1f} tok/s, {pct_roofline:.1f}% of "
+                  "roofline".format(**r), flush=True)
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
         print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
@@ -307,6 +319,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     parser.add_argument("--peer-tokens", type=int, default=8, help="tokens each peer decode generates")
     parser.add_argument("--ours", choices=("yes", "no"), default="yes", help="no: the peer alone")
+    parser.add_argument("--overlap-ablation", action="store_true",
+                        help="decode again with launches that do not overlap their predecessor")
     args = parser.parse_args(argv)
     import torch
 
