@@ -120,12 +120,11 @@ def atomic_add_i32(typingctx, ptr, index, value):
 
 # -- programmatic dependent launch (PDL) ------------------------------------------------------------
 # A decode step is a chain of kernels, each reading what the one before wrote. Launched with the
-# driver's programmatic-stream-serialization attribute, a kernel may start while its predecessor is
-# still running: it streams what does not depend on the predecessor (its weights, into L2) and then
-# waits. The rules every kernel marked ``grid_wait`` in the manifest keeps:
+# driver's programmatic-stream-serialization attribute, a kernel's blocks may be scheduled while its
+# predecessor still runs, and wait on the chip instead of behind a launch. The rules every kernel
+# marked ``grid_wait`` in the manifest keeps:
 # - every thread calls ``grid_dependency_wait`` before it reads or writes anything a previous kernel
-#   of the step may touch (activations, the KV pool, counters): only weights and the step's uploaded
-#   inputs may be read before it;
+#   of the step may touch (activations, the KV pool, counters);
 # - the wait comes before any early return, so the grid cannot finish before its predecessor has, and
 #   "my predecessor is done" implies "every kernel before it is done";
 # - ``launch_dependents`` only lets the next kernel's blocks be scheduled once every block of this
@@ -146,20 +145,3 @@ def _statement(asm: str):
 
 grid_dependency_wait = _statement("griddepcontrol.wait;")
 launch_dependents = _statement("griddepcontrol.launch_dependents;")
-
-
-@intrinsic
-def prefetch_l2(typingctx, ptr, index, nbytes):
-    """Start pulling ``nbytes`` (a multiple of 16) from ``&ptr[index]`` (16-byte aligned) into L2; one
-    thread issues it for the whole range (the copy engine of the SM does the rest)."""
-    sig = types.void(ptr, index, nbytes)
-
-    def codegen(context, builder, signature, args):
-        base, idx, size = args
-        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
-        size = context.cast(builder, size, signature.args[2], uint32)
-        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-        builder.call(ir.InlineAsm(fnty, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", side_effect=True), [addr, size])
-        return context.get_dummy_value()
-
-    return sig, codegen

@@ -76,8 +76,8 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
-        # Latency-bound and light on memory traffic: let the output projection come in at once and
-        # pull its weights into L2 while this runs (common.py, "programmatic dependent launch").
+        # Latency-bound and few blocks: let the output projection's blocks come in at once (common.py,
+        # "programmatic dependent launch").
         launch_dependents()
         grid_dependency_wait()
         kvh = cuda.blockIdx.x

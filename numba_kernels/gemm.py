@@ -21,7 +21,7 @@ from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
 from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  launch_dependents, load_f32x4, load_u64x2, prefetch_l2)
+                                  launch_dependents, load_f32x4, load_u64x2)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
@@ -29,21 +29,6 @@ GEMV_ROWS = tuple(range(1, 9))
 
 GEMV_THREADS = 128
 GEMV_WARPS = GEMV_THREADS // 32
-
-
-@cuda.jit(device=True, inline=True)
-def prefetch_block_rows(w, slots, span, swiglu, n, k, nbytes):
-    """Start pulling the first ``nbytes`` (a multiple of 16) of each of this block's weight rows into L2,
-    one row per thread ``i < slots``: row ``blockIdx * span + i``, or with ``swiglu`` the gate row of
-    output column ``blockIdx * span + i % span`` (``i < span``) and its up row ``n`` further on. Weights
-    never depend on the previous kernel, so a decode GEMM issues this before ``grid_dependency_wait``
-    (common.py) and the rows stream in while that kernel finishes."""
-    i = cuda.threadIdx.x
-    if nbytes > 0 and i < slots:
-        col = cuda.blockIdx.x * span + i % span
-        if col < n:
-            row = int64(col) + (int64(n) if swiglu and i >= span else int64(0))
-            prefetch_l2(w, row * (k >> 2), nbytes)
 
 
 def make_gemv(M, COLS, normed=False, epilogue="store"):
@@ -54,7 +39,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
 
-    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps, prefetch):
+    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
         red_ss = cuda.shared.array((GEMV_WARPS, M), float32)
         tid = cuda.threadIdx.x
@@ -75,8 +60,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
             else:
                 f = cuda.blockIdx.x * COLS + c
                 row_of[c] = int64(f) if f < n else int64(-1)
-        prefetch_block_rows(w, COLS, OUT_COLS, SWIGLU, n, k, prefetch)
-        grid_dependency_wait()
+        grid_dependency_wait()  # programmatic dependent launch: common.py
         wv = cuda.local.array((COLS, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)
         words = k >> 2
@@ -111,7 +95,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
                     for c in range(COLS):
                         acc[r, c] += (x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
                                       + x4 * wv[c, 4] + x5 * wv[c, 5] + x6 * wv[c, 6] + x7 * wv[c, 7])
-        launch_dependents()  # the weights are read: the next kernel may come in and prefetch its own
+        launch_dependents()  # the weights are read: the next kernel's blocks may come in and wait
         for r in range(M):
             for c in range(COLS):
                 v = acc[r, c]
@@ -156,13 +140,13 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
 
     body = cuda.jit(device=True, inline=True)(gemv)
     if normed or epilogue != "store":
-        def fused(y, x, w, norm_w, rows, n, k, ldy, eps, prefetch):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, prefetch)
+        def fused(y, x, w, norm_w, rows, n, k, ldy, eps):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps)
 
         return fused
 
     def plain(y, x, w, rows, n, k, ldy):  # the undecorated product (prefill tails, the LM head of prefill)
-        body(y, x, w, x, rows, n, k, ldy, float32(0.0), int32(0))
+        body(y, x, w, x, rows, n, k, ldy, float32(0.0))
 
     return plain
 
@@ -250,9 +234,7 @@ KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int
 # - ``swiglu``: tile rows 0..7 are gate rows j..j+7, rows 8..15 the matching up rows n + j..; the
 #   epilogue writes y[r, j] = silu(gate) * up, so n is the FFN width and W has 2n rows.
 # Launch: grid ``(ceil(n / (T * cols)),)`` with cols = 16 (8 for swiglu), block ``32 * W``;
-# ``k % 8 == 0``, 16-byte aligned rows; ``norm_w`` and ``eps`` are read only when normed. ``prefetch``
-# (a multiple of 16, at most 2k; the fused fp32 GEMVs take it too): bytes of each weight row asked of
-# L2 before the kernel waits for its predecessor (``prefetch_block_rows``); 0 asks nothing.
+# ``k % 8 == 0``, 16-byte aligned rows; ``norm_w`` and ``eps`` are read only when normed.
 
 MMA_EPILOGUES = ("store", "residual", "swiglu")
 
@@ -290,7 +272,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
     OUTS = T * COLS * 8  # (column, row) outputs per block
 
-    def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, prefetch):
+    def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((W, T, 16, 8), float32)
         red_ss = cuda.shared.array((W, 8), float32)
         inv = cuda.shared.array(8, float32)
@@ -310,7 +292,6 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 else:
                     f = (cuda.blockIdx.x * T + tt) * 16 + i
                     row_at[tt, h] = int64(f) * k if f < n else int64(-1)
-        prefetch_block_rows(w, T * 16, T * COLS, SWIGLU, n, k, prefetch)
         grid_dependency_wait()
         acc = cuda.local.array((T, 4), float32)
         for tt in range(T):
@@ -420,7 +401,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     return mma_gemv
 
 
-MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32, int32)
+MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int) -> str:

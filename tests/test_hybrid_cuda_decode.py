@@ -99,7 +99,7 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
         launched = {kernel.name for kernel, _, _ in fwd.k.log}
         assert launched <= preloaded, sorted(launched - preloaded)
         for kernel, grid, args in fwd.k.log:
-            if "epilogue" in kernel.meta:  # (y, x, w, norm, rows, n, k, ldy, eps, prefetch)
+            if "epilogue" in kernel.meta:  # (y, x, w, norm, rows, n, k, ldy, eps)
                 _check_gemm(kernel, grid, *args)
         if MOE not in config.mlp_types:
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
@@ -121,9 +121,8 @@ def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():
     assert fwd.k.overlaps and not any(fwd.k.overlaps)
 
 
-def _check_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, prefetch):
+def _check_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps):
     meta, f32 = kernel.meta, 4
-    assert prefetch % 16 == 0 and 0 <= prefetch <= 2 * k, kernel.name  # bulk prefetch: 16-byte units, one row
     weight_rows = 2 * n if meta["epilogue"] == "swiglu" else n
     assert k % 8 == 0 and rows <= meta["max_rows"] and grid[0] * meta["cols"] >= n, kernel.name
     assert y.nbytes >= rows * ldy * f32 and ldy >= n and x.nbytes >= rows * k * f32, kernel.name

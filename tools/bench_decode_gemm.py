@@ -75,12 +75,12 @@ def main(argv=None) -> int:
             fused = kernels[f"gemv_{'normed_' if normed else ''}{epilogue}_m{rows}"]
             candidates[fused.name] = [lambda wt=wt: fused.launch(
                 (-(-cols // fused.meta["cols"]),), (fused.meta["threads"],),
-                (y, x, wt, norm, rows, cols, k, cols, 1e-6, 0), stream) for wt in weights]
+                (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream) for wt in weights]
             for shape in MMA_SHAPES:
                 kern = kernels[mma_kernel_name(normed, epilogue, *shape)]
                 grid = (-(-cols // kern.meta["cols"]),)
                 candidates[kern.name] = [lambda wt=wt, kern=kern, grid=grid: kern.launch(
-                    grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6, 0), stream)
+                    grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream)
                     for wt in weights]
             for kname, launches in candidates.items():
                 if args.only in kname:

@@ -7,8 +7,7 @@ each (batch x context) case it captures the decode step as a CUDA Graph under ea
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), launches that do not overlap
-their predecessor (``Forward.overlap`` off: no programmatic dependent launch), other L2 prefetch lengths
-than ``forward.DECODE_PREFETCH``, decode attention in the
+their predecessor (``Forward.overlap`` off: no programmatic dependent launch), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, and the step without attention at all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
@@ -91,14 +90,6 @@ def main(argv=None) -> int:
         runner.forward.overlap = False
         results["fused, launches not overlapped"] = step_ms(runner, batch, args.reps)
         runner.forward.overlap = True
-        prefetch = runner.forward.prefetch
-        for label, change in (("no prefetch", {m: 0 for m in prefetch}), ("o prefetch 2048", {"o": 2048}),
-                              ("prefetch heads 1024", {m: 1024 for m in prefetch if m != "o"}),
-                              ("prefetch heads 4096", {m: 4096 for m in prefetch if m != "o"}),
-                              ("whole rows", {m: fw.WHOLE_ROW for m in prefetch})):
-            runner.forward.prefetch = {**prefetch, **change}
-            results[f"fused, {label}"] = step_ms(runner, batch, args.reps)
-        runner.forward.prefetch = prefetch
         runner.forward.fused_attention = False
         results["fused, attention in 3 launches"] = step_ms(runner, batch, args.reps)
         runner.forward.fused_attention = True

@@ -74,15 +74,6 @@ DECODE_GEMMS = {matrix: {rows: "fp32" if rows == 1 else shape for rows in range(
 DECODE_GEMMS["lm_head"] = {rows: "fp32" if rows <= 2 else (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
 
 
-# Bytes of each weight row a decode GEMM asks L2 for before it waits for the kernel before it
-# (overlapped launches only; numba_kernels/gemm.py ``prefetch_block_rows``). A head of the row for
-# most: the next kernel's resident blocks fetching whole rows would overflow L2 (measured: whole rows
-# everywhere made a batch-1 step 12% slower). Whole rows for the projection after attention (or the
-# DeltaNet rule), which leaves DRAM idle for microseconds.
-WHOLE_ROW = -1
-DECODE_PREFETCH = {"qkv": 2048, "o": WHOLE_ROW, "gate_up": 2048, "down": 2048, "lm_head": 2048}
-
-
 def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
     """The kernel a decode step of ``rows`` rows launches for ``matrix``."""
     choice = DECODE_GEMMS[matrix][rows]
@@ -226,7 +217,6 @@ class Forward:
         self.fused_decode = True  # False: decode through the prefill kernels (tools/bench_decode_step.py)
         self.fused_attention = True  # False: decode attention in the prefill path's three launches
         self.overlap = True  # decode launches overlap their predecessor (runtime.Kernels.overlapped)
-        self.prefetch = dict(DECODE_PREFETCH)
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
@@ -327,11 +317,8 @@ class Forward:
         epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up])."""
         epilogue, normed = DECODE_FUSIONS[matrix]
         kernel = self.k[decode_gemm_name(matrix, epilogue, normed, rows)]
-        prefetch = self.prefetch[matrix] if self.overlap else 0  # without overlap the rows come at once anyway
-        prefetch = 2 * k if prefetch == WHOLE_ROW else min(prefetch, 2 * k)
         kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                      (y, x, w, norm if normed else self.b.cos, rows, n, k, n, float(self.c.rms_norm_eps), prefetch),
-                      stream)
+                      (y, x, w, norm if normed else self.b.cos, rows, n, k, n, float(self.c.rms_norm_eps)), stream)
 
     def decode_layers(self, rows: int, stream) -> None:
         """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
@@ -394,8 +381,8 @@ class Forward:
             self.logits(0, rows, stream)
             self.sample(rows, stream)
             return
-        # After count_tokens (a kernel: the first overlapped launch must follow one), each kernel may
-        # start while the one before finishes and stream its weights meanwhile.
+        # After count_tokens (a kernel: the first overlapped launch must follow one), each kernel's
+        # blocks may be scheduled while the one before finishes.
         with self.k.overlapped() if self.overlap else contextlib.nullcontext():
             self.decode_layers(rows, stream)
             self.decode_gemm("lm_head", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size,

@@ -161,7 +161,7 @@ class CudaMoe:
         if rows <= GEMV_MAX_ROWS:
             kernel = self.k[ROUTER_DECODE_GEMM]
             kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                          (self.logits, x, router, self.logits, rows, E, H, E, 0.0, 0), stream)
+                          (self.logits, x, router, self.logits, rows, E, H, E, 0.0), stream)
         else:  # the grouped GEMM's dense form: 16 rows a block, 64 experts a block
             kernel = self.k[ROUTER_PREFILL_GEMM]
             kernel.launch((-(-E // kernel.meta["cols"]), -(-rows // kernel.meta["pairs"])), (kernel.meta["threads"],),

@@ -303,7 +303,7 @@ class Kernel:
 
     def _launch_overlapped(self, grid, block, shared: int, stream) -> None:
         """A launch that may begin while the stream's previous kernel runs: this kernel's blocks wait
-        for it in ``griddepcontrol.wait`` (numba_kernels/common.py) after prefetching their weights.
+        for it in ``griddepcontrol.wait`` (numba_kernels/common.py).
         Under stream capture the driver records a programmatic edge between the two graph nodes."""
         attribute = cu.CUlaunchAttribute()
         attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
