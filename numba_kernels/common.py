@@ -145,3 +145,20 @@ def _statement(asm: str):
 
 grid_dependency_wait = _statement("griddepcontrol.wait;")
 launch_dependents = _statement("griddepcontrol.launch_dependents;")
+
+
+@intrinsic
+def prefetch_l2(typingctx, ptr, index, nbytes):
+    """Start pulling ``nbytes`` (a multiple of 16) from ``&ptr[index]`` (16-byte aligned) into L2; one
+    thread issues it for the whole range (the SM's bulk-copy unit does the rest). Only a hint."""
+    sig = types.void(ptr, index, nbytes)
+
+    def codegen(context, builder, signature, args):
+        base, idx, size = args
+        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+        size = context.cast(builder, size, signature.args[2], uint32)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
+        builder.call(ir.InlineAsm(fnty, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", side_effect=True), [addr, size])
+        return context.get_dummy_value()
+
+    return sig, codegen

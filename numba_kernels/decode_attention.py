@@ -19,6 +19,8 @@ Each block
    the (row, kv head) to finish (an atomic ticket in ``counters``, reset by that block) merges every
    split's partial into the output.
 
+``split_ptr`` (step inputs): the split length, and whether blocks ask L2 for their split's keys and
+values before waiting for the previous kernel (set when the step's keys fit in L2).
 ``counters``: one int32 per (row, kv head), zero between launches. The pool is passed twice: as
 32-bit words (the key loop's vector loads) and as its element type (the append's stores).
 """
@@ -32,7 +34,7 @@ from numba import cuda, float32, int32, int64
 from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_bf16, load_pair_f32, load_quad_bf16,
                                      load_quad_f32, make_key_loop, make_warp_merge)
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, atomic_add_i32, bf16_to_f32, f32_to_bf16,
-                                  grid_dependency_wait, launch_dependents, warp_sum)
+                                  grid_dependency_wait, launch_dependents, prefetch_l2, warp_sum)
 from numba_kernels.rope import store_bf16, store_f32
 
 MERGE_BATCH = 4  # partials loaded per step of the final merge: independent loads in flight
@@ -48,8 +50,9 @@ def as_stored_f32(value):
     return value
 
 
-def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS):
+def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS, ITEM):
     E = D // 32
+    WORD_SHIFT = 1 if ITEM == 2 else 0  # pool elements per 32-bit word of ``kc``: 2 (bf16) or 1
     HALF = D // 2
     THREADS = WARPS * 32
     ROWS = G + 2  # shared-array shapes must be plain constants
@@ -76,20 +79,29 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
-        # Latency-bound and few blocks: let the output projection's blocks come in at once (common.py,
-        # "programmatic dependent launch").
-        launch_dependents()
-        grid_dependency_wait()
         kvh = cuda.blockIdx.x
         row = cuda.blockIdx.y
         split = cuda.blockIdx.z
         tid = cuda.threadIdx.x
         warp = tid >> 5
         lane = tid & 31
+        # Latency-bound and few blocks: let the output projection's blocks come in at once (common.py,
+        # "programmatic dependent launch"). The step's inputs (positions, pages, split) and the keys
+        # and values already in the pool do not depend on the previous kernel: with ``split_ptr[1]``
+        # set (the step's keys fit in L2), ask L2 for this split's pages before waiting for the q/k/v.
+        launch_dependents()
         pos = positions[row]
         length = pos + 1
         split_len = split_ptr[0]  # a step input, so one captured graph serves every context length
         start = split * split_len
+        if split_ptr[1] != 0 and start < length:
+            first = start >> page_shift
+            pages = ((min(start + split_len, length) - 1) >> page_shift) - first + 1
+            for i in range(tid, 2 * pages, THREADS):  # the K, then the V rows of each page
+                page = int64(page_tables[row_table[row] * max_pages + first + (i >> 1)])
+                at = page * page_stride + ((int64(kvh) + (i & 1) * n_kv) << page_shift) * D
+                prefetch_l2(kc, at >> WORD_SHIFT, (D << page_shift) * ITEM)
+        grid_dependency_wait()
         if start >= length:
             return  # neither a ticket nor a partial: ``active`` counts only the splits that hold keys
         end = min(start + split_len, length)
@@ -242,8 +254,8 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
 # on the H200, Qwen3-8B's group of 4 at head_dim 128: 2 keys x 8 warps, b=8 ctx 8192 12.21 ms a step vs
 # 13.84 with 4 x 4 when this loop lived in ``attention_*``); the others take ``keys_in_flight`` x 4 warps.
 BLOCKS = {(4, 128, "bf16"): (2, 8)}
-POOLS = {"bf16": (U32P, U16P, load_pair_bf16, load_quad_bf16, store_bf16, as_stored_bf16),
-         "f32": (F32P, F32P, load_pair_f32, load_quad_f32, store_f32, as_stored_f32)}
+POOLS = {"bf16": (U32P, U16P, load_pair_bf16, load_quad_bf16, store_bf16, as_stored_bf16, 2),
+         "f32": (F32P, F32P, load_pair_f32, load_quad_f32, store_f32, as_stored_f32, 4)}
 
 
 def _signature(read, write):
@@ -253,8 +265,8 @@ def _signature(read, write):
 
 KERNELS = {}
 for _g, _d in VARIANTS:
-    for _dtype, (_read, _write, _pair, _quad, _store, _as_stored) in POOLS.items():
+    for _dtype, (_read, _write, _pair, _quad, _store, _as_stored, _item) in POOLS.items():
         _u, _warps = BLOCKS.get((_g, _d, _dtype), (keys_in_flight(_g, _d), 4))
         KERNELS[f"decode_attention_g{_g}_d{_d}_{_dtype}"] = (
-            make_decode_attention(_g, _d, _pair, _quad, _store, _as_stored, _u, _warps), _signature(_read, _write),
+            make_decode_attention(_g, _d, _pair, _quad, _store, _as_stored, _u, _warps, _item), _signature(_read, _write),
             {"threads": 32 * _warps, "grid_wait": 1})

@@ -39,6 +39,24 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
 
+    @cuda.jit(device=True, inline=True)
+    def load_weights(w, row_of, words, j, wv):
+        """16-byte chunk ``j`` of each of the block's weight rows, widened to fp32 (zero past the matrix)."""
+        for c in range(COLS):
+            if row_of[c] >= 0:
+                a, b = load_u64x2(w, row_of[c] * words + 2 * j)
+                for h in range(2):
+                    word = a if h == 0 else b
+                    lo = uint32(word & uint64(0xFFFFFFFF))
+                    hi = uint32(word >> uint64(32))
+                    wv[c, 4 * h] = bf16_lo(lo)
+                    wv[c, 4 * h + 1] = bf16_hi(lo)
+                    wv[c, 4 * h + 2] = bf16_lo(hi)
+                    wv[c, 4 * h + 3] = bf16_hi(hi)
+            else:
+                for e in range(8):
+                    wv[c, e] = float32(0.0)
+
     def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
         red_ss = cuda.shared.array((GEMV_WARPS, M), float32)
@@ -60,26 +78,18 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
             else:
                 f = cuda.blockIdx.x * COLS + c
                 row_of[c] = int64(f) if f < n else int64(-1)
-        grid_dependency_wait()  # programmatic dependent launch: common.py
         wv = cuda.local.array((COLS, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)
         words = k >> 2
-        # The whole block walks K together: 128 threads read 2 KiB of each weight row per step.
-        for j in range(tid, chunks, GEMV_THREADS):
-            for c in range(COLS):
-                if row_of[c] >= 0:
-                    a, b = load_u64x2(w, row_of[c] * words + 2 * j)
-                    for h in range(2):
-                        word = a if h == 0 else b
-                        lo = uint32(word & uint64(0xFFFFFFFF))
-                        hi = uint32(word >> uint64(32))
-                        wv[c, 4 * h] = bf16_lo(lo)
-                        wv[c, 4 * h + 1] = bf16_hi(lo)
-                        wv[c, 4 * h + 2] = bf16_lo(hi)
-                        wv[c, 4 * h + 3] = bf16_hi(hi)
-                else:
-                    for e in range(8):
-                        wv[c, e] = float32(0.0)
+        # The whole block walks K together: 128 threads read 2 KiB of each weight row per step. The
+        # first step's weights are in flight before the wait for the previous kernel (common.py,
+        # "programmatic dependent launch"): weights never depend on it.
+        launch_dependents()
+        j = tid
+        if j < chunks:
+            load_weights(w, row_of, words, j, wv)
+        grid_dependency_wait()
+        while j < chunks:
             if normed:
                 n0, n1, n2, n3 = load_f32x4(norm_w, 8 * j)
                 n4, n5, n6, n7 = load_f32x4(norm_w, 8 * j + 4)
@@ -95,7 +105,9 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
                     for c in range(COLS):
                         acc[r, c] += (x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
                                       + x4 * wv[c, 4] + x5 * wv[c, 5] + x6 * wv[c, 6] + x7 * wv[c, 7])
-        launch_dependents()  # the weights are read: the next kernel's blocks may come in and wait
+            j += GEMV_THREADS
+            if j < chunks:
+                load_weights(w, row_of, words, j, wv)
         for r in range(M):
             for c in range(COLS):
                 v = acc[r, c]
@@ -272,6 +284,23 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
     OUTS = T * COLS * 8  # (column, row) outputs per block
 
+    @cuda.jit(device=True, inline=True)
+    def load_weights(w, row_at, k, s0, t, wr):
+        """The lane's weight fragments of the round starting at 32-k step ``s0`` (zero past the matrix)."""
+        for u in range(U):
+            kk = (s0 + u * W) * 32 + 8 * t
+            for tt in range(T):
+                for h in range(2):
+                    if kk < k and row_at[tt, h] >= 0:
+                        a, b = load_weights_u64x2(w, (row_at[tt, h] + kk) >> 2)
+                        wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
+                        wr[u, tt, h, 1] = uint32(a >> uint64(32))
+                        wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
+                        wr[u, tt, h, 3] = uint32(b >> uint64(32))
+                    else:
+                        for e in range(4):
+                            wr[u, tt, h, e] = uint32(0)
+
     def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((W, T, 16, 8), float32)
         red_ss = cuda.shared.array((W, 8), float32)
@@ -292,7 +321,6 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 else:
                     f = (cuda.blockIdx.x * T + tt) * 16 + i
                     row_at[tt, h] = int64(f) * k if f < n else int64(-1)
-        grid_dependency_wait()
         acc = cuda.local.array((T, 4), float32)
         for tt in range(T):
             for e in range(4):
@@ -303,23 +331,16 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         steps = (k + 31) >> 5
         wr = cuda.local.array((U, T, 2, 4), uint32)
         xr = cuda.local.array((U, 8), float32)
+        # Programmatic dependent launch (common.py). Loading the first round's weights before the wait,
+        # as the fp32 GEMV does, took t1w16u4 from 48 to 71 registers (one block an SM instead of two).
+        launch_dependents()
+        grid_dependency_wait()
         for s0 in range(warp, steps, W * U):
             # Issue every load of U steps before the first MMA: U * T * 32 bytes per lane in flight.
+            load_weights(w, row_at, k, s0, t, wr)
             for u in range(U):
                 kk = (s0 + u * W) * 32 + 8 * t
-                inside = kk < k
-                for tt in range(T):
-                    for h in range(2):
-                        if inside and row_at[tt, h] >= 0:
-                            a, b = load_weights_u64x2(w, (row_at[tt, h] + kk) >> 2)
-                            wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
-                            wr[u, tt, h, 1] = uint32(a >> uint64(32))
-                            wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
-                            wr[u, tt, h, 3] = uint32(b >> uint64(32))
-                        else:
-                            for e in range(4):
-                                wr[u, tt, h, e] = uint32(0)
-                if inside and has_row:
+                if kk < k and has_row:
                     x0, x1, x2, x3 = load_f32x4(x, x_row + kk)
                     x4, x5, x6, x7 = load_f32x4(x, x_row + kk + 4)
                     if normed:
@@ -352,7 +373,6 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                         c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, q0, q1, c0, c1, c2, c3)
                         c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, p0, p1, c0, c1, c2, c3)
                         acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3] = c0, c1, c2, c3
-        launch_dependents()
         for tt in range(T):
             red[warp, tt, g, 2 * t] = acc[tt, 0]
             red[warp, tt, g, 2 * t + 1] = acc[tt, 1]

@@ -138,3 +138,16 @@ def test_unfused_decode_keeps_one_lane_a_row():
     launched = [kernel.name for kernel, _, _ in fwd.k.log]
     assert fwd.rule_name in launched and not set(fwd.prefill_rule_names) & set(launched)
     assert "add_rmsnorm" in launched and launched[-2:] == ["sample_partial", "sample"]
+
+
+def test_kv_prefetch_only_while_a_layer_of_keys_fits_the_budget():
+    """``decode_attention`` asks L2 for a step's keys only when one layer of them (every row) takes at
+    most ``KV_PREFETCH_BYTES``: a 27B-shaped layer keeps 4 KV heads of 256 bf16, 4 KiB a key."""
+    from ninfer.backends.cuda.forward import KV_PREFETCH_BYTES
+
+    fwd = forward(CONFIGS["27b"])
+    assert fwd.layer_kv_bytes_per_key == 2 * 4 * 256 * 2
+    fits = KV_PREFETCH_BYTES // fwd.layer_kv_bytes_per_key
+    assert fwd.decode_prefetch(fits) and not fwd.decode_prefetch(fits + 1)
+    fwd.kv_prefetch_bytes = 0
+    assert not fwd.decode_prefetch(1)

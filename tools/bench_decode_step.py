@@ -7,7 +7,8 @@ each (batch x context) case it captures the decode step as a CUDA Graph under ea
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), launches that do not overlap
-their predecessor (``Forward.overlap`` off: no programmatic dependent launch), decode attention in the
+their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
+(``forward.KV_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, and the step without attention at all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
@@ -101,6 +102,11 @@ def main(argv=None) -> int:
                 inp.upload(runner.stream)
                 results[f"fused, splits of {split}"] = step_ms(runner, batch, args.reps)
         inp.split[0] = chosen
+        prefetch = int(inp.split[1])
+        inp.split[1] = 1 - prefetch
+        inp.upload(runner.stream)
+        results[f"fused, {'no ' if prefetch else ''}KV prefetch"] = step_ms(runner, batch, args.reps)
+        inp.split[1] = prefetch
         inp.upload(runner.stream)
         runner.forward.attend = lambda *a, **k: None
         results["fused, no attention"] = step_ms(runner, batch, args.reps)

@@ -299,15 +299,16 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     counters = gpu.put(np.zeros(rows * KV, np.int32))
     d_qkv, d_tables, d_positions = gpu.put(qkv), gpu.put(tables), gpu.put(positions)
     name = f"decode_attention_g{group}_d{D}_{kv_dtype}"
-    for split in (32, 256, 96, 768, 32):  # 768: one split, no merge; 32 again: the tickets were reset
+    # 768: one split, no merge; 32 again: the tickets were reset. ``prefetch``: pages asked of L2 first.
+    for split, prefetch in ((32, 1), (256, 0), (96, 1), (768, 1), (32, 0)):
         n_splits = -(-max_ctx // split)
         part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
         out = gpu.empty(rows * H * D * 4)
         gpu.launch(name, (KV, rows, n_splits), (gpu.kernels[name].meta["threads"],),
                    (d_qkv, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv, layer_kv,
                     pool.size // num_pages, d_tables, max_pages, gpu.put(np.arange(rows, dtype=np.int32)), d_positions,
-                    out, part_o, part_ml, counters, H, KV, ps.bit_length() - 1, gpu.put(np.array([split], np.int32)),
-                    n_splits, scale, 1, 1, 1e-6))
+                    out, part_o, part_ml, counters, H, KV, ps.bit_length() - 1,
+                    gpu.put(np.array([split, prefetch], np.int32)), n_splits, scale, 1, 1, 1e-6))
         got = gpu.get(out, np.float32, (rows, H * D))
         for r in range(rows):
             assert _err(got[r], want[r]) < 1e-4, (split, r)

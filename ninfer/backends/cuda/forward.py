@@ -48,6 +48,13 @@ def decode_split(length: int, row_blocks: int) -> int:
     return split_length(length, max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-length // LONG_SPLIT)))
 
 
+# A decode step whose keys and values (one layer, every row) take at most this many bytes has
+# ``decode_attention`` ask L2 for them before it waits for the q/k/v GEMM: the old keys stream in while
+# that GEMM finishes, and the key loop then waits on L2 instead of DRAM. L2 holds 50 MiB on the H200;
+# more would evict the prefetched pages before they are read.
+KV_PREFETCH_BYTES = 32 << 20
+
+
 def attention_splits(max_context: int) -> dict[str, int]:
     """The attention grid's depth (splits per row) in each mode. A decode step never has more than
     MAX_DECODE_SPLITS (``decode_split``): a deeper grid only adds blocks that exit at once, which cost
@@ -217,6 +224,8 @@ class Forward:
         self.fused_decode = True  # False: decode through the prefill kernels (tools/bench_decode_step.py)
         self.fused_attention = True  # False: decode attention in the prefill path's three launches
         self.overlap = True  # decode launches overlap their predecessor (runtime.Kernels.overlapped)
+        self.kv_prefetch_bytes = KV_PREFETCH_BYTES  # 0: never (tools/bench_decode_step.py)
+        self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
@@ -240,6 +249,10 @@ class Forward:
     def decode_split(self, length: int, rows: int) -> int:
         """The split length of a decode step of ``rows`` rows whose longest has ``length`` keys."""
         return decode_split(length, rows * self.c.num_kv_heads)
+
+    def decode_prefetch(self, keys: int) -> bool:
+        """Whether ``decode_attention`` prefetches a step's ``keys`` (summed over its rows) into L2."""
+        return keys * self.layer_kv_bytes_per_key <= self.kv_prefetch_bytes
 
     def n_splits(self, rows: int, decode: bool = False) -> int:
         """The attention grid's depth; ``inputs.split`` holds the actual split length. A decode step's

@@ -246,7 +246,9 @@ class CudaRunner:
         inp.positions[:rows] = positions
         inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
-        inp.split[0] = self.forward.decode_split(max(positions.tolist()) + 1, rows)
+        longest = max(positions.tolist()) + 1
+        inp.split[0] = self.forward.decode_split(longest, rows)
+        inp.split[1] = self.forward.decode_prefetch(sum(positions.tolist()) + rows)
         width = min(tables.shape[1], self.buffers.max_pages)
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)
