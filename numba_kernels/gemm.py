@@ -278,28 +278,35 @@ def split3_bf16x2(lo, hi):
     return big, small, pack_bf16x2(lo_rest, hi_rest)
 
 
+def make_weight_fragments(T: int, load):
+    """``(w, row_at, k, kk, u, wr)``: a lane's A fragments of one 32-k step (its 8 k from ``kk``) into
+    ``wr[u]``: T tiles of two weight rows at element offsets ``row_at[tt, h]`` (-1: past the matrix,
+    zeros), 16 bytes a row through ``load``. Shared by the tensor-core GEMMs."""
+
+    @cuda.jit(device=True, inline=True)
+    def weight_fragments(w, row_at, k, kk, u, wr):
+        for tt in range(T):
+            for h in range(2):
+                if kk < k and row_at[tt, h] >= 0:
+                    a, b = load(w, (row_at[tt, h] + kk) >> 2)
+                    wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
+                    wr[u, tt, h, 1] = uint32(a >> uint64(32))
+                    wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
+                    wr[u, tt, h, 3] = uint32(b >> uint64(32))
+                else:
+                    for e in range(4):
+                        wr[u, tt, h, e] = uint32(0)
+
+    return weight_fragments
+
+
 def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int):
     THREADS = 32 * W
     SWIGLU = epilogue == "swiglu"
     COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
     OUTS = T * COLS * 8  # (column, row) outputs per block
 
-    @cuda.jit(device=True, inline=True)
-    def load_weights(w, row_at, k, s0, t, wr):
-        """The lane's weight fragments of the round starting at 32-k step ``s0`` (zero past the matrix)."""
-        for u in range(U):
-            kk = (s0 + u * W) * 32 + 8 * t
-            for tt in range(T):
-                for h in range(2):
-                    if kk < k and row_at[tt, h] >= 0:
-                        a, b = load_weights_u64x2(w, (row_at[tt, h] + kk) >> 2)
-                        wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
-                        wr[u, tt, h, 1] = uint32(a >> uint64(32))
-                        wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
-                        wr[u, tt, h, 3] = uint32(b >> uint64(32))
-                    else:
-                        for e in range(4):
-                            wr[u, tt, h, e] = uint32(0)
+    load_weights = make_weight_fragments(T, load_weights_u64x2)
 
     def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((W, T, 16, 8), float32)
@@ -336,8 +343,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         launch_dependents()
         grid_dependency_wait()
         for s0 in range(warp, steps, W * U):
-            # Issue every load of U steps before the first MMA: U * T * 32 bytes per lane in flight.
-            load_weights(w, row_at, k, s0, t, wr)
+            for u in range(U):  # every load of U steps before the first MMA: U * T * 32 bytes a lane in flight
+                load_weights(w, row_at, k, (s0 + u * W) * 32 + 8 * t, u, wr)
             for u in range(U):
                 kk = (s0 + u * W) * 32 + 8 * t
                 if kk < k and has_row:

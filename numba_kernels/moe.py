@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_to_f32, grid_dependency_wait, launch_dependents,
                                   load_f32x4, load_u64x2, warp_sum)
-from numba_kernels.gemm import split3_bf16x2
+from numba_kernels.gemm import make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
@@ -217,6 +217,7 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
     PAIRS = 8 * P
     OUTS = T * COLS * PAIRS
     MATRICES = 2 if swiglu else 1  # gate_up holds 2n rows per expert
+    load_weights = make_weight_fragments(T, load_u64x2)
 
     def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                 k_routed, k_shared, ldy, ldx):
@@ -281,17 +282,7 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
             for u in range(U):  # every load of U steps before the first MMA
                 kk = (s0 + u * W) * 32 + 8 * t
                 inside = kk < k
-                for tt in range(T):
-                    for h in range(2):
-                        if inside and row_at[tt, h] >= 0:
-                            a, b = load_u64x2(w, (row_at[tt, h] + kk) >> 2)
-                            wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
-                            wr[u, tt, h, 1] = uint32(a >> uint64(32))
-                            wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
-                            wr[u, tt, h, 3] = uint32(b >> uint64(32))
-                        else:
-                            for e in range(4):
-                                wr[u, tt, h, e] = uint32(0)
+                load_weights(w, row_at, k, kk, u, wr)
                 for pp in range(P):
                     if inside and x_at[pp] >= 0:
                         x0, x1, x2, x3 = load_f32x4(x, x_at[pp] + kk)

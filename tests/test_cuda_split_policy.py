@@ -24,3 +24,15 @@ def test_the_measured_choices():
     assert fw.decode_split(8193, 64) == 512  # batch 8, long: splits of about LONG_SPLIT keys
     assert fw.split_length(513, fw.MAX_DECODE_SPLITS) == 32
     assert fw.split_length(8193, fw.MAX_DECODE_SPLITS) == 160  # the grid's depth bounds the count
+
+
+def test_dense_decode_overlaps_launches_where_its_gemms_preload():
+    """The dense step overlaps its launches at one row (every decode GEMM is the fp32 GEMV, which
+    issues its first weight loads before waiting), not from two rows (tensor-core GEMMs), and never
+    with the master switch off."""
+    from types import SimpleNamespace
+
+    assert fw.Forward.overlaps(SimpleNamespace(overlap=True), 1)
+    for rows in range(2, fw.GEMV_MAX_ROWS + 1):
+        assert not fw.Forward.overlaps(SimpleNamespace(overlap=True), rows)
+    assert not fw.Forward.overlaps(SimpleNamespace(overlap=False), 1)

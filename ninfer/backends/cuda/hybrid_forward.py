@@ -286,6 +286,11 @@ class HybridForward(Forward):
                              stream)
         self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
 
+    def overlaps(self, rows: int) -> bool:
+        """Every row count: the hybrid's mixer and MoE kernels are short, and overlapping them gains
+        at batch 8 too (35B-A3B 2.5-3.3%, 27B level; docs/benchmarks.md, "Hybrid models")."""
+        return self.overlap
+
     def decode_layers(self, rows: int, stream) -> None:
         """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
 
