@@ -1,11 +1,13 @@
 """Where a decode step's device time goes: every kernel of the captured CUDA Graph, timed by CUPTI.
 
-    python3 tools/profile_decode.py [--cases 1x512,8x512] [--reps 5] [--overlap yes|no] [--trace DIR]
+    python3 tools/profile_decode.py [--model 8b|27b|a3b] [--cases 1x512,8x512] [--reps 5] [--overlap yes|no]
+                                    [--trace DIR]
 
-Qwen3-8B shape with random bf16 weights (as tools/gpu_bench.py). For each (batch x context) case the
+Qwen3-8B shape with random bf16 weights (as tools/gpu_bench.py), or a hybrid shape of
+tools/gpu_bench_hybrid.py (``--model 27b|a3b``). For each (batch x context) case the
 decode step is captured as a CUDA Graph and replayed under torch.profiler, whose CUPTI trace holds each
 kernel node's start and end (torch shares our primary context; it only observes). Prints, per role in
-the step (each decode GEMM by its matrix, attention, embedding, sampling): microseconds a step, per
+the step (each decode GEMM by its matrix and shape, every other kernel by name): microseconds a step, per
 launch, and for the GEMMs the weight bytes over kernel time; then the step's span, the sum of kernel
 times and the idle time between consecutive kernels (negative: kernels overlapped). ``--trace``
 keeps the Chrome traces.
@@ -43,7 +45,8 @@ def capture_with_roles(runner, batch: int):
         launch(self, grid, block, args, stream, shared)
 
     def gemm(self, matrix, y, x, w, rows, n, k, stream, norm=None):
-        current[0] = (f"gemm {matrix}", w.nbytes if matrix == "lm_head" else (2 * n if matrix == "gate_up" else n) * k * 2)
+        weight_rows = 2 * n if matrix == "gate_up" else n
+        current[0] = (f"gemm {matrix} [{weight_rows} x {k}]", weight_rows * k * 2)
         decode_gemm(self, matrix, y, x, w, rows, n, k, stream, norm)
 
     rt.Kernel.launch, Forward.decode_gemm = record, gemm
@@ -95,6 +98,7 @@ def profile_case(runner, batch: int, reps: int, trace: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("8b", "27b", "a3b"), default="8b")
     parser.add_argument("--cases", default="1x512,8x512")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--overlap", choices=("yes", "no"), default="yes")
@@ -108,21 +112,31 @@ def main(argv=None) -> int:
     torch.zeros(1, device="cuda")  # torch's CUPTI and our launches share the primary context
     device = rt.Device(0)
     stream = device.stream()
-    ptrs, _ = random_device_weights(device, stream, QWEN3_8B)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     max_batch, max_context = max(b for b, _ in cases), max(c for _, c in cases) + 64
     max_pages = -(-max_context // PAGE)
-    runner = CudaRunner.from_device_weights(QWEN3_8B, ptrs, device=device, page_size=PAGE,
-                                            num_pages=max_batch * max_pages, max_batch=max_batch,
-                                            max_context=max_context, cuda_graph=False)
+    shape = dict(device=device, page_size=PAGE, num_pages=max_batch * max_pages, max_batch=max_batch,
+                 max_context=max_context, cuda_graph=False)
+    if args.model == "8b":
+        ptrs, _ = random_device_weights(device, stream, QWEN3_8B)
+        runner = CudaRunner.from_device_weights(QWEN3_8B, ptrs, **shape)
+    else:
+        from ninfer.backends.cuda.hybrid_runner import CudaHybridRunner
+        from tools.gpu_bench_hybrid import MODELS, random_weights
+
+        config = MODELS[args.model]
+        tensors = random_weights(config, torch)  # kept alive until the runner closes
+        ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
+        runner = CudaHybridRunner.from_device_weights(config, ptrs, state_slots=1, **shape)
     runner.forward.overlap = args.overlap == "yes"
-    for name in runner.kernels.entries:  # module loads are not allowed during capture
-        if name.startswith(("mma_gemv_", "gemv_", "decode_attention_")):
-            runner.kernels[name]
+    for name in runner.forward.kernel_names():  # module loads are not allowed during capture
+        runner.kernels[name]
     trace_dir = args.trace or Path(tempfile.mkdtemp())
     trace_dir.mkdir(parents=True, exist_ok=True)
     reports = {}
     for batch, context in cases:
+        if hasattr(runner, "states"):  # a hybrid: trust whatever the lanes' StateImages hold
+            runner.states.length[:] = -1
         tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
         runner.decode(DecodeBatch(lanes=np.arange(batch, dtype=np.int32), tokens=np.full(batch, 7, np.int32),
                                   positions=np.full(batch, context, np.int32), page_tables=tables,
@@ -132,7 +146,7 @@ def main(argv=None) -> int:
               f"between kernels {r['gaps_us']:.0f} us ({r['kernels']} kernels)", flush=True)
         for role, e in r["roles"].items():
             rate = f", {e['gb_s']:.0f} GB/s" if "gb_s" in e else ""
-            print(f"  {role:32s} {e['us_per_step']:8.1f} us/step  {e['launches']:3d} x {e['us_per_launch']:7.2f} us{rate}",
+            print(f"  {role:40s} {e['us_per_step']:8.1f} us/step  {e['launches']:3d} x {e['us_per_launch']:7.2f} us{rate}",
                   flush=True)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))
