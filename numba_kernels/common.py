@@ -124,7 +124,8 @@ def atomic_add_i32(typingctx, ptr, index, value):
 # predecessor still runs, and wait on the chip instead of behind a launch. The rules every kernel
 # marked ``grid_wait`` in the manifest keeps:
 # - every thread calls ``grid_dependency_wait`` before it reads or writes anything a previous kernel
-#   of the step may touch (activations, the KV pool, counters);
+#   of the step may touch (activations, the new KV slots, counters); weights, keys of earlier steps
+#   and the step's uploaded inputs (copied before its first kernel started) may be read before it;
 # - the wait comes before any early return, so the grid cannot finish before its predecessor has, and
 #   "my predecessor is done" implies "every kernel before it is done";
 # - ``launch_dependents`` only lets the next kernel's blocks be scheduled once every block of this
