@@ -246,9 +246,9 @@ class CudaRunner:
         inp.positions[:rows] = positions
         inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
-        longest = max(positions.tolist()) + 1
-        inp.split[0] = self.forward.decode_split(longest, rows)
-        inp.split[1] = self.forward.decode_prefetch(sum(positions.tolist()) + rows)
+        position_list = positions.tolist()
+        inp.split[0] = self.forward.decode_split(max(position_list) + 1, rows)
+        inp.split[1] = self.forward.decode_prefetch(sum(position_list) + rows)  # keys of the step
         width = min(tables.shape[1], self.buffers.max_pages)
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)
