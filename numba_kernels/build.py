@@ -2,6 +2,7 @@
 
     python -m numba_kernels.build          # (re)write ptx/*.ptx and ptx/manifest.json
     python -m numba_kernels.build --check  # rebuild in memory, fail if anything differs
+    python -m numba_kernels.build --only moe_route decode_attention_g4_d128_bf16  # just these kernels
 
 Needs the ``cuda`` extra (numba-cuda, nvidia-nvvm 13.0.*, nvidia-cuda-nvrtc 13.0.*) but no GPU.
 NVVM must be 13.0: the driver on our H200 host (CUDA 13.0) rejects the PTX ISA 9.5 of newer NVVMs.
@@ -81,12 +82,20 @@ def compile_one(name: str, func, argtypes) -> tuple[str, list[str]]:
     return ptx, params
 
 
-def build_all() -> dict[str, str]:
-    """{relative file name: text} for every PTX module and the manifest."""
+def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR) -> dict[str, str]:
+    """{relative file name: text} for every PTX module and the manifest; with ``only``, those kernels'
+    modules and the manifest of ``manifest_dir`` with their entries replaced."""
     files: dict[str, str] = {}
     manifest = {"format": 1, "target": f"sm_{CC[0]}{CC[1]}", "ptx_version": REQUIRED_PTX_VERSION,
                 "kernels": {}}
-    for name, (func, argtypes, *meta) in sorted(kernel_table().items()):
+    table = kernel_table()
+    if only:
+        unknown = sorted(set(only) - set(table))
+        if unknown:
+            raise SystemExit(f"no such kernels: {', '.join(unknown)}")
+        manifest = json.loads((manifest_dir / "manifest.json").read_text())
+        table = {name: table[name] for name in only}
+    for name, (func, argtypes, *meta) in sorted(table.items()):
         ptx, params = compile_one(name, func, argtypes)
         files[f"{name}.ptx"] = ptx
         manifest["kernels"][name] = {"file": f"{name}.ptx", "symbol": f"ninfer_{name}",
@@ -114,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="rebuild and diff against ptx/")
     parser.add_argument("--out", type=Path, default=PTX_DIR)
+    parser.add_argument("--only", nargs="+", metavar="KERNEL", help="rebuild just these kernels (quick edits)")
     args = parser.parse_args(argv)
-    files = build_all()
+    if args.check and args.only:
+        parser.error("--check rebuilds everything; drop --only")
+    files = build_all(args.only, args.out)
     if args.check:
         problems = check(files, args.out)
         for p in problems:
