@@ -60,14 +60,71 @@ def keys_in_flight(G, D):
     return 2 if G * D > 512 else 4
 
 
+def make_key_fold(G, D, U):
+    """A device function folding ``U`` keys' K and V rows (``kb``, ``vb``: the lane's ``D / 32`` dims of
+    each; keys ``t0 + u`` at or past ``end`` get no weight) into one warp's online softmax state
+    (``acc``, ``m``, ``l`` per query head of the group) for the query ``q``. ``s`` and ``vals`` are the
+    caller's scratch (``[U, G]`` and ``[U * G]`` local arrays)."""
+    E = D // 32
+    NV = U * G  # scores per warp step, a power of two <= 32
+    LOG = NV.bit_length() - 1
+
+    @cuda.jit(device=True, inline=True)
+    def fold(q, acc, m, l, kb, vb, s, vals, t0, end, lane, scale):
+        # U * G dot products, reduced over the warp by a transposing butterfly: each step
+        # sends half of the values and keeps the other half, so NV values cost
+        # NV - 1 + (5 - LOG) shuffles plus NV broadcasts instead of 5 * NV.
+        for u in range(U):
+            for g in range(G):
+                v = float32(0.0)
+                for e in range(E):
+                    v += q[g, e] * kb[u, e]
+                vals[u * G + g] = v
+        for step in range(LOG):
+            half = NV >> (step + 1)
+            upper = (lane >> (4 - step)) & 1
+            for i in range(half):
+                a = vals[i]
+                b = vals[i + half]
+                send = a if upper else b
+                keep = b if upper else a
+                vals[i] = keep + cuda.shfl_xor_sync(0xFFFFFFFF, send, 16 >> step)
+        total = vals[0]
+        for step in range(LOG, 5):
+            total += cuda.shfl_xor_sync(0xFFFFFFFF, total, 16 >> step)
+        # Lane l now holds value (l >> (5 - LOG)); every lane needs all of them.
+        for u in range(U):
+            for g in range(G):
+                v = cuda.shfl_sync(0xFFFFFFFF, total, (u * G + g) << (5 - LOG))
+                # The reference scales the scores, not q; missing keys get no weight.
+                s[u, g] = v * scale if t0 + u < end else NEG_BIG
+        for g in range(G):
+            m_new = m[g]
+            for u in range(U):
+                m_new = max(m_new, s[u, g])
+            alpha = math.exp(m[g] - m_new)
+            total = l[g] * alpha
+            for e in range(E):
+                acc[g, e] *= alpha
+            for u in range(U):
+                p = math.exp(s[u, g] - m_new) if t0 + u < end else float32(0.0)
+                total += p
+                for e in range(E):
+                    acc[g, e] += p * vb[u, e]
+            l[g] = total
+            m[g] = m_new
+
+    return fold
+
+
 def make_key_loop(G, D, load_pair, load_quad, U, WARPS):
-    """A device function folding one warp's share of the keys ``[start, end)`` into its online
-    softmax state (``acc``, ``m``, ``l``, per query head of the group) for the query ``q``."""
+    """A device function folding one warp's share of the keys ``[start, end)``, read from the paged
+    pool, into its online softmax state (``make_key_fold``)."""
     E = D // 32  # dims per lane (even: D is a multiple of 64)
     EW = E // 2  # uint32 words per lane
     QUADS = E % 4 == 0  # D = 128: each lane's K (and V) slice of a key is one vector load
-    NV = U * G  # scores per warp step, a power of two <= 32
-    LOG = NV.bit_length() - 1
+    NV = U * G
+    fold = make_key_fold(G, D, U)
 
     @cuda.jit(device=True, inline=True)
     def key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start, end,
@@ -111,48 +168,7 @@ def make_key_loop(G, D, load_pair, load_quad, U, WARPS):
                     for e in range(E):
                         kb[u, e] = float32(0.0)
                         vb[u, e] = float32(0.0)
-            # U * G dot products, reduced over the warp by a transposing butterfly: each step
-            # sends half of the values and keeps the other half, so NV values cost
-            # NV - 1 + (5 - LOG) shuffles plus NV broadcasts instead of 5 * NV.
-            for u in range(U):
-                for g in range(G):
-                    v = float32(0.0)
-                    for e in range(E):
-                        v += q[g, e] * kb[u, e]
-                    vals[u * G + g] = v
-            for step in range(LOG):
-                half = NV >> (step + 1)
-                upper = (lane >> (4 - step)) & 1
-                for i in range(half):
-                    a = vals[i]
-                    b = vals[i + half]
-                    send = a if upper else b
-                    keep = b if upper else a
-                    vals[i] = keep + cuda.shfl_xor_sync(0xFFFFFFFF, send, 16 >> step)
-            total = vals[0]
-            for step in range(LOG, 5):
-                total += cuda.shfl_xor_sync(0xFFFFFFFF, total, 16 >> step)
-            # Lane l now holds value (l >> (5 - LOG)); every lane needs all of them.
-            for u in range(U):
-                for g in range(G):
-                    v = cuda.shfl_sync(0xFFFFFFFF, total, (u * G + g) << (5 - LOG))
-                    # The reference scales the scores, not q; missing keys get no weight.
-                    s[u, g] = v * scale if t0 + u < end else NEG_BIG
-            for g in range(G):
-                m_new = m[g]
-                for u in range(U):
-                    m_new = max(m_new, s[u, g])
-                alpha = math.exp(m[g] - m_new)
-                total = l[g] * alpha
-                for e in range(E):
-                    acc[g, e] *= alpha
-                for u in range(U):
-                    p = math.exp(s[u, g] - m_new) if t0 + u < end else float32(0.0)
-                    total += p
-                    for e in range(E):
-                        acc[g, e] += p * vb[u, e]
-                l[g] = total
-                m[g] = m_new
+            fold(q, acc, m, l, kb, vb, s, vals, t0, end, lane, scale)
 
     return key_loop
 

@@ -59,6 +59,13 @@ def warp_sum(value):
     return value
 
 
+@cuda.jit(device=True, inline=True)
+def warp_max(value):
+    for offset in (16, 8, 4, 2, 1):
+        value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, offset))
+    return value
+
+
 @cuda.jit(device=True)
 def block_sum(value, scratch):
     """Sum over the block; ``scratch`` is a shared float32[32]. Every thread gets the total."""
@@ -161,5 +168,52 @@ def prefetch_l2(typingctx, ptr, index, nbytes):
         fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
         builder.call(ir.InlineAsm(fnty, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", side_effect=True), [addr, size])
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# -- asynchronous copies into shared memory ---------------------------------------------------------
+# ``cp.async`` (sm_80+) moves global memory into shared memory without passing through registers, so a
+# kernel can start a copy, go on (or wait for its predecessor: PDL above) and collect it later with
+# ``copy_async_wait`` followed by a block barrier (each thread waits only for its own copies).
+
+@intrinsic
+def copy_async_16(typingctx, dst, dst_index, src, src_index):
+    """Start copying 16 bytes from ``&src[src_index]`` (a pointer) to ``&dst[dst_index]`` (a shared
+    array); both addresses 16-byte aligned."""
+    sig = types.void(dst, dst_index, src, src_index)
+
+    def codegen(context, builder, signature, args):
+        array, di, base, si = args
+        data = context.make_array(signature.args[0])(context, builder, array).data
+        di = context.cast(builder, di, signature.args[1], types.int64)
+        si = context.cast(builder, si, signature.args[3], types.int64)
+        to_addr = builder.gep(data, [di])
+        from_addr = builder.gep(base, [si])
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64, i64])
+        asm = ("{ .reg .u64 s64; .reg .u32 s32; cvta.to.shared.u64 s64, $0; cvt.u32.u64 s32, s64; "
+               "cp.async.cg.shared.global [s32], [$1], 16; }")
+        # No memory clobber: loads around an issue may be reordered freely (the page lookups of
+        # several copies go out together); ``copy_async_wait`` (volatile, clobbering memory) orders
+        # the copies before every later access of the destination.
+        builder.call(ir.InlineAsm(fnty, asm, "l,l", side_effect=True),
+                     [builder.ptrtoint(to_addr, i64), builder.ptrtoint(from_addr, i64)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+copy_async_wait = _statement("cp.async.wait_all;")
+
+
+@intrinsic
+def global_timer(typingctx):
+    """The chip's nanosecond clock (``%globaltimer``, comparable across SMs): for traced kernel variants."""
+    sig = uint64()
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [])
+        return builder.call(ir.InlineAsm(fnty, "mov.u64 $0, %globaltimer;", "=l", side_effect=True), [])
 
     return sig, codegen

@@ -29,15 +29,22 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
+from numba.cuda import libdevice
 
 from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_bf16, load_pair_f32, load_quad_bf16,
-                                     load_quad_f32, make_key_loop, make_warp_merge)
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, atomic_add_i32, bf16_to_f32, f32_to_bf16,
-                                  grid_dependency_wait, launch_dependents, prefetch_l2, warp_sum)
+                                     load_quad_f32, make_key_fold, make_key_loop, make_warp_merge)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, atomic_add_i32, bf16_hi, bf16_lo, bf16_to_f32,
+                                  copy_async_16, copy_async_wait, f32_to_bf16, grid_dependency_wait,
+                                  global_timer, launch_dependents, prefetch_l2, warp_max, warp_sum)
 from numba_kernels.rope import store_bf16, store_f32
 
-MERGE_BATCH = 4  # partials loaded per step of the final merge: independent loads in flight
+MAX_SPLITS = 64  # splits a launch may have (forward.MAX_DECODE_SPLITS; the manifest's ``max_splits``)
+# Shared memory for the K and V rows of each split's first keys, copied in before the kernel waits for
+# the q/k/v (32 keys of a bf16 head of 128: a whole split at batch 1 and 512 keys).
+STAGE_BYTES = 16 << 10
+# Where the traced variant stamps the time (thread 0 of each block; the last two only in split merges).
+TRACE_POINTS = ("start", "staged", "waited", "qkv", "roped", "keys", "partial", "ticket", "merged")
 
 
 @cuda.jit(device=True, inline=True)
@@ -50,14 +57,53 @@ def as_stored_f32(value):
     return value
 
 
-def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS, ITEM):
+def make_staged_row(ITEM, E):
+    """A device function unpacking the lane's ``E`` dims of a staged K or V row (32-bit words in shared
+    memory, ``row_at`` its first word) into ``dst[u]``."""
+    if ITEM == 2:
+        LANE_WORDS = E // 2
+
+        @cuda.jit(device=True, inline=True)
+        def staged_row(dst, u, sh_kv, row_at, lane):
+            at = row_at + lane * LANE_WORDS
+            for w in range(LANE_WORDS):
+                word = sh_kv[at + w]
+                dst[u, 2 * w] = bf16_lo(word)
+                dst[u, 2 * w + 1] = bf16_hi(word)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def staged_row(dst, u, sh_kv, row_at, lane):
+            at = row_at + lane * E
+            for e in range(E):
+                dst[u, e] = libdevice.int_as_float(int32(sh_kv[at + e]))
+
+    return staged_row
+
+
+def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS, ITEM, TRACE=False):
+    """The kernel; with ``TRACE`` a variant taking one more parameter, a uint64 array where thread 0 of
+    each block writes ``%globaltimer`` at TRACE_POINTS (tools/trace_decode_attention.py)."""
     E = D // 32
     WORD_SHIFT = 1 if ITEM == 2 else 0  # pool elements per 32-bit word of ``kc``: 2 (bf16) or 1
     HALF = D // 2
     THREADS = WARPS * 32
     ROWS = G + 2  # shared-array shapes must be plain constants
     ROPED = G + 1
+    NV = U * G
+    STAGE = STAGE_BYTES // (2 * D * ITEM)  # keys whose K and V rows are staged in shared memory
+    ROW_WORDS = D * ITEM // 4  # 32-bit words of one key's K (or V) row
+    ROW_CHUNKS = D * ITEM // 16  # its 16-byte copies
+    KV_WORDS = 2 * STAGE * ROW_WORDS  # the staged K rows, then the V rows
+    STAGE_COPIES = -(-2 * STAGE * ROW_CHUNKS // THREADS)  # 16-byte copies per thread
+    QKV_LOADS = -(-ROWS * D // THREADS)  # q/k/v values per thread
+    # Staged keys folded per warp step: more than the pool loop's U where registers allow (one step
+    # of 4 keys instead of two of 2: the warp's scores reduce in one butterfly).
+    US = 4 if G <= 4 else U
+    NVS = US * G
+    NORMS = 2 * D
     key_loop = make_key_loop(G, D, load_pair, load_quad, U, WARPS)
+    fold = make_key_fold(G, D, US)
+    staged_row = make_staged_row(ITEM, E)
     empty, stash, merged = make_warp_merge(G, D, WARPS)
 
     @cuda.jit(device=True, inline=True)
@@ -68,9 +114,105 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
             total += sh_x[a, d] * sh_x[b, d]
         return warp_sum(total)
 
-    def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
-                         row_table, positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift, split_ptr,
-                         n_splits, scale, has_bias, has_norm, eps):
+    @cuda.jit(device=True, inline=True)
+    def stage_keys(sh_kv, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start, staged, tid):
+        """Start copying the K and V rows of keys ``[start, start + staged)`` into ``sh_kv``."""
+        page_mask = (int64(1) << page_shift) - 1
+        # A fixed count of copies per thread, so the loop unrolls and the page lookups go out together.
+        for j in range(STAGE_COPIES):
+            i = tid + j * THREADS
+            chunk = i % ROW_CHUNKS
+            pair = i // ROW_CHUNKS  # (key, K or V)
+            slot = pair >> 1
+            kv = pair & 1
+            if slot < staged:
+                t = start + slot
+                page = int64(page_tables[table + (t >> page_shift)])
+                element = page * page_stride + head_off + kv * v_off + (t & page_mask) * D + chunk * (16 // ITEM)
+                copy_async_16(sh_kv, (kv * STAGE + slot) * ROW_WORDS + chunk * 4, kc, element >> WORD_SHIFT)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_floats(dst, dst_at, src, src_at, count, tid):
+        """Start copying ``count`` (a multiple of 4) fp32 values into shared memory."""
+        for i in range(tid, count >> 2, THREADS):
+            copy_async_16(dst, dst_at + 4 * i, src, src_at + 4 * i)
+
+    @cuda.jit(device=True, inline=True)
+    def staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale):
+        """The warp's share of the staged keys, US consecutive keys a step."""
+        s = cuda.local.array((US, G), float32)
+        vals = cuda.local.array(NVS, float32)
+        kb = cuda.local.array((US, E), float32)
+        vb = cuda.local.array((US, E), float32)
+        for t0 in range(warp * US, staged, WARPS * US):
+            for u in range(US):
+                slot = min(t0 + u, staged - 1)  # past the end: any staged row, ``fold`` gives it no weight
+                staged_row(kb, u, sh_kv, slot * ROW_WORDS, lane)
+                staged_row(vb, u, sh_kv, (STAGE + slot) * ROW_WORDS, lane)
+            fold(q, acc, m, l, kb, vb, s, vals, t0, staged, lane, scale)
+
+    @cuda.jit(device=True, inline=True)
+    def merge_splits(sh_pm, sh_pl, sh_sum, sh_o, acc, part_o, part_ml, out, head0, n_splits, active, warp, lane, tid):
+        """The last block's merge of the ``active`` splits' partials of its heads ``head0 + g`` (cells
+        ``(head0 + g) * n_splits + split``): every partial's max and sum into shared memory, then each split's factor
+        ``exp(m - max)`` and the heads' sums, then each warp adds up whole rows of every WARPS-th split
+        (G rows a split, all loads in flight) and the warps meet in shared memory."""
+        cell0 = head0 * n_splits
+        for i in range(tid, G * active, THREADS):
+            g = i // active
+            sp = i - g * active
+            cell = cell0 + g * n_splits + sp
+            sh_pm[g, sp] = part_ml[cell * 2]
+            sh_pl[g, sp] = part_ml[cell * 2 + 1]
+        cuda.syncthreads()
+        for g in range(warp, G, WARPS):
+            top = NEG_BIG
+            for sp in range(lane, active, 32):
+                if sh_pl[g, sp] > float32(0.0):
+                    top = max(top, sh_pm[g, sp])
+            top = warp_max(top)
+            total = float32(0.0)
+            for sp in range(lane, active, 32):
+                f = math.exp(sh_pm[g, sp] - top) if sh_pl[g, sp] > float32(0.0) else float32(0.0)
+                sh_pm[g, sp] = f  # the split's factor from here on
+                total += sh_pl[g, sp] * f
+            total = warp_sum(total)
+            if lane == 0:
+                sh_sum[g] = total
+        cuda.syncthreads()
+        for g in range(G):
+            for e in range(E):
+                acc[g, e] = float32(0.0)
+        for sp0 in range(warp, active, 2 * WARPS):  # two splits a step: 2 * G rows' loads in flight
+            for k in range(2):
+                sp = min(sp0 + k * WARPS, active - 1)
+                for g in range(G):
+                    f = sh_pm[g, sp] if sp0 + k * WARPS < active else float32(0.0)
+                    at = (cell0 + g * n_splits + sp) * D + lane * E
+                    for e in range(E):
+                        acc[g, e] += f * part_o[at + e]
+        for g in range(G):
+            for e in range(E):
+                sh_o[warp, g, lane * E + e] = acc[g, e]
+        cuda.syncthreads()
+        for idx in range(tid, G * D, THREADS):
+            g = idx // D
+            d = idx % D
+            oo = float32(0.0)
+            for w in range(WARPS):
+                oo += sh_o[w, g, d]
+            out[(head0 + g) * D + d] = oo / sh_sum[g]
+
+    @cuda.jit(device=True, inline=True)
+    def mark(trace, point):
+        if TRACE and cuda.threadIdx.x == 0:
+            block = (cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x
+            trace[block * len(TRACE_POINTS) + point] = global_timer()
+
+    @cuda.jit(device=True, inline=True)
+    def body(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages, row_table,
+             positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift, split_ptr, n_splits, scale,
+             has_bias, has_norm, eps, trace):
         # Rows 0..G-1: the query heads; G: the new key; G + 1: the new value.
         sh_x = cuda.shared.array((ROWS, D), float32)
         sh_inv = cuda.shared.array(ROPED, float32)
@@ -79,6 +221,12 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
+        sh_pm = cuda.shared.array((G, MAX_SPLITS), float32)  # the merge: each split's max, then its factor
+        sh_pl = cuda.shared.array((G, MAX_SPLITS), float32)
+        sh_sum = cuda.shared.array(G, float32)
+        sh_kv = cuda.shared.array(KV_WORDS, uint32, alignment=16)
+        sh_rope = cuda.shared.array(D, float32, alignment=16)  # cos, then sin, at the new position
+        sh_norm = cuda.shared.array(NORMS, float32, alignment=16)  # q_norm, then k_norm
         kvh = cuda.blockIdx.x
         row = cuda.blockIdx.y
         split = cuda.blockIdx.z
@@ -86,43 +234,66 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         warp = tid >> 5
         lane = tid & 31
         # Latency-bound and few blocks: let the output projection's blocks come in at once (common.py,
-        # "programmatic dependent launch"). The step's inputs (positions, pages, split) and the keys
-        # and values already in the pool do not depend on the previous kernel: with ``split_ptr[1]``
-        # set (the step's keys fit in L2), ask L2 for this split's pages before waiting for the q/k/v.
+        # "programmatic dependent launch"). Nothing the previous kernel writes is needed to find this
+        # split's keys, and the keys already in the pool, the rotary tables and the norm weights are
+        # not written in this step: start copying the split's first STAGE keys and those vectors into
+        # shared memory, and (``split_ptr[1]``: the step's keys fit in L2) ask L2 for the rest, then
+        # wait for the q/k/v. Launched in order, the copies still run under the q/k/v loads.
+        mark(trace, 0)
         launch_dependents()
         pos = positions[row]
         length = pos + 1
         split_len = split_ptr[0]  # a step input, so one captured graph serves every context length
         start = split * split_len
-        if split_ptr[1] != 0 and start < length:
-            first = start >> page_shift
-            pages = ((min(start + split_len, length) - 1) >> page_shift) - first + 1
-            for i in range(tid, 2 * pages, THREADS):  # the K, then the V rows of each page
-                page = int64(page_tables[row_table[row] * max_pages + first + (i >> 1)])
-                at = page * page_stride + ((int64(kvh) + (i & 1) * n_kv) << page_shift) * D
-                prefetch_l2(kc, at >> WORD_SHIFT, (D << page_shift) * ITEM)
+        end = min(start + split_len, length)
+        owner = end == length  # this block appends the new token's K/V
+        old_end = end - 1 if owner else end  # the keys already in the pool
+        staged = max(0, min(old_end - start, STAGE))
+        table = row_table[row] * max_pages
+        page = int64(page_tables[table + (pos >> page_shift)])  # where the new token's K/V go
+        head_off = (int64(kvh) << page_shift) * D
+        v_off = (int64(n_kv) << page_shift) * D
+        if start < length:
+            stage_keys(sh_kv, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start, staged, tid)
+            stage_floats(sh_rope, 0, cos_t, pos * HALF, HALF, tid)
+            stage_floats(sh_rope, HALF, sin_t, pos * HALF, HALF, tid)
+            if has_norm != 0:
+                stage_floats(sh_norm, 0, q_norm, 0, D, tid)
+                stage_floats(sh_norm, D, k_norm, 0, D, tid)
+            rest = start + staged
+            if split_ptr[1] != 0 and rest < old_end:
+                first = rest >> page_shift
+                pages = ((old_end - 1) >> page_shift) - first + 1
+                for i in range(tid, 2 * pages, THREADS):  # the K, then the V rows of each page
+                    page = int64(page_tables[table + first + (i >> 1)])
+                    at = page * page_stride + head_off + (i & 1) * v_off
+                    prefetch_l2(kc, at >> WORD_SHIFT, (D << page_shift) * ITEM)
+        mark(trace, 1)
         grid_dependency_wait()
+        mark(trace, 2)
         if start >= length:
             return  # neither a ticket nor a partial: ``active`` counts only the splits that hold keys
-        end = min(start + split_len, length)
         active = min(n_splits, (length + split_len - 1) // split_len)
-        owner = end == length  # this block appends the new token's K/V
         slots = G + 2 if owner else G
         width = (n_heads + 2 * n_kv) * D
-        for idx in range(tid, slots * D, THREADS):
+        for j in range(QKV_LOADS):  # a fixed count per thread: the loads go out together
+            idx = tid + j * THREADS
             slot = idx // D
             d = idx % D
-            if slot < G:
-                col = (kvh * G + slot) * D + d
-            elif slot == G:
-                col = (n_heads + kvh) * D + d
-            else:
-                col = (n_heads + n_kv + kvh) * D + d
-            x = qkv[row * width + col]
-            if has_bias != 0:
-                x += bias[col]
-            sh_x[slot, d] = x
-        cuda.syncthreads()
+            if slot < slots:
+                if slot < G:
+                    col = (kvh * G + slot) * D + d
+                elif slot == G:
+                    col = (n_heads + kvh) * D + d
+                else:
+                    col = (n_heads + n_kv + kvh) * D + d
+                x = qkv[row * width + col]
+                if has_bias != 0:
+                    x += bias[col]
+                sh_x[slot, d] = x
+        copy_async_wait()
+        cuda.syncthreads()  # the q/k/v and every thread's staged copies
+        mark(trace, 3)
         roped = G + 1 if owner else G  # q heads, then the key
         if has_norm != 0:
             for slot in range(warp, roped, WARPS):
@@ -130,10 +301,9 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
                 if lane == 0:
                     sh_inv[slot] = float32(1.0) / math.sqrt(ss / float32(D) + eps)
             cuda.syncthreads()
-        page = int64(page_tables[row_table[row] * max_pages + (pos >> page_shift)])
         slot_off = (int64(kvh) << page_shift) + (pos & ((1 << page_shift) - 1))
         k_dst = page * page_stride + slot_off * D
-        v_dst = k_dst + (int64(n_kv) << page_shift) * D
+        v_dst = k_dst + v_off
         for idx in range(tid, roped * HALF, THREADS):
             slot = idx // HALF
             i = idx % HALF
@@ -141,14 +311,11 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
             b = sh_x[slot, i + HALF]
             if has_norm != 0:
                 inv = sh_inv[slot]
-                if slot < G:
-                    a = a * inv * q_norm[i]
-                    b = b * inv * q_norm[i + HALF]
-                else:
-                    a = a * inv * k_norm[i]
-                    b = b * inv * k_norm[i + HALF]
-            c = cos_t[pos * HALF + i]
-            s = sin_t[pos * HALF + i]
+                at = 0 if slot < G else D
+                a = a * inv * sh_norm[at + i]
+                b = b * inv * sh_norm[at + i + HALF]
+            c = sh_rope[i]
+            s = sh_rope[HALF + i]
             a, b = a * c - b * s, b * c + a * s
             if slot == G:  # the new key: into the pool, and kept as the pool holds it
                 store(kw, k_dst + i, a)
@@ -171,16 +338,17 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         for g in range(G):
             for e in range(E):
                 q[g, e] = sh_x[g, lane * E + e]
-        head_off = (int64(kvh) << page_shift) * D
-        v_off = (int64(n_kv) << page_shift) * D
-        key_loop(q, acc, m, l, kc, page_stride, page_tables, row_table[row] * max_pages, page_shift, head_off, v_off,
-                 start, end - 1 if owner else end, warp, lane, scale)
+        mark(trace, 4)
+        staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale)
+        key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start + staged,
+                 old_end, warp, lane, scale)
         if owner:
             for g in range(warp, G, WARPS):
                 dot = row_dot(sh_x, g, G, lane)
                 if lane == 0:
                     sh_s[g] = dot * scale
         stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)  # syncs the block (sh_s too)
+        mark(trace, 5)
         for idx in range(tid, G * D, THREADS):
             g = idx // D
             d = idx % D
@@ -202,6 +370,7 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
                 if d == 0:
                     part_ml[cell * 2] = mm
                     part_ml[cell * 2 + 1] = ll
+        mark(trace, 6)
         if active == 1:
             return
         # The last block to finish merges: publish this block's partial, then take a ticket.
@@ -213,41 +382,29 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
             if ticket == active - 1:
                 counters[row * n_kv + kvh] = 0  # every other split has its ticket: ready for the next launch
         cuda.syncthreads()
+        mark(trace, 7)
         if sh_last[0] == 0:
             return
         cuda.threadfence()
-        ms = cuda.local.array(MERGE_BATCH, float32)
-        ls = cuda.local.array(MERGE_BATCH, float32)
-        os_ = cuda.local.array(MERGE_BATCH, float32)
-        for idx in range(tid, G * D, THREADS):
-            g = idx // D
-            d = idx % D
-            cell0 = (row * n_heads + kvh * G + g) * n_splits
-            mm = NEG_BIG
-            ll = float32(0.0)
-            oo = float32(0.0)
-            for sp0 in range(0, active, MERGE_BATCH):
-                m_new = mm
-                for j in range(MERGE_BATCH):
-                    ms[j] = NEG_BIG
-                    ls[j] = float32(0.0)
-                    os_[j] = float32(0.0)
-                    if sp0 + j < active:
-                        ms[j] = part_ml[(cell0 + sp0 + j) * 2]
-                        ls[j] = part_ml[(cell0 + sp0 + j) * 2 + 1]
-                        os_[j] = part_o[(cell0 + sp0 + j) * D + d]
-                        m_new = max(m_new, ms[j])
-                alpha = math.exp(mm - m_new)
-                ll *= alpha
-                oo *= alpha
-                for j in range(MERGE_BATCH):
-                    f = math.exp(ms[j] - m_new) if ls[j] > float32(0.0) else float32(0.0)
-                    ll += ls[j] * f
-                    oo += os_[j] * f
-                mm = m_new
-            out[(row * n_heads + kvh * G + g) * D + d] = oo / ll
+        merge_splits(sh_pm, sh_pl, sh_sum, sh_o, acc, part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active,
+                     warp, lane, tid)
+        mark(trace, 8)
 
-    return decode_attention
+    def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
+                         row_table, positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift, split_ptr,
+                         n_splits, scale, has_bias, has_norm, eps):
+        body(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages, row_table,
+             positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift, split_ptr, n_splits, scale,
+             has_bias, has_norm, eps, counters)
+
+    def decode_attention_traced(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
+                                row_table, positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift,
+                                split_ptr, n_splits, scale, has_bias, has_norm, eps, trace):
+        body(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages, row_table,
+             positions, out, part_o, part_ml, counters, n_heads, n_kv, page_shift, split_ptr, n_splits, scale,
+             has_bias, has_norm, eps, trace)
+
+    return decode_attention_traced if TRACE else decode_attention
 
 
 # Keys in flight per warp and warps per block where a shape has a tuned choice (tools/bench_decode_step.py
@@ -269,4 +426,4 @@ for _g, _d in VARIANTS:
         _u, _warps = BLOCKS.get((_g, _d, _dtype), (keys_in_flight(_g, _d), 4))
         KERNELS[f"decode_attention_g{_g}_d{_d}_{_dtype}"] = (
             make_decode_attention(_g, _d, _pair, _quad, _store, _as_stored, _u, _warps, _item), _signature(_read, _write),
-            {"threads": 32 * _warps, "grid_wait": 1})
+            {"threads": 32 * _warps, "grid_wait": 1, "max_splits": MAX_SPLITS})

@@ -4,6 +4,8 @@ needs more splits would drop keys."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 fw = pytest.importorskip("ninfer.backends.cuda.forward")
@@ -15,6 +17,17 @@ def test_every_split_length_fits_the_grid(row_blocks):
         for split in (fw.decode_split(length, row_blocks), fw.split_length(length, fw.MAX_DECODE_SPLITS)):
             assert split % fw.MIN_SPLIT == 0 and split >= fw.MIN_SPLIT
             assert -(-length // split) <= fw.MAX_DECODE_SPLITS, (length, row_blocks, split)
+
+
+def test_decode_attention_merges_as_many_splits_as_the_grid_holds():
+    """The last block of a split row merges every split's max and sum in shared memory sized by the
+    kernel's ``max_splits`` (the manifest): the policy must never ask for more."""
+    import json
+
+    manifest = json.loads((Path(__file__).resolve().parent.parent / "ptx" / "manifest.json").read_text())
+    merged = [entry["meta"]["max_splits"] for name, entry in manifest["kernels"].items()
+              if name.startswith("decode_attention_")]
+    assert merged and min(merged) >= fw.MAX_DECODE_SPLITS
 
 
 def test_the_measured_choices():
