@@ -14,8 +14,17 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   (``row_pair`` remembers where), and cuts every expert's range into chunks of at most ``chunk``
   pairs ``(expert, first pair, count)``; the shared expert's pairs follow as chunks of expert -1.
   Launch: grid ``(1,)``, block ``PLAN_THREADS``; ``n_experts <= MAX_EXPERTS``.
-- ``moe_route``: both of the above in one block (warps take rows, a barrier, then the plan): one
-  launch for a decode step's few rows. Launch: grid ``(1,)``, block ``ROUTE_THREADS``.
+- ``moe_route``: both of the above in one block for a decode step's few rows (``rows <= ROUTE_ROWS``),
+  latency first. Warp r takes row r: lane l holds the probabilities of experts ``l + 32 i`` in
+  registers, computed once (the same fp32 values and sum order as ``moe_topk``); each of the
+  ``top_k`` rounds is a warp argmax of the lanes' bests (two ``redux.sync`` on the fp32 bits: the
+  largest probability, then the lowest id holding it), after which the winner's lane knocks it out
+  and reruns its 5-deep tournament over its slots. Meanwhile every thread of the block takes 4
+  elements of the shared-gate dot for all rows (warp sums, then a fixed-order sum over the warps in
+  shared memory). The picks stay in shared memory for the plan: thread p places pair p after the
+  pairs of lower experts and the earlier pairs of its own (a count over all picks: no counters to
+  clear, no atomics), a barrier, then each expert's first pair writes its chunks; two barriers in
+  all. Launch: grid ``(1,)``, block ``ROUTE_THREADS``.
 - ``moe_{gate_up,down}_{d,p}``: the grouped GEMM, one block per (output tile, chunk), the chunk's
   expert weights streamed once for all its pairs. It is ``mma.sync`` m16n8k16 with the weights as
   the A operand (16 output features x 16 k) and up to 8 pairs' activations as B (k x 8 pairs); the
@@ -35,15 +44,28 @@ from __future__ import annotations
 import math
 
 from numba import cuda, float32, int32, int64, uint32
+from numba.cuda import libdevice
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_to_f32, grid_dependency_wait, launch_dependents,
-                                  load_f32x4, load_u64x2, warp_sum)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
+                                  launch_dependents, load_f32x4, load_u32x2, load_u64x2, warp_max_i32, warp_min_i32,
+                                  warp_sum)
 from numba_kernels.gemm import make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
 PLAN_THREADS = 1024
 ROUTE_THREADS = 512  # moe_route needs more registers than 1024 threads may have
+ROUTE_WARPS = ROUTE_THREADS // 32
+ROUTE_ROWS = 8  # moe_route's most rows: decode's (GEMV_MAX_ROWS); its shared tables are sized by it
+MAX_TOP_K = 32  # one lane of the row's warp per pick
+SLOTS = MAX_EXPERTS // 32  # probabilities a lane of moe_route holds in registers: experts lane + 32 i
+SLOT_GROUP = 8  # slots moe_route loads and exponentiates without a branch (256 experts: one group)
+SLOT_GROUPS = SLOTS // SLOT_GROUP
+TOURNAMENT = 2 * SLOTS  # nodes of a lane's tournament over its slots, in heap order (node 0 unused)
+GATE_SPAN = 4  # hidden elements a thread takes per step of moe_route's shared-gate dot (8 bytes of bf16)
+KNOCKED = float32(-1.0)  # below every probability: an expert already picked
+ROUTE_PICKS = ROUTE_ROWS * MAX_TOP_K  # moe_route's most routed pairs
+assert ROUTE_PICKS + ROUTE_ROWS <= ROUTE_THREADS  # moe_route: a thread per pair and per shared pair
 COMBINE_THREADS = 256
 
 
@@ -186,23 +208,245 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
                topk_ids, topk_w, rows, top_k, n_experts, chunk)
 
 
+# -- moe_route: decode routing and plan in one block -------------------------------------------------
+
+@cuda.jit(device=True)
+def load_logits(probs, logits, r, lane, n_experts):
+    """Row ``r``'s logits into the lane's slots (slot i: expert ``lane + 32 i``; absent ones NEG_BIG).
+    A group of SLOT_GROUP slots loads with no branch (absent experts read a clamped, valid address),
+    so its loads are all in flight at once; a group wholly past the experts is skipped."""
+    base = int64(r) * n_experts
+    for i in range(SLOTS):  # constant bounds, fully unrolled: the slots stay in registers
+        probs[i] = NEG_BIG
+    for g in range(SLOT_GROUPS):
+        if 32 * SLOT_GROUP * g < n_experts:
+            for j in range(SLOT_GROUP):
+                i = SLOT_GROUP * g + j
+                e = lane + 32 * i
+                v = logits[base + min(e, n_experts - 1)]
+                probs[i] = v if e < n_experts else NEG_BIG
+
+
+@cuda.jit(device=True)
+def softmax_slots(probs, lane, n_experts):
+    """The slots' logits become ``exp(logit - max) / sum`` in place, the same fp32 values as
+    ``route_row`` (each lane sums its experts in id order, then the warp). Absent experts of a live
+    group get 0: it never changes the sum, and on a tie they lose to every real expert (their ids are
+    higher), so they need no mark; a group wholly past the experts is skipped and keeps NEG_BIG.
+    A group's exps and divisions have no branch between them, so they overlap."""
+    m = NEG_BIG
+    for i in range(SLOTS):
+        m = max(m, probs[i])
+    for offset in (16, 8, 4, 2, 1):
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, offset))
+    s = float32(0.0)
+    for g in range(SLOT_GROUPS):
+        if 32 * SLOT_GROUP * g < n_experts:
+            for j in range(SLOT_GROUP):
+                i = SLOT_GROUP * g + j
+                v = math.exp(probs[i] - m)
+                probs[i] = v if lane + 32 * i < n_experts else float32(0.0)
+                s += probs[i]
+    s = warp_sum(s)
+    for g in range(SLOT_GROUPS):
+        if 32 * SLOT_GROUP * g < n_experts:
+            for j in range(SLOT_GROUP):
+                i = SLOT_GROUP * g + j
+                probs[i] = probs[i] / s
+
+
+@cuda.jit(device=True)
+def lane_best(probs, lane):
+    """The lane's most probable expert left, ties to the lower id: a tournament in heap order (node k
+    the winner of 2k and 2k + 1, leaves ``SLOTS + i`` the slots), 5 rounds deep instead of a chain of
+    32 compares. Node 2k's leaves hold lower ids than 2k + 1's, so a strict ``>`` keeps a tie on the
+    lower id."""
+    p = cuda.local.array(TOURNAMENT, float32)
+    at = cuda.local.array(TOURNAMENT, int32)
+    for i in range(SLOTS):
+        p[SLOTS + i] = probs[i]
+        at[SLOTS + i] = i
+    for k in range(SLOTS - 1, 0, -1):  # constant bounds, fully unrolled: registers
+        right = p[2 * k + 1] > p[2 * k]
+        p[k] = p[2 * k + 1] if right else p[2 * k]
+        at[k] = at[2 * k + 1] if right else at[2 * k]
+    return p[1], int32(lane + 32 * at[1])
+
+
+@cuda.jit(device=True)
+def warp_argmax(p, e):
+    """The warp's largest ``p``, ties to the lowest ``e``. For p >= 0 the fp32 bit patterns order as
+    signed integers do, and KNOCKED's and NEG_BIG's are negative, so two integer warp reductions
+    decide it."""
+    bits = libdevice.float_as_int(p)
+    top = warp_max_i32(bits)
+    winner = warp_min_i32(e if bits == top else int32(0x7FFFFFFF))
+    return libdevice.int_as_float(top), winner
+
+
+@cuda.jit(device=True)
+def knock_out(probs, slot):
+    """Drop a picked expert: its slot falls below every probability."""
+    for i in range(SLOTS):  # a select each: conditional stores fold back into probs[slot] (local memory)
+        probs[i] = KNOCKED if i == slot else probs[i]
+
+
+@cuda.jit(device=True)
+def pick_row(probs, r, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w):
+    """Row ``r``'s ``top_k`` picks from the warp's probabilities: each round the warp argmax of the
+    lanes' bests, then the owner knocks its winner out and finds its next best. Lane j keeps pick j
+    and writes it to global memory (the result) and to shared memory (the plan's input)."""
+    best_p, best_e = lane_best(probs, lane)
+    total = float32(0.0)
+    mine_p = float32(0.0)
+    mine_e = int32(0)
+    for slot in range(top_k):
+        p, e = warp_argmax(best_p, best_e)
+        if lane == slot:
+            mine_p = p
+            mine_e = e
+        total += p  # in pick order, as route_row sums
+        if (e & 31) == lane:
+            knock_out(probs, e >> 5)
+            best_p, best_e = lane_best(probs, lane)
+    if lane < top_k:
+        at = r * top_k + lane
+        w = mine_p / total if renormalise != 0 else mine_p
+        topk_ids[at] = mine_e
+        topk_w[at] = w
+        pick_ids[at] = mine_e
+        pick_w[at] = w
+
+
+@cuda.jit(device=True)
+def gate_partials(part, x, shared_gate, rows, hidden):
+    """This thread's share of every row's ``shared_gate . x``: 4 elements a step over the whole
+    block, the gate's 4 read once for all rows. Every row's load goes out before the first use; rows
+    past ``rows`` reread the last row (no branch, a valid address) and their sums go unused."""
+    xs = cuda.local.array((ROUTE_ROWS, GATE_SPAN), float32)
+    for r in range(ROUTE_ROWS):
+        part[r] = float32(0.0)
+    h = GATE_SPAN * cuda.threadIdx.x
+    while h < hidden:  # not a stepped range: its trip count costs a 64-bit division before the loads
+        w01, w23 = load_u32x2(shared_gate, h)  # h % 4 == 0: 8-byte aligned
+        for r in range(ROUTE_ROWS):  # hidden % 8 == 0: 16-byte aligned
+            xs[r, 0], xs[r, 1], xs[r, 2], xs[r, 3] = load_f32x4(x, int64(min(r, rows - 1)) * hidden + h)
+        g0, g1, g2, g3 = bf16_lo(w01), bf16_hi(w01), bf16_lo(w23), bf16_hi(w23)
+        for r in range(ROUTE_ROWS):
+            part[r] += xs[r, 0] * g0 + xs[r, 1] * g1 + xs[r, 2] * g2 + xs[r, 3] * g3
+        h += GATE_SPAN * cuda.blockDim.x
+
+
+@cuda.jit(device=True)
+def store_gate_partials(gate_red, part, warp, lane):
+    """The warp's sums of the thread shares into ``gate_red[warp]``: all rows' shuffle chains first,
+    with no branch between them, so they interleave."""
+    for r in range(ROUTE_ROWS):
+        part[r] = warp_sum(part[r])
+    if lane == 0:
+        for r in range(ROUTE_ROWS):
+            gate_red[warp, r] = part[r]
+
+
+@cuda.jit(device=True)
+def shared_pair(gate_red, pair_row, pair_weight, r, rows, top_k):
+    """Row ``r``'s shared-expert pair, weighted ``sigmoid(shared_gate . x)`` (warp sums in warp order)."""
+    dot = float32(0.0)
+    for w in range(cuda.blockDim.x >> 5):
+        dot += gate_red[w, r]
+    pair = rows * top_k + r
+    pair_row[pair] = r
+    pair_weight[pair] = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * dot)
+
+
+@cuda.jit(device=True)
+def place_pair(p, pick_ids, pick_w, first_chunks, pair_row, pair_weight, row_pair, pairs, top_k, chunk):
+    """Pair ``p``'s place in expert order, from all picks in shared memory: after every pair of a lower
+    expert and every earlier pair of its own (no counters to clear, no atomics, a deterministic
+    order). The expert's first pair records its chunk count in ``first_chunks``; the rest record 0.
+    Returns (expert, its first place, its pair count, whether ``p`` is its first pair)."""
+    mine = pick_ids[p]
+    lower = 0
+    count = 0
+    earlier = 0
+    for q in range(pairs):
+        e = pick_ids[q]
+        if e < mine:
+            lower += 1
+        elif e == mine:
+            count += 1
+            if q < p:
+                earlier += 1
+    at = lower + earlier
+    pair_row[at] = p // top_k
+    pair_weight[at] = pick_w[p]
+    row_pair[p] = at
+    first_chunks[p] = (count + chunk - 1) // chunk if earlier == 0 else 0
+    return mine, lower, count, earlier == 0
+
+
+@cuda.jit(device=True)
+def expert_chunks(chunks, q, expert, start, count, chunk):
+    """Cut an expert's ``count`` pairs from ``start`` into chunks ``q, q + 1, ...`` of at most ``chunk``."""
+    for first in range(0, count, chunk):
+        chunks[3 * q] = expert
+        chunks[3 * q + 1] = start + first
+        chunks[3 * q + 2] = min(chunk, count - first)
+        q += 1
+
+
+@cuda.jit(device=True)
+def write_chunks(p, mine, lower, count, first, pick_ids, first_chunks, chunks, n_chunks, pairs, rows, chunk):
+    """Pair ``p``'s part of the chunk list: its expert's chunks if it is the expert's first pair (they
+    follow the chunks of every lower expert), shared chunk ``p`` after all routed ones, the count."""
+    below = 0
+    routed = 0
+    for q in range(pairs):
+        c = first_chunks[q]
+        routed += c
+        if pick_ids[q] < mine:
+            below += c
+    if first:
+        expert_chunks(chunks, below, mine, lower, count, chunk)
+    shared = (rows + chunk - 1) // chunk  # <= rows <= pairs: threads p < pairs cover them
+    if p < shared:
+        expert_chunks(chunks, routed + p, -1, pairs + p * chunk, min(chunk, rows - p * chunk), chunk)
+    if p == 0:
+        n_chunks[0] = routed + shared
+
+
 def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
               n_experts, hidden, top_k, renormalise, chunk):
-    """``moe_topk`` and ``moe_plan`` in one block (decode: a few rows, one launch instead of two)."""
+    """``moe_topk`` and ``moe_plan`` in one block (decode: ``rows <= ROUTE_ROWS``, one launch)."""
     launch_dependents()  # programmatic dependent launch: common.py
     grid_dependency_wait()
-    counts = cuda.shared.array(MAX_EXPERTS, int32)
-    fill = cuda.shared.array(MAX_EXPERTS, int32)
-    starts = cuda.shared.array(MAX_EXPERTS, int32)
-    chunk_starts = cuda.shared.array(MAX_EXPERTS, int32)
-    routed_chunks = cuda.shared.array(1, int32)
-    lane = cuda.threadIdx.x & 31
-    for r in range(cuda.threadIdx.x >> 5, rows, cuda.blockDim.x >> 5):
-        route_row(r, lane, topk_ids, topk_w, pair_row, pair_weight, logits, x, shared_gate, rows, n_experts, hidden,
-                  top_k, renormalise)
-    cuda.syncthreads()  # the picks in global memory are visible to the whole block after the barrier
-    plan_pairs(counts, fill, starts, chunk_starts, routed_chunks, chunks, n_chunks, pair_row, pair_weight, row_pair,
-               topk_ids, topk_w, rows, top_k, n_experts, chunk)
+    gate_red = cuda.shared.array((ROUTE_WARPS, ROUTE_ROWS), float32)
+    pick_ids = cuda.shared.array(ROUTE_PICKS, int32)
+    pick_w = cuda.shared.array(ROUTE_PICKS, float32)
+    first_chunks = cuda.shared.array(ROUTE_PICKS, int32)
+    tid = cuda.threadIdx.x
+    lane = tid & 31
+    warp = tid >> 5
+    probs = cuda.local.array(SLOTS, float32)
+    if warp < rows:  # warp r routes row r; its logit loads are in flight during the gate's
+        load_logits(probs, logits, warp, lane, n_experts)
+    part = cuda.local.array(ROUTE_ROWS, float32)
+    gate_partials(part, x, shared_gate, rows, hidden)
+    store_gate_partials(gate_red, part, warp, lane)
+    if warp < rows:
+        softmax_slots(probs, lane, n_experts)
+        pick_row(probs, warp, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w)
+    cuda.syncthreads()  # picks and gate sums visible to the block
+    pairs = rows * top_k
+    mine, lower, count, first = int32(0), 0, 0, False  # what pair tid's thread keeps across the barrier
+    if tid < pairs:  # thread p places pair p (pairs <= ROUTE_PICKS < the block)
+        mine, lower, count, first = place_pair(tid, pick_ids, pick_w, first_chunks, pair_row, pair_weight,
+                                               row_pair, pairs, top_k, chunk)
+    elif tid < pairs + rows:  # the next rows threads: one shared pair each
+        shared_pair(gate_red, pair_row, pair_weight, tid - pairs, rows, top_k)
+    cuda.syncthreads()  # every expert's chunk count visible
+    if tid < pairs:
+        write_chunks(tid, mine, lower, count, first, pick_ids, first_chunks, chunks, n_chunks, pairs, rows, chunk)
 
 
 def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
@@ -384,7 +628,8 @@ KERNELS = {
     "moe_plan": (moe_plan, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, int32, int32, int32, int32),
                  {"threads": PLAN_THREADS, "max_experts": MAX_EXPERTS, "grid_wait": 1}),
     "moe_route": (moe_route, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32,
-                              int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS, "grid_wait": 1}),
+                              int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS, "max_rows": ROUTE_ROWS,
+                              "grid_wait": 1}),
     "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
 for _kind, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
