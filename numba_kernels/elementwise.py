@@ -24,37 +24,76 @@ def embed(out, table, tokens, hidden):
         out[row * hidden + i] = bf16_to_f32(table[tokens[row] * hidden + i])
 
 
+# Elements of a row each thread of a norm keeps in registers: with 1024 threads, rows up to 8192 wide
+# are read once, with every load of the thread in flight together (a decode step's norm is one block
+# a row, a chain of latencies); wider rows finish in a loop that reads x again.
+NORM_ITEMS = 8
+
+
+@cuda.jit(device=True, inline=True)
+def load_items(values, src, base, hidden):
+    """``values[j] = src[base + i]`` for the thread's items ``i = tid + j * blockDim`` (0 past ``hidden``)."""
+    for j in range(NORM_ITEMS):
+        i = cuda.threadIdx.x + j * cuda.blockDim.x
+        values[j] = src[base + i] if i < hidden else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def norm_store(out, x, xs, weight, ws, base, hidden, total, eps):
+    """``out = x / sqrt(mean(x^2) + eps) * weight`` from the thread's items, then any wider rest."""
+    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
+    for j in range(NORM_ITEMS):
+        i = cuda.threadIdx.x + j * cuda.blockDim.x
+        if i < hidden:
+            out[base + i] = xs[j] * inv * ws[j]
+    for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
+        out[base + i] = x[base + i] * inv * weight[i]
+
+
 def rmsnorm(out, x, weight, hidden, eps):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight."""
     launch_dependents()  # programmatic dependent launch: common.py
+    ws = cuda.local.array(NORM_ITEMS, float32)
+    load_items(ws, weight, 0, hidden)  # weights: no kernel of the step writes them, so before the wait
     grid_dependency_wait()
     scratch = cuda.shared.array(32, float32)
-    row = cuda.blockIdx.x
+    base = cuda.blockIdx.x * hidden
+    xs = cuda.local.array(NORM_ITEMS, float32)
+    load_items(xs, x, base, hidden)
     acc = float32(0.0)
-    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
-        v = x[row * hidden + i]
+    for j in range(NORM_ITEMS):
+        acc += xs[j] * xs[j]
+    for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
+        v = x[base + i]
         acc += v * v
-    total = block_sum(acc, scratch)
-    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
-    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
-        out[row * hidden + i] = x[row * hidden + i] * inv * weight[i]
+    norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
 
 
 def add_rmsnorm(x, delta, out, weight, hidden, eps):
     """Residual stream update then norm: x[r] += delta[r]; out[r] = rmsnorm(x[r]) * weight."""
     launch_dependents()  # programmatic dependent launch: common.py
+    ws = cuda.local.array(NORM_ITEMS, float32)
+    load_items(ws, weight, 0, hidden)
     grid_dependency_wait()
     scratch = cuda.shared.array(32, float32)
-    row = cuda.blockIdx.x
+    base = cuda.blockIdx.x * hidden
+    xs = cuda.local.array(NORM_ITEMS, float32)
+    ds = cuda.local.array(NORM_ITEMS, float32)
+    load_items(xs, x, base, hidden)
+    load_items(ds, delta, base, hidden)
     acc = float32(0.0)
-    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
-        v = x[row * hidden + i] + delta[row * hidden + i]
-        x[row * hidden + i] = v
+    for j in range(NORM_ITEMS):
+        i = cuda.threadIdx.x + j * cuda.blockDim.x
+        v = xs[j] + ds[j]
+        xs[j] = v
+        if i < hidden:
+            x[base + i] = v
         acc += v * v
-    total = block_sum(acc, scratch)
-    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
-    for i in range(cuda.threadIdx.x, hidden, cuda.blockDim.x):
-        out[row * hidden + i] = x[row * hidden + i] * inv * weight[i]
+    for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
+        v = x[base + i] + delta[base + i]
+        x[base + i] = v
+        acc += v * v
+    norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
 
 
 def silu_mul(out, gate_up, ffn):

@@ -151,3 +151,12 @@ def test_kv_prefetch_only_while_a_layer_of_keys_fits_the_budget():
     assert fwd.decode_prefetch(fits) and not fwd.decode_prefetch(fits + 1)
     fwd.kv_prefetch_bytes = 0
     assert not fwd.decode_prefetch(1)
+
+
+def test_decode_routing_takes_every_decode_row():
+    """``moe_route`` sizes its shared tables for ``max_rows`` rows (a warp a row); the MoE sends it
+    every step of up to GEMV_MAX_ROWS rows."""
+    from ninfer.backends.cuda.forward import GEMV_MAX_ROWS
+
+    manifest = json.loads((rt.PTX_DIR / "manifest.json").read_text())
+    assert manifest["kernels"]["moe_route"]["meta"]["max_rows"] >= GEMV_MAX_ROWS

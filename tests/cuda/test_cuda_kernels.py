@@ -129,7 +129,7 @@ def test_gemm_tiled_matches_numpy(gpu, rows, n, k):
     assert _err(gpu.get(y, np.float32, (rows, n)), want) < 1e-6
 
 
-@pytest.mark.parametrize("hidden", [4, 100, 4096])
+@pytest.mark.parametrize("hidden", [4, 100, 4096, 9000])  # 9000: past the items a thread keeps
 def test_norms_embed_silu(gpu, hidden):
     rng = np.random.default_rng(hidden)
     rows, vocab, eps = 5, 33, 1e-6
