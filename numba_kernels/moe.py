@@ -47,8 +47,8 @@ from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  launch_dependents, load_f32x4, load_u32x2, load_u64x2, warp_max_i32, warp_min_i32,
-                                  warp_sum)
+                                  launch_dependents, load_f32x4, load_u32x2, load_u64x2, warp_max, warp_max_i32,
+                                  warp_min_i32, warp_sum)
 from numba_kernels.gemm import make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
@@ -77,8 +77,7 @@ def route_row(r, lane, topk_ids, topk_w, pair_row, pair_weight, logits, x, share
     m = NEG_BIG
     for e in range(lane, n_experts, 32):
         m = max(m, logits[base + e])
-    for offset in (16, 8, 4, 2, 1):
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, offset))
+    m = warp_max(m)
     s = float32(0.0)
     for e in range(lane, n_experts, 32):
         s += math.exp(logits[base + e] - m)
@@ -237,8 +236,7 @@ def softmax_slots(probs, lane, n_experts):
     m = NEG_BIG
     for i in range(SLOTS):
         m = max(m, probs[i])
-    for offset in (16, 8, 4, 2, 1):
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, offset))
+    m = warp_max(m)
     s = float32(0.0)
     for g in range(SLOT_GROUPS):
         if 32 * SLOT_GROUP * g < n_experts:
