@@ -96,13 +96,9 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
     KV_WORDS = 2 * STAGE * ROW_WORDS  # the staged K rows, then the V rows
     STAGE_COPIES = -(-2 * STAGE * ROW_CHUNKS // THREADS)  # 16-byte copies per thread
     QKV_LOADS = -(-ROWS * D // THREADS)  # q/k/v values per thread
-    # Staged keys folded per warp step: more than the pool loop's U where registers allow (one step
-    # of 4 keys instead of two of 2: the warp's scores reduce in one butterfly).
-    US = 4 if G <= 4 else U
-    NVS = US * G
     NORMS = 2 * D
     key_loop = make_key_loop(G, D, load_pair, load_quad, U, WARPS)
-    fold = make_key_fold(G, D, US)
+    fold = make_key_fold(G, D, U)
     staged_row = make_staged_row(ITEM, E)
     empty, stash, merged = make_warp_merge(G, D, WARPS)
 
@@ -139,13 +135,14 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
 
     @cuda.jit(device=True, inline=True)
     def staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale):
-        """The warp's share of the staged keys, US consecutive keys a step."""
-        s = cuda.local.array((US, G), float32)
-        vals = cuda.local.array(NVS, float32)
-        kb = cuda.local.array((US, E), float32)
-        vb = cuda.local.array((US, E), float32)
-        for t0 in range(warp * US, staged, WARPS * US):
-            for u in range(US):
+        """The warp's share of the staged keys, U consecutive keys a step (as ``key_loop``: more would
+        cost registers, and at 3 blocks an SM the long-context batches need every one)."""
+        s = cuda.local.array((U, G), float32)
+        vals = cuda.local.array(NV, float32)
+        kb = cuda.local.array((U, E), float32)
+        vb = cuda.local.array((U, E), float32)
+        for t0 in range(warp * U, staged, WARPS * U):
+            for u in range(U):
                 slot = min(t0 + u, staged - 1)  # past the end: any staged row, ``fold`` gives it no weight
                 staged_row(kb, u, sh_kv, slot * ROW_WORDS, lane)
                 staged_row(vb, u, sh_kv, (STAGE + slot) * ROW_WORDS, lane)
@@ -250,7 +247,7 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         old_end = end - 1 if owner else end  # the keys already in the pool
         staged = max(0, min(old_end - start, STAGE))
         table = row_table[row] * max_pages
-        page = int64(page_tables[table + (pos >> page_shift)])  # where the new token's K/V go
+        append_page = int64(page_tables[table + (pos >> page_shift)])  # where the new token's K/V go
         head_off = (int64(kvh) << page_shift) * D
         v_off = (int64(n_kv) << page_shift) * D
         if start < length:
@@ -302,7 +299,7 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
                     sh_inv[slot] = float32(1.0) / math.sqrt(ss / float32(D) + eps)
             cuda.syncthreads()
         slot_off = (int64(kvh) << page_shift) + (pos & ((1 << page_shift) - 1))
-        k_dst = page * page_stride + slot_off * D
+        k_dst = append_page * page_stride + slot_off * D
         v_dst = k_dst + v_off
         for idx in range(tid, roped * HALF, THREADS):
             slot = idx // HALF
