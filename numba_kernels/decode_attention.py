@@ -9,18 +9,23 @@ are worth more than the work they did.
 ``decode_attention_g{G}_d{D}_{bf16|f32}``: grid ``(kv_heads, rows, n_splits)`` like ``attention_*``.
 Each block
 
+0. before it waits for the previous kernel (programmatic dependent launch, common.py), starts
+   ``cp.async`` copies into shared memory of its split's first STAGE keys' K and V rows, the rotary
+   row of the new position and the q/k norm weights (nothing the step's earlier kernels write), and
+   with ``split_ptr[1]`` asks L2 for the split's other keys;
 1. loads its row's ``G`` query heads (and, in the block whose split holds the row's position, the
    new key and value) from the fused qkv activation, and applies the optional bias, the optional
    per-head RMSNorm (Qwen3) and RoPE in shared memory, exactly as ``rope_kv`` does;
 2. the block holding the new token writes its K/V into the pool (rounded as the pool stores them)
    and keeps the rounded values: its key loop stops one short and the new key joins in the merge;
-3. runs the ``attention_*`` key loop over its split and merges its warps;
+3. folds the staged keys from shared memory and the rest of its split through the ``attention_*``
+   key loop, then merges its warps;
 4. with one split holding keys, writes the output; else writes its partial, and the last block of
    the (row, kv head) to finish (an atomic ticket in ``counters``, reset by that block) merges every
-   split's partial into the output.
+   split's partial into the output (``merge_splits``: maxima and sums first, then the partial rows).
 
-``split_ptr`` (step inputs): the split length, and whether blocks ask L2 for their split's keys and
-values before waiting for the previous kernel (set when the step's keys fit in L2).
+``split_ptr`` (step inputs): the split length, and whether blocks ask L2 for their split's unstaged
+keys and values before waiting for the previous kernel (set when the step's keys fit in L2).
 ``counters``: one int32 per (row, kv head), zero between launches. The pool is passed twice: as
 32-bit words (the key loop's vector loads) and as its element type (the append's stores).
 """

@@ -74,13 +74,14 @@ def capture_traced(runner, batch: int, traced, rt):
 
 
 def summarize(stamps: list[np.ndarray]) -> dict[str, tuple[float, float]]:
-    """Per point: (largest, median) microseconds after the layer's first block left its wait."""
+    """Per point: (largest, median) microseconds after the layer's first block left its wait. Only
+    stamps of the last replay count: the block that merges a row's splits changes between replays,
+    so a merge stamp may be left over from an earlier one (older than every start of this one)."""
     rows = {p: ([], []) for p in TRACE_POINTS}
     for layer in stamps[1:]:
-        active = layer[layer[:, 2] > 0]
-        zero = active[:, 2].min()
+        zero, first = int(layer[:, 2].min()), layer[:, 0].min()
         for i, point in enumerate(TRACE_POINTS):
-            t = active[:, i][active[:, i] > 0].astype(np.int64) - int(zero)
+            t = layer[:, i][layer[:, i] >= first].astype(np.int64) - zero
             if t.size:
                 rows[point][0].append(t.max() / 1e3)
                 rows[point][1].append(np.median(t) / 1e3)
