@@ -9,6 +9,8 @@ sampled after the last; the runner splits each chunk into sub-chunks of ``max_pr
 (set to the chunk here). Prints, per chunk size, tok/s for the whole prompt (median of ``--reps``),
 the share of that time spent in attention (the same prefill with the attention launches left out),
 TTFT of a 512-token prompt, and transformers eager's forward of the same prompt measured in this run.
+``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
+kernel recorded by CUPTI (torch.profiler), summed by kernel name.
 """
 
 from __future__ import annotations
@@ -31,17 +33,22 @@ from ninfer.backends.cuda.random_weights import random_device_weights  # noqa: E
 from ninfer.backends.runner import PrefillChunk, SamplingRow  # noqa: E402
 
 
-def prefill_seconds(runner, tokens: int, chunk: int, reps: int) -> float:
-    """Median wall time to prefill ``tokens`` in chunks of ``chunk`` and sample the first token."""
+def feed_prompt(runner, tokens: int, chunk: int) -> None:
+    """Prefill a ``tokens``-token prompt in chunks of ``chunk`` and sample the first token."""
     prompt = (np.arange(tokens) * 7919 % QWEN3_8B.vocab_size).astype(np.int32)
     table = np.arange(runner.buffers.max_pages, dtype=np.int32)
+    for start in range(0, tokens, chunk):
+        end = min(tokens, start + chunk)
+        runner.prefill(PrefillChunk(lane=0, tokens=prompt[start:end], start=start, page_table=table,
+                                    sample=SamplingRow() if end == tokens else None))
+
+
+def prefill_seconds(runner, tokens: int, chunk: int, reps: int) -> float:
+    """Median wall time to prefill ``tokens`` in chunks of ``chunk`` and sample the first token."""
     times = []
     for _ in range(reps + 1):  # the first pass plans cuBLASLt for these row counts
         t0 = time.perf_counter()
-        for start in range(0, tokens, chunk):
-            end = min(tokens, start + chunk)
-            runner.prefill(PrefillChunk(lane=0, tokens=prompt[start:end], start=start, page_table=table,
-                                        sample=SamplingRow() if end == tokens else None))
+        feed_prompt(runner, tokens, chunk)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
 
@@ -60,12 +67,37 @@ def without_attention(runner):
     return Skip()
 
 
+def kernel_profile(runner, tokens: int, chunk: int) -> dict:
+    """Device time of one prefill by kernel name (CUPTI through torch.profiler): us and launches."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        feed_prompt(runner, tokens, chunk)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "prefill.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        entry = totals.setdefault(e["name"][:60], [0.0, 0])
+        entry[0] += e["dur"]
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {"busy_us": sum(us for us, _ in totals.values()),
+            "kernels": {name: {"us": us, "launches": n} for name, (us, n) in ranked}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--chunks", default="512,1024,2048,4096,8192")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", choices=("eager", "none"), default="eager")
+    parser.add_argument("--profile", action="store_true", help="where one prefill's device time goes, by kernel")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import torch
@@ -93,6 +125,12 @@ def main(argv=None) -> int:
         report["prefill"].append(r)
         print(f"  chunks of {chunk}: {seconds * 1e3:.0f} ms = {r['tok_s']:.0f} tok/s "
               f"(attention {100 * r['attention_share']:.0f}%)", flush=True)
+    if args.profile:
+        profile = report["profile"] = kernel_profile(runner, args.tokens, max(chunks))
+        print(f"  device time by kernel (one prefill in chunks of {max(chunks)}): {profile['busy_us'] / 1e3:.1f} ms busy",
+              flush=True)
+        for name, e in list(profile["kernels"].items())[:16]:
+            print(f"    {name:60s} {e['us'] / 1e3:8.2f} ms  {e['launches']:5d} launches", flush=True)
     for tokens in (512, args.tokens):
         chunk = min(tokens, 1024)  # ninfer serve's default --prefill-chunk
         ttft = prefill_seconds(runner, tokens, chunk, args.reps)
