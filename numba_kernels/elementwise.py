@@ -12,6 +12,7 @@ from numba import cuda, float32, int32
 
 from numba_kernels.common import (F32P, I32P, U16P, bf16_to_f32, block_sum, f32_to_bf16, grid_dependency_wait,
                                   launch_dependents)
+from numba_kernels.rope import store_bf16, store_f32
 
 
 def embed(out, table, tokens, hidden):
@@ -38,77 +39,95 @@ def load_items(values, src, base, hidden):
         values[j] = src[base + i] if i < hidden else float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
-def norm_store(out, x, xs, weight, ws, base, hidden, total, eps):
-    """``out = x / sqrt(mean(x^2) + eps) * weight`` from the thread's items, then any wider rest."""
-    inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
-    for j in range(NORM_ITEMS):
-        i = cuda.threadIdx.x + j * cuda.blockDim.x
-        if i < hidden:
-            out[base + i] = xs[j] * inv * ws[j]
-    for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
-        out[base + i] = x[base + i] * inv * weight[i]
+def make_norm_store(store):
+    """``(out, x, xs, weight, ws, base, hidden, total, eps)``: ``out = x / sqrt(mean(x^2) + eps) *
+    weight`` through ``store`` from the thread's items, then any wider rest."""
+
+    @cuda.jit(device=True, inline=True)
+    def norm_store(out, x, xs, weight, ws, base, hidden, total, eps):
+        inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
+        for j in range(NORM_ITEMS):
+            i = cuda.threadIdx.x + j * cuda.blockDim.x
+            if i < hidden:
+                store(out, base + i, xs[j] * inv * ws[j])
+        for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
+            store(out, base + i, x[base + i] * inv * weight[i])
+
+    return norm_store
 
 
-def rmsnorm(out, x, weight, hidden, eps):
-    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight."""
-    launch_dependents()  # programmatic dependent launch: common.py
-    ws = cuda.local.array(NORM_ITEMS, float32)
-    load_items(ws, weight, 0, hidden)  # weights: no kernel of the step writes them, so before the wait
-    grid_dependency_wait()
-    scratch = cuda.shared.array(32, float32)
-    base = cuda.blockIdx.x * hidden
-    xs = cuda.local.array(NORM_ITEMS, float32)
-    load_items(xs, x, base, hidden)
-    acc = float32(0.0)
-    for j in range(NORM_ITEMS):
-        acc += xs[j] * xs[j]
-    for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
-        v = x[base + i]
-        acc += v * v
-    norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
+def make_rmsnorm(store):
+    norm_store = make_norm_store(store)
+
+    def rmsnorm(out, x, weight, hidden, eps):
+        """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight."""
+        launch_dependents()  # programmatic dependent launch: common.py
+        ws = cuda.local.array(NORM_ITEMS, float32)
+        load_items(ws, weight, 0, hidden)  # weights: no kernel of the step writes them, so before the wait
+        grid_dependency_wait()
+        scratch = cuda.shared.array(32, float32)
+        base = cuda.blockIdx.x * hidden
+        xs = cuda.local.array(NORM_ITEMS, float32)
+        load_items(xs, x, base, hidden)
+        acc = float32(0.0)
+        for j in range(NORM_ITEMS):
+            acc += xs[j] * xs[j]
+        for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
+            v = x[base + i]
+            acc += v * v
+        norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
+
+    return rmsnorm
 
 
-def add_rmsnorm(x, delta, out, weight, hidden, eps):
-    """Residual stream update then norm: x[r] += delta[r]; out[r] = rmsnorm(x[r]) * weight."""
-    launch_dependents()  # programmatic dependent launch: common.py
-    ws = cuda.local.array(NORM_ITEMS, float32)
-    load_items(ws, weight, 0, hidden)
-    grid_dependency_wait()
-    scratch = cuda.shared.array(32, float32)
-    base = cuda.blockIdx.x * hidden
-    xs = cuda.local.array(NORM_ITEMS, float32)
-    ds = cuda.local.array(NORM_ITEMS, float32)
-    load_items(xs, x, base, hidden)
-    load_items(ds, delta, base, hidden)
-    acc = float32(0.0)
-    for j in range(NORM_ITEMS):
-        i = cuda.threadIdx.x + j * cuda.blockDim.x
-        v = xs[j] + ds[j]
-        xs[j] = v
-        if i < hidden:
+def make_add_rmsnorm(store):
+    norm_store = make_norm_store(store)
+
+    def add_rmsnorm(x, delta, out, weight, hidden, eps):
+        """Residual stream update then norm: x[r] += delta[r]; out[r] = rmsnorm(x[r]) * weight."""
+        launch_dependents()  # programmatic dependent launch: common.py
+        ws = cuda.local.array(NORM_ITEMS, float32)
+        load_items(ws, weight, 0, hidden)
+        grid_dependency_wait()
+        scratch = cuda.shared.array(32, float32)
+        base = cuda.blockIdx.x * hidden
+        xs = cuda.local.array(NORM_ITEMS, float32)
+        ds = cuda.local.array(NORM_ITEMS, float32)
+        load_items(xs, x, base, hidden)
+        load_items(ds, delta, base, hidden)
+        acc = float32(0.0)
+        for j in range(NORM_ITEMS):
+            i = cuda.threadIdx.x + j * cuda.blockDim.x
+            v = xs[j] + ds[j]
+            xs[j] = v
+            if i < hidden:
+                x[base + i] = v
+            acc += v * v
+        for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
+            v = x[base + i] + delta[base + i]
             x[base + i] = v
-        acc += v * v
-    for i in range(cuda.threadIdx.x + NORM_ITEMS * cuda.blockDim.x, hidden, cuda.blockDim.x):
-        v = x[base + i] + delta[base + i]
-        x[base + i] = v
-        acc += v * v
-    norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
+            acc += v * v
+        norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
+
+    return add_rmsnorm
 
 
-def silu_mul(out, gate_up, ffn):
-    """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)].
+def make_silu_mul(store):
+    def silu_mul(out, gate_up, ffn):
+        """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)].
 
-    Grid ``(ceil(ffn / 256), rows)``: a decode step has one to eight rows, so the row alone would
-    leave all but a few SMs idle."""
-    row = cuda.blockIdx.y
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < ffn:
-        g = gate_up[row * 2 * ffn + i]
-        u = gate_up[row * 2 * ffn + ffn + i]
-        # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
-        sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)
-        out[row * ffn + i] = g * sig * u
+        Grid ``(ceil(ffn / 256), rows)``: a decode step has one to eight rows, so the row alone would
+        leave all but a few SMs idle."""
+        row = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i < ffn:
+            g = gate_up[row * 2 * ffn + i]
+            u = gate_up[row * 2 * ffn + ffn + i]
+            # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
+            sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)
+            store(out, row * ffn + i, g * sig * u)
+
+    return silu_mul
 
 
 def to_bf16(out, x, count):
@@ -131,11 +150,16 @@ def count_tokens(counts, lanes, tokens, rows, vocab):
         counts[index] = counts[index] + int32(1)
 
 
+# Each norm and SiLU-mul writes fp32, or (``_bf16``) the bf16 a prefill's tensor-core GEMM reads
+# next, rounded as ``to_bf16`` rounds: one pass over the activation instead of two.
 KERNELS = {
     "embed": (embed, (F32P, U16P, I32P, int32), {"grid_wait": 1}),
-    "rmsnorm": (rmsnorm, (F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
-    "add_rmsnorm": (add_rmsnorm, (F32P, F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
-    "silu_mul": (silu_mul, (F32P, F32P, int32)),
+    "rmsnorm": (make_rmsnorm(store_f32), (F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
+    "add_rmsnorm": (make_add_rmsnorm(store_f32), (F32P, F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
+    "silu_mul": (make_silu_mul(store_f32), (F32P, F32P, int32)),
+    "rmsnorm_bf16": (make_rmsnorm(store_bf16), (U16P, F32P, F32P, int32, float32), {"grid_wait": 1}),
+    "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
+    "silu_mul_bf16": (make_silu_mul(store_bf16), (U16P, F32P, int32)),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),
 }

@@ -437,9 +437,12 @@ def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: 
 
 # The shapes forward.DECODE_GEMMS uses, from tools/bench_decode_gemm.py on the H200: 16 warps with
 # 4 steps in flight for the 4096-row matrices (too few tiles to fill 132 SMs otherwise), 4 tiles a
-# warp for gate/up (x read once per 64 weight rows). Also timed there and dropped: (1, 8, 4),
-# (1, 16, 2), (4, 4, 2), (8, 4, 1); 2 bf16 parts instead of 3 were about 3% faster.
-MMA_SHAPES = [(1, 8, 2, 3), (1, 16, 4, 3), (4, 4, 1, 3)]
+# warp for gate/up (x read once per 64 weight rows), 4 tiles x 8 warps for the LM head (its 151936
+# rows fill the GPU anyway: 3809 GB/s at 8 rows against 3204 for (1, 8, 2)). Also timed there and
+# dropped: (1, 8, 4), (1, 16, 2), (4, 4, 2), (8, 4, 1), and 2 tiles (x shared by 32 weight rows) with
+# 8 or 16 warps and 2 or 4 steps, slower on every matrix (fewer blocks, not less L2 traffic, decides);
+# 2 bf16 parts instead of 3 were about 3% faster.
+MMA_SHAPES = [(1, 8, 2, 3), (1, 16, 4, 3), (4, 4, 1, 3), (4, 8, 1, 3)]
 FUSIONS = ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu"))
 for _shape in MMA_SHAPES:
     for _normed, _epilogue in FUSIONS:

@@ -10,7 +10,9 @@ every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), lau
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
 (``forward.KV_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
-``forward.decode_split`` picks, and the step without attention at all (wrong tokens, right cost of everything else: the difference is attention's share).
+``forward.decode_split`` picks, a grid only as deep as the step's splits (the captured grid is as deep
+as the longest context needs; blocks past a row's keys exit at once), and the step without attention at
+all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ def main(argv=None) -> int:
                 inp.upload(runner.stream)
                 results[f"fused, splits of {split}"] = step_ms(runner, batch, args.reps)
         inp.split[0] = chosen
+        inp.upload(runner.stream)
+        needed = -(-(context + 1) // chosen)  # this step's splits: a grid just deep enough (no empty blocks)
+        if needed < runner.forward.n_splits(batch, decode=True):
+            runner.forward.n_splits = lambda rows, decode=False, needed=needed: needed
+            results[f"fused, grid of {needed} splits"] = step_ms(runner, batch, args.reps)
+            del runner.forward.n_splits
         prefetch = int(inp.split[1])
         inp.split[1] = 1 - prefetch
         inp.upload(runner.stream)

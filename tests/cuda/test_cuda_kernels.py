@@ -153,6 +153,35 @@ def test_norms_embed_silu(gpu, hidden):
     assert _err(gpu.get(out, np.float32, (rows, hidden)), want) < 1e-6
 
 
+@pytest.mark.parametrize("hidden", [4, 100, 4096, 9000])
+def test_bf16_norms_and_silu_round_the_fp32_result(gpu, hidden):
+    """The prefill variants writing bf16 for the tensor-core GEMM: bit for bit the fp32 kernel's
+    output rounded to nearest even (what ``to_bf16`` made of it), at the prefill block width."""
+    rng = np.random.default_rng(hidden + 1)
+    rows, eps, threads = 9, 1e-6, 512
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    d = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = gpu.put((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    out, out_bf16 = gpu.empty(rows * hidden * 4), gpu.empty(rows * hidden * 2)
+
+    def same(want_f32):
+        got = gpu.get(out_bf16, np.uint16, want_f32.shape)
+        assert np.array_equal(got, from_float32(want_f32))
+
+    gpu.launch("rmsnorm", (rows,), (threads,), (out, gpu.put(x), w, hidden, eps))
+    gpu.launch("rmsnorm_bf16", (rows,), (threads,), (out_bf16, gpu.put(x), w, hidden, eps))
+    same(gpu.get(out, np.float32, (rows, hidden)))
+    x1, x2 = gpu.put(x), gpu.put(x)
+    gpu.launch("add_rmsnorm", (rows,), (threads,), (x1, gpu.put(d), out, w, hidden, eps))
+    gpu.launch("add_rmsnorm_bf16", (rows,), (threads,), (x2, gpu.put(d), out_bf16, w, hidden, eps))
+    assert np.array_equal(gpu.get(x2, np.float32, (rows, hidden)), gpu.get(x1, np.float32, (rows, hidden)))
+    same(gpu.get(out, np.float32, (rows, hidden)))
+    gu = gpu.put(rng.standard_normal((rows, 2 * hidden)).astype(np.float32) * 4)
+    gpu.launch("silu_mul", (-(-hidden // 256), rows), (256,), (out, gu, hidden))
+    gpu.launch("silu_mul_bf16", (-(-hidden // 256), rows), (256,), (out_bf16, gu, hidden))
+    same(gpu.get(out, np.float32, (rows, hidden)))
+
+
 def _rope_ref(x, cos, sin):
     half = x.shape[-1] // 2
     return np.concatenate([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1)

@@ -48,6 +48,14 @@ def decode_split(length: int, row_blocks: int) -> int:
     return split_length(length, max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-length // LONG_SPLIT)))
 
 
+def decode_depth(max_length: int, row_blocks: int) -> int:
+    """The most splits ``decode_split`` gives a step of ``row_blocks`` blocks per split whose longest
+    row has at most ``max_length`` keys: the depth of that step's attention grid. A deeper grid only
+    adds blocks that exit at once (at batch 8 and 512 keys, 60 of every 64: 2.5% of the step)."""
+    target = max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-max_length // LONG_SPLIT))
+    return max(1, min(MAX_DECODE_SPLITS, target, -(-max_length // MIN_SPLIT)))
+
+
 # A decode step whose keys and values (one layer, every row) take at most this many bytes has
 # ``decode_attention`` ask L2 for them before it waits for the q/k/v GEMM: the old keys stream in while
 # that GEMM finishes, and the key loop then waits on L2 instead of DRAM. L2 holds 50 MiB on the H200;
@@ -74,11 +82,11 @@ def flash_prefill(kv_dtype: str) -> bool:
 DECODE_FUSIONS = {"qkv": ("store", True), "o": ("residual", False), "gate_up": ("swiglu", True),
                   "down": ("residual", False), "lm_head": ("store", True)}  # (epilogue, normed)
 # GB/s on the H200 (rows 1 / 2 / 8): qkv 3252 fp32 / 2721 / 2666, o 3366 fp32 / 2947 / 2884,
-# gate_up 3907 fp32 / 3653 / 3612, down 3888 fp32 / 3448 / 3251, LM head 4331 fp32 / 4017 fp32 / 3150.
+# gate_up 3907 fp32 / 3653 / 3612, down 3888 fp32 / 3448 / 3251, LM head 4331 fp32 / 4017 fp32 / 3809.
 _MMA_FROM_2 = {"qkv": (1, 8, 2, 3), "o": (1, 16, 4, 3), "gate_up": (4, 4, 1, 3), "down": (1, 16, 4, 3)}
 DECODE_GEMMS = {matrix: {rows: "fp32" if rows == 1 else shape for rows in range(1, GEMV_MAX_ROWS + 1)}
                 for matrix, shape in _MMA_FROM_2.items()}
-DECODE_GEMMS["lm_head"] = {rows: "fp32" if rows <= 2 else (1, 8, 2, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
+DECODE_GEMMS["lm_head"] = {rows: "fp32" if rows <= 2 else (4, 8, 1, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
 
 
 def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
@@ -98,6 +106,7 @@ LT_WORKSPACE_BYTES = 32 << 20
 PREFILL_GEMMS = ("fp32", "cublaslt")
 SAMPLE_PARTS, SAMPLE_TOP_K = 64, 20  # the sampler's candidate buffers (manifest meta of "sample")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
+PREFILL_NORM_THREADS = 512  # a prefill's thousands of rows fill the GPU anyway; 4096 wide rows stay in registers
 
 
 def sampler_regions(max_batch: int, vocab: int) -> dict[str, int]:
@@ -154,6 +163,7 @@ class StepBuffers:
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
+        self.max_context = max_context
         self.splits = attention_splits(max_context)
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.flash_prefill = flash_prefill(kv_dtype)
@@ -229,6 +239,7 @@ class Forward:
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
+                 "rmsnorm_bf16", "add_rmsnorm_bf16", "silu_mul_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name, self.decode_attention_name]
         names += [self.prefill_attention_name] if self.prefill_attention_name else []
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
@@ -250,6 +261,10 @@ class Forward:
         """The split length of a decode step of ``rows`` rows whose longest has ``length`` keys."""
         return decode_split(length, rows * self.c.num_kv_heads)
 
+    def decode_depth(self, rows: int) -> int:
+        """The attention grid's depth of a decode step of ``rows`` rows (any context up to the buffers')."""
+        return decode_depth(self.b.max_context, rows * self.c.num_kv_heads)
+
     def overlaps(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows overlaps its launches (``overlap`` is the master switch):
         where its GEMMs are the fp32 GEMV, which issues its first weight loads before waiting (one row).
@@ -266,7 +281,7 @@ class Forward:
         chunk (PREFILL_SPLIT keys a split) or a decode step through the prefill kernels."""
         s = self.b.splits
         if decode:
-            return s["decode"]
+            return self.decode_depth(rows)
         return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
     def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False) -> None:
@@ -306,29 +321,46 @@ class Forward:
                        (b.attn, b.part_o, b.part_ml, inp.d_positions, H, n_splits, D, inp.d_split), stream)
 
     def layers(self, rows: int, stream) -> None:
-        """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``."""
+        """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
+
+        Where cuBLASLt runs the GEMMs (prefill), they read bf16 activations: the norms and SiLU-mul
+        then write theirs straight into ``x_bf16`` (rounded as ``to_bf16`` would), one pass instead of
+        an fp32 write, a read and a conversion."""
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
         n_splits = self.n_splits(rows)
         eps = float(c.rms_norm_eps)
+        bf16 = self.lt is not None and rows > GEMV_MAX_ROWS
+        normed, act, kind = (b.x_bf16, b.x_bf16, "_bf16") if bf16 else (b.h, b.act, "")
+        threads = PREFILL_NORM_THREADS if rows > GEMV_MAX_ROWS else NORM_THREADS
+
+        def norm(weight: rt.DevicePtr, first: bool = False) -> None:
+            if first:
+                k["rmsnorm" + kind].launch((rows,), (threads,), (normed, b.x, weight, c.hidden_size, eps), stream)
+            else:
+                k["add_rmsnorm" + kind].launch((rows,), (threads,), (b.x, b.delta, normed, weight, c.hidden_size, eps),
+                                               stream)
+
+        def matmul(y: rt.DevicePtr, x: rt.DevicePtr, weight: rt.DevicePtr, n: int, width: int) -> None:
+            if bf16 and x is b.x_bf16:
+                self.lt.matmul(y, x, weight, rows, n, width, stream)
+            else:
+                self.matmul(y, x, weight, rows, n, width, stream)
+
         k["embed"].launch((-(-c.hidden_size // 256), rows), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size),
                           stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            if i == 0:
-                k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps), stream)
-            else:
-                k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps),
-                                        stream)
-            self.matmul(b.qkv, b.h, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream)
+            norm(w[p + "attn_norm"], first=i == 0)
+            matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size)
             self.attend(i, rows, n_splits, stream)
-            self.matmul(b.delta, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
-            k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
-            self.matmul(b.gate_up, b.h, w[p + "gate_up"], rows, 2 * c.intermediate_size, c.hidden_size, stream)
-            k["silu_mul"].launch((-(-c.intermediate_size // 256), rows), (256,),
-                                 (b.act, b.gate_up, c.intermediate_size), stream)
-            self.matmul(b.delta, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size, stream)
-        k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
+            matmul(b.delta, b.attn, w[p + "o"], c.hidden_size, c.q_size)
+            norm(w[p + "mlp_norm"])
+            matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size)
+            k["silu_mul" + kind].launch((-(-c.intermediate_size // 256), rows), (256,),
+                                        (act, b.gate_up, c.intermediate_size), stream)
+            matmul(b.delta, act, w[p + "down"], c.hidden_size, c.intermediate_size)
+        k["add_rmsnorm"].launch((rows,), (threads,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
 
     def decode_gemm(self, matrix: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
                     k: int, stream, norm: rt.DevicePtr | None = None) -> None:
