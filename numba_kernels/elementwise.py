@@ -112,20 +112,29 @@ def make_add_rmsnorm(store):
     return add_rmsnorm
 
 
-def make_silu_mul(store):
+def make_silu_mul(store, ITEMS=1):
     def silu_mul(out, gate_up, ffn):
         """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)].
 
-        Grid ``(ceil(ffn / 256), rows)``: a decode step has one to eight rows, so the row alone would
-        leave all but a few SMs idle."""
+        Grid ``(ceil(ffn / (256 * ITEMS)), rows)`` (meta ``items``), each thread ITEMS elements 256
+        apart: a decode step has one to eight rows, so the row alone would leave all but a few SMs
+        idle; a prefill's thousands of rows take several elements a thread, all loads in flight."""
         row = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if i < ffn:
-            g = gate_up[row * 2 * ffn + i]
-            u = gate_up[row * 2 * ffn + ffn + i]
-            # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
-            sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)
-            store(out, row * ffn + i, g * sig * u)
+        first = cuda.blockIdx.x * cuda.blockDim.x * ITEMS + cuda.threadIdx.x
+        gs = cuda.local.array(ITEMS, float32)
+        us = cuda.local.array(ITEMS, float32)
+        for j in range(ITEMS):
+            i = first + j * cuda.blockDim.x
+            if i < ffn:
+                gs[j] = gate_up[row * 2 * ffn + i]
+                us[j] = gate_up[row * 2 * ffn + ffn + i]
+        for j in range(ITEMS):
+            i = first + j * cuda.blockDim.x
+            if i < ffn:
+                g = gs[j]
+                # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
+                sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)
+                store(out, row * ffn + i, g * sig * us[j])
 
     return silu_mul
 
@@ -156,10 +165,10 @@ KERNELS = {
     "embed": (embed, (F32P, U16P, I32P, int32), {"grid_wait": 1}),
     "rmsnorm": (make_rmsnorm(store_f32), (F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "add_rmsnorm": (make_add_rmsnorm(store_f32), (F32P, F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
-    "silu_mul": (make_silu_mul(store_f32), (F32P, F32P, int32)),
+    "silu_mul": (make_silu_mul(store_f32), (F32P, F32P, int32), {"items": 1}),
     "rmsnorm_bf16": (make_rmsnorm(store_bf16), (U16P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
-    "silu_mul_bf16": (make_silu_mul(store_bf16), (U16P, F32P, int32)),
+    "silu_mul_bf16": (make_silu_mul(store_bf16, ITEMS=4), (U16P, F32P, int32), {"items": 4}),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),
 }

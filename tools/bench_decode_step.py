@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         inp = runner.buffers.inputs
         chosen = int(inp.split[0])
         for split in (32, 64, 128, 256, 512, 1024, 2048):  # other split lengths than decode_split's
-            if split != chosen and split < context + fw.MIN_SPLIT and split * fw.MAX_DECODE_SPLITS >= context:
+            depth = runner.forward.n_splits(batch, decode=True)
+            if split != chosen and split < context + fw.MIN_SPLIT and split * depth > context:  # no key dropped
                 inp.split[0] = split
                 inp.upload(runner.stream)
                 results[f"fused, splits of {split}"] = step_ms(runner, batch, args.reps)

@@ -178,7 +178,8 @@ def test_bf16_norms_and_silu_round_the_fp32_result(gpu, hidden):
     same(gpu.get(out, np.float32, (rows, hidden)))
     gu = gpu.put(rng.standard_normal((rows, 2 * hidden)).astype(np.float32) * 4)
     gpu.launch("silu_mul", (-(-hidden // 256), rows), (256,), (out, gu, hidden))
-    gpu.launch("silu_mul_bf16", (-(-hidden // 256), rows), (256,), (out_bf16, gu, hidden))
+    items = gpu.kernels["silu_mul_bf16"].meta["items"]
+    gpu.launch("silu_mul_bf16", (-(-hidden // (256 * items)), rows), (256,), (out_bf16, gu, hidden))
     same(gpu.get(out, np.float32, (rows, hidden)))
 
 

@@ -30,8 +30,10 @@ PREFILL_SPLIT = 256
 # for 64 and 4.86 for 128 keys), batch 8 with 256-320 blocks (128 keys: 5.61; 32: 5.91; 512: 6.85);
 # at 8192 keys batch 1 with 256 keys a split (5.78; 128: 6.10; 512: 6.53), batch 8 with 512 (12.05;
 # 256: 12.71; 2048: 14.14). So: about DECODE_ATTENTION_BLOCKS blocks while rows are short, splits of
-# about LONG_SPLIT keys once there are enough of them to fill the GPU several times over.
-DECODE_ATTENTION_BLOCKS = 256
+# about LONG_SPLIT keys once there are enough of them to fill the GPU several times over. 320 rather
+# than 256 since a context of 513 keys (512 + the new one) at batch 8 then takes splits of 128, not
+# 160 (5.61 against 5.75 ms a step, fifth session), and batch 4 splits of 64, not 96 (5.23 / 5.25).
+DECODE_ATTENTION_BLOCKS = 320
 LONG_SPLIT = 512
 
 
@@ -46,14 +48,6 @@ def decode_split(length: int, row_blocks: int) -> int:
     """``decode_attention``'s split length for a step whose longest row has ``length`` keys and whose
     launch has ``row_blocks`` blocks per split (rows x KV heads)."""
     return split_length(length, max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-length // LONG_SPLIT)))
-
-
-def decode_depth(max_length: int, row_blocks: int) -> int:
-    """The most splits ``decode_split`` gives a step of ``row_blocks`` blocks per split whose longest
-    row has at most ``max_length`` keys: the depth of that step's attention grid. A deeper grid only
-    adds blocks that exit at once (at batch 8 and 512 keys, 60 of every 64: 2.5% of the step)."""
-    target = max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-max_length // LONG_SPLIT))
-    return max(1, min(MAX_DECODE_SPLITS, target, -(-max_length // MIN_SPLIT)))
 
 
 # A decode step whose keys and values (one layer, every row) take at most this many bytes has
@@ -163,7 +157,6 @@ class StepBuffers:
         c = config
         self.rows = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
-        self.max_context = max_context
         self.splits = attention_splits(max_context)
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.flash_prefill = flash_prefill(kv_dtype)
@@ -261,10 +254,6 @@ class Forward:
         """The split length of a decode step of ``rows`` rows whose longest has ``length`` keys."""
         return decode_split(length, rows * self.c.num_kv_heads)
 
-    def decode_depth(self, rows: int) -> int:
-        """The attention grid's depth of a decode step of ``rows`` rows (any context up to the buffers')."""
-        return decode_depth(self.b.max_context, rows * self.c.num_kv_heads)
-
     def overlaps(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows overlaps its launches (``overlap`` is the master switch):
         where its GEMMs are the fp32 GEMV, which issues its first weight loads before waiting (one row).
@@ -281,7 +270,7 @@ class Forward:
         chunk (PREFILL_SPLIT keys a split) or a decode step through the prefill kernels."""
         s = self.b.splits
         if decode:
-            return self.decode_depth(rows)
+            return s["decode"]
         return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
     def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False) -> None:
@@ -357,8 +346,9 @@ class Forward:
             matmul(b.delta, b.attn, w[p + "o"], c.hidden_size, c.q_size)
             norm(w[p + "mlp_norm"])
             matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size)
-            k["silu_mul" + kind].launch((-(-c.intermediate_size // 256), rows), (256,),
-                                        (act, b.gate_up, c.intermediate_size), stream)
+            silu = k["silu_mul" + kind]
+            silu.launch((-(-c.intermediate_size // (256 * silu.meta["items"])), rows), (256,),
+                        (act, b.gate_up, c.intermediate_size), stream)
             matmul(b.delta, act, w[p + "down"], c.hidden_size, c.intermediate_size)
         k["add_rmsnorm"].launch((rows,), (threads,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
 

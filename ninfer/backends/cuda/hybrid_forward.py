@@ -254,9 +254,6 @@ class HybridForward(Forward):
         has: the dense kernel's block-count policy made the 27B's decode slower (b8 352.9 -> 327.3 tok/s)."""
         return split_length(length, MAX_DECODE_SPLITS)
 
-    def decode_depth(self, rows: int) -> int:
-        return self.b.splits["decode"]  # the most splits of MIN_SPLIT keys (decode_split)
-
     def decode_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, decode: bool) -> None:
         """Split-K partials then their merge with the output gate: any head_dim and pool dtype."""
         c, b, k, inp = self.c, self.b, self.k, self.b.inputs
