@@ -49,4 +49,3 @@ def test_dense_decode_overlaps_launches_where_its_gemms_preload():
     for rows in range(2, fw.GEMV_MAX_ROWS + 1):
         assert not fw.Forward.overlaps(SimpleNamespace(overlap=True), rows)
     assert not fw.Forward.overlaps(SimpleNamespace(overlap=False), 1)
-
