@@ -35,8 +35,9 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS, Forward,
-                                          Inputs, attention_splits, sampler_regions, split_length)
+from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS,
+                                          PREFILL_NORM_THREADS, Forward, Inputs, attention_splits, sampler_regions,
+                                          split_length)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -160,28 +161,27 @@ class HybridForward(Forward):
         ``decode``: each row is one lane's next token; else the rows are one prefill sequence."""
         c, b, w, k = self.c, self.b, self.w, self.k
         eps = float(c.rms_norm_eps)
+        threads = PREFILL_NORM_THREADS if rows > GEMV_MAX_ROWS else NORM_THREADS
         k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                           (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             if i == 0:
-                k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps),
-                                    stream)
+                k["rmsnorm"].launch((rows,), (threads,), (b.h, b.x, w[p + "attn_norm"], c.hidden_size, eps), stream)
             else:
-                k["add_rmsnorm"].launch((rows,), (NORM_THREADS,),
+                k["add_rmsnorm"].launch((rows,), (threads,),
                                         (b.x, b.delta, b.h, w[p + "attn_norm"], c.hidden_size, eps), stream)
             if c.layer_types[i] == LINEAR:
                 self.deltanet(i, rows, decode, stream)
             else:
                 self.attention(i, rows, stream)
-            k["add_rmsnorm"].launch((rows,), (NORM_THREADS,),
-                                    (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps), stream)
+            k["add_rmsnorm"].launch((rows,), (threads,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps),
+                                    stream)
             if c.mlp_types[i] == DENSE:
                 self.dense_mlp(p, rows, stream)
             else:
                 self.moe.forward(b.delta, b.h, w, i, rows, stream)
-        k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps),
-                                stream)
+        k["add_rmsnorm"].launch((rows,), (threads,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
 
     def deltanet(self, layer: int, rows: int, decode: bool, stream) -> None:
         c, b, w = self.c, self.b, self.w
