@@ -83,7 +83,7 @@ def kernel_profile(runner, tokens: int, chunk: int) -> dict:
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
     totals: dict[str, list[float]] = {}
     for e in events:
-        entry = totals.setdefault(e["name"][:60], [0.0, 0])
+        entry = totals.setdefault(e["name"], [0.0, 0])
         entry[0] += e["dur"]
         entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         print(f"  device time by kernel (one prefill in chunks of {max(chunks)}): {profile['busy_us'] / 1e3:.1f} ms busy",
               flush=True)
         for name, e in list(profile["kernels"].items())[:16]:
-            print(f"    {name:60s} {e['us'] / 1e3:8.2f} ms  {e['launches']:5d} launches", flush=True)
+            print(f"    {name[:60]:60s} {e['us'] / 1e3:8.2f} ms  {e['launches']:5d} launches", flush=True)
     for tokens in (512, args.tokens):
         chunk = min(tokens, 1024)  # ninfer serve's default --prefill-chunk
         ttft = prefill_seconds(runner, tokens, chunk, args.reps)

@@ -103,6 +103,11 @@ NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blo
 PREFILL_NORM_THREADS = 512  # a prefill's thousands of rows fill the GPU anyway; 4096 wide rows stay in registers
 
 
+def norm_threads(rows: int) -> int:
+    """Threads of a norm kernel's block (one row each) in a launch of ``rows`` rows."""
+    return PREFILL_NORM_THREADS if rows > GEMV_MAX_ROWS else NORM_THREADS
+
+
 def sampler_regions(max_batch: int, vocab: int) -> dict[str, int]:
     """Bytes of the sampler's workspace regions: a row of logits and of token counts (penalties) per
     lane, each vocabulary slice's top-k candidates (values, ids), the sampled ids."""
@@ -321,7 +326,7 @@ class Forward:
         eps = float(c.rms_norm_eps)
         bf16 = self.lt is not None and rows > GEMV_MAX_ROWS
         normed, act, kind = (b.x_bf16, b.x_bf16, "_bf16") if bf16 else (b.h, b.act, "")
-        threads = PREFILL_NORM_THREADS if rows > GEMV_MAX_ROWS else NORM_THREADS
+        threads = norm_threads(rows)
 
         def norm(weight: rt.DevicePtr, first: bool = False) -> None:
             if first:

@@ -35,9 +35,8 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS,
-                                          PREFILL_NORM_THREADS, Forward, Inputs, attention_splits, sampler_regions,
-                                          split_length)
+from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS, Forward,
+                                          Inputs, attention_splits, norm_threads, sampler_regions, split_length)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -161,7 +160,7 @@ class HybridForward(Forward):
         ``decode``: each row is one lane's next token; else the rows are one prefill sequence."""
         c, b, w, k = self.c, self.b, self.w, self.k
         eps = float(c.rms_norm_eps)
-        threads = PREFILL_NORM_THREADS if rows > GEMV_MAX_ROWS else NORM_THREADS
+        threads = norm_threads(rows)
         k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                           (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
