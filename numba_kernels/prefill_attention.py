@@ -16,7 +16,8 @@ a prefill step, written straight into ``out`` (no split partials, no combine):
     row_table    i32  [rows]
     positions    i32  [rows]: row r attends to keys 0..positions[r] of its sequence (absolute
                       positions, so a chunk over a reused prefix reads the prefix from the pages)
-    out          f32  [rows, n_heads * D]
+    out          f32  [rows, n_heads * D]; ``prefill_attention_d{D}_bf16``: bf16 (uint32 pairs), rounded
+                      to nearest even as ``to_bf16`` rounds, for the o projection's cuBLASLt GEMM
     rows, n_heads, n_kv, page_shift (page_size = 2**page_shift), scale_log2 = softmax scale * log2(e)
 
 Every K/V the rows attend to must already be in the pool (``rope_kv`` appends the chunk's own K/V
@@ -27,75 +28,136 @@ block, and a block straddling two sequences two.
 
 Each block owns ``meta["rows"]`` query rows of one q head (``SHAPES``); warp w the rows
 16w..16w+15 (the M of mma.m16n8k16). q is rounded to bf16 once into A fragments held in registers.
-Tiles of ``meta["keys"]`` keys are copied page by page into shared memory with ``cp.async`` (no
-registers, no wait) into two stages, so the copies of the next tile fly while this one is computed;
-K and V stay row-major with 16-byte chunks XOR-swizzled by row, so K fragment reads (16 bytes,
+Tiles of ``meta["keys"]`` keys are copied page by page into dynamic shared memory
+(``meta["shared"]`` bytes) with ``cp.async`` (no registers, no wait) into ``meta["stages"]``
+stages, so the copies of the next tiles fly while one is computed (one barrier a tile; the page ids
+of a tile are loaded a tile ahead, so no global load latency sits before its copies). K and V stay
+row-major with 16-byte chunks XOR-swizzled by row, so K fragment reads (16 bytes,
 q's dims permuted to match) and V's ``ldmatrix.trans`` (which hands out P·V's B fragments
 transposed) hit distinct banks. S = q·Kᵀ accumulates in fp32; the online softmax (running max and
-sum per row, exp2 with log2(e) folded into the scale) stays in fp32; P is rounded to bf16 straight
+sum per row in fp32; the max is taken on raw scores and the scale folded into exp2's argument,
+one FFMA and one ``ex2.approx`` a score) stays in fp32; P is rounded to bf16 straight
 from the S accumulators into A fragments (their layouts coincide) and P·V accumulates in fp32
 registers. Blocks are issued last tile first: under the causal mask the last rows cost the most.
+Shared memory is addressed through 32-bit shared-window addresses (per-lane offsets computed once,
+the rest immediates) and the loop's integers are 32-bit: the tile loop issues about half the
+instructions it did with Numba's default 64-bit generic addressing.
 Measured on the H200 (Qwen3-8B shape, 8192 tokens, tools/bench_prefill_attention.py): see
 docs/benchmarks.md, "CUDA backend".
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 from llvmlite import ir
-from numba import cuda, float32, int32, int64, types, uint32
-from numba.cuda import libdevice
+from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, I32P, NEG_BIG, U32P
+from numba_kernels.common import F32P, I32P, U32P
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2
 
-STAGES = 2  # K/V tiles in shared memory: one computed while the next one's copies fly
-# head_dim -> (query rows per block, keys per tile). A block is one warp per 16 rows (the M of
-# mma.m16n8k16), all sharing each K/V tile; 2 stages of K and V fit the 48 KiB of static shared
-# memory. 64-row blocks run two to an SM (164 vs 130 TFLOP/s for 128-row blocks at D = 128 on the
-# H200, tools/bench_prefill_attention.py); D = 256 needs the 128-row shape to keep its 192
-# accumulator and q registers from spilling.
-SHAPES = {64: (64, 64), 128: (64, 32), 256: (128, 16)}
+NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
+
+# head_dim -> (query rows per block, keys per tile, tiles in flight). A block is one warp per 16
+# rows (the M of mma.m16n8k16), all sharing each K/V tile; the tiles live in dynamic shared memory,
+# ``stages`` of them, so the copies of the next stages - 1 tiles fly while one is computed. On the
+# H200 (tools/bench_prefill_attention.py, 8192 tokens): D = 128 226 TFLOP/s with 64 keys a tile (185
+# with 32, 183 with 3 stages, 200 with 128-row blocks); D = 256 198 with 32 keys (178 with 16).
+SHAPES = {64: (64, 64, 2), 128: (64, 64, 2), 256: (128, 32, 2)}
+# Shapes timed against SHAPES by tools/bench_prefill_attention.py --variants (name suffix
+# r{rows}k{keys}s{stages}); built only with NINFER_PREFILL_VARIANTS=1.
+VARIANTS = {128: ((64, 32, 2), (64, 32, 3), (64, 64, 3), (128, 64, 2)), 256: ((128, 16, 2), (64, 16, 2))}
+
+
+def _inline(fnty, text, constraints, args, builder, side_effect=True):
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
 
 
 @intrinsic
-def shared_u32x4(typingctx, array, index):
-    """Words ``index .. index + 3`` (``index`` a multiple of 4) of a shared uint32 array in one
-    16-byte access (ld.shared.v4): a quarter of the load instructions of four scalar reads."""
-    sig = types.UniTuple(uint32, 4)(array, index)
+def shared_address(typingctx, array):
+    """The 32-bit shared-window byte address of a shared array's first element: shared loads and
+    copies then address it with 32-bit adds and immediate offsets instead of 64-bit generic math."""
+    sig = uint32(array)
 
     def codegen(context, builder, signature, args):
-        base = context.make_array(signature.args[0])(context, builder, args[0]).data
-        idx = context.cast(builder, args[1], signature.args[1], types.intp)
-        vec = builder.load(builder.bitcast(builder.gep(base, [idx]), ir.VectorType(ir.IntType(32), 4).as_pointer()),
-                           align=16)
-        parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i)) for i in range(4)]
-        return context.make_tuple(builder, signature.return_type, parts)
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        generic = builder.ptrtoint(data, _I64)
+        return _inline(ir.FunctionType(_I32, [_I64]),
+                       "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l", [generic], builder,
+                       side_effect=False)
 
     return sig, codegen
 
 
-def _shared_address_asm(body):
-    """PTX that converts operand ``$A`` (a generic pointer into shared memory) to a shared address."""
-    return "{ .reg .u64 sa; cvta.to.shared.u64 sa, $A; " + body + " }"
+@intrinsic
+def global_address(typingctx, pointer):
+    """A global pointer as an integer, for byte arithmetic that stays in registers."""
+    sig = uint64(pointer)
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], _I64)
+
+    return sig, codegen
 
 
 @intrinsic
-def cp_async16(typingctx, array, index, src, src_index, src_bytes):
-    """Asynchronous copy of 16 bytes from global ``src[src_index]`` (words, 16-byte aligned) to
-    shared ``array[index]`` (cp.async.cg: bypasses L1); ``src_bytes`` 0 writes zeros instead."""
-    sig = types.void(array, index, src, src_index, uint32)
+def lds_u32x4(typingctx, address):
+    """Four words at shared byte ``address`` (16-byte aligned) in one ld.shared.v4."""
+    sig = types.UniTuple(uint32, 4)(uint32)
 
     def codegen(context, builder, signature, args):
-        base = context.make_array(signature.args[0])(context, builder, args[0]).data
-        dst = builder.gep(base, [context.cast(builder, args[1], signature.args[1], types.intp)])
-        from_ = builder.gep(args[2], [context.cast(builder, args[3], signature.args[3], types.intp)])
-        size = context.cast(builder, args[4], signature.args[4], uint32)
-        ptr = ir.IntType(32).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [ptr, ptr, ir.IntType(32)])
-        asm = _shared_address_asm("cp.async.cg.shared.global [sa], [$1], 16, $2;").replace("$A", "$0")
-        builder.call(ir.InlineAsm(fnty, asm, "l,l,r,~{memory}", side_effect=True), [dst, from_, size])
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+        call = _inline(fnty, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", args, builder)
+        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def ldmatrix_x4_trans(typingctx, address):
+    """ldmatrix.x4.trans at shared byte ``address``: four 8x8 bf16 matrices whose rows (16 bytes
+    each, lane l giving row l % 8 of matrix l // 8) come back transposed, one uint32 of each per
+    lane: the B fragments of a row-major [key][dim] V for P·V."""
+    sig = types.UniTuple(uint32, 4)(uint32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+        call = _inline(fnty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+                       "=r,=r,=r,=r,r", args, builder)
+        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def cp_async16(typingctx, address, source, size):
+    """Asynchronous copy of 16 bytes from global byte address ``source`` to shared byte ``address``
+    (cp.async.cg: bypasses L1); ``size`` 0 writes zeros instead."""
+    sig = types.void(uint32, uint64, uint32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
+        _inline(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", args, builder)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def exp2_approx(typingctx, x):
+    """2**x in one MUFU.EX2 (ex2.approx.ftz: ~2 ulp, denormal results flushed to 0; exp2(-inf) = 0)."""
+    sig = float32(float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        return _inline(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", args, builder,
+                       side_effect=False)
 
     return sig, codegen
 
@@ -114,47 +176,35 @@ def _asm_statement(text):
 
 
 cp_async_commit = _asm_statement("cp.async.commit_group;")
-cp_async_wait_all = _asm_statement("cp.async.wait_group 0;")
-cp_async_wait_but_one = _asm_statement("cp.async.wait_group 1;")  # the newest group may still fly
+# cp_async_wait[n]: every committed group but the newest n has landed
+cp_async_wait = tuple(_asm_statement(f"cp.async.wait_group {n};") for n in range(4))
 
 
-@intrinsic
-def ldmatrix_x4_trans(typingctx, array, index):
-    """ldmatrix.x4.trans: four 8x8 bf16 matrices whose rows (16 bytes each, lane l giving row l % 8
-    of matrix l // 8 at ``array[index]``) come back transposed, one uint32 of each per lane: the
-    B fragments of a row-major [key][dim] V for P·V."""
-    sig = types.UniTuple(uint32, 4)(array, index)
-
-    def codegen(context, builder, signature, args):
-        base = context.make_array(signature.args[0])(context, builder, args[0]).data
-        addr = builder.gep(base, [context.cast(builder, args[1], signature.args[1], types.intp)])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32.as_pointer()])
-        asm = _shared_address_asm("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [sa];")
-        call = builder.call(ir.InlineAsm(fnty, asm.replace("$A", "$4"), "=r,=r,=r,=r,l,~{memory}", side_effect=True),
-                            [addr])
-        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
-
-    return sig, codegen
-
-
-def make_prefill_attention(D, ROWS, BK):
+def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
     THREADS = 2 * ROWS  # one warp per 16 rows
     KS = D // 16  # k-steps of q·Kᵀ
     NB = BK // 8  # 8-key column blocks of S
     KK = BK // 16  # k-steps of P·V
     DB = D // 8  # 8-dim column blocks of the output
     DG = D // 8  # 16-byte chunks (8 bf16) per key row
-    W = D // 2  # words per staged K or V row
-    TILE = BK * W  # words of one staged K (or V) tile
-    STAGED = STAGES * TILE
+    ROW_BYTES = 2 * D  # one staged K or V row
+    TILE_BYTES = BK * ROW_BYTES  # one staged K (or V) tile; a stage is K then V
     CHUNKS = BK * DG // THREADS  # 16-byte copies per thread per tile, of K and of V each
-    assert CHUNKS * THREADS == BK * DG and DG >= 8
+    # Warp w copies the tile's key rows w*WARP_ROWS .. + WARP_ROWS - 1 (one page when pages hold at
+    # least WARP_ROWS keys), STEP_ROWS rows a copy instruction (lane: row lane // DG, chunk lane % DG,
+    # so each instruction reads whole 16-byte-chunked rows: full sectors).
+    WARP_ROWS = BK // (THREADS // 32)
+    STEP_ROWS = 32 // DG
+    SWIZZLES = min(8 // STEP_ROWS, CHUNKS)  # distinct (row & 7) among a lane's copies
+    assert CHUNKS * THREADS == BK * DG and 8 <= DG <= 32 and CHUNKS * STEP_ROWS == WARP_ROWS
+    assert WARP_ROWS & (WARP_ROWS - 1) == 0 and (WARP_ROWS % 8 == 0 or CHUNKS <= SWIZZLES)
+    assert 2 <= STAGES <= len(cp_async_wait) + 1
+    wait_oldest = cp_async_wait[STAGES - 2]  # the oldest tile in flight has landed
+    wait_all = cp_async_wait[0]
 
     def prefill_attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, out, rows,
                           n_heads, n_kv, page_shift, scale_log2):
-        sh_k = cuda.shared.array(STAGED, uint32)
-        sh_v = cuda.shared.array(STAGED, uint32)
+        sh_kv = cuda.shared.array(0, uint32, alignment=16)  # STAGES x (K, V) tiles: dynamic, meta["shared"]
         sh_table = cuda.shared.array(ROWS, int32)
         sh_pos = cuda.shared.array(ROWS, int32)
         tid = cuda.threadIdx.x
@@ -204,16 +254,41 @@ def make_prefill_attention(D, ROWS, BK):
             for c in range(4):
                 o[db, c] = zero
         s = cuda.local.array((NB, 4), float32)
-        m_a = NEG_BIG
-        m_b = NEG_BIG
+        m_a = NEG_INF  # running maxima, in log2 units (scores x scale_log2)
+        m_b = NEG_INF
         l_a = zero
         l_b = zero
-        k_off = (int64(kvh) << page_shift) * D
-        v_off = k_off + (int64(n_kv) << page_shift) * D
-        # ldmatrix row of this lane: row (lane & 7) of matrix (lane >> 3) = keys +8 for odd
-        # matrices, dims +8 (the next chunk) for the upper two.
+
+        # Shared byte offsets, fixed per lane. Chunk c of staged key row j sits at chunk c ^ (j & 7)
+        # (16-byte chunks XOR-swizzled by row: the 8 rows of one ldmatrix or of one quarter-warp
+        # fragment read hit 8 different banks). K fragment reads: row nb*8 + g, chunk
+        # (4j + t) ^ g = 8 (j >> 1) + ((4 (j & 1) + t) ^ g), so two lane offsets and immediates.
+        sbase = shared_address(sh_kv)
+        k_lane0 = uint32(g * ROW_BYTES + 16 * (t ^ g))
+        k_lane1 = uint32(g * ROW_BYTES + 16 * ((4 + t) ^ g))
+        # V through ldmatrix: lane l gives row l & 7 of matrix l >> 3, i.e. key +8 for odd matrices and
+        # chunk +1 for the upper two; chunk 2dp + vc ^ (key & 7) = 8 (dp >> 2) + ((2 (dp & 3) + vc) ^ (l & 7)).
         v_key = ((lane >> 3) & 1) * 8 + (lane & 7)
         v_chunk = lane >> 4
+        v_lane = cuda.local.array(4, uint32)
+        for q4 in range(4):
+            v_lane[q4] = uint32(v_key * ROW_BYTES + 16 * ((2 * q4 + v_chunk) ^ (lane & 7)))
+        # Copies: rows j0 + c * STEP_ROWS of the tile, chunk lane % DG; the swizzled destination of
+        # copy c repeats every SWIZZLES copies, 8 rows further.
+        j0 = int32(warp * WARP_ROWS + lane // DG)
+        chunk = lane % DG
+        copy_dst = cuda.local.array(SWIZZLES, uint32)
+        for c in range(SWIZZLES):
+            row = j0 + c * STEP_ROWS
+            copy_dst[c] = uint32(row * ROW_BYTES + 16 * (chunk ^ (row & 7)))
+        kc_base = global_address(kc)
+        k_bytes = uint64(((kvh << page_shift) * D + chunk * 8) * 2)  # K of this kv head and chunk in a page
+        v_bytes = uint64((n_kv << page_shift) * D * 2)  # V after K
+        stride_bytes = uint64(page_stride * 2)
+        in_page = int32((1 << page_shift) - 1)
+        one_page = (1 << page_shift) >= WARP_ROWS  # a warp's rows of a tile share one page
+        warp_key = int32(warp * WARP_ROWS)
+        lane_row = int32(lane // DG)
 
         seg = 0
         while seg < ROWS and sh_table[seg] >= 0:
@@ -231,29 +306,43 @@ def make_prefill_attention(D, ROWS, BK):
             for off in (1, 2, 4, 8, 16):
                 warp_last = max(warp_last, cuda.shfl_xor_sync(0xFFFFFFFF, warp_last, off))
                 warp_first = min(warp_first, cuda.shfl_xor_sync(0xFFFFFFFF, warp_first, off))
-            kv_len = last + 1
-            table_base = table * max_pages
-            n_tiles = (kv_len + BK - 1) // BK
-            fetch_tile(sh_k, sh_v, 0, kc, page_stride, page_tables, table_base, 0, kv_len, page_shift, k_off,
-                       v_off, tid)
-            for it in range(n_tiles):
-                # Double buffering: the copies of tile it + 1 fly while tile it is computed.
-                k0 = it * BK
-                if it + 1 < n_tiles:
-                    fetch_tile(sh_k, sh_v, (it + 1) & 1, kc, page_stride, page_tables, table_base, k0 + BK, kv_len,
-                               page_shift, k_off, v_off, tid)
-                    cp_async_wait_but_one()
-                else:
-                    cp_async_wait_all()
-                cuda.syncthreads()  # tile it is in shared memory for every warp
+            kv_len = int32(last + 1)
+            table_base = int64(table) * max_pages
+            n_tiles = int32((kv_len + BK - 1) // BK)
+            for st in range(STAGES - 1):  # the first STAGES - 1 tiles start flying
+                if st < n_tiles:
+                    page = page_of(page_tables, table_base, int32(st * BK + warp_key), kv_len, page_shift)
+                    fetch_tile(sbase + uint32(st * 2 * TILE_BYTES), copy_dst, page, one_page, page_tables, table_base,
+                               kc_base, stride_bytes, k_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len,
+                               page_shift, in_page)
+                cp_async_commit()  # empty groups too: every iteration then waits on the same count
+            page = page_of(page_tables, table_base, int32((STAGES - 1) * BK + warp_key), kv_len, page_shift)
+            it = int32(0)
+            while it < n_tiles:
+                k0 = int32(it * BK)
+                wait_oldest()
+                # Tile it is in shared memory for every warp, and every warp is done with tile it - 1,
+                # whose stage the copies of tile it + STAGES - 1 now take over.
+                cuda.syncthreads()
+                ahead = int32(it + STAGES - 1)
+                if ahead < n_tiles:
+                    fetch_tile(sbase + uint32((ahead % STAGES) * 2 * TILE_BYTES), copy_dst, page, one_page,
+                               page_tables, table_base, kc_base, stride_bytes, k_bytes, v_bytes,
+                               int32(ahead * BK + warp_key), lane_row, kv_len, page_shift, in_page)
+                    # The next tile's page id loads while this one is computed.
+                    page = page_of(page_tables, table_base, int32(ahead * BK + BK + warp_key), kv_len, page_shift)
+                cp_async_commit()
                 if k0 <= warp_last:  # else every row of this warp is before the tile (warp-uniform)
-                    kt = (it & 1) * TILE
+                    kt = sbase + uint32((it % STAGES) * 2 * TILE_BYTES)
+                    ka0 = kt + k_lane0
+                    ka1 = kt + k_lane1
                     for nb in range(NB):
                         for c in range(4):
                             s[nb, c] = zero
                     for j in range(KS // 2):
                         for nb in range(NB):
-                            k0w, k1w, k2w, k3w = shared_u32x4(sh_k, kt + (nb * 8 + g) * W + 4 * ((4 * j + t) ^ (g & 7)))
+                            k_addr = (ka0 if j % 2 == 0 else ka1) + uint32(128 * (j >> 1) + nb * 8 * ROW_BYTES)
+                            k0w, k1w, k2w, k3w = lds_u32x4(k_addr)
                             ks = 2 * j
                             s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3] = mma_bf16_16816(
                                 qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3], k0w, k1w,
@@ -262,36 +351,35 @@ def make_prefill_attention(D, ROWS, BK):
                                 qf[ks + 1, 0], qf[ks + 1, 1], qf[ks + 1, 2], qf[ks + 1, 3], k2w, k3w,
                                 s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3])
 
-                    # Scale, causal mask (only where the tile reaches past a row's position) and
-                    # running max; the 4 lanes of a row (same g) hold its 8*NB scores.
-                    masked = k0 + BK - 1 > warp_first
-                    mx_a = m_a
-                    mx_b = m_b
+                    # Causal mask (only where the tile reaches past a row's position) and the tile's
+                    # max per row in raw scores; the 4 lanes of a row (same g) hold its 8*NB scores.
+                    if k0 + BK - 1 > warp_first:
+                        last_a = int32(pos_a - k0 - 2 * t)  # column nb*8 + c of this lane is key k0 + nb*8 + 2t + c
+                        last_b = int32(pos_b - k0 - 2 * t)
+                        for nb in range(NB):
+                            for c in range(2):
+                                if nb * 8 + c > last_a:
+                                    s[nb, c] = NEG_INF
+                                if nb * 8 + c > last_b:
+                                    s[nb, 2 + c] = NEG_INF
+                    mx_a = NEG_INF
+                    mx_b = NEG_INF
                     for nb in range(NB):
-                        for c in range(2):
-                            va = s[nb, c] * scale_log2
-                            vb = s[nb, 2 + c] * scale_log2
-                            if masked:
-                                key = k0 + nb * 8 + 2 * t + c
-                                if key > pos_a:
-                                    va = NEG_BIG
-                                if key > pos_b:
-                                    vb = NEG_BIG
-                            s[nb, c] = va
-                            s[nb, 2 + c] = vb
-                            mx_a = max(mx_a, va)
-                            mx_b = max(mx_b, vb)
+                        mx_a = max(mx_a, max(s[nb, 0], s[nb, 1]))
+                        mx_b = max(mx_b, max(s[nb, 2], s[nb, 3]))
                     for off in (1, 2):
                         mx_a = max(mx_a, cuda.shfl_xor_sync(0xFFFFFFFF, mx_a, off))
                         mx_b = max(mx_b, cuda.shfl_xor_sync(0xFFFFFFFF, mx_b, off))
-                    # A row with no visible key yet keeps max NEG_BIG: subtract 0 so its p are exp2(-big) = 0.
-                    ref_a = mx_a if mx_a > NEG_BIG else zero
-                    ref_b = mx_b if mx_b > NEG_BIG else zero
-                    alpha_a = libdevice.exp2f(m_a - ref_a)
-                    alpha_b = libdevice.exp2f(m_b - ref_b)
+                    new_a = max(m_a, mx_a * scale_log2)
+                    new_b = max(m_b, mx_b * scale_log2)
+                    # A row with no visible key yet keeps max -inf: subtract 0 so its p are exp2(-inf) = 0.
+                    ref_a = new_a if new_a > NEG_INF else zero
+                    ref_b = new_b if new_b > NEG_INF else zero
                     # Rescale only when some row of the warp found a larger max (alpha is exactly 1
                     # otherwise): along a long row the max settles and the DB*4 multiplies go away.
-                    if cuda.any_sync(0xFFFFFFFF, mx_a > m_a or mx_b > m_b):
+                    if cuda.any_sync(0xFFFFFFFF, new_a > m_a or new_b > m_b):
+                        alpha_a = exp2_approx(m_a - ref_a)
+                        alpha_b = exp2_approx(m_b - ref_b)
                         l_a *= alpha_a
                         l_b *= alpha_b
                         for db in range(DB):
@@ -299,12 +387,12 @@ def make_prefill_attention(D, ROWS, BK):
                             o[db, 1] *= alpha_a
                             o[db, 2] *= alpha_b
                             o[db, 3] *= alpha_b
-                    m_a = mx_a
-                    m_b = mx_b
+                    m_a = new_a
+                    m_b = new_b
                     for nb in range(NB):
                         for c in range(2):
-                            pa = libdevice.exp2f(s[nb, c] - ref_a)
-                            pb = libdevice.exp2f(s[nb, 2 + c] - ref_b)
+                            pa = exp2_approx(s[nb, c] * scale_log2 - ref_a)
+                            pb = exp2_approx(s[nb, 2 + c] * scale_log2 - ref_b)
                             s[nb, c] = pa
                             s[nb, 2 + c] = pb
                             l_a += pa
@@ -312,21 +400,23 @@ def make_prefill_attention(D, ROWS, BK):
 
                     # P·V: the S accumulators of key blocks 2kk and 2kk+1 are P's A fragment for
                     # k-step kk; V's B fragments come transposed out of ldmatrix, two 8-dim blocks a call.
+                    vt = kt + uint32(TILE_BYTES)
                     for kk in range(KK):
                         p0 = pack_bf16x2(s[2 * kk, 0], s[2 * kk, 1])
                         p1 = pack_bf16x2(s[2 * kk, 2], s[2 * kk, 3])
                         p2 = pack_bf16x2(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
                         p3 = pack_bf16x2(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
-                        key = kk * 16 + v_key
                         for dp in range(DB // 2):
-                            b0, b1, b2, b3 = ldmatrix_x4_trans(
-                                sh_v, kt + key * W + 4 * ((2 * dp + v_chunk) ^ (key & 7)))
+                            v_addr = vt + v_lane[dp & 3] + uint32(128 * (dp >> 2) + kk * 16 * ROW_BYTES)
+                            b0, b1, b2, b3 = ldmatrix_x4_trans(v_addr)
                             o[2 * dp, 0], o[2 * dp, 1], o[2 * dp, 2], o[2 * dp, 3] = mma_bf16_16816(
                                 p0, p1, p2, p3, b0, b1, o[2 * dp, 0], o[2 * dp, 1], o[2 * dp, 2], o[2 * dp, 3])
                             o[2 * dp + 1, 0], o[2 * dp + 1, 1], o[2 * dp + 1, 2], o[2 * dp + 1, 3] = mma_bf16_16816(
                                 p0, p1, p2, p3, b2, b3,
                                 o[2 * dp + 1, 0], o[2 * dp + 1, 1], o[2 * dp + 1, 2], o[2 * dp + 1, 3])
-                cuda.syncthreads()  # every warp is done with this stage before the next copy into it
+                it += 1
+            wait_all()
+            cuda.syncthreads()  # the next run's first copies go into stages warps may still be reading
             seg = end
 
         for off in (1, 2):
@@ -338,40 +428,73 @@ def make_prefill_attention(D, ROWS, BK):
         for db in range(DB):
             col = head * D + db * 8 + 2 * t
             if ra < rows:
-                oa = int64(ra) * out_w + col
-                out[oa] = o[db, 0] * inv_a
-                out[oa + 1] = o[db, 1] * inv_a
+                store_pair(out, int64(ra) * out_w + col, o[db, 0] * inv_a, o[db, 1] * inv_a)
             if rb < rows:
-                ob = int64(rb) * out_w + col
-                out[ob] = o[db, 2] * inv_b
-                out[ob + 1] = o[db, 3] * inv_b
+                store_pair(out, int64(rb) * out_w + col, o[db, 2] * inv_b, o[db, 3] * inv_b)
 
     @cuda.jit(device=True, inline=True)
-    def fetch_tile(sh_k, sh_v, stage, kc, page_stride, page_tables, table_base, k0, kv_len, page_shift, k_off, v_off,
-                   tid):
-        """Start the copies of keys k0 .. k0 + BK (K and V, row-major, one 16-byte chunk per copy) into
-        ``stage``; keys past ``kv_len`` become zeros (no read past the used pages, no garbage that a
-        zero weight would turn into NaN). Chunk c of key row j sits at chunk c ^ (j & 7): the 8 rows
-        of one ldmatrix or of one quarter-warp fragment read hit 8 different banks."""
-        for it in range(CHUNKS):
-            i = tid + it * THREADS
-            j = i // DG
-            chunk = i - j * DG
-            key = k0 + j
-            kq = min(key, kv_len - 1)
-            page = int64(page_tables[table_base + (kq >> page_shift)])
-            elem = page * page_stride + int64(kq & ((1 << page_shift) - 1)) * D + chunk * 8
-            size = uint32(16) if key < kv_len else uint32(0)
-            dst = stage * TILE + j * W + 4 * (chunk ^ (j & 7))
-            cp_async16(sh_k, dst, kc, (elem + k_off) >> 1, size)
-            cp_async16(sh_v, dst, kc, (elem + v_off) >> 1, size)
-        cp_async_commit()
+    def store_f32(out, index, lo, hi):
+        out[index] = lo
+        out[index + 1] = hi
+
+    @cuda.jit(device=True, inline=True)
+    def store_bf16(out, index, lo, hi):
+        """Elements ``index`` (even) and ``index + 1`` rounded to bf16 (nearest even, as ``to_bf16``) in one word."""
+        out[index >> 1] = pack_bf16x2(lo, hi)
+
+    store_pair = store_bf16 if OUT_BF16 else store_f32
+
+    @cuda.jit(device=True, inline=True)
+    def page_of(page_tables, table_base, key, kv_len, page_shift):
+        """The page holding ``key`` (clamped to the last key: a valid page whatever the tile)."""
+        return page_tables[table_base + (int32(min(key, kv_len - 1)) >> page_shift)]
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, kc_base, stride_bytes, k_bytes, v_bytes,
+                   key0, lane_row, kv_len, page_shift, in_page):
+        """Start the copies (uncommitted) of this warp's K and V rows, keys ``key0`` .. + WARP_ROWS - 1,
+        into the stage at shared ``stage``; keys past ``kv_len`` become zeros (no read past the used
+        pages, no garbage that a zero weight would turn into NaN). ``one_page``: every row is in
+        ``page``, at slots from the warp block's (aligned) first, so one address and immediates; else
+        (pages smaller than WARP_ROWS keys) each row looks its page up."""
+        left = int32(kv_len - key0 - lane_row)  # copy c reads a key iff c * STEP_ROWS < left
+        if one_page:
+            first = int32(min(key0, kv_len - 1) & in_page & ~(WARP_ROWS - 1))
+            k_src = kc_base + uint64(page) * stride_bytes + uint64((first + lane_row) * ROW_BYTES) + k_bytes
+            v_src = k_src + v_bytes
+            for c in range(CHUNKS):
+                step = uint64(c * STEP_ROWS * ROW_BYTES)
+                copy_row(stage, copy_dst, c, k_src + step, v_src + step, left)
+        else:
+            for c in range(CHUNKS):
+                kq = int32(min(int32(key0 + lane_row + c * STEP_ROWS), kv_len - 1))
+                row_page = page_tables[table_base + (kq >> page_shift)]
+                k_src = kc_base + uint64(row_page) * stride_bytes + uint64((kq & in_page) * ROW_BYTES) + k_bytes
+                copy_row(stage, copy_dst, c, k_src, k_src + v_bytes, left)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_row(stage, copy_dst, c, k_src, v_src, left):
+        """Copy c of this lane: 16 bytes of K and of V (zeros for keys past the end)."""
+        size = uint32(16) if int32(c * STEP_ROWS) < left else uint32(0)
+        dst = stage + copy_dst[c % SWIZZLES] + uint32((c // SWIZZLES) * 8 * ROW_BYTES)
+        cp_async16(dst, k_src, size)
+        cp_async16(dst + uint32(TILE_BYTES), v_src, size)
 
     return prefill_attention
 
 
 SIGNATURE = (F32P, U32P, int64, I32P, int32, I32P, I32P, F32P, int32, int32, int32, int32, float32)
+SIGNATURE_BF16 = SIGNATURE[:7] + (U32P,) + SIGNATURE[8:]  # out as bf16 pairs: what cuBLASLt reads next
 
-KERNELS = {f"prefill_attention_d{d}": (make_prefill_attention(d, rows, bk), SIGNATURE,
-                                       {"rows": rows, "threads": 2 * rows, "keys": bk})
-           for d, (rows, bk) in SHAPES.items()}
+
+def _entry(D, rows, keys, stages, out="f32"):
+    shared = stages * 2 * keys * D * 2
+    return (make_prefill_attention(D, rows, keys, stages, out == "bf16"), SIGNATURE_BF16 if out == "bf16" else SIGNATURE,
+            {"rows": rows, "threads": 2 * rows, "keys": keys, "stages": stages, "shared": shared, "out": out})
+
+
+KERNELS = {f"prefill_attention_d{d}{suffix}": _entry(d, *shape, out=out) for d, shape in SHAPES.items()
+           for suffix, out in (("", "f32"), ("_bf16", "bf16"))}
+if os.environ.get("NINFER_PREFILL_VARIANTS") == "1":
+    KERNELS.update({f"prefill_attention_d{d}_r{r}k{k}s{st}": _entry(d, r, k, st) for d, shapes in VARIANTS.items()
+                    for r, k, st in shapes})

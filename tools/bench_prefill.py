@@ -59,7 +59,9 @@ def without_attention(runner):
 
     class Skip:
         def __enter__(self):
-            forward.prefill_attention = lambda *args: None
+            # no launch; the output buffer it would have written
+            forward.prefill_attention = lambda kv, rows, stream, bf16_out=False: (
+                forward.b.x_bf16 if bf16_out else forward.b.attn)
 
         def __exit__(self, *exc):
             del forward.prefill_attention

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     print(f"prefill attention {N} tokens, {H} q heads / {KV} kv heads, head_dim {D}: "
           f"{flops / 1e12:.2f} TFLOP (causal)", flush=True)
     names = [f"prefill_attention_d{D}"] + [f"prefill_attention_d{D}_{v}" for v in args.variants.split(",") if v]
+    firsts = {}
     for name, chunk in ((n, int(c)) for n in names for c in args.chunks.split(",")):
         kernel = kernels[name]
 
@@ -88,7 +89,13 @@ def main(argv=None) -> int:
                                H, KV, PAGE.bit_length() - 1, scale_log2), stream)
 
         ms = time_ms(device, stream, body, args.reps)
-        print(f"  {name}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        got = np.empty(N * H * D, np.float32)
+        rt.copy_d2h(got, out, stream)
+        rt.synchronize(stream)
+        first = firsts.setdefault(chunk, got)  # every kernel's output against the first kernel's
+        diff = float(np.abs(got - first).max())
+        print(f"  {name}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s"
+              f" (max |diff| vs {names[0]}: {diff:.2e})", flush=True)
     if args.peer == "torch":
         import torch
         import torch.nn.functional as F

@@ -152,7 +152,7 @@ def profile_decode(runner, batch: int) -> dict[str, float]:
     marks = []
     original = rt.Kernel.launch
 
-    def timed(self, grid, block, args, stream_, shared=0):
+    def timed(self, grid, block, args, stream_, shared=None):
         start, stop = dev.event(timing=True), dev.event(timing=True)
         rt.check(rt.cu.cuEventRecord(start, stream_), "cuEventRecord")
         original(self, grid, block, args, stream_, shared)

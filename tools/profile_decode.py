@@ -39,7 +39,7 @@ def capture_with_roles(runner, batch: int):
     current: list = [None]
     launch, decode_gemm = rt.Kernel.launch, Forward.decode_gemm
 
-    def record(self, grid, block, args, stream, shared=0):
+    def record(self, grid, block, args, stream, shared=None):
         roles.append(current[0] or (self.name, 0))
         current[0] = None
         launch(self, grid, block, args, stream, shared)

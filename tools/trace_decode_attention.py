@@ -54,7 +54,7 @@ def capture_traced(runner, batch: int, traced, rt):
     arrays = []  # no allocations while capturing
     launch = rt.Kernel.launch
 
-    def swap(self, grid, block, args, stream, shared=0):
+    def swap(self, grid, block, args, stream, shared=None):
         if self.name != KERNEL:
             return launch(self, grid, block, args, stream, shared)
         assert grid[0] * grid[1] * grid[2] == blocks

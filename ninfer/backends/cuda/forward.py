@@ -239,7 +239,7 @@ class Forward:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
                  "rmsnorm_bf16", "add_rmsnorm_bf16", "silu_mul_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name, self.decode_attention_name]
-        names += [self.prefill_attention_name] if self.prefill_attention_name else []
+        names += [self.prefill_attention_name, self.prefill_attention_name + "_bf16"] if self.prefill_attention_name else []
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
@@ -278,8 +278,11 @@ class Forward:
             return s["decode"]
         return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
-    def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False) -> None:
-        """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``.
+    def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False,
+               bf16_out: bool = False) -> rt.DevicePtr:
+        """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``
+        (or, with ``bf16_out`` where the tensor-core prefill kernel runs, bf16 into ``x_bf16``); returns
+        where the output went.
 
         ``decode``: every row is its own sequence, so one ``decode_attention`` launch does it all;
         else rows of one sequence read each other's keys and the append runs first, alone."""
@@ -297,14 +300,13 @@ class Forward:
                           inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
                           b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale, *flags),
                          stream)
-            return
+            return b.attn
         k[self.rope_name].launch(
             (rows, H + 2 * KV), (D // 2,),
             (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
              b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags), stream)
         if self.prefill_attention_name and rows > inp.lanes.size:
-            self.prefill_attention(layer_kv, rows, stream)
-            return
+            return self.prefill_attention(layer_kv, rows, stream, bf16_out)
         attention, combine = k[self.attention_name], k["attention_combine"]
         attention.launch(
             (KV, rows, n_splits), (attention.meta["threads"],),
@@ -313,6 +315,7 @@ class Forward:
              self.scale), stream)
         combine.launch((H, rows), (D * combine.meta["threads_per_dim"],),
                        (b.attn, b.part_o, b.part_ml, inp.d_positions, H, n_splits, D, inp.d_split), stream)
+        return b.attn
 
     def layers(self, rows: int, stream) -> None:
         """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
@@ -347,8 +350,8 @@ class Forward:
             p = f"layers.{i}."
             norm(w[p + "attn_norm"], first=i == 0)
             matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size)
-            self.attend(i, rows, n_splits, stream)
-            matmul(b.delta, b.attn, w[p + "o"], c.hidden_size, c.q_size)
+            attn = self.attend(i, rows, n_splits, stream, bf16_out=bf16)
+            matmul(b.delta, attn, w[p + "o"], c.hidden_size, c.q_size)
             norm(w[p + "mlp_norm"])
             matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size)
             silu = k["silu_mul" + kind]
@@ -387,14 +390,19 @@ class Forward:
             self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
                              stream)
 
-    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
-        """Causal attention of ``rows`` prefill rows straight into ``attn`` on the tensor cores."""
-        b, inp, kernel = self.b, self.b.inputs, self.k[self.prefill_attention_name]
+    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16_out: bool = False) -> rt.DevicePtr:
+        """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or as
+        bf16 into ``x_bf16`` (``bf16_out``: the o projection's cuBLASLt GEMM reads it; no ``to_bf16``).
+        Returns where the output went."""
+        b, inp = self.b, self.b.inputs
+        kernel = self.k[self.prefill_attention_name + ("_bf16" if bf16_out else "")]
+        out = b.x_bf16 if bf16_out else b.attn
         scale_log2 = float(self.c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
         kernel.launch((-(-rows // kernel.meta["rows"]), self.c.num_heads), (kernel.meta["threads"],),
                       (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
-                       inp.d_positions, b.attn, rows, self.c.num_heads, self.c.num_kv_heads, self.page_shift,
+                       inp.d_positions, out, rows, self.c.num_heads, self.c.num_kv_heads, self.page_shift,
                        scale_log2), stream)
+        return out
 
     def logits(self, first_row: int, rows: int, stream) -> None:
         """LM head of ``h[first_row : first_row + rows]`` into ``logits[:rows]``."""

@@ -289,7 +289,10 @@ class Kernel:
                     raise TypeError(f"{self.name} argument {i} = {value} does not fit {kind}")
                 self._slots[i] = _PACK[kind](int(value))
 
-    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], stream, shared: int = 0) -> None:
+    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], stream,
+               shared: int | None = None) -> None:
+        """``shared``: dynamic shared memory bytes; by default the manifest's ``meta["shared"]`` (0 if none)."""
+        shared = self.meta.get("shared", 0) if shared is None else shared
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if min(grid) < 1 or min(block) < 1:
@@ -349,6 +352,10 @@ class Kernels:
             module = self.device.load_module((self.directory / entry["file"]).read_bytes())
             function = check(cu.cuModuleGetFunction(module, entry["symbol"].encode()),
                              f"cuModuleGetFunction({entry['symbol']})")
+            shared = entry.get("meta", {}).get("shared", 0)
+            if shared:  # opt in to this much dynamic shared memory (static + dynamic past 48 KiB needs it)
+                attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check(cu.cuFuncSetAttribute(function, attribute, shared), f"cuFuncSetAttribute({name})")
             kernel = self._loaded[name] = Kernel(name, function, entry["params"], entry.get("meta"), self.overlap)
         return kernel
 
