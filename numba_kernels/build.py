@@ -82,6 +82,15 @@ def compile_one(name: str, func, argtypes) -> tuple[str, list[str]]:
     return ptx, params
 
 
+def limit_registers(ptx: str, count: int) -> str:
+    """The entry with a ``.maxnreg`` directive: ptxas then keeps it to ``count`` registers a thread
+    (more blocks resident on an SM, at the price of spills if the code needs more)."""
+    head, brace, body = ptx.partition("\n{")
+    if not brace or ".entry" not in head:
+        raise RuntimeError("no entry body to put .maxnreg before")
+    return f"{head}\n.maxnreg {count}\n{{{body}"
+
+
 def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR) -> dict[str, str]:
     """{relative file name: text} for every PTX module and the manifest; with ``only``, those kernels'
     modules and the manifest of ``manifest_dir`` with their entries replaced."""
@@ -97,6 +106,8 @@ def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR) -> di
         table = {name: table[name] for name in only}
     for name, (func, argtypes, *meta) in sorted(table.items()):
         ptx, params = compile_one(name, func, argtypes)
+        if meta and "max_registers" in meta[0]:
+            ptx = limit_registers(ptx, meta[0]["max_registers"])
         files[f"{name}.ptx"] = ptx
         manifest["kernels"][name] = {"file": f"{name}.ptx", "symbol": f"ninfer_{name}",
                                      "params": params, "meta": meta[0] if meta else {}}

@@ -64,11 +64,12 @@ NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
 # rows (the M of mma.m16n8k16), all sharing each K/V tile; the tiles live in dynamic shared memory,
 # ``stages`` of them, so the copies of the next stages - 1 tiles fly while one is computed. On the
 # H200 (tools/bench_prefill_attention.py, 8192 tokens): D = 128 226 TFLOP/s with 64 keys a tile (185
-# with 32, 183 with 3 stages, 200 with 128-row blocks); D = 256 198 with 32 keys (178 with 16).
+# with 32, 183 with 3 stages, 200 with 128-row blocks; held to 168 registers, three blocks an SM, 233
+# in one chunk but 178 in chunks of 1024); D = 256 198 with 32 keys (178 with 16).
 SHAPES = {64: (64, 64, 2), 128: (64, 64, 2), 256: (128, 32, 2)}
 # Shapes timed against SHAPES by tools/bench_prefill_attention.py --variants (name suffix
-# r{rows}k{keys}s{stages}); built only with NINFER_PREFILL_VARIANTS=1.
-VARIANTS = {128: ((64, 32, 2), (64, 32, 3), (64, 64, 3), (128, 64, 2)), 256: ((128, 16, 2), (64, 16, 2))}
+# r{rows}k{keys}s{stages}[m{max registers}]); built only with NINFER_PREFILL_VARIANTS=1.
+VARIANTS = {128: ((64, 64, 2, 168), (64, 32, 2, 168), (128, 64, 2, 0)), 256: ((128, 16, 2, 0),)}
 
 
 def _inline(fnty, text, constraints, args, builder, side_effect=True):
@@ -198,7 +199,7 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
     SWIZZLES = min(8 // STEP_ROWS, CHUNKS)  # distinct (row & 7) among a lane's copies
     assert CHUNKS * THREADS == BK * DG and 8 <= DG <= 32 and CHUNKS * STEP_ROWS == WARP_ROWS
     assert WARP_ROWS & (WARP_ROWS - 1) == 0 and (WARP_ROWS % 8 == 0 or CHUNKS <= SWIZZLES)
-    assert 2 <= STAGES <= len(cp_async_wait) + 1
+    assert 2 <= STAGES <= len(cp_async_wait) + 1 and NB <= 16
     wait_oldest = cp_async_wait[STAGES - 2]  # the oldest tile in flight has landed
     wait_all = cp_async_wait[0]
 
@@ -254,6 +255,8 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
             for c in range(4):
                 o[db, c] = zero
         s = cuda.local.array((NB, 4), float32)
+        red_a = cuda.local.array(NB, float32)  # per-tile reductions of a row, by halving
+        red_b = cuda.local.array(NB, float32)
         m_a = NEG_INF  # running maxima, in log2 units (scores x scale_log2)
         m_b = NEG_INF
         l_a = zero
@@ -362,11 +365,14 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
                                     s[nb, c] = NEG_INF
                                 if nb * 8 + c > last_b:
                                     s[nb, 2 + c] = NEG_INF
-                    mx_a = NEG_INF
-                    mx_b = NEG_INF
+                    # Maxima and sums over a tile by halving (depth log2 NB, not a chain of NB).
                     for nb in range(NB):
-                        mx_a = max(mx_a, max(s[nb, 0], s[nb, 1]))
-                        mx_b = max(mx_b, max(s[nb, 2], s[nb, 3]))
+                        red_a[nb] = max(s[nb, 0], s[nb, 1])
+                        red_b[nb] = max(s[nb, 2], s[nb, 3])
+                    halve_max(red_a)
+                    halve_max(red_b)
+                    mx_a = red_a[0]
+                    mx_b = red_b[0]
                     for off in (1, 2):
                         mx_a = max(mx_a, cuda.shfl_xor_sync(0xFFFFFFFF, mx_a, off))
                         mx_b = max(mx_b, cuda.shfl_xor_sync(0xFFFFFFFF, mx_b, off))
@@ -390,13 +396,14 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
                     m_a = new_a
                     m_b = new_b
                     for nb in range(NB):
-                        for c in range(2):
-                            pa = exp2_approx(s[nb, c] * scale_log2 - ref_a)
-                            pb = exp2_approx(s[nb, 2 + c] * scale_log2 - ref_b)
-                            s[nb, c] = pa
-                            s[nb, 2 + c] = pb
-                            l_a += pa
-                            l_b += pb
+                        for c in range(4):
+                            s[nb, c] = exp2_approx(s[nb, c] * scale_log2 - (ref_a if c < 2 else ref_b))
+                        red_a[nb] = s[nb, 0] + s[nb, 1]
+                        red_b[nb] = s[nb, 2] + s[nb, 3]
+                    halve_sum(red_a)
+                    halve_sum(red_b)
+                    l_a += red_a[0]
+                    l_b += red_b[0]
 
                     # P·V: the S accumulators of key blocks 2kk and 2kk+1 are P's A fragment for
                     # k-step kk; V's B fragments come transposed out of ldmatrix, two 8-dim blocks a call.
@@ -431,6 +438,30 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
                 store_pair(out, int64(ra) * out_w + col, o[db, 0] * inv_a, o[db, 1] * inv_a)
             if rb < rows:
                 store_pair(out, int64(rb) * out_w + col, o[db, 2] * inv_b, o[db, 3] * inv_b)
+
+    @cuda.jit(device=True, inline=True)
+    def halve_max(v):
+        """v[0] = max(v[:NB]) in log2(NB) dependent steps (NB <= 16; constant bounds: unrolled)."""
+        for i in range(NB // 2):
+            v[i] = max(v[i], v[i + NB // 2])
+        for i in range(NB // 4):
+            v[i] = max(v[i], v[i + NB // 4])
+        for i in range(NB // 8):
+            v[i] = max(v[i], v[i + NB // 8])
+        for i in range(NB // 16):
+            v[i] = max(v[i], v[i + NB // 16])
+
+    @cuda.jit(device=True, inline=True)
+    def halve_sum(v):
+        """v[0] = sum(v[:NB]) pairwise, as ``halve_max``."""
+        for i in range(NB // 2):
+            v[i] += v[i + NB // 2]
+        for i in range(NB // 4):
+            v[i] += v[i + NB // 4]
+        for i in range(NB // 8):
+            v[i] += v[i + NB // 8]
+        for i in range(NB // 16):
+            v[i] += v[i + NB // 16]
 
     @cuda.jit(device=True, inline=True)
     def store_f32(out, index, lo, hi):
@@ -487,14 +518,17 @@ SIGNATURE = (F32P, U32P, int64, I32P, int32, I32P, I32P, F32P, int32, int32, int
 SIGNATURE_BF16 = SIGNATURE[:7] + (U32P,) + SIGNATURE[8:]  # out as bf16 pairs: what cuBLASLt reads next
 
 
-def _entry(D, rows, keys, stages, out="f32"):
-    shared = stages * 2 * keys * D * 2
+def _entry(D, rows, keys, stages, max_registers=0, out="f32"):
+    meta = {"rows": rows, "threads": 2 * rows, "keys": keys, "stages": stages, "shared": stages * 2 * keys * D * 2,
+            "out": out}
+    if max_registers:
+        meta["max_registers"] = max_registers
     return (make_prefill_attention(D, rows, keys, stages, out == "bf16"), SIGNATURE_BF16 if out == "bf16" else SIGNATURE,
-            {"rows": rows, "threads": 2 * rows, "keys": keys, "stages": stages, "shared": shared, "out": out})
+            meta)
 
 
 KERNELS = {f"prefill_attention_d{d}{suffix}": _entry(d, *shape, out=out) for d, shape in SHAPES.items()
            for suffix, out in (("", "f32"), ("_bf16", "bf16"))}
 if os.environ.get("NINFER_PREFILL_VARIANTS") == "1":
-    KERNELS.update({f"prefill_attention_d{d}_r{r}k{k}s{st}": _entry(d, r, k, st) for d, shapes in VARIANTS.items()
-                    for r, k, st in shapes})
+    KERNELS.update({f"prefill_attention_d{d}_r{r}k{k}s{st}" + (f"m{m}" if m else ""): _entry(d, r, k, st, m)
+                    for d, shapes in VARIANTS.items() for r, k, st, m in shapes})

@@ -1,7 +1,8 @@
 """q/k/v post-processing after the fused qkv GEMM, and the paged KV append.
 
-One block per (row, head) of the qkv activation ``[rows, (H + 2 KV) * D]``; ``D / 2`` threads, each
-owning the rotate-half pair ``(i, i + D/2)``. In order: optional qkv bias (Llama variants), optional
+Grid ``(rows, ceil((H + 2 KV) / meta["heads_per_block"]))`` over the qkv activation
+``[rows, (H + 2 KV) * D]``, block ``meta["threads"]``: one warp a head, lane l owning the rotate-half
+pairs ``(i, i + D/2)`` for i = l, l + 32, ... (D = 64, 128 or 256). In order: optional qkv bias (Llama variants), optional
 per-head RMSNorm of q and k (Qwen3), RoPE on q and k (Hugging Face rotate-half form, angle
 from the cos/sin tables ``[max_context, D/2]`` that the reference backend defines, attention
 factor included), then q is written back in place and k / v go into their KV page: rounded to
@@ -18,7 +19,7 @@ import math
 
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, U16P, block_sum, f32_to_bf16
+from numba_kernels.common import F32P, I32P, U16P, f32_to_bf16, warp_sum
 
 
 @cuda.jit(device=True, inline=True)
@@ -31,39 +32,60 @@ def store_f32(pool, index, value):
     pool[index] = value
 
 
+HEADS_PER_BLOCK = 8  # one warp a head
+MAX_PAIRS = 4  # rotate-half pairs a lane owns: head_dim up to 256
+
+
 def make_rope_kv(store):
     def rope_kv(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, page_stride, page_tables, max_pages,
                 row_table, positions, n_heads, n_kv, head_dim, page_size, has_bias, has_norm, eps):
-        scratch = cuda.shared.array(32, float32)
         row = cuda.blockIdx.x
-        head = cuda.blockIdx.y
+        head = cuda.blockIdx.y * HEADS_PER_BLOCK + (cuda.threadIdx.x >> 5)
+        if head >= n_heads + 2 * n_kv:
+            return
+        lane = cuda.threadIdx.x & 31
         half = head_dim // 2
-        i = cuda.threadIdx.x
+        pairs = half // 32  # lane owns pairs (i, i + half) for i = lane + 32 p
         width = (n_heads + 2 * n_kv) * head_dim
-        col = head * head_dim + i
-        a = qkv[row * width + col]
-        b = qkv[row * width + col + half]
-        if has_bias != 0:
-            a += bias[col]
-            b += bias[col + half]
+        base_col = head * head_dim + lane
+        a = cuda.local.array(MAX_PAIRS, float32)
+        b = cuda.local.array(MAX_PAIRS, float32)
+        for p in range(MAX_PAIRS):
+            if p < pairs:
+                col = base_col + 32 * p
+                a[p] = qkv[row * width + col]
+                b[p] = qkv[row * width + col + half]
+                if has_bias != 0:
+                    a[p] += bias[col]
+                    b[p] += bias[col + half]
         is_v = head >= n_heads + n_kv
         if has_norm != 0 and not is_v:
-            total = block_sum(a * a + b * b, scratch)
+            # Each 32 pairs summed over the warp, then those sums in pair order.
+            total = float32(0.0)
+            for p in range(MAX_PAIRS):
+                if p < pairs:
+                    total += warp_sum(a[p] * a[p] + b[p] * b[p])
             inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
-            if head < n_heads:
-                a = a * inv * q_norm[i]
-                b = b * inv * q_norm[i + half]
-            else:
-                a = a * inv * k_norm[i]
-                b = b * inv * k_norm[i + half]
+            weight = q_norm if head < n_heads else k_norm
+            for p in range(MAX_PAIRS):
+                if p < pairs:
+                    i = lane + 32 * p
+                    a[p] = a[p] * inv * weight[i]
+                    b[p] = b[p] * inv * weight[i + half]
         pos = positions[row]
         if not is_v:
-            c = cos_t[pos * half + i]
-            s = sin_t[pos * half + i]
-            a, b = a * c - b * s, b * c + a * s
+            for p in range(MAX_PAIRS):
+                if p < pairs:
+                    i = lane + 32 * p
+                    c = cos_t[pos * half + i]
+                    s = sin_t[pos * half + i]
+                    a[p], b[p] = a[p] * c - b[p] * s, b[p] * c + a[p] * s
         if head < n_heads:
-            qkv[row * width + col] = a
-            qkv[row * width + col + half] = b
+            for p in range(MAX_PAIRS):
+                if p < pairs:
+                    col = base_col + 32 * p
+                    qkv[row * width + col] = a[p]
+                    qkv[row * width + col + half] = b[p]
             return
         table = row_table[row]
         page = int64(page_tables[table * max_pages + pos // page_size])
@@ -73,9 +95,11 @@ def make_rope_kv(store):
         if is_v:
             kv_head -= n_kv
             base += int64(n_kv) * page_size * head_dim
-        dst = base + (int64(kv_head) * page_size + slot) * head_dim + i
-        store(kc, dst, a)
-        store(kc, dst + half, b)
+        dst = base + (int64(kv_head) * page_size + slot) * head_dim + lane
+        for p in range(MAX_PAIRS):
+            if p < pairs:
+                store(kc, dst + 32 * p, a[p])
+                store(kc, dst + 32 * p + half, b[p])
 
     return rope_kv
 
@@ -85,7 +109,8 @@ def _signature(pool):
             int32, int32, int32, int32, int32, int32, float32)
 
 
+_META = {"heads_per_block": HEADS_PER_BLOCK, "threads": 32 * HEADS_PER_BLOCK}
 KERNELS = {
-    "rope_kv_bf16": (make_rope_kv(store_bf16), _signature(U16P)),
-    "rope_kv_f32": (make_rope_kv(store_f32), _signature(F32P)),
+    "rope_kv_bf16": (make_rope_kv(store_bf16), _signature(U16P), _META),
+    "rope_kv_f32": (make_rope_kv(store_f32), _signature(F32P), _META),
 }

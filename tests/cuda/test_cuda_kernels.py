@@ -236,7 +236,8 @@ def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
     qkv_dev = gpu.put(qkv)
     args = (qkv_dev, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv, page_elems,
             gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions), H, KV, D, ps, 1, 1, 1e-6)
-    gpu.launch(f"rope_kv_{kv_dtype}", (rows, H + 2 * KV), (D // 2,), args)
+    rope = gpu.kernels[f"rope_kv_{kv_dtype}"]
+    gpu.launch(rope.name, (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), args)
     # Reference for the rope part.
     x = qkv + bias
     q = x[:, :H * D].reshape(rows, H, D)

@@ -301,8 +301,9 @@ class Forward:
                           b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale, *flags),
                          stream)
             return b.attn
-        k[self.rope_name].launch(
-            (rows, H + 2 * KV), (D // 2,),
+        rope = k[self.rope_name]
+        rope.launch(
+            (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],),
             (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
              b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags), stream)
         if self.prefill_attention_name and rows > inp.lanes.size:
