@@ -3,7 +3,7 @@
 ``prefill_attention_d{D}`` (D = head_dim 64, 128 or 256), one launch per layer for all the rows of
 a prefill step, written straight into ``out`` (no split partials, no combine):
 
-    grid (ceil(rows / meta["rows"]), n_heads), block meta["threads"] (one warp per 16 rows)
+    grid (n_heads, ceil(rows / meta["rows"])), block meta["threads"] (one warp per 16 rows)
 
     qkv          f32  [rows, (n_heads + 2 n_kv) * D]: q of head h at columns h*D (after RoPE; only
                       the q part is read)
@@ -38,7 +38,10 @@ transposed) hit distinct banks. S = q·Kᵀ accumulates in fp32; the online soft
 sum per row in fp32; the max is taken on raw scores and the scale folded into exp2's argument,
 one FFMA and one ``ex2.approx`` a score) stays in fp32; P is rounded to bf16 straight
 from the S accumulators into A fragments (their layouts coincide) and P·V accumulates in fp32
-registers. Blocks are issued last tile first: under the causal mask the last rows cost the most.
+registers. Blocks are issued last tile first, every head of a tile before the next tile: under the
+causal mask the last rows cost the most, so the costliest blocks go first and the launch ends on
+the cheapest (longest-first scheduling; heads fastest also keeps a tile's keys hot in L2 for the
+heads that share them).
 Shared memory is addressed through 32-bit shared-window addresses (per-lane offsets computed once,
 the rest immediates) and the loop's integers are 32-bit: the tile loop issues about half the
 instructions it did with Numba's default 64-bit generic addressing.
@@ -63,9 +66,11 @@ NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
 # head_dim -> (query rows per block, keys per tile, tiles in flight). A block is one warp per 16
 # rows (the M of mma.m16n8k16), all sharing each K/V tile; the tiles live in dynamic shared memory,
 # ``stages`` of them, so the copies of the next stages - 1 tiles fly while one is computed. On the
-# H200 (tools/bench_prefill_attention.py, 8192 tokens): D = 128 226 TFLOP/s with 64 keys a tile (185
-# with 32, 183 with 3 stages, 200 with 128-row blocks; held to 168 registers, three blocks an SM, 233
-# in one chunk but 178 in chunks of 1024); D = 256 198 with 32 keys (178 with 16).
+# H200 (tools/bench_prefill_attention.py, 8192 tokens, in the row-tiles-fastest grid of the time):
+# D = 128 226 TFLOP/s with 64 keys a tile (185 with 32, 183 with 3 stages, 200 with 128-row blocks,
+# 205-216 with 32 rows a warp and q in shared memory; held to 168 registers, three blocks an SM, 233
+# in one chunk but 178 in chunks of 1024); D = 256 198 with 32 keys (178 with 16). Heads fastest
+# then gave 239 (D = 128) and 212 (D = 256).
 SHAPES = {64: (64, 64, 2), 128: (64, 64, 2), 256: (128, 32, 2)}
 # Shapes timed against SHAPES by tools/bench_prefill_attention.py --variants (name suffix
 # r{rows}k{keys}s{stages}[m{max registers}]); built only with NINFER_PREFILL_VARIANTS=1.
@@ -213,8 +218,8 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
         lane = tid & 31
         g = lane >> 2
         t = lane & 3
-        tile = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        head = cuda.blockIdx.y
+        tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+        head = cuda.blockIdx.x
         kvh = head // (n_heads // n_kv)
         r0 = tile * ROWS
         if tid < ROWS:

@@ -10,7 +10,8 @@ sampled after the last; the runner splits each chunk into sub-chunks of ``max_pr
 the share of that time spent in attention (the same prefill with the attention launches left out),
 TTFT of a 512-token prompt, and transformers eager's forward of the same prompt measured in this run.
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
-kernel recorded by CUPTI (torch.profiler), summed by kernel name.
+kernel recorded by CUPTI (torch.profiler), summed by kernel name, and the device's idle time between
+kernels, by the kernel that ended each idle stretch.
 """
 
 from __future__ import annotations
@@ -77,20 +78,30 @@ def kernel_profile(runner, tokens: int, chunk: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         feed_prompt(runner, tokens, chunk)
         torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "prefill.json"
         prof.export_chrome_trace(str(trace))
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
     totals: dict[str, list[float]] = {}
-    for e in events:
+    idle_before: dict[str, float] = {}  # device idle time ending at a kernel's start, by that kernel
+    busy_until = None
+    for e in sorted(events, key=lambda e: e["ts"]):
         entry = totals.setdefault(e["name"], [0.0, 0])
         entry[0] += e["dur"]
         entry[1] += 1
+        if busy_until is not None and e["ts"] > busy_until:
+            idle_before[e["name"]] = idle_before.get(e["name"], 0.0) + e["ts"] - busy_until
+        busy_until = max(busy_until or 0.0, e["ts"] + e["dur"])
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    return {"busy_us": sum(us for us, _ in totals.values()),
-            "kernels": {name: {"us": us, "launches": n} for name, (us, n) in ranked}}
+    span_us = busy_until - min(e["ts"] for e in events)
+    return {"wall_us": wall_us, "span_us": span_us, "busy_us": sum(us for us, _ in totals.values()),
+            "kernels": {name: {"us": us, "launches": n} for name, (us, n) in ranked},
+            "idle_us": sum(idle_before.values()),
+            "idle_before": dict(sorted(idle_before.items(), key=lambda kv: -kv[1]))}
 
 
 def main(argv=None) -> int:
@@ -133,6 +144,11 @@ def main(argv=None) -> int:
               flush=True)
         for name, e in list(profile["kernels"].items())[:16]:
             print(f"    {name[:60]:60s} {e['us'] / 1e3:8.2f} ms  {e['launches']:5d} launches", flush=True)
+        print(f"  wall {profile['wall_us'] / 1e3:.1f} ms, first kernel start to last kernel end "
+              f"{profile['span_us'] / 1e3:.1f} ms", flush=True)
+        print(f"  device idle between kernels: {profile['idle_us'] / 1e3:.1f} ms; most before:", flush=True)
+        for name, us in list(profile["idle_before"].items())[:5]:
+            print(f"    {name[:60]:60s} {us / 1e3:8.2f} ms", flush=True)
     for tokens in (512, args.tokens):
         chunk = min(tokens, 1024)  # ninfer serve's default --prefill-chunk
         ttft = prefill_seconds(runner, tokens, chunk, args.reps)

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         def body(chunk=chunk, kernel=kernel):
             for first in range(0, N, chunk):
                 n = min(chunk, N - first)
-                kernel.launch((-(-n // kernel.meta["rows"]), H), (kernel.meta["threads"],),
+                kernel.launch((H, -(-n // kernel.meta["rows"])), (kernel.meta["threads"],),
                               (qkv.at(first * width * 4), pool, page_elems, table, pages,
                                row_table.at(first * 4), positions.at(first * 4), out.at(first * H * D * 4), n,
                                H, KV, PAGE.bit_length() - 1, scale_log2), stream)

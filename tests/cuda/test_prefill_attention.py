@@ -61,7 +61,7 @@ def _run_case(gpu, rng, head_dim, group, sequences, kv_heads=2):
     outputs = {}
     for name in _shapes(gpu, D):
         kernel = gpu.kernels[name]
-        gpu.launch(name, (-(-rows // kernel.meta["rows"]), H), (kernel.meta["threads"],),
+        gpu.launch(name, (H, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
                    (d_qkv, kc, page_elems, d_tables, max_pages, d_row_table, d_positions, out, rows, H, KV,
                     PAGE.bit_length() - 1, float(scale * np.log2(np.e))))
         if kernel.meta.get("out") == "bf16":  # the same fp32 result rounded to nearest even, as to_bf16 rounds

@@ -58,13 +58,16 @@ class LtMatmul:
         return plan
 
     def matmul(self, y: rt.DevicePtr, x_bf16: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int,
-               stream) -> None:
+               stream, accumulate: bool = False) -> None:
+        """``y = x @ W.T``, or with ``accumulate`` ``y += x @ W.T`` (beta 1, y read by the epilogue:
+        a residual add without a pass of its own, the sum as ``y + (x @ W.T)`` in fp32)."""
         if y.nbytes < rows * n * 4 or x_bf16.nbytes < rows * k * 2 or w.nbytes < n * k * 2:
             raise ValueError(f"cuBLASLt {rows}x{k} @ {k}x{n}: a buffer is too small")
         desc, a, b, c, _, results = self._plan(rows, n, k)
+        beta = self._alpha if accumulate else self._beta  # alpha is 1
         # The algorithm is the first field of cublasLtMatmulHeuristicResult_t.
         self.lt.matmul(self.handle, desc, self._alpha.ctypes.data, w.addr, a, x_bf16.addr, b,
-                       self._beta.ctypes.data, y.addr, c, y.addr, c, results.ptr, self.workspace.addr,
+                       beta.ctypes.data, y.addr, c, y.addr, c, results.ptr, self.workspace.addr,
                        self.workspace.nbytes, int(stream))
 
     def close(self) -> None:

@@ -323,7 +323,8 @@ class Forward:
 
         Where cuBLASLt runs the GEMMs (prefill), they read bf16 activations: the norms and SiLU-mul
         then write theirs straight into ``x_bf16`` (rounded as ``to_bf16`` would), one pass instead of
-        an fp32 write, a read and a conversion."""
+        an fp32 write, a read and a conversion; and the o and down GEMMs add into the residual stream
+        themselves (beta 1), so the norm after them reads ``x`` once instead of adding ``delta``."""
         c, b, w, k = self.c, self.b, self.w, self.k
         inp = b.inputs
         n_splits = self.n_splits(rows)
@@ -331,13 +332,14 @@ class Forward:
         bf16 = self.lt is not None and rows > GEMV_MAX_ROWS
         normed, act, kind = (b.x_bf16, b.x_bf16, "_bf16") if bf16 else (b.h, b.act, "")
         threads = norm_threads(rows)
+        pending = False  # whether ``delta`` holds a product the residual stream has not taken yet
 
-        def norm(weight: rt.DevicePtr, first: bool = False) -> None:
-            if first:
-                k["rmsnorm" + kind].launch((rows,), (threads,), (normed, b.x, weight, c.hidden_size, eps), stream)
-            else:
-                k["add_rmsnorm" + kind].launch((rows,), (threads,), (b.x, b.delta, normed, weight, c.hidden_size, eps),
+        def norm(out: rt.DevicePtr, weight: rt.DevicePtr, kind: str) -> None:
+            if pending:
+                k["add_rmsnorm" + kind].launch((rows,), (threads,), (b.x, b.delta, out, weight, c.hidden_size, eps),
                                                stream)
+            else:
+                k["rmsnorm" + kind].launch((rows,), (threads,), (out, b.x, weight, c.hidden_size, eps), stream)
 
         def matmul(y: rt.DevicePtr, x: rt.DevicePtr, weight: rt.DevicePtr, n: int, width: int) -> None:
             if bf16 and x is b.x_bf16:
@@ -345,21 +347,29 @@ class Forward:
             else:
                 self.matmul(y, x, weight, rows, n, width, stream)
 
+        def residual(x: rt.DevicePtr, weight: rt.DevicePtr, width: int) -> None:
+            """The residual stream takes ``x @ weight.T``: now (cuBLASLt, beta 1) or at the next norm."""
+            nonlocal pending
+            pending = not (bf16 and x is b.x_bf16)
+            if pending:
+                self.matmul(b.delta, x, weight, rows, c.hidden_size, width, stream)
+            else:
+                self.lt.matmul(b.x, x, weight, rows, c.hidden_size, width, stream, accumulate=True)
+
         k["embed"].launch((-(-c.hidden_size // 256), rows), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size),
                           stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            norm(w[p + "attn_norm"], first=i == 0)
+            norm(normed, w[p + "attn_norm"], kind)
             matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size)
-            attn = self.attend(i, rows, n_splits, stream, bf16_out=bf16)
-            matmul(b.delta, attn, w[p + "o"], c.hidden_size, c.q_size)
-            norm(w[p + "mlp_norm"])
+            residual(self.attend(i, rows, n_splits, stream, bf16_out=bf16), w[p + "o"], c.q_size)
+            norm(normed, w[p + "mlp_norm"], kind)
             matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size)
             silu = k["silu_mul" + kind]
             silu.launch((-(-c.intermediate_size // (256 * silu.meta["items"])), rows), (256,),
                         (act, b.gate_up, c.intermediate_size), stream)
-            matmul(b.delta, act, w[p + "down"], c.hidden_size, c.intermediate_size)
-        k["add_rmsnorm"].launch((rows,), (threads,), (b.x, b.delta, b.h, w["final_norm"], c.hidden_size, eps), stream)
+            residual(act, w[p + "down"], c.intermediate_size)
+        norm(b.h, w["final_norm"], "")
 
     def decode_gemm(self, matrix: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
                     k: int, stream, norm: rt.DevicePtr | None = None) -> None:
@@ -399,7 +409,7 @@ class Forward:
         kernel = self.k[self.prefill_attention_name + ("_bf16" if bf16_out else "")]
         out = b.x_bf16 if bf16_out else b.attn
         scale_log2 = float(self.c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
-        kernel.launch((-(-rows // kernel.meta["rows"]), self.c.num_heads), (kernel.meta["threads"],),
+        kernel.launch((self.c.num_heads, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
                       (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
                        inp.d_positions, out, rows, self.c.num_heads, self.c.num_kv_heads, self.page_shift,
                        scale_log2), stream)

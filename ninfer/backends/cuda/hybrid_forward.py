@@ -271,7 +271,7 @@ class HybridForward(Forward):
         c, b, inp = self.c, self.b, self.b.inputs
         kernel = self.k[self.flash_name]
         scale_log2 = float(c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
-        kernel.launch((-(-rows // kernel.meta["rows"]), c.num_heads), (kernel.meta["threads"],),
+        kernel.launch((c.num_heads, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
                       (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
                        inp.d_positions, b.attn_raw, rows, c.num_heads, c.num_kv_heads, self.page_shift,
                        scale_log2), stream)
