@@ -2,11 +2,12 @@
 
 Grid ``(rows, ceil((H + 2 KV) / meta["heads_per_block"]))`` over the qkv activation
 ``[rows, (H + 2 KV) * D]``, block ``meta["threads"]``: one warp a head, lane l owning the rotate-half
-pairs ``(i, i + D/2)`` for i = l, l + 32, ... (D = 64, 128 or 256). In order: optional qkv bias (Llama variants), optional
-per-head RMSNorm of q and k (Qwen3), RoPE on q and k (Hugging Face rotate-half form, angle
-from the cos/sin tables ``[max_context, D/2]`` that the reference backend defines, attention
-factor included), then q is written back in place and k / v go into their KV page: rounded to
-bf16 (``rope_kv_bf16``) or kept fp32 (``rope_kv_f32``, bit-comparable with the reference pool).
+pairs ``(i, i + D/2)`` for i = l, l + 32, ... (D a multiple of 64 up to 256: the CUDA backend's
+``HEAD_DIMS``). In order: optional qkv bias (Llama variants), optional per-head RMSNorm of q and k
+(Qwen3), RoPE on q and k (Hugging Face rotate-half form, angle from the cos/sin tables
+``[max_context, D/2]`` that the reference backend defines, attention factor included), then q is
+written back in place and k / v go into their KV page: rounded to bf16 (``rope_kv_bf16``) or kept
+fp32 (``rope_kv_f32``, bit-comparable with the reference pool).
 
 KV pool layout (elements): ``[page][layer][K|V][kv_head][page_size][D]``, so one page of
 every layer is contiguous (page copies and pause snapshots move one block). The launcher passes
