@@ -6,7 +6,8 @@ Qwen3-8B shape, random bf16 weights made on the GPU (our fill kernel), bf16 KV p
 prefill GEMMs. The prompt is fed as the engine feeds it: ``PrefillChunk``s of ``--prefill-chunk``
 tokens (``--prefill-chunk`` of ``ninfer serve``), each over the prefix before it, the first token
 sampled after the last; the runner splits each chunk into sub-chunks of ``max_prefill_rows`` rows
-(set to the chunk here). Prints, per chunk size, tok/s for the whole prompt (median of ``--reps``),
+(set to the chunk here). Prints, per chunk size, tok/s for the whole prompt (median of ``--reps``,
+each pass after ``--pause`` seconds of an idle GPU; the peer's forward is timed the same way),
 the share of that time spent in attention (the same prefill with the attention launches left out),
 TTFT of a 512-token prompt, and transformers eager's forward of the same prompt measured in this run.
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
@@ -44,10 +45,13 @@ def feed_prompt(runner, tokens: int, chunk: int) -> None:
                                     sample=SamplingRow() if end == tokens else None))
 
 
-def prefill_seconds(runner, tokens: int, chunk: int, reps: int) -> float:
-    """Median wall time to prefill ``tokens`` in chunks of ``chunk`` and sample the first token."""
+def prefill_seconds(runner, tokens: int, chunk: int, reps: int, pause: float = 0.0) -> float:
+    """Median wall time to prefill ``tokens`` in chunks of ``chunk`` and sample the first token, each
+    pass after ``pause`` seconds of an idle GPU (the peer is timed the same way: passes back to back
+    and passes after a pause can run at different clocks)."""
     times = []
     for _ in range(reps + 1):  # the first pass plans cuBLASLt for these row counts
+        time.sleep(pause)
         t0 = time.perf_counter()
         feed_prompt(runner, tokens, chunk)
         times.append(time.perf_counter() - t0)
@@ -111,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", choices=("eager", "none"), default="eager")
     parser.add_argument("--profile", action="store_true", help="where one prefill's device time goes, by kernel")
+    parser.add_argument("--pause", type=float, default=0.5,
+                        help="seconds the GPU idles before each timed prefill, ours and the peer's alike")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import torch
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
     report: dict = {"device": device.name, "tokens": args.tokens, "prefill": []}
     print(f"{device.name}: prefill of {args.tokens} tokens, Qwen3-8B shape, bf16 KV, cuBLASLt GEMMs", flush=True)
     for chunk in chunks:
-        seconds = prefill_seconds(runner, args.tokens, chunk, args.reps)
+        seconds = prefill_seconds(runner, args.tokens, chunk, args.reps, args.pause)
         with without_attention(runner):
             rest = prefill_seconds(runner, args.tokens, chunk, 1)
         r = {"chunk": chunk, "seconds": seconds, "tok_s": args.tokens / seconds,
@@ -151,12 +157,13 @@ def main(argv=None) -> int:
             print(f"    {name[:60]:60s} {us / 1e3:8.2f} ms", flush=True)
     for tokens in (512, args.tokens):
         chunk = min(tokens, 1024)  # ninfer serve's default --prefill-chunk
-        ttft = prefill_seconds(runner, tokens, chunk, args.reps)
+        ttft = prefill_seconds(runner, tokens, chunk, args.reps, args.pause)
         report[f"ttft_{tokens}_ms"] = ttft * 1e3
         print(f"  TTFT {tokens} tokens (chunks of {chunk}): {ttft * 1e3:.1f} ms", flush=True)
     runner.close()  # frees the weights too (allocated on the runner's device)
     if args.peer == "eager":
-        report["peer"] = bench_peer_eager(torch, config, batches=[], prompt=512, new_tokens=2, prefill=args.tokens)
+        report["peer"] = bench_peer_eager(torch, config, batches=[], prompt=512, new_tokens=2, prefill=args.tokens,
+                                          prefill_reps=args.reps, pause=args.pause)
         for r in report["peer"]:
             print("  peer", json.dumps(r), flush=True)
     if args.json:

@@ -309,8 +309,11 @@ def bench_peer_compile(torch, config: DenseConfig, batches, prompt: int, new_tok
     return results
 
 
-def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_tokens: int, prefill: int) -> list[dict]:
-    """transformers eager decode with its dynamic cache, random weights, same shape."""
+def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_tokens: int, prefill: int,
+                     prefill_reps: int = 1, pause: float = 0.0) -> list[dict]:
+    """transformers eager decode with its dynamic cache, random weights, same shape; and one forward
+    over ``prefill`` tokens (``prefill_reps`` > 1: the median of that many, after a full-length
+    warm-up, each after ``pause`` seconds of an idle GPU, as tools/bench_prefill.py times ours)."""
     model = hf_model(torch, config)
     results = []
     with torch.no_grad():
@@ -329,13 +332,18 @@ def bench_peer_eager(torch, config: DenseConfig, batches, prompt: int, new_token
             results.append({"peer": "transformers eager", "batch": batch, "context": prompt,
                             "tok_s": batch / decode_s})
         ids = torch.randint(0, config.vocab_size, (1, prefill), device="cuda")
-        model(ids[:, :512])
+        model(ids if prefill_reps > 1 else ids[:, :512])
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        results.append({"peer": "transformers eager prefill", "tokens": prefill, "tok_s": prefill / seconds})
+        times = []
+        for _ in range(prefill_reps):
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        seconds = float(np.median(times))
+        results.append({"peer": "transformers eager prefill", "tokens": prefill, "tok_s": prefill / seconds,
+                        "reps": prefill_reps, "pause_s": pause})
     del model
     torch.cuda.empty_cache()
     return results
