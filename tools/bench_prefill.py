@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     for chunk in chunks:
         seconds = prefill_seconds(runner, args.tokens, chunk, args.reps, args.pause)
         with without_attention(runner):
-            rest = prefill_seconds(runner, args.tokens, chunk, 1)
+            rest = prefill_seconds(runner, args.tokens, chunk, 1, args.pause)  # timed as the full prefill
         r = {"chunk": chunk, "seconds": seconds, "tok_s": args.tokens / seconds,
              "attention_share": 1 - rest / seconds}
         report["prefill"].append(r)
