@@ -23,7 +23,7 @@ from pathlib import Path
 
 CC = (9, 0)
 PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
-MODULES = ("elementwise", "rope", "attention", "decode_attention", "gemm", "sampling", "mma", "random_fill", "deltanet", "gated_attention", "prefill_attention", "moe")
+MODULES = ("elementwise", "rope", "attention", "decode_attention", "gemm", "sampling", "mma", "random_fill", "deltanet", "gated_attention", "prefill_attention", "moe", "wgmma", "prefill_attention_wgmma")
 REQUIRED_PTX_VERSION = "9.0"
 
 
@@ -106,6 +106,8 @@ def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR) -> di
         table = {name: table[name] for name in only}
     for name, (func, argtypes, *meta) in sorted(table.items()):
         ptx, params = compile_one(name, func, argtypes)
+        if meta and meta[0].get("arch") == "sm_90a":  # wgmma: the arch-specific target
+            ptx = ptx.replace(f".target sm_{CC[0]}{CC[1]}\n", f".target sm_{CC[0]}{CC[1]}a\n", 1)
         if meta and "max_registers" in meta[0]:
             ptx = limit_registers(ptx, meta[0]["max_registers"])
         files[f"{name}.ptx"] = ptx

@@ -127,6 +127,19 @@ def lds_u32x4(typingctx, address):
 
 
 @intrinsic
+def sts_u32x4(typingctx, address, w0, w1, w2, w3):
+    """Four words to shared byte ``address`` (16-byte aligned) in one st.shared.v4."""
+    sig = types.void(uint32, uint32, uint32, uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        _inline(ir.FunctionType(ir.VoidType(), [_I32] * 5), "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
+                "r,r,r,r,r,~{memory}", args, builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def ldmatrix_x4_trans(typingctx, address):
     """ldmatrix.x4.trans at shared byte ``address``: four 8x8 bf16 matrices whose rows (16 bytes
     each, lane l giving row l % 8 of matrix l // 8) come back transposed, one uint32 of each per

@@ -1,6 +1,6 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
-    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
+    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3] [--only 'of o,no attention']
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
@@ -8,7 +8,8 @@ back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
-(``forward.KV_PREFETCH_BYTES``), decode attention in the
+(``forward.KV_PREFETCH_BYTES``), attention asking L2 for some of the o projection's weights
+(``forward.O_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid only as deep as the step's splits (the captured grid is as deep
 as the longest context needs; blocks past a row's keys exit at once), and the step without attention at
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--cases", default="1x512,8x512,8x8192")
+    parser.add_argument("--only", default="", help="comma-separated parts of the variant labels to time "
+                        "(the default step always runs); empty: every variant")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     args = parser.parse_args(argv)
     from ninfer.backends.cuda import CudaRunner
@@ -80,21 +83,25 @@ def main(argv=None) -> int:
                                   sampling=[SamplingRow()] * batch))  # leaves the step inputs in place
         roofline_ms = (weights_bytes + batch * context * config.kv_bytes_per_token) / copy_bw * 1e3
         results = {}
+
+        def measure(label: str) -> None:
+            if not args.only or label.startswith("fused (") or any(part in label for part in args.only.split(",")):
+                results[label] = step_ms(runner, batch, args.reps)
         runner.forward.fused_decode = False
-        results["unfused"] = step_ms(runner, batch, args.reps)
+        measure("unfused")
         runner.forward.fused_decode = True
-        results[f"fused (splits of {int(runner.buffers.inputs.split[0])})"] = step_ms(runner, batch, args.reps)
+        measure(f"fused (splits of {int(runner.buffers.inputs.split[0])})")
         for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", mma)):
             for table in fw.DECODE_GEMMS.values():
                 table.update({r: choice for r in table})
-            results[f"fused, {label}"] = step_ms(runner, batch, args.reps)
+            measure(f"fused, {label}")
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
         runner.forward.overlap = False
-        results["fused, launches not overlapped"] = step_ms(runner, batch, args.reps)
+        measure("fused, launches not overlapped")
         runner.forward.overlap = True
         runner.forward.fused_attention = False
-        results["fused, attention in 3 launches"] = step_ms(runner, batch, args.reps)
+        measure("fused, attention in 3 launches")
         runner.forward.fused_attention = True
         inp = runner.buffers.inputs
         chosen = int(inp.split[0])
@@ -103,24 +110,28 @@ def main(argv=None) -> int:
             if split != chosen and split < context + fw.MIN_SPLIT and split * depth > context:  # no key dropped
                 inp.split[0] = split
                 inp.upload(runner.stream)
-                results[f"fused, splits of {split}"] = step_ms(runner, batch, args.reps)
+                measure(f"fused, splits of {split}")
         inp.split[0] = chosen
         inp.upload(runner.stream)
         needed = -(-(context + 1) // chosen)  # this step's splits: a grid just deep enough (no empty blocks)
         if needed < depth:
             runner.forward.n_splits = lambda rows, decode=False, needed=needed: needed
-            results[f"fused, grid of {needed} splits"] = step_ms(runner, batch, args.reps)
+            measure(f"fused, grid of {needed} splits")
             del runner.forward.n_splits
         prefetch = int(inp.split[1])
         inp.split[1] = 1 - prefetch
         inp.upload(runner.stream)
-        results[f"fused, {'no ' if prefetch else ''}KV prefetch"] = step_ms(runner, batch, args.reps)
+        measure(f"fused, {'no ' if prefetch else ''}KV prefetch")
         inp.split[1] = prefetch
         inp.upload(runner.stream)
+        for mib, early in ((8, False), (16, False), (24, False), (32, False), (16, True), (32, True)):
+            runner.forward.o_prefetch_bytes, runner.forward.o_prefetch_early = mib << 20, early
+            measure(f"fused, {mib} MiB of o asked of L2{' early' if early else ''}")
+        runner.forward.o_prefetch_bytes, runner.forward.o_prefetch_early = fw.O_PREFETCH_BYTES, fw.O_PREFETCH_EARLY
         runner.forward.attend = lambda *a, **k: None
-        results["fused, no attention"] = step_ms(runner, batch, args.reps)
+        measure("fused, no attention")
         runner.forward.overlap = False
-        results["fused, no attention, not overlapped"] = step_ms(runner, batch, args.reps)
+        measure("fused, no attention, not overlapped")
         runner.forward.overlap = True
         del runner.forward.attend  # the class's method again
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "

@@ -64,6 +64,11 @@ def attention_splits(max_context: int) -> dict[str, int]:
     return {"decode": min(MAX_DECODE_SPLITS, -(-max_context // MIN_SPLIT)), "prefill": -(-max_context // PREFILL_SPLIT)}
 
 
+# The prefill attention kernel by head_dim where one faster than ``prefill_attention_d{D}`` (mma.sync)
+# exists: the warpgroup-MMA kernel (numba_kernels/prefill_attention_wgmma.py; sm_90a).
+PREFILL_ATTENTION = {128: "prefill_attention_d128_wgmma"}
+
+
 def flash_prefill(kv_dtype: str) -> bool:
     """Whether prefill rows take the tensor-core flash kernel (bf16 pool; numba_kernels/prefill_attention.py)
     instead of the split decode kernel, which stays for the f32 pool's bit-comparable parity runs."""
@@ -224,7 +229,8 @@ class Forward:
         self.rope_name = f"rope_kv_{kv_dtype}"
         self.decode_attention_name = f"decode_attention_g{group}_d{config.head_dim}_{kv_dtype}"
         self.scale = float(np.float32(config.head_dim ** -0.5))
-        self.prefill_attention_name = f"prefill_attention_d{config.head_dim}" if flash_prefill(kv_dtype) else None
+        self.prefill_attention_name = (PREFILL_ATTENTION.get(config.head_dim, f"prefill_attention_d{config.head_dim}")
+                                       if flash_prefill(kv_dtype) else None)
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
         meta = kernels["sample"].meta
         if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
