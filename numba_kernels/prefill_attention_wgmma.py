@@ -1,6 +1,6 @@
-"""Causal prefill attention on Hopper's warpgroup MMAs (wgmma, sm_90a): head_dim 128.
+"""Causal prefill attention on Hopper's warpgroup MMAs (wgmma, sm_90a): head_dim 64 and 128.
 
-Same contract, parameters and grid as ``prefill_attention_d128`` (numba_kernels/prefill_attention.py:
+Same contract, parameters and grid as ``prefill_attention_d{D}`` (numba_kernels/prefill_attention.py:
 the paged bf16 pool, rows of several sequences in one launch, heads fastest, last row tile first);
 the difference is how the products are computed. A block is ``WGS`` warpgroups of 64 query rows
 each, sharing every K/V tile. Per tile a warpgroup issues S = q·Kᵀ as 8 asynchronous 64 x BK x 16
@@ -11,8 +11,7 @@ issues O += P·V as BK / 16 wgmmas of 64 x 128 x 16 with V read MN-major. One wg
 mma.sync kernel at about 240 TFLOP/s, drops by an order of magnitude.
 
 Shared memory (dynamic, 1024-byte aligned at run time): q of the block's rows, then ``STAGES``
-stages of K and V, each a pair of 128-byte-swizzled panels (dims 0-63, 64-127; wgmma.py has the
-layout). K/V tiles are copied with ``cp.async`` from the pages (a warp's rows from one page), q
+stages of K and V, each in 128-byte-swizzled panels of 64 dims (wgmma.py has the layout). K/V tiles are copied with ``cp.async`` from the pages (a warp's rows from one page), q
 is read once from the fp32 ``qkv``, rounded to bf16 and stored swizzled.
 """
 
@@ -26,26 +25,26 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
                                              exp2_approx, global_address, shared_address, sts_u32x4)
-from numba_kernels.wgmma import (descriptor, fence_proxy_async, make_mma_rs, make_mma_ss, make_wait, wgmma_commit,
+from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss, make_wait, wgmma_commit,
                                  wgmma_fence)
 
 NEG_INF = float32(-math.inf)
-D = 128
 PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
-# (warpgroups a block, keys a tile, stages, register cap) of the production kernel. On the H200
+# head_dim -> (warpgroups a block, keys a tile, stages, register cap) of the production kernels. On the H200
 # (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks of 1024 in brackets):
 # two warpgroups of 64 rows, 64-key tiles, two stages, held to 128 registers so two blocks share an SM:
 # 398 (357) TFLOP/s, against 308 (295) uncapped (one block an SM), 376 (339) with 32-key tiles in 4
 # stages pipelined, 367 (325) with one warpgroup and 32 keys, 348 (313) with four warpgroups; the
 # mma.sync kernel 239 (229), torch SDPA 584-600.
-SHAPES = {"wgmma": (2, 64, 2, 128)}
+SHAPES = {128: (2, 64, 2, 128), 64: (2, 64, 2, 128)}
 # Shapes to time against it (tools/bench_prefill_attention.py --variants), name suffix
 # wg{warpgroups}k{keys}s{stages}[m{registers}]; three stages or more pipeline the scores of a tile
 # with the P·V of the tile before.
-VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128), "wg1k32s2m128": (1, 32, 2, 128)}
+VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128), "wg1k32s2m128": (1, 32, 2, 128), "wg2k32s2m128": (2, 32, 2, 128),
+            "wg2k32s3m128": (2, 32, 3, 128)}
 
 
-def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
+def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
     ROWS = 64 * WGS
     THREADS = 128 * WGS
     WARPS = THREADS // 32
@@ -54,10 +53,11 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
     KK = BK // 16  # k-steps of P·V
     DB = D // 8  # 8-dim column blocks of O
     DG = D // 8  # 16-byte chunks of a key row
+    PANELS = D // 64
     Q_PANEL = ROWS * PANEL_ROW
     KV_PANEL = BK * PANEL_ROW
-    V_AT = 2 * KV_PANEL  # V's panels after K's in a stage
-    STAGE = 4 * KV_PANEL
+    V_AT = PANELS * KV_PANEL  # V's panels after K's in a stage
+    STAGE = 2 * PANELS * KV_PANEL
     CHUNKS = BK * DG // THREADS  # 16-byte copies per thread per tile, of K and of V each
     WARP_ROWS = BK // WARPS
     STEP_ROWS = 32 // DG
@@ -99,7 +99,7 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
             sh_table[tid] = row_table[r] if r < rows else -1
             sh_pos[tid] = positions[r] if r < rows else -1
         base = (shared_address(sh) + uint32(1023)) & uint32(0xFFFFFC00)
-        kv_base = base + uint32(2 * Q_PANEL)
+        kv_base = base + uint32(PANELS * Q_PANEL)
         # q: 16-byte chunk c of row r (8 dims, rounded to bf16) at its swizzled place in panel c // 8.
         width = (n_heads + 2 * n_kv) * D
         for j in range(Q_CHUNKS):
@@ -117,7 +117,7 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
                 w2 = pack_bf16x2(qkv[at + 4], qkv[at + 5])
                 w3 = pack_bf16x2(qkv[at + 6], qkv[at + 7])
             sts_u32x4(base + uint32((c >> 3) * Q_PANEL + r * PANEL_ROW + 16 * ((c & 7) ^ (r & 7))), w0, w1, w2, w3)
-        q_desc = descriptor(base + uint32(wg * 64 * PANEL_ROW), 16, 1024)
+        q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
         cuda.syncthreads()  # sh_table / sh_pos
 
         o = cuda.local.array(O_REGS, float32)
@@ -125,8 +125,6 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
             o[i] = float32(0.0)
         s = cuda.local.array(S_REGS, float32)
         p = cuda.local.array(P_REGS, uint32)  # P in bf16 pairs: the A fragments of P·V
-        red_a = cuda.local.array(NB, float32)
-        red_b = cuda.local.array(NB, float32)
         zero = float32(0.0)
         m_a = NEG_INF
         m_b = NEG_INF
@@ -143,10 +141,11 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
         for c in range(CHUNKS):
             row = j0 + c * STEP_ROWS
             copy_dst[c] = uint32((chunk >> 3) * KV_PANEL + row * PANEL_ROW + 16 * ((chunk & 7) ^ (row & 7)))
-        kc_base = global_address(kc)
-        k_bytes = uint64(((kvh << page_shift) * D + chunk * 8) * 2)
-        v_bytes = uint64((n_kv << page_shift) * D * 2)
-        stride_bytes = uint64(page_stride * 2)
+        # This lane's chunk of K of this kv head in page 0 (64-bit); the distances to V and from page to
+        # page fit 32 bits, which spares registers (the kernel is short of them).
+        k_base = global_address(kc) + uint64(((kvh << page_shift) * D + chunk * 8) * 2)
+        v_bytes = uint32((n_kv << page_shift) * D * 2)
+        stride_bytes = uint32(page_stride * 2)
         in_page = int32((1 << page_shift) - 1)
         one_page = (1 << page_shift) >= WARP_ROWS
         warp_key = int32(warp * WARP_ROWS)
@@ -173,7 +172,7 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
             # The warpgroup's last position: its MMAs are issued by all four warps or none.
             wg_last = max(max(sh_last[4 * wg], sh_last[4 * wg + 1]), max(sh_last[4 * wg + 2], sh_last[4 * wg + 3]))
             kv_len = int32(last + 1)
-            table_base = int64(table) * max_pages
+            table_base = int32(table * max_pages)
             n_tiles = int32((kv_len + BK - 1) // BK)
             # The warpgroup's tiles: the causal mask leaves none for it past its last row's position.
             wg_tiles = int32(min(n_tiles, (wg_last + BK) // BK)) if wg_last >= 0 else int32(0)
@@ -181,20 +180,20 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
                 if st < n_tiles:
                     page = page_of(page_tables, table_base, int32(st * BK + warp_key), kv_len, page_shift)
                     fetch_tile(kv_base + uint32(st * STAGE), copy_dst, page, one_page, page_tables, table_base,
-                               kc_base, stride_bytes, k_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len,
+                               k_base, stride_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len,
                                page_shift, in_page)
                 cp_async_commit()
             page = page_of(page_tables, table_base, int32(AHEAD * BK + warp_key), kv_len, page_shift)
             if not PIPELINED:
                 for it in range(n_tiles):
-                    page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, kc_base,
-                                     stride_bytes, k_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
+                    page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
+                                     stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
                     if it < wg_tiles:  # uniform over the warpgroup
                         kt = kv_base + uint32((it % STAGES) * STAGE)
-                        issue_scores(s, q_desc, kt)
+                        issue_scores(s, q_low, kt)
                         wait_s(s)
                         m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-                            s, red_a, red_b, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
+                            s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
                             scale_log2)
                         if rescaled:
                             rescale(o, alpha_a, alpha_b)
@@ -206,23 +205,23 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
                 # is rescaled for tile it once the P·V of it - 1 is done. No MMA sits in a branch (ptxas
                 # would serialize them all), so every warpgroup computes every tile of the run, even
                 # the last one that the causal mask hides from its rows entirely.
-                page = next_tile(0, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, kc_base,
-                                 stride_bytes, k_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
-                issue_scores(s, q_desc, kv_base)
+                page = next_tile(0, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
+                                 stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
+                issue_scores(s, q_low, kv_base)
                 wait_s(s)
                 m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-                    s, red_a, red_b, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
+                    s, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
                 if rescaled:
                     rescale(o, alpha_a, alpha_b)
                 pack_p(s, p)
                 for it in range(1, n_tiles):
-                    page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, kc_base,
-                                     stride_bytes, k_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
-                    issue_scores(s, q_desc, kv_base + uint32((it % STAGES) * STAGE))
+                    page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
+                                     stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
+                    issue_scores(s, q_low, kv_base + uint32((it % STAGES) * STAGE))
                     issue_values(o, p, kv_base + uint32(((it - 1) % STAGES) * STAGE))
                     wait_s_behind_one(s)  # the scores; the P·V (the newest group) may still run
                     m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-                        s, red_a, red_b, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
+                        s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
                     wait_o(o)  # P·V of tile it - 1: O and the P registers are free again
                     if rescaled:
                         rescale(o, alpha_a, alpha_b)
@@ -247,8 +246,8 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
                 store_pair(out, int64(rb) * out_w + col, o[db * 4 + 2] * inv_b, o[db * 4 + 3] * inv_b)
 
     @cuda.jit(device=True, inline=True)
-    def next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, kc_base, stride_bytes,
-                  k_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page):
+    def next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base, stride_bytes,
+                  v_bytes, warp_key, lane_row, kv_len, page_shift, in_page):
         """Wait for tile ``it`` and publish it; start the copies of tile it + AHEAD into the stage that
         every warpgroup is done with. Returns the page id of the tile after that (loaded a tile ahead)."""
         wait_landed()
@@ -257,34 +256,35 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
         ahead = int32(it + AHEAD)
         if ahead < n_tiles:
             fetch_tile(kv_base + uint32((ahead % STAGES) * STAGE), copy_dst, page, one_page, page_tables, table_base,
-                       kc_base, stride_bytes, k_bytes, v_bytes, int32(ahead * BK + warp_key), lane_row, kv_len,
+                       k_base, stride_bytes, v_bytes, int32(ahead * BK + warp_key), lane_row, kv_len,
                        page_shift, in_page)
             page = page_of(page_tables, table_base, int32(ahead * BK + BK + warp_key), kv_len, page_shift)
         cp_async_commit()
         return page
 
     @cuda.jit(device=True, inline=True)
-    def issue_scores(s, q_desc, kt):
+    def issue_scores(s, q_low, kt):
         """Start S = q·Kᵀ of the tile whose stage is at shared ``kt`` (one commit group)."""
-        k_desc = descriptor(kt, 16, 1024)
+        k_low = descriptor_low(kt, 16)
         wgmma_fence()
         for ks in range(KS):
-            q_step = uint64(((ks >> 2) * Q_PANEL + (ks & 3) * 32) >> 4)
-            k_step = uint64(((ks >> 2) * KV_PANEL + (ks & 3) * 32) >> 4)
-            mma_s(s, q_desc + q_step, k_desc + k_step, int32(ks))
+            q_step = uint32(((ks >> 2) * Q_PANEL + (ks & 3) * 32) >> 4)
+            k_step = uint32(((ks >> 2) * KV_PANEL + (ks & 3) * 32) >> 4)
+            mma_s(s, descriptor_of(q_low + q_step, 1024), descriptor_of(k_low + k_step, 1024), int32(ks))
         wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
     def issue_values(o, p, kt):
         """Start O += P·V of the tile whose stage is at shared ``kt`` (one commit group)."""
-        v_desc = descriptor(kt + uint32(V_AT), KV_PANEL, 1024)
+        v_low = descriptor_low(kt + uint32(V_AT), KV_PANEL)
         wgmma_fence()
         for kk in range(KK):
-            mma_o(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_desc + uint64((kk * 16 * PANEL_ROW) >> 4))
+            mma_o(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                  descriptor_of(v_low + uint32((kk * 16 * PANEL_ROW) >> 4), 1024))
         wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
-    def softmax_scores(s, red_a, red_b, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
+    def softmax_scores(s, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
         """The online softmax of a tile's scores, in place: causal mask, the rows' new maxima, ``s``
         exponentiated, the sums updated. Returns (m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled):
         O must be scaled by alpha when ``rescaled`` (warp-uniform) before this tile's P·V."""
@@ -298,13 +298,9 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
                         s[nb * 4 + c] = NEG_INF
                     if nb * 8 + c > last_b:
                         s[nb * 4 + 2 + c] = NEG_INF
-        for nb in range(NB):
-            red_a[nb] = max(s[nb * 4], s[nb * 4 + 1])
-            red_b[nb] = max(s[nb * 4 + 2], s[nb * 4 + 3])
-        halve_max(red_a)
-        halve_max(red_b)
-        mx_a = red_a[0]
-        mx_b = red_b[0]
+        # Row maxima and sums in two interleaved chains a row (registers, not latency, are what this
+        # kernel is short of: a tree over all NB blocks would hold 2 NB partials live beside O and S).
+        mx_a, mx_b = row_max(s)
         for off in (1, 2):
             mx_a = max(mx_a, cuda.shfl_xor_sync(0xFFFFFFFF, mx_a, off))
             mx_b = max(mx_b, cuda.shfl_xor_sync(0xFFFFFFFF, mx_b, off))
@@ -324,11 +320,8 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
         for nb in range(NB):
             for c in range(4):
                 s[nb * 4 + c] = exp2_approx(s[nb * 4 + c] * scale_log2 - (ref_a if c < 2 else ref_b))
-            red_a[nb] = s[nb * 4] + s[nb * 4 + 1]
-            red_b[nb] = s[nb * 4 + 2] + s[nb * 4 + 3]
-        halve_sum(red_a)
-        halve_sum(red_b)
-        return new_a, new_b, l_a + red_a[0], l_b + red_b[0], alpha_a, alpha_b, rescaled
+        sum_a, sum_b = row_sum(s)
+        return new_a, new_b, l_a + sum_a, l_b + sum_b, alpha_a, alpha_b, rescaled
 
     @cuda.jit(device=True, inline=True)
     def rescale(o, alpha_a, alpha_b):
@@ -345,26 +338,32 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
             p[i] = pack_bf16x2(s[2 * i], s[2 * i + 1])
 
     @cuda.jit(device=True, inline=True)
-    def halve_max(v):
-        for i in range(NB // 2):
-            v[i] = max(v[i], v[i + NB // 2])
-        for i in range(NB // 4):
-            v[i] = max(v[i], v[i + NB // 4])
-        for i in range(NB // 8):
-            v[i] = max(v[i], v[i + NB // 8])
-        for i in range(NB // 16):
-            v[i] = max(v[i], v[i + NB // 16])
+    def row_max(s):
+        """The lane's maxima of its two rows' scores (not yet across the quad)."""
+        a0 = max(s[0], s[1])
+        b0 = max(s[2], s[3])
+        a1 = max(s[4], s[5])
+        b1 = max(s[6], s[7])
+        for nb in range(2, NB, 2):
+            a0 = max(a0, max(s[nb * 4], s[nb * 4 + 1]))
+            b0 = max(b0, max(s[nb * 4 + 2], s[nb * 4 + 3]))
+            a1 = max(a1, max(s[nb * 4 + 4], s[nb * 4 + 5]))
+            b1 = max(b1, max(s[nb * 4 + 6], s[nb * 4 + 7]))
+        return max(a0, a1), max(b0, b1)
 
     @cuda.jit(device=True, inline=True)
-    def halve_sum(v):
-        for i in range(NB // 2):
-            v[i] += v[i + NB // 2]
-        for i in range(NB // 4):
-            v[i] += v[i + NB // 4]
-        for i in range(NB // 8):
-            v[i] += v[i + NB // 8]
-        for i in range(NB // 16):
-            v[i] += v[i + NB // 16]
+    def row_sum(s):
+        """The lane's sums of its two rows' probabilities (not yet across the quad)."""
+        a0 = s[0] + s[1]
+        b0 = s[2] + s[3]
+        a1 = s[4] + s[5]
+        b1 = s[6] + s[7]
+        for nb in range(2, NB, 2):
+            a0 += s[nb * 4] + s[nb * 4 + 1]
+            b0 += s[nb * 4 + 2] + s[nb * 4 + 3]
+            a1 += s[nb * 4 + 4] + s[nb * 4 + 5]
+            b1 += s[nb * 4 + 6] + s[nb * 4 + 7]
+        return a0 + a1, b0 + b1
 
     @cuda.jit(device=True, inline=True)
     def store_f32(out, index, lo, hi):
@@ -382,21 +381,21 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
         return page_tables[table_base + (int32(min(key, kv_len - 1)) >> page_shift)]
 
     @cuda.jit(device=True, inline=True)
-    def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, kc_base, stride_bytes, k_bytes, v_bytes,
+    def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, k_base, stride_bytes, v_bytes,
                    key0, lane_row, kv_len, page_shift, in_page):
         left = int32(kv_len - key0 - lane_row)
         if one_page:
             first = int32(min(key0, kv_len - 1) & in_page & ~(WARP_ROWS - 1))
-            k_src = kc_base + uint64(page) * stride_bytes + uint64((first + lane_row) * 2 * D) + k_bytes
+            k_src = k_base + uint64(page) * uint64(stride_bytes) + uint64((first + lane_row) * 2 * D)
             for c in range(CHUNKS):
                 src = k_src + uint64(c * STEP_ROWS * 2 * D)
-                copy_row(stage, copy_dst, c, src, src + v_bytes, left)
+                copy_row(stage, copy_dst, c, src, src + uint64(v_bytes), left)
         else:
             for c in range(CHUNKS):
                 kq = int32(min(int32(key0 + lane_row + c * STEP_ROWS), kv_len - 1))
                 row_page = page_tables[table_base + (kq >> page_shift)]
-                k_src = kc_base + uint64(row_page) * stride_bytes + uint64((kq & in_page) * 2 * D) + k_bytes
-                copy_row(stage, copy_dst, c, k_src, k_src + v_bytes, left)
+                k_src = k_base + uint64(row_page) * uint64(stride_bytes) + uint64((kq & in_page) * 2 * D)
+                copy_row(stage, copy_dst, c, k_src, k_src + uint64(v_bytes), left)
 
     @cuda.jit(device=True, inline=True)
     def copy_row(stage, copy_dst, c, k_src, v_src, left):
@@ -408,20 +407,24 @@ def make_prefill_attention_wgmma(WGS, BK, STAGES, OUT_BF16=False):
     return prefill_attention
 
 
-def _entry(wgs, keys, stages, max_registers, out="f32"):
-    shared = 2 * 64 * wgs * D + stages * 4 * keys * PANEL_ROW + 1024  # q, the stages, alignment slack
-    meta = {"rows": 64 * wgs, "threads": 128 * wgs, "keys": keys, "stages": stages, "shared": shared, "out": out,
-            "arch": "sm_90a"}
+def shared_bytes(D, wgs, keys, stages):
+    """Dynamic shared memory of a shape: q, the K/V stages, 1024 bytes of alignment slack."""
+    return 2 * D * (64 * wgs + 2 * stages * keys) + 1024
+
+
+def _entry(D, wgs, keys, stages, max_registers, out="f32"):
+    meta = {"rows": 64 * wgs, "threads": 128 * wgs, "keys": keys, "stages": stages,
+            "shared": shared_bytes(D, wgs, keys, stages), "out": out, "arch": "sm_90a"}
     if max_registers:
         meta["max_registers"] = max_registers
-    return (make_prefill_attention_wgmma(wgs, keys, stages, out == "bf16"),
+    return (make_prefill_attention_wgmma(D, wgs, keys, stages, out == "bf16"),
             SIGNATURE_BF16 if out == "bf16" else SIGNATURE, meta)
 
 
 KERNELS = {}
-for _suffix, _shape in SHAPES.items():
-    KERNELS[f"prefill_attention_d{D}_{_suffix}"] = _entry(*_shape)
-    KERNELS[f"prefill_attention_d{D}_{_suffix}_bf16"] = _entry(*_shape, out="bf16")
+for _d, _shape in SHAPES.items():
+    KERNELS[f"prefill_attention_d{_d}_wgmma"] = _entry(_d, *_shape)
+    KERNELS[f"prefill_attention_d{_d}_wgmma_bf16"] = _entry(_d, *_shape, out="bf16")
 if os.environ.get("NINFER_PREFILL_VARIANTS") == "1":
     for _suffix, _shape in VARIANTS.items():
-        KERNELS[f"prefill_attention_d{D}_{_suffix}"] = _entry(*_shape)
+        KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape)

@@ -155,6 +155,19 @@ def make_mma_rs(n, trans_b):
 
 
 @cuda.jit(device=True, inline=True)
+def descriptor_low(address, leading_bytes):
+    """The low word of a descriptor (start address, LBO): adding ``bytes >> 4`` to it moves the start
+    with 32-bit arithmetic (a kernel short of registers builds the 64-bit value only at the MMA)."""
+    return uint32(((address & 0x3FFFF) >> 4) | ((leading_bytes >> 4) << 16))
+
+
+@cuda.jit(device=True, inline=True)
+def descriptor_of(low, stride_bytes):
+    """The 128-byte-swizzle descriptor of low word ``low`` (``descriptor_low``) and SBO ``stride_bytes``."""
+    return uint64(low) | (uint64(stride_bytes >> 4) << 32) | uint64(SWIZZLE_128B)
+
+
+@cuda.jit(device=True, inline=True)
 def descriptor(address, leading_bytes, stride_bytes):
     """The 128-byte-swizzle matrix descriptor of the operand at shared byte ``address``; adding
     ``bytes >> 4`` to it moves its start (within the 14-bit field: shared addresses stay below 256 KiB)."""

@@ -66,7 +66,7 @@ def attention_splits(max_context: int) -> dict[str, int]:
 
 # The prefill attention kernel by head_dim where one faster than ``prefill_attention_d{D}`` (mma.sync)
 # exists: the warpgroup-MMA kernel (numba_kernels/prefill_attention_wgmma.py; sm_90a).
-PREFILL_ATTENTION = {128: "prefill_attention_d128_wgmma"}
+PREFILL_ATTENTION = {64: "prefill_attention_d64_wgmma", 128: "prefill_attention_d128_wgmma"}
 
 
 def flash_prefill(kv_dtype: str) -> bool:
