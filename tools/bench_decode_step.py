@@ -1,6 +1,6 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
-    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3] [--only 'of o,no attention']
+    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3] [--only 'splits of,no attention']
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
@@ -8,8 +8,7 @@ back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
-(``forward.KV_PREFETCH_BYTES``), attention asking L2 for some of the o projection's weights
-(``forward.O_PREFETCH_BYTES``), decode attention in the
+(``forward.KV_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid only as deep as the step's splits (the captured grid is as deep
 as the longest context needs; blocks past a row's keys exit at once), and the step without attention at
@@ -124,10 +123,6 @@ def main(argv=None) -> int:
         measure(f"fused, {'no ' if prefetch else ''}KV prefetch")
         inp.split[1] = prefetch
         inp.upload(runner.stream)
-        for mib, early in ((8, False), (16, False), (24, False), (32, False), (16, True), (32, True)):
-            runner.forward.o_prefetch_bytes, runner.forward.o_prefetch_early = mib << 20, early
-            measure(f"fused, {mib} MiB of o asked of L2{' early' if early else ''}")
-        runner.forward.o_prefetch_bytes, runner.forward.o_prefetch_early = fw.O_PREFETCH_BYTES, fw.O_PREFETCH_EARLY
         runner.forward.attend = lambda *a, **k: None
         measure("fused, no attention")
         runner.forward.overlap = False
