@@ -160,7 +160,8 @@ def atomic_add_i32(typingctx, ptr, index, value):
 # - ``launch_dependents`` only lets the next kernel's blocks be scheduled once every block of this
 #   one has issued it; it says nothing about memory. Without the launch attribute both are no-ops.
 
-def _statement(asm: str):
+def asm_statement(asm: str):
+    """An intrinsic taking no arguments that emits ``asm`` (a PTX statement) where it is called."""
     @intrinsic
     def statement(typingctx):
         def codegen(context, builder, signature, args):
@@ -173,8 +174,8 @@ def _statement(asm: str):
     return statement
 
 
-grid_dependency_wait = _statement("griddepcontrol.wait;")
-launch_dependents = _statement("griddepcontrol.launch_dependents;")
+grid_dependency_wait = asm_statement("griddepcontrol.wait;")
+launch_dependents = asm_statement("griddepcontrol.launch_dependents;")
 
 
 @intrinsic
@@ -226,7 +227,7 @@ def copy_async_16(typingctx, dst, dst_index, src, src_index):
     return sig, codegen
 
 
-copy_async_wait = _statement("cp.async.wait_all;")
+copy_async_wait = asm_statement("cp.async.wait_all;")
 
 
 @intrinsic

@@ -58,7 +58,7 @@ from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, I32P, U32P
+from numba_kernels.common import F32P, I32P, U32P, asm_statement
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2
 
 NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
@@ -182,22 +182,48 @@ def exp2_approx(typingctx, x):
     return sig, codegen
 
 
-def _asm_statement(text):
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return statement
-
-
-cp_async_commit = _asm_statement("cp.async.commit_group;")
+cp_async_commit = asm_statement("cp.async.commit_group;")
 # cp_async_wait[n]: every committed group but the newest n has landed
-cp_async_wait = tuple(_asm_statement(f"cp.async.wait_group {n};") for n in range(4))
+cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(4))
+
+
+@cuda.jit(device=True, inline=True)
+def row_run(sh_table, sh_pos, seg, rows, la):
+    """The run of a block's rows that starts at ``seg`` (rows of one sequence: one ``row_table``
+    entry): (its table, its end, its largest position, this lane's two rows' positions ``la`` and
+    ``la + 8`` (-1 outside the run), the largest and smallest of those over the warp)."""
+    table = sh_table[seg]
+    end = seg
+    last = int32(-1)
+    while end < rows and sh_table[end] == table:
+        last = max(last, sh_pos[end])
+        end += 1
+    pos_a = sh_pos[la] if seg <= la < end else int32(-1)
+    pos_b = sh_pos[la + 8] if seg <= la + 8 < end else int32(-1)
+    warp_last = max(pos_a, pos_b)
+    warp_first = min(pos_a, pos_b)
+    for off in (1, 2, 4, 8, 16):
+        warp_last = max(warp_last, cuda.shfl_xor_sync(0xFFFFFFFF, warp_last, off))
+        warp_first = min(warp_first, cuda.shfl_xor_sync(0xFFFFFFFF, warp_first, off))
+    return table, end, last, pos_a, pos_b, warp_last, warp_first
+
+
+@cuda.jit(device=True, inline=True)
+def page_of(page_tables, table_base, key, kv_len, page_shift):
+    """The page holding ``key`` (clamped to the last key: a valid page whatever the tile)."""
+    return page_tables[table_base + (int32(min(key, kv_len - 1)) >> page_shift)]
+
+
+@cuda.jit(device=True, inline=True)
+def store_pair_f32(out, index, lo, hi):
+    out[index] = lo
+    out[index + 1] = hi
+
+
+@cuda.jit(device=True, inline=True)
+def store_pair_bf16(out, index, lo, hi):
+    """Elements ``index`` (even) and ``index + 1`` rounded to bf16 (nearest even, as ``to_bf16``) in one word."""
+    out[index >> 1] = pack_bf16x2(lo, hi)
 
 
 def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
@@ -315,19 +341,7 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
         seg = 0
         while seg < ROWS and sh_table[seg] >= 0:
             # One run of rows of the same sequence: keys 0..(largest position in the run).
-            table = sh_table[seg]
-            end = seg
-            last = int32(-1)
-            while end < ROWS and sh_table[end] == table:
-                last = max(last, sh_pos[end])
-                end += 1
-            pos_a = sh_pos[la] if seg <= la < end else int32(-1)
-            pos_b = sh_pos[la + 8] if seg <= la + 8 < end else int32(-1)
-            warp_last = max(pos_a, pos_b)
-            warp_first = min(pos_a, pos_b)
-            for off in (1, 2, 4, 8, 16):
-                warp_last = max(warp_last, cuda.shfl_xor_sync(0xFFFFFFFF, warp_last, off))
-                warp_first = min(warp_first, cuda.shfl_xor_sync(0xFFFFFFFF, warp_first, off))
+            table, end, last, pos_a, pos_b, warp_last, warp_first = row_run(sh_table, sh_pos, seg, ROWS, la)
             kv_len = int32(last + 1)
             table_base = int64(table) * max_pages
             n_tiles = int32((kv_len + BK - 1) // BK)
@@ -482,22 +496,7 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
         for i in range(NB // 16):
             v[i] += v[i + NB // 16]
 
-    @cuda.jit(device=True, inline=True)
-    def store_f32(out, index, lo, hi):
-        out[index] = lo
-        out[index + 1] = hi
-
-    @cuda.jit(device=True, inline=True)
-    def store_bf16(out, index, lo, hi):
-        """Elements ``index`` (even) and ``index + 1`` rounded to bf16 (nearest even, as ``to_bf16``) in one word."""
-        out[index >> 1] = pack_bf16x2(lo, hi)
-
-    store_pair = store_bf16 if OUT_BF16 else store_f32
-
-    @cuda.jit(device=True, inline=True)
-    def page_of(page_tables, table_base, key, kv_len, page_shift):
-        """The page holding ``key`` (clamped to the last key: a valid page whatever the tile)."""
-        return page_tables[table_base + (int32(min(key, kv_len - 1)) >> page_shift)]
+    store_pair = store_pair_bf16 if OUT_BF16 else store_pair_f32
 
     @cuda.jit(device=True, inline=True)
     def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, kc_base, stride_bytes, k_bytes, v_bytes,

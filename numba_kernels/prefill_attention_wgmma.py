@@ -24,7 +24,8 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
-                                             exp2_approx, global_address, shared_address, sts_u32x4)
+                                             exp2_approx, global_address, page_of, row_run, shared_address,
+                                             store_pair_bf16, store_pair_f32, sts_u32x4)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss, make_wait, wgmma_commit,
                                  wgmma_fence)
 
@@ -153,19 +154,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
 
         seg = 0
         while seg < ROWS and sh_table[seg] >= 0:
-            table = sh_table[seg]
-            end = seg
-            last = int32(-1)
-            while end < ROWS and sh_table[end] == table:
-                last = max(last, sh_pos[end])
-                end += 1
-            pos_a = sh_pos[la] if seg <= la < end else int32(-1)
-            pos_b = sh_pos[la + 8] if seg <= la + 8 < end else int32(-1)
-            warp_last = max(pos_a, pos_b)
-            warp_first = min(pos_a, pos_b)
-            for off in (1, 2, 4, 8, 16):
-                warp_last = max(warp_last, cuda.shfl_xor_sync(0xFFFFFFFF, warp_last, off))
-                warp_first = min(warp_first, cuda.shfl_xor_sync(0xFFFFFFFF, warp_first, off))
+            table, end, last, pos_a, pos_b, warp_last, warp_first = row_run(sh_table, sh_pos, seg, ROWS, la)
             if lane == 0:
                 sh_last[warp] = warp_last
             cuda.syncthreads()
@@ -189,7 +178,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
                     page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                      stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
                     if it < wg_tiles:  # uniform over the warpgroup
-                        kt = kv_base + uint32((it % STAGES) * STAGE)
+                        kt = stage_at(kv_base, it)
                         issue_scores(s, q_low, kt)
                         wait_s(s)
                         m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
@@ -217,8 +206,8 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
                 for it in range(1, n_tiles):
                     page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                      stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
-                    issue_scores(s, q_low, kv_base + uint32((it % STAGES) * STAGE))
-                    issue_values(o, p, kv_base + uint32(((it - 1) % STAGES) * STAGE))
+                    issue_scores(s, q_low, stage_at(kv_base, it))
+                    issue_values(o, p, stage_at(kv_base, it - 1))
                     wait_s_behind_one(s)  # the scores; the P·V (the newest group) may still run
                     m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
                         s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
@@ -226,7 +215,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
                     if rescaled:
                         rescale(o, alpha_a, alpha_b)
                     pack_p(s, p)
-                issue_values(o, p, kv_base + uint32(((n_tiles - 1) % STAGES) * STAGE))
+                issue_values(o, p, stage_at(kv_base, n_tiles - 1))
                 wait_o(o)
             wait_all()
             cuda.syncthreads()
@@ -246,6 +235,12 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
                 store_pair(out, int64(rb) * out_w + col, o[db * 4 + 2] * inv_b, o[db * 4 + 3] * inv_b)
 
     @cuda.jit(device=True, inline=True)
+    def stage_at(kv_base, tile):
+        """Shared address of the stage holding ``tile`` (unsigned 32-bit: a mask or a multiply, not a
+        signed 64-bit remainder)."""
+        return kv_base + (uint32(tile) % uint32(STAGES)) * uint32(STAGE)
+
+    @cuda.jit(device=True, inline=True)
     def next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base, stride_bytes,
                   v_bytes, warp_key, lane_row, kv_len, page_shift, in_page):
         """Wait for tile ``it`` and publish it; start the copies of tile it + AHEAD into the stage that
@@ -255,7 +250,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
         cuda.syncthreads()
         ahead = int32(it + AHEAD)
         if ahead < n_tiles:
-            fetch_tile(kv_base + uint32((ahead % STAGES) * STAGE), copy_dst, page, one_page, page_tables, table_base,
+            fetch_tile(stage_at(kv_base, ahead), copy_dst, page, one_page, page_tables, table_base,
                        k_base, stride_bytes, v_bytes, int32(ahead * BK + warp_key), lane_row, kv_len,
                        page_shift, in_page)
             page = page_of(page_tables, table_base, int32(ahead * BK + BK + warp_key), kv_len, page_shift)
@@ -365,20 +360,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
             b1 += s[nb * 4 + 6] + s[nb * 4 + 7]
         return a0 + a1, b0 + b1
 
-    @cuda.jit(device=True, inline=True)
-    def store_f32(out, index, lo, hi):
-        out[index] = lo
-        out[index + 1] = hi
-
-    @cuda.jit(device=True, inline=True)
-    def store_bf16(out, index, lo, hi):
-        out[index >> 1] = pack_bf16x2(lo, hi)
-
-    store_pair = store_bf16 if OUT_BF16 else store_f32
-
-    @cuda.jit(device=True, inline=True)
-    def page_of(page_tables, table_base, key, kv_len, page_shift):
-        return page_tables[table_base + (int32(min(key, kv_len - 1)) >> page_shift)]
+    store_pair = store_pair_bf16 if OUT_BF16 else store_pair_f32
 
     @cuda.jit(device=True, inline=True)
     def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, k_base, stride_bytes, v_bytes,

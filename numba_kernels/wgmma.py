@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba import cuda, float32, int32, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, U32P
+from numba_kernels.common import F32P, U32P, asm_statement
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import shared_address, sts_u32x4
 
@@ -45,24 +45,11 @@ _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 SWIZZLE_128B = 1 << 62
-PANEL_BYTES_PER_ROW = 128  # one row of a 128-byte-swizzled panel: 64 bf16
 
 
-def _statement(text):
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, signature, args):
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return statement
-
-
-wgmma_fence = _statement("wgmma.fence.sync.aligned;")
-wgmma_commit = _statement("wgmma.commit_group.sync.aligned;")
-fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
+wgmma_fence = asm_statement("wgmma.fence.sync.aligned;")
+wgmma_commit = asm_statement("wgmma.commit_group.sync.aligned;")
+fence_proxy_async = asm_statement("fence.proxy.async.shared::cta;")
 
 
 def _array_values(context, builder, array_type, array, count):

@@ -35,8 +35,9 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS, Forward,
-                                          Inputs, attention_splits, norm_threads, sampler_regions, split_length)
+from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS,
+                                          PREFILL_ATTENTION, Forward, Inputs, attention_splits, norm_threads,
+                                          sampler_regions, split_length)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -137,8 +138,8 @@ class HybridForward(Forward):
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
-        # Prefill attention on the tensor cores where a variant exists (bf16 pool; prefill_attention.py).
-        flash = f"prefill_attention_d{c.head_dim}"
+        # Prefill attention on the tensor cores where a variant exists (bf16 pool; forward.PREFILL_ATTENTION).
+        flash = PREFILL_ATTENTION.get(c.head_dim, f"prefill_attention_d{c.head_dim}")
         self.flash_name = flash if kv_dtype == "bf16" and flash in kernels.entries else None
         self.state_offset = layer_offsets(c)
         self.kv_index = {layer: i for i, layer in enumerate(c.attention_layers)}
@@ -267,7 +268,7 @@ class HybridForward(Forward):
                                                     n_splits, D, inp.d_split), stream)
 
     def prefill_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
-        """Prefill rows on the tensor cores (``prefill_attention.py``, bf16 pool), then the gate."""
+        """Prefill rows on the tensor cores (``prefill_attention*.py``, bf16 pool), then the gate."""
         c, b, inp = self.c, self.b, self.b.inputs
         kernel = self.k[self.flash_name]
         scale_log2 = float(c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
