@@ -6,13 +6,14 @@ the difference is how the products are computed. A block is ``WGS`` warpgroups o
 each, sharing every K/V tile. Per tile a warpgroup issues S = q·Kᵀ as 8 asynchronous 64 x BK x 16
 wgmmas reading q and K straight from shared memory, waits, runs the online softmax on the
 accumulators (as the mma.sync kernel does, per lane and its quad), packs P to bf16 in registers and
-issues O += P·V as BK / 16 wgmmas of 64 x 128 x 16 with V read MN-major. One wgmma replaces 32
+issues O += P·V as BK / 16 wgmmas of 64 x D x 16 with V read MN-major. One wgmma replaces 32
 ``mma.sync`` of a warp and needs no fragment loads: the instruction count per MMA, which held the
 mma.sync kernel at about 240 TFLOP/s, drops by an order of magnitude.
 
 Shared memory (dynamic, 1024-byte aligned at run time): q of the block's rows, then ``STAGES``
-stages of K and V, each in 128-byte-swizzled panels of 64 dims (wgmma.py has the layout). K/V tiles are copied with ``cp.async`` from the pages (a warp's rows from one page), q
-is read once from the fp32 ``qkv``, rounded to bf16 and stored swizzled.
+stages of K and V, each in 128-byte-swizzled panels of 64 dims (wgmma.py has the layout). K/V
+tiles are copied with ``cp.async`` from the pages (a warp's rows from one page); q is read once
+from the fp32 ``qkv``, rounded to bf16 and stored swizzled.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
                                              exp2_approx, global_address, page_of, row_run, shared_address,
                                              store_pair_bf16, store_pair_f32, sts_u32x4)
-from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss, make_wait, wgmma_commit,
-                                 wgmma_fence)
+from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
+                                 make_wait, wgmma_commit, wgmma_fence)
 
 NEG_INF = float32(-math.inf)
 PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
-# head_dim -> (warpgroups a block, keys a tile, stages, register cap) of the production kernels. On the H200
-# (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks of 1024 in brackets):
+# head_dim -> (warpgroups a block, keys a tile, stages, register cap) of the production kernels. On
+# the H200 (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks of 1024 in brackets):
 # two warpgroups of 64 rows, 64-key tiles, two stages, held to 128 registers so two blocks share an SM:
 # 398 (357) TFLOP/s, against 308 (295) uncapped (one block an SM), 376 (339) with 32-key tiles in 4
 # stages pipelined, 367 (325) with one warpgroup and 32 keys, 348 (313) with four warpgroups; the
@@ -68,7 +69,6 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
     P_REGS = KK * 4
     PIPELINED = STAGES >= 3  # scores of a tile overlap the P·V of the one before (needs a stage more)
     AHEAD = STAGES - 2 if PIPELINED else STAGES - 1  # tiles copied ahead of the one computed
-    LAG = 1 if PIPELINED else 0  # P·V trails the scores by this many tiles
     assert CHUNKS * STEP_ROWS == WARP_ROWS and WARP_ROWS & (WARP_ROWS - 1) == 0
     assert 2 <= STAGES <= len(cp_async_wait) + 1 and NB <= 16
     mma_s = make_mma_ss(BK)
@@ -119,7 +119,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
                 w3 = pack_bf16x2(qkv[at + 6], qkv[at + 7])
             sts_u32x4(base + uint32((c >> 3) * Q_PANEL + r * PANEL_ROW + 16 * ((c & 7) ^ (r & 7))), w0, w1, w2, w3)
         q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
-        cuda.syncthreads()  # sh_table / sh_pos
+        cuda.syncthreads()  # sh_table / sh_pos (q is published by the fence and barrier of the first tile)
 
         o = cuda.local.array(O_REGS, float32)
         for i in range(O_REGS):

@@ -69,8 +69,8 @@ def make_wait(n, behind=0):
             pointers, values = _array_values(context, builder, signature.args[0], args[0], n)
             fnty = ir.FunctionType(ir.LiteralStructType([_F32] * n), [_F32] * n)
             constraints = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["~{memory}"])
-            call = builder.call(ir.InlineAsm(fnty, f"wgmma.wait_group.sync.aligned {behind};", constraints, side_effect=True),
-                                values)
+            wait_asm = ir.InlineAsm(fnty, f"wgmma.wait_group.sync.aligned {behind};", constraints, side_effect=True)
+            call = builder.call(wait_asm, values)
             for i, p in enumerate(pointers):
                 builder.store(builder.extract_value(call, i), p)
             return context.get_dummy_value()
@@ -158,8 +158,7 @@ def descriptor_of(low, stride_bytes):
 def descriptor(address, leading_bytes, stride_bytes):
     """The 128-byte-swizzle matrix descriptor of the operand at shared byte ``address``; adding
     ``bytes >> 4`` to it moves its start (within the 14-bit field: shared addresses stay below 256 KiB)."""
-    return (uint64((address & 0x3FFFF) >> 4) | (uint64(leading_bytes >> 4) << 16) | (uint64(stride_bytes >> 4) << 32)
-            | uint64(SWIZZLE_128B))
+    return descriptor_of(descriptor_low(address, leading_bytes), stride_bytes)
 
 
 mma_64x64 = make_mma_ss(64)

@@ -1,6 +1,7 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
-    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3] [--only 'splits of,no attention']
+    python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
+                                       [--only 'splits of,no attention']
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
