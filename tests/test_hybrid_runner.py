@@ -166,8 +166,9 @@ def test_a_prefill_longer_than_one_block_equals_shorter_chunks(artifact):
     split = 128  # a multiple of the delta rule's chunk, as PREFILL_BLOCK is: the same chunks either way
     first = prefill(big, 0, ids[:split], 0, pages).logits
     rest = prefill(big, 0, ids[split:], split, pages).logits
-    # As in test_prefill_in_chunks_equals_one_shot: other matrix shapes, other fp32 rounding.
-    np.testing.assert_allclose(whole, np.concatenate([first, rest]), rtol=0, atol=1e-4)
+    # As in test_prefill_in_chunks_equals_one_shot: other matrix shapes, other fp32 rounding (which
+    # OpenBLAS kernel runs depends on the CPU: on one host a logit of 0.566 came out 1.04e-4 apart).
+    np.testing.assert_allclose(whole, np.concatenate([first, rest]), rtol=1e-4, atol=1e-4)
 
 
 def test_state_calls_check_their_arguments(runner):
