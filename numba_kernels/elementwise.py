@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import (F32P, I32P, U16P, bf16_to_f32, block_sum, f32_to_bf16, grid_dependency_wait,
-                                  launch_dependents)
+from numba_kernels.common import (F32P, I32P, U16P, U32P, bf16_to_f32, block_sum, f32_to_bf16, grid_dependency_wait,
+                                  launch_dependents, load_f32x4, warp_sum)
+from numba_kernels.mma import pack_bf16x2
 from numba_kernels.rope import store_bf16, store_f32
 
 
@@ -78,6 +79,41 @@ def make_rmsnorm(store):
         norm_store(out, x, xs, weight, ws, base, hidden, block_sum(acc, scratch), eps)
 
     return rmsnorm
+
+
+# rmsnorm_rows_bf16: rows a block (a warp each) and float4s a lane has in flight per pass step.
+ROW_NORM_WARPS = 8
+ROW_NORM_QUADS = 8
+
+
+def rmsnorm_rows_bf16(out, x, weight, rows, hidden, eps):
+    """A prefill's RMSNorm into the bf16 its next GEMM reads: out[r] = bf16(x[r] / sqrt(mean(x[r]^2) +
+    eps) * weight), pairs of bf16 in uint32 words. ``hidden`` a multiple of 4.
+
+    A warp a row and no block barrier: the squares are summed from 16-byte loads, ROW_NORM_QUADS a
+    lane in flight, then the row is read again (from L1) to scale and store. ``rmsnorm_bf16``'s block
+    a row, with its two block-wide reductions, keeps too few loads in flight on thousands of rows.
+    Launch: grid ``(ceil(rows / ROW_NORM_WARPS),)``, block ``32 * ROW_NORM_WARPS``."""
+    row = cuda.blockIdx.x * ROW_NORM_WARPS + (cuda.threadIdx.x >> 5)
+    lane = cuda.threadIdx.x & 31
+    if row >= rows:
+        return
+    base = int64(row) * hidden
+    quads = hidden >> 2
+    acc = float32(0.0)
+    for q0 in range(lane, quads, 32 * ROW_NORM_QUADS):
+        for j in range(ROW_NORM_QUADS):
+            q = q0 + 32 * j
+            if q < quads:
+                a, b, c, d = load_f32x4(x, base + 4 * q)
+                acc += a * a + b * b + c * c + d * d
+    inv = float32(1.0) / math.sqrt(warp_sum(acc) / float32(hidden) + eps)
+    for q in range(lane, quads, 32):
+        a, b, c, d = load_f32x4(x, base + 4 * q)
+        wa, wb, wc, wd = load_f32x4(weight, 4 * q)
+        at = (base >> 1) + 2 * q
+        out[at] = pack_bf16x2(a * inv * wa, b * inv * wb)
+        out[at + 1] = pack_bf16x2(c * inv * wc, d * inv * wd)
 
 
 def make_add_rmsnorm(store):
@@ -168,6 +204,8 @@ KERNELS = {
     "silu_mul": (make_silu_mul(store_f32), (F32P, F32P, int32), {"items": 1}),
     "rmsnorm_bf16": (make_rmsnorm(store_bf16), (U16P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
+    "rmsnorm_rows_bf16": (rmsnorm_rows_bf16, (U32P, F32P, F32P, int32, int32, float32),
+                          {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS}),
     "silu_mul_bf16": (make_silu_mul(store_bf16, ITEMS=4), (U16P, F32P, int32), {"items": 4}),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),

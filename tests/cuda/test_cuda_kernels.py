@@ -183,6 +183,25 @@ def test_bf16_norms_and_silu_round_the_fp32_result(gpu, hidden):
     same(gpu.get(out, np.float32, (rows, hidden)))
 
 
+@pytest.mark.parametrize("hidden", [4, 100, 4096, 9000])
+def test_row_norm_rounds_the_fp32_result(gpu, hidden):
+    """``rmsnorm_rows_bf16`` (a warp a row, the prefill's norm) against the fp32 ``rmsnorm`` rounded to
+    bf16: its sum of squares adds in another order, so a value may land one bf16 step away."""
+    rng = np.random.default_rng(hidden + 2)
+    rows, eps = 19, 1e-6  # not a multiple of the block's 8 rows
+    x = gpu.put(rng.standard_normal((rows, hidden)).astype(np.float32) * 3)
+    w = gpu.put((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    out, out_bf16 = gpu.empty(rows * hidden * 4), gpu.empty(rows * hidden * 2)
+    gpu.launch("rmsnorm", (rows,), (1024,), (out, x, w, hidden, eps))
+    meta = gpu.kernels["rmsnorm_rows_bf16"].meta
+    gpu.launch("rmsnorm_rows_bf16", (-(-rows // meta["rows"]),), (meta["threads"],),
+               (out_bf16, x, w, rows, hidden, eps))
+    want = from_float32(gpu.get(out, np.float32, (rows, hidden))).astype(np.int32)
+    got = gpu.get(out_bf16, np.uint16, (rows, hidden)).astype(np.int32)
+    assert np.abs(got - want).max() <= 1
+    assert np.mean(got != want) < 1e-2
+
+
 def _rope_ref(x, cos, sin):
     half = x.shape[-1] // 2
     return np.concatenate([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1)

@@ -243,7 +243,7 @@ class Forward:
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
-                 "rmsnorm_bf16", "add_rmsnorm_bf16", "silu_mul_bf16",
+                 "rmsnorm_bf16", "add_rmsnorm_bf16", "rmsnorm_rows_bf16", "silu_mul_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name, self.decode_attention_name]
         names += [self.prefill_attention_name, self.prefill_attention_name + "_bf16"] if self.prefill_attention_name else []
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
@@ -344,6 +344,10 @@ class Forward:
             if pending:
                 k["add_rmsnorm" + kind].launch((rows,), (threads,), (b.x, b.delta, out, weight, c.hidden_size, eps),
                                                stream)
+            elif kind == "_bf16" and c.hidden_size % 4 == 0:  # a warp a row keeps more loads in flight
+                rows_norm = k["rmsnorm_rows_bf16"]
+                rows_norm.launch((-(-rows // rows_norm.meta["rows"]),), (rows_norm.meta["threads"],),
+                                 (out, b.x, weight, rows, c.hidden_size, eps), stream)
             else:
                 k["rmsnorm" + kind].launch((rows,), (threads,), (out, b.x, weight, c.hidden_size, eps), stream)
 
