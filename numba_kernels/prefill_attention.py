@@ -215,6 +215,17 @@ def page_of(page_tables, table_base, key, kv_len, page_shift):
 
 
 @cuda.jit(device=True, inline=True)
+def inverse_row_sums(l_a, l_b):
+    """1 / the softmax sums of a lane's two rows, each summed over its quad first (0 for a row that
+    saw no key)."""
+    for off in (1, 2):
+        l_a += cuda.shfl_xor_sync(0xFFFFFFFF, l_a, off)
+        l_b += cuda.shfl_xor_sync(0xFFFFFFFF, l_b, off)
+    zero = float32(0.0)
+    return (float32(1.0) / l_a if l_a > zero else zero), (float32(1.0) / l_b if l_b > zero else zero)
+
+
+@cuda.jit(device=True, inline=True)
 def store_pair_f32(out, index, lo, hi):
     out[index] = lo
     out[index + 1] = hi
@@ -459,11 +470,7 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
             cuda.syncthreads()  # the next run's first copies go into stages warps may still be reading
             seg = end
 
-        for off in (1, 2):
-            l_a += cuda.shfl_xor_sync(0xFFFFFFFF, l_a, off)
-            l_b += cuda.shfl_xor_sync(0xFFFFFFFF, l_b, off)
-        inv_a = float32(1.0) / l_a if l_a > zero else zero
-        inv_b = float32(1.0) / l_b if l_b > zero else zero
+        inv_a, inv_b = inverse_row_sums(l_a, l_b)
         out_w = n_heads * D
         for db in range(DB):
             col = head * D + db * 8 + 2 * t

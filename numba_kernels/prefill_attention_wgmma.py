@@ -25,8 +25,8 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
-                                             exp2_approx, global_address, page_of, row_run, shared_address,
-                                             store_pair_bf16, store_pair_f32, sts_u32x4)
+                                             exp2_approx, global_address, inverse_row_sums, page_of, row_run,
+                                             shared_address, store_pair_bf16, store_pair_f32, sts_u32x4)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
                                  make_wait, wgmma_commit, wgmma_fence)
 
@@ -221,11 +221,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
             cuda.syncthreads()
             seg = end
 
-        for off in (1, 2):
-            l_a += cuda.shfl_xor_sync(0xFFFFFFFF, l_a, off)
-            l_b += cuda.shfl_xor_sync(0xFFFFFFFF, l_b, off)
-        inv_a = float32(1.0) / l_a if l_a > zero else zero
-        inv_b = float32(1.0) / l_b if l_b > zero else zero
+        inv_a, inv_b = inverse_row_sums(l_a, l_b)
         out_w = n_heads * D
         for db in range(DB):
             col = head * D + db * 8 + 2 * t
