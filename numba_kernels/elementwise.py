@@ -148,7 +148,17 @@ def make_add_rmsnorm(store):
     return add_rmsnorm
 
 
-def make_silu_mul(store, ITEMS=1):
+@cuda.jit(device=True, inline=True)
+def load_f32(values, index):
+    return values[index]
+
+
+@cuda.jit(device=True, inline=True)
+def load_bf16(values, index):
+    return bf16_to_f32(values[index])
+
+
+def make_silu_mul(store, load=load_f32, ITEMS=1):
     def silu_mul(out, gate_up, ffn):
         """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)].
 
@@ -162,8 +172,8 @@ def make_silu_mul(store, ITEMS=1):
         for j in range(ITEMS):
             i = first + j * cuda.blockDim.x
             if i < ffn:
-                gs[j] = gate_up[row * 2 * ffn + i]
-                us[j] = gate_up[row * 2 * ffn + ffn + i]
+                gs[j] = load(gate_up, row * 2 * ffn + i)
+                us[j] = load(gate_up, row * 2 * ffn + ffn + i)
         for j in range(ITEMS):
             i = first + j * cuda.blockDim.x
             if i < ffn:
@@ -206,7 +216,8 @@ KERNELS = {
     "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
     "rmsnorm_rows_bf16": (rmsnorm_rows_bf16, (U32P, F32P, F32P, int32, int32, float32),
                           {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS}),
-    "silu_mul_bf16": (make_silu_mul(store_bf16, ITEMS=4), (U16P, F32P, int32), {"items": 4}),
+    # The prefill's: gate and up as the bf16 its cuBLASLt GEMM wrote (half the bytes of fp32 both ways).
+    "silu_mul_bf16": (make_silu_mul(store_bf16, load_bf16, ITEMS=4), (U16P, U16P, int32), {"items": 4}),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),
 }

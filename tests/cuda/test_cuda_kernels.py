@@ -114,6 +114,12 @@ def test_cublaslt_bf16_gemm_and_conversion(gpu, rows, n, k):
         lt.matmul(y, xb, gpu.put(w), rows, n, k, gpu.stream)
         want = to_float32(from_float32(x)).astype(np.float64) @ to_float32(w).T.astype(np.float64)
         assert _err(gpu.get(y, np.float32, (rows, n)), want) < 1e-5
+        yb = gpu.empty(rows * n * 2)  # bf16 out: the fp32 sums rounded once (another algorithm may sum them)
+        lt.matmul(yb, xb, gpu.put(w), rows, n, k, gpu.stream, out_bf16=True)
+        got = gpu.get(yb, np.uint16, (rows, n))
+        assert np.abs(got.astype(np.int32) - from_float32(want.astype(np.float32)).astype(np.int32)).max() <= 1
+        with pytest.raises(ValueError, match="stays fp32"):
+            lt.matmul(yb, xb, gpu.put(w), rows, n, k, gpu.stream, accumulate=True, out_bf16=True)
     finally:
         lt.close()
 
@@ -176,10 +182,11 @@ def test_bf16_norms_and_silu_round_the_fp32_result(gpu, hidden):
     gpu.launch("add_rmsnorm_bf16", (rows,), (threads,), (x2, gpu.put(d), out_bf16, w, hidden, eps))
     assert np.array_equal(gpu.get(x2, np.float32, (rows, hidden)), gpu.get(x1, np.float32, (rows, hidden)))
     same(gpu.get(out, np.float32, (rows, hidden)))
-    gu = gpu.put(rng.standard_normal((rows, 2 * hidden)).astype(np.float32) * 4)
-    gpu.launch("silu_mul", (-(-hidden // 256), rows), (256,), (out, gu, hidden))
+    # silu_mul_bf16 reads gate and up in bf16 (the cuBLASLt GEMM's output): the fp32 kernel on them.
+    gu = from_float32(rng.standard_normal((rows, 2 * hidden)).astype(np.float32) * 4)
+    gpu.launch("silu_mul", (-(-hidden // 256), rows), (256,), (out, gpu.put(to_float32(gu)), hidden))
     items = gpu.kernels["silu_mul_bf16"].meta["items"]
-    gpu.launch("silu_mul_bf16", (-(-hidden // (256 * items)), rows), (256,), (out_bf16, gu, hidden))
+    gpu.launch("silu_mul_bf16", (-(-hidden // (256 * items)), rows), (256,), (out_bf16, gpu.put(gu), hidden))
     same(gpu.get(out, np.float32, (rows, hidden)))
 
 

@@ -1,6 +1,7 @@
 """bf16 GEMMs on the tensor cores through cuBLASLt (``nvmath.bindings.cublasLt``), for prefill.
 
-``y[rows, n] (fp32) = x[rows, k] (bf16) @ W[n, k].T (bf16)``, accumulated in fp32. In cuBLAS's
+``y[rows, n] (fp32, or bf16 rounded to nearest even) = x[rows, k] (bf16) @ W[n, k].T (bf16)``,
+accumulated in fp32. In cuBLAS's
 column-major terms that is ``y^T = op(W^T) @ x^T`` with ``W`` seen as a ``k x n`` matrix and
 transposed ("TN"). One descriptor set and the heuristic's first algorithm are cached per shape, so a
 call costs the cuBLASLt launch only. Decode never comes here: its GEMVs keep fp32 activations.
@@ -26,7 +27,7 @@ class LtMatmul:
         self.lt = cublasLt
         self.workspace = workspace
         self.handle = cublasLt.create()
-        self._plans: dict[tuple[int, int, int], tuple] = {}
+        self._plans: dict[tuple[int, int, int, bool], tuple] = {}
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
 
@@ -34,8 +35,8 @@ class LtMatmul:
         buf = np.array([value], np.int32 if attr != self.lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES else np.uint64)
         setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
-    def _plan(self, rows: int, n: int, k: int) -> tuple:
-        key = (rows, n, k)
+    def _plan(self, rows: int, n: int, k: int, out_bf16: bool) -> tuple:
+        key = (rows, n, k, out_bf16)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -45,7 +46,7 @@ class LtMatmul:
         self._set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.TRANSB, CUBLAS_OP_N)
         a = lt.matrix_layout_create(CUDA_R_16BF, k, n, k)  # W: k x n column-major
         b = lt.matrix_layout_create(CUDA_R_16BF, k, rows, k)  # x: k x rows column-major
-        c = lt.matrix_layout_create(CUDA_R_32F, n, rows, n)  # y^T: n x rows column-major
+        c = lt.matrix_layout_create(CUDA_R_16BF if out_bf16 else CUDA_R_32F, n, rows, n)  # y^T: n x rows
         pref = lt.matmul_preference_create()
         self._set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
                   self.workspace.nbytes)
@@ -53,17 +54,21 @@ class LtMatmul:
         count = np.zeros(1, np.int32)
         lt.matmul_algo_get_heuristic(self.handle, desc, a, b, c, c, pref, 1, results.ptr, count.ctypes.data)
         if count[0] < 1:
-            raise RuntimeError(f"cuBLASLt has no algorithm for bf16 {rows}x{k} @ {k}x{n} -> fp32")
+            raise RuntimeError(f"cuBLASLt has no algorithm for bf16 {rows}x{k} @ {k}x{n} -> "
+                               + ("bf16" if out_bf16 else "fp32"))
         plan = self._plans[key] = (desc, a, b, c, pref, results)
         return plan
 
     def matmul(self, y: rt.DevicePtr, x_bf16: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int,
-               stream, accumulate: bool = False) -> None:
+               stream, accumulate: bool = False, out_bf16: bool = False) -> None:
         """``y = x @ W.T``, or with ``accumulate`` ``y += x @ W.T`` (beta 1, y read by the epilogue:
-        a residual add without a pass of its own, the sum as ``y + (x @ W.T)`` in fp32)."""
-        if y.nbytes < rows * n * 4 or x_bf16.nbytes < rows * k * 2 or w.nbytes < n * k * 2:
+        a residual add without a pass of its own, the sum as ``y + (x @ W.T)`` in fp32). With
+        ``out_bf16`` y is written as bf16, half the bytes for a product that is only read once more."""
+        if y.nbytes < rows * n * (2 if out_bf16 else 4) or x_bf16.nbytes < rows * k * 2 or w.nbytes < n * k * 2:
             raise ValueError(f"cuBLASLt {rows}x{k} @ {k}x{n}: a buffer is too small")
-        desc, a, b, c, _, results = self._plan(rows, n, k)
+        if accumulate and out_bf16:
+            raise ValueError("cuBLASLt: the residual stream it adds into stays fp32")
+        desc, a, b, c, _, results = self._plan(rows, n, k, out_bf16)
         beta = self._alpha if accumulate else self._beta  # alpha is 1
         # The algorithm is the first field of cublasLtMatmulHeuristicResult_t.
         self.lt.matmul(self.handle, desc, self._alpha.ctypes.data, w.addr, a, x_bf16.addr, b,

@@ -351,9 +351,10 @@ class Forward:
             else:
                 k["rmsnorm" + kind].launch((rows,), (threads,), (out, b.x, weight, c.hidden_size, eps), stream)
 
-        def matmul(y: rt.DevicePtr, x: rt.DevicePtr, weight: rt.DevicePtr, n: int, width: int) -> None:
+        def matmul(y: rt.DevicePtr, x: rt.DevicePtr, weight: rt.DevicePtr, n: int, width: int,
+                   out_bf16: bool = False) -> None:
             if bf16 and x is b.x_bf16:
-                self.lt.matmul(y, x, weight, rows, n, width, stream)
+                self.lt.matmul(y, x, weight, rows, n, width, stream, out_bf16=out_bf16)
             else:
                 self.matmul(y, x, weight, rows, n, width, stream)
 
@@ -374,7 +375,8 @@ class Forward:
             matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size)
             residual(self.attend(i, rows, n_splits, stream, bf16_out=bf16), w[p + "o"], c.q_size)
             norm(normed, w[p + "mlp_norm"], kind)
-            matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size)
+            # Under cuBLASLt gate and up come out in bf16 (as a bf16 checkpoint's own MLP has them).
+            matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size, out_bf16=bf16)
             silu = k["silu_mul" + kind]
             silu.launch((-(-c.intermediate_size // (256 * silu.meta["items"])), rows), (256,),
                         (act, b.gate_up, c.intermediate_size), stream)
