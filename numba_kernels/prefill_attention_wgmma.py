@@ -23,12 +23,13 @@ import os
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
+from numba_kernels.mbarrier import cp_async_arrive, mbarrier_arrive, mbarrier_init, mbarrier_try_wait
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
                                              exp2_approx, global_address, inverse_row_sums, page_of, row_run,
                                              shared_address, store_pair_bf16, store_pair_f32, sts_u32x4)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
-                                 make_wait, wgmma_commit, wgmma_fence)
+                                 make_setmaxnreg, make_wait, wgmma_commit, wgmma_fence)
 
 NEG_INF = float32(-math.inf)
 PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
@@ -44,11 +45,23 @@ SHAPES = {128: (2, 64, 2, 128), 64: (2, 64, 2, 128)}
 # with the P·V of the tile before.
 VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128), "wg1k32s2m128": (1, 32, 2, 128), "wg2k32s2m128": (2, 32, 2, 128),
             "wg2k32s3m128": (2, 32, 3, 128)}
+# The same with mbarriers for the stages (MBAR above), suffix ``mb``: not yet run on a GPU.
+MBAR_VARIANTS = {"wg2k64s2m128mb": (2, 64, 2, 128), "wg2k32s4m128mb": (2, 32, 4, 128),
+                 "wg4k64s2m128mb": (4, 64, 2, 128), "wg3k96s2m168mb": (3, 96, 2, 168)}
+# Two computing warpgroups and a copying one (PRODUCER above), suffix ``p``: not yet run on a GPU.
+PRODUCER_VARIANTS = {"wg2k128s2p": (2, 128, 2, 168), "wg2k64s4p": (2, 64, 4, 168), "wg2k128s3p": (2, 128, 3, 168)}
 
 
-def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
+def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False, MBAR=False, PRODUCER=False):
+    # PRODUCER (with MBAR): one more warpgroup, after the WGS that compute, does all the copying with
+    # few registers, and gives the rest to them (setmaxnreg; the kernel is launched capped at 168).
+    MBAR = MBAR or PRODUCER
     ROWS = 64 * WGS
-    THREADS = 128 * WGS
+    Q_THREADS = 128 * WGS  # the threads that compute (and load q)
+    THREADS = Q_THREADS + (128 if PRODUCER else 0)
+    COPY_THREADS = 128 if PRODUCER else THREADS
+    COPY_WARP0 = 4 * WGS if PRODUCER else 0  # the first copying warp
+    COPY_WARPS = COPY_THREADS // 32
     WARPS = THREADS // 32
     KS = D // 16  # k-steps of q·Kᵀ
     NB = BK // 8  # 8-key column blocks of S
@@ -60,14 +73,17 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
     KV_PANEL = BK * PANEL_ROW
     V_AT = PANELS * KV_PANEL  # V's panels after K's in a stage
     STAGE = 2 * PANELS * KV_PANEL
-    CHUNKS = BK * DG // THREADS  # 16-byte copies per thread per tile, of K and of V each
-    WARP_ROWS = BK // WARPS
+    CHUNKS = BK * DG // COPY_THREADS  # 16-byte copies per thread per tile, of K and of V each
+    WARP_ROWS = BK // COPY_WARPS
     STEP_ROWS = 32 // DG
-    Q_CHUNKS = ROWS * DG // THREADS
+    Q_CHUNKS = ROWS * DG // Q_THREADS
     O_REGS = DB * 4  # accumulators a thread: O (64 x D) and S (64 x BK) over 128 threads
     S_REGS = NB * 4
     P_REGS = KK * 4
-    PIPELINED = STAGES >= 3  # scores of a tile overlap the P·V of the one before (needs a stage more)
+    # MBAR: stages handed over by mbarriers instead of a block barrier a tile, so the warpgroups need
+    # not be at the same tile: one's softmax can run under the other's MMAs.
+    BARRIERS = 2 * STAGES
+    PIPELINED = STAGES >= 3 and not MBAR  # scores of a tile overlap the P·V of the one before (needs a stage more)
     AHEAD = STAGES - 2 if PIPELINED else STAGES - 1  # tiles copied ahead of the one computed
     assert CHUNKS * STEP_ROWS == WARP_ROWS and WARP_ROWS & (WARP_ROWS - 1) == 0
     assert 2 <= STAGES <= len(cp_async_wait) + 1 and NB <= 16
@@ -78,6 +94,10 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
     wait_landed = cp_async_wait[AHEAD - 1]  # copies of tile it (committed AHEAD groups ago) have landed
     wait_s_behind_one = make_wait(BK // 2, behind=1)
     wait_all = cp_async_wait[0]
+    copier_registers = make_setmaxnreg("dec", 40)
+    mma_registers = make_setmaxnreg("inc", 232)  # 128 x 40 + 256 x 232 = 384 x 168
+    if PRODUCER:
+        assert WGS == 2 and THREADS == 384
 
     def prefill_attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, out, rows,
                           n_heads, n_kv, page_shift, scale_log2):
@@ -103,22 +123,31 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
         kv_base = base + uint32(PANELS * Q_PANEL)
         # q: 16-byte chunk c of row r (8 dims, rounded to bf16) at its swizzled place in panel c // 8.
         width = (n_heads + 2 * n_kv) * D
-        for j in range(Q_CHUNKS):
-            i = tid + j * THREADS
-            r = i // DG
-            c = i % DG
-            w0 = uint32(0)
-            w1 = uint32(0)
-            w2 = uint32(0)
-            w3 = uint32(0)
-            if r0 + r < rows:
-                at = int64(r0 + r) * width + head * D + c * 8
-                w0 = pack_bf16x2(qkv[at], qkv[at + 1])
-                w1 = pack_bf16x2(qkv[at + 2], qkv[at + 3])
-                w2 = pack_bf16x2(qkv[at + 4], qkv[at + 5])
-                w3 = pack_bf16x2(qkv[at + 6], qkv[at + 7])
-            sts_u32x4(base + uint32((c >> 3) * Q_PANEL + r * PANEL_ROW + 16 * ((c & 7) ^ (r & 7))), w0, w1, w2, w3)
+        if not PRODUCER or tid < Q_THREADS:  # the copying warpgroup has no rows
+            for j in range(Q_CHUNKS):
+                i = tid + j * Q_THREADS
+                r = i // DG
+                c = i % DG
+                w0 = uint32(0)
+                w1 = uint32(0)
+                w2 = uint32(0)
+                w3 = uint32(0)
+                if r0 + r < rows:
+                    at = int64(r0 + r) * width + head * D + c * 8
+                    w0 = pack_bf16x2(qkv[at], qkv[at + 1])
+                    w1 = pack_bf16x2(qkv[at + 2], qkv[at + 3])
+                    w2 = pack_bf16x2(qkv[at + 4], qkv[at + 5])
+                    w3 = pack_bf16x2(qkv[at + 6], qkv[at + 7])
+                sts_u32x4(base + uint32((c >> 3) * Q_PANEL + r * PANEL_ROW + 16 * ((c & 7) ^ (r & 7))), w0, w1, w2, w3)
         q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
+        if MBAR:
+            sh_bars = cuda.shared.array(BARRIERS, uint64)  # full[stage], then empty[stage]
+            bars = shared_address(sh_bars)
+            if tid == 0:
+                for st in range(STAGES):
+                    mbarrier_init(bars + uint32(8 * st), uint32(COPY_THREADS))  # every copier's copies landed
+                    mbarrier_init(bars + uint32(8 * (STAGES + st)), uint32(4 * WGS))  # every MMA warp done
+            fence_proxy_async()  # q, for the MMAs (no barrier a tile publishes it in this form)
         cuda.syncthreads()  # sh_table / sh_pos (q is published by the fence and barrier of the first tile)
 
         o = cuda.local.array(O_REGS, float32)
@@ -136,7 +165,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
         rb = ra + 8
 
         # Copies: rows j0 + c * STEP_ROWS of the tile, chunk lane % DG, at their swizzled places.
-        j0 = int32(warp * WARP_ROWS + lane // DG)
+        j0 = int32((warp - COPY_WARP0) * WARP_ROWS + lane // DG)
         chunk = lane % DG
         copy_dst = cuda.local.array(CHUNKS, uint32)
         for c in range(CHUNKS):
@@ -149,9 +178,17 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
         stride_bytes = uint32(page_stride * 2)
         in_page = int32((1 << page_shift) - 1)
         one_page = (1 << page_shift) >= WARP_ROWS
-        warp_key = int32(warp * WARP_ROWS)
+        warp_key = int32((warp - COPY_WARP0) * WARP_ROWS)
         lane_row = int32(lane // DG)
 
+        if PRODUCER:
+            if wg == WGS:
+                copier_registers()
+                produce(sh_table, sh_pos, sh_last, bars, kv_base, copy_dst, one_page, page_tables, max_pages,
+                        k_base, stride_bytes, v_bytes, warp_key, lane_row, page_shift, in_page, warp, lane)
+                return
+            mma_registers()
+        done = int32(0)  # tiles of the runs before (MBAR: stages and phases go on counting across runs)
         seg = 0
         while seg < ROWS and sh_table[seg] >= 0:
             table, end, last, pos_a, pos_b, warp_last, warp_first = row_run(sh_table, sh_pos, seg, ROWS, la)
@@ -165,6 +202,47 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
             n_tiles = int32((kv_len + BK - 1) // BK)
             # The warpgroup's tiles: the causal mask leaves none for it past its last row's position.
             wg_tiles = int32(min(n_tiles, (wg_last + BK) // BK)) if wg_last >= 0 else int32(0)
+            if MBAR:
+                for st in range(0 if PRODUCER else AHEAD):
+                    if st < n_tiles:
+                        page = page_of(page_tables, table_base, int32(st * BK + warp_key), kv_len, page_shift)
+                        refill(bars, done + st, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
+                               stride_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len, page_shift,
+                               in_page)
+                page = page_of(page_tables, table_base, int32(AHEAD * BK + warp_key), kv_len, page_shift)
+                for it in range(n_tiles):
+                    ahead = int32(it + AHEAD)
+                    if not PRODUCER and ahead < n_tiles:
+                        refill(bars, done + ahead, page, kv_base, copy_dst, one_page, page_tables, table_base,
+                               k_base, stride_bytes, v_bytes, int32(ahead * BK + warp_key), lane_row, kv_len,
+                               page_shift, in_page)
+                        page = page_of(page_tables, table_base, int32(ahead * BK + BK + warp_key), kv_len,
+                                       page_shift)
+                    # Every warp waits for the tile, even one whose rows it cannot see: its own copies
+                    # into the stage must land before it lets the stage be refilled.
+                    stage = uint32(done + it) % uint32(STAGES)
+                    wait_phase(bars + 8 * stage, (uint32(done + it) // uint32(STAGES)) & uint32(1))
+                    if it < wg_tiles:  # uniform over the warpgroup
+                        fence_proxy_async()  # the other threads' copies, for the MMAs
+                        kt = kv_base + stage * uint32(STAGE)
+                        issue_scores(s, q_low, kt)
+                        wait_s(s)
+                        m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
+                            s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
+                            scale_log2)
+                        if rescaled:
+                            rescale(o, alpha_a, alpha_b)
+                        pack_p(s, p)
+                        issue_values(o, p, kt)
+                        wait_o(o)
+                        fence_proxy_async()  # the MMAs' reads before the copies that refill the stage
+                    cuda.syncwarp()
+                    if lane == 0:
+                        mbarrier_arrive(bars + 8 * (uint32(STAGES) + stage))
+                done += n_tiles
+                cuda.syncthreads()
+                seg = end
+                continue
             for st in range(AHEAD):  # the first tiles start flying
                 if st < n_tiles:
                     page = page_of(page_tables, table_base, int32(st * BK + warp_key), kv_len, page_shift)
@@ -252,6 +330,47 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False):
             page = page_of(page_tables, table_base, int32(ahead * BK + BK + warp_key), kv_len, page_shift)
         cp_async_commit()
         return page
+
+    @cuda.jit(device=True, inline=True)
+    def refill(bars, tile, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base, stride_bytes,
+               v_bytes, key0, lane_row, kv_len, page_shift, in_page):
+        """MBAR: copy ``tile`` (counted over the block's runs) into its stage once every warp is done
+        with the tile before it there, and arrive on the stage's full barrier when the copies land."""
+        stage = uint32(tile) % uint32(STAGES)
+        wait_phase(bars + 8 * (uint32(STAGES) + stage), (uint32(tile) // uint32(STAGES) + uint32(1)) & uint32(1))
+        fetch_tile(kv_base + stage * uint32(STAGE), copy_dst, page, one_page, page_tables, table_base, k_base,
+                   stride_bytes, v_bytes, key0, lane_row, kv_len, page_shift, in_page)
+        cp_async_arrive(bars + 8 * stage)
+
+    @cuda.jit(device=True, inline=True)
+    def produce(sh_table, sh_pos, sh_last, bars, kv_base, copy_dst, one_page, page_tables, max_pages, k_base,
+                stride_bytes, v_bytes, warp_key, lane_row, page_shift, in_page, warp, lane):
+        """PRODUCER: the copying warpgroup's whole work. It meets the others at the block barriers of
+        each run of rows (the same count of them) and otherwise only through the stages' barriers,
+        running as many tiles ahead as there are stages."""
+        done = int32(0)
+        seg = 0
+        while seg < ROWS and sh_table[seg] >= 0:
+            table, end, last, _, _, warp_last, _ = row_run(sh_table, sh_pos, seg, ROWS, 0)
+            if lane == 0:
+                sh_last[warp] = warp_last
+            cuda.syncthreads()
+            kv_len = int32(last + 1)
+            table_base = int32(table * max_pages)
+            n_tiles = int32((kv_len + BK - 1) // BK)
+            page = page_of(page_tables, table_base, warp_key, kv_len, page_shift)
+            for it in range(n_tiles):
+                refill(bars, done + it, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
+                       stride_bytes, v_bytes, int32(it * BK + warp_key), lane_row, kv_len, page_shift, in_page)
+                page = page_of(page_tables, table_base, int32(it * BK + BK + warp_key), kv_len, page_shift)
+            done += n_tiles
+            cuda.syncthreads()
+            seg = end
+
+    @cuda.jit(device=True, inline=True)
+    def wait_phase(address, parity):
+        while mbarrier_try_wait(address, parity) == 0:
+            pass
 
     @cuda.jit(device=True, inline=True)
     def issue_scores(s, q_low, kt):
@@ -390,12 +509,12 @@ def shared_bytes(D, wgs, keys, stages):
     return 2 * D * (64 * wgs + 2 * stages * keys) + 1024
 
 
-def _entry(D, wgs, keys, stages, max_registers, out="f32"):
-    meta = {"rows": 64 * wgs, "threads": 128 * wgs, "keys": keys, "stages": stages,
+def _entry(D, wgs, keys, stages, max_registers, out="f32", mbar=False, producer=False):
+    meta = {"rows": 64 * wgs, "threads": 128 * (wgs + producer), "keys": keys, "stages": stages,
             "shared": shared_bytes(D, wgs, keys, stages), "out": out, "arch": "sm_90a"}
     if max_registers:
         meta["max_registers"] = max_registers
-    return (make_prefill_attention_wgmma(D, wgs, keys, stages, out == "bf16"),
+    return (make_prefill_attention_wgmma(D, wgs, keys, stages, out == "bf16", mbar, producer),
             SIGNATURE_BF16 if out == "bf16" else SIGNATURE, meta)
 
 
@@ -406,3 +525,7 @@ for _d, _shape in SHAPES.items():
 if os.environ.get("NINFER_PREFILL_VARIANTS") == "1":
     for _suffix, _shape in VARIANTS.items():
         KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape)
+    for _suffix, _shape in MBAR_VARIANTS.items():
+        KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape, mbar=True)
+    for _suffix, _shape in PRODUCER_VARIANTS.items():
+        KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape, producer=True)

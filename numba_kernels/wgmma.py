@@ -52,6 +52,15 @@ wgmma_commit = asm_statement("wgmma.commit_group.sync.aligned;")
 fence_proxy_async = asm_statement("fence.proxy.async.shared::cta;")
 
 
+def make_setmaxnreg(action, count):
+    """The calling warpgroup's registers a thread set to ``count`` (a multiple of 8 in 24..256):
+    ``"dec"`` gives the rest back to the block's pool, ``"inc"`` waits until the pool has enough.
+    For warp-specialized kernels (launched with a register cap): a copying warpgroup shrinks, the
+    MMA warpgroups grow. All four warps execute it, then each role's code runs to its end."""
+    assert action in ("inc", "dec") and count % 8 == 0 and 24 <= count <= 256
+    return asm_statement(f"setmaxnreg.{action}.sync.aligned.u32 {count};")
+
+
 def _array_values(context, builder, array_type, array, count):
     data = context.make_array(array_type)(context, builder, array).data
     pointers = [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(count)]
