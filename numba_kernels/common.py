@@ -134,6 +134,23 @@ load_u32x4 = _vector_load(ir.IntType(32), 4, uint32)  # 8 bf16; 16-byte aligned
 
 
 @intrinsic
+def store_u32x4(typingctx, ptr, index, a, b, c, d):
+    """One aligned 16-byte store (st.v4.u32) of four words at element ``index`` of ``ptr`` (any
+    element type; the caller guarantees 16-byte alignment): 8 bf16 a lane, a warp's 512 bytes whole."""
+    sig = types.void(ptr, index, uint32, uint32, uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        base, idx, *words = args
+        vec = ir.Constant(ir.VectorType(ir.IntType(32), 4), ir.Undefined)
+        for j, (word, ty) in enumerate(zip(words, signature.args[2:])):
+            vec = builder.insert_element(vec, context.cast(builder, word, ty, uint32), ir.Constant(ir.IntType(32), j))
+        addr = builder.bitcast(builder.gep(base, [idx]), ir.VectorType(ir.IntType(32), 4).as_pointer())
+        builder.store(vec, addr, align=16)
+
+    return sig, codegen
+
+
+@intrinsic
 def atomic_add_i32(typingctx, ptr, index, value):
     """``old = ptr[index]; ptr[index] += value`` as one relaxed device-scope atomic on a pointer
     parameter (``cuda.atomic`` takes arrays only); the caller orders it with ``cuda.threadfence``."""

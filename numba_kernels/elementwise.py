@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
-from numba_kernels.common import (F32P, I32P, U16P, U32P, bf16_to_f32, block_sum, f32_to_bf16, grid_dependency_wait,
-                                  launch_dependents, load_f32x4, warp_sum)
+from numba_kernels.common import (F32P, I32P, U16P, U32P, bf16_hi, bf16_lo, bf16_to_f32, block_sum, f32_to_bf16,
+                                  grid_dependency_wait, launch_dependents, load_f32x4, load_u32x4, store_u32x4,
+                                  warp_sum)
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.rope import store_bf16, store_f32
 
@@ -148,41 +149,67 @@ def make_add_rmsnorm(store):
     return add_rmsnorm
 
 
-@cuda.jit(device=True, inline=True)
-def load_f32(values, index):
-    return values[index]
+# silu_mul_bf16: 16-byte chunks (8 bf16) of gate and of up a thread has in flight.
+SILU_CHUNKS = 2
+SILU_WORDS = 4 * SILU_CHUNKS  # their bf16 pairs
 
 
 @cuda.jit(device=True, inline=True)
-def load_bf16(values, index):
-    return bf16_to_f32(values[index])
+def silu_times(g, u):
+    # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
+    return g * (float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)) * u
 
 
-def make_silu_mul(store, load=load_f32, ITEMS=1):
-    def silu_mul(out, gate_up, ffn):
-        """out[r, i] = silu(gate[r, i]) * up[r, i] where gate_up[r] = [gate (ffn) | up (ffn)].
+@cuda.jit(device=True, inline=True)
+def silu_pair(gate, up):
+    """Two bf16 gate and up elements (a word each) -> silu(gate) * up as a bf16 pair."""
+    return pack_bf16x2(silu_times(bf16_lo(gate), bf16_lo(up)), silu_times(bf16_hi(gate), bf16_hi(up)))
 
-        Grid ``(ceil(ffn / (256 * ITEMS)), rows)`` (meta ``items``), each thread ITEMS elements 256
-        apart: a decode step has one to eight rows, so the row alone would leave all but a few SMs
-        idle; a prefill's thousands of rows take several elements a thread, all loads in flight."""
-        row = cuda.blockIdx.y
-        first = cuda.blockIdx.x * cuda.blockDim.x * ITEMS + cuda.threadIdx.x
-        gs = cuda.local.array(ITEMS, float32)
-        us = cuda.local.array(ITEMS, float32)
-        for j in range(ITEMS):
-            i = first + j * cuda.blockDim.x
+
+def silu_mul_bf16(out, gate_up, ffn):
+    """The prefill's SiLU-mul: gate and up as the bf16 its cuBLASLt GEMM wrote, out in bf16 for the
+    down GEMM; out[r, i] = silu(gate[r, i]) * up[r, i], gate_up[r] = [gate (ffn) | up (ffn)].
+
+    A thread takes SILU_CHUNKS chunks of 8 elements, 256 chunks apart, as 16-byte loads and stores
+    (a 2-byte element a lane leaves most of each memory transaction's slots unused); a row whose
+    ``ffn`` is not a multiple of 8 is not 16-byte aligned and takes the chunk element by element.
+    Launch: grid ``(ceil(ffn / (256 * meta["items"])), rows)``, block 256."""
+    row = cuda.blockIdx.y
+    first = cuda.blockIdx.x * cuda.blockDim.x * SILU_CHUNKS + cuda.threadIdx.x
+    gate_at = int64(row) * 2 * ffn
+    up_at = gate_at + ffn
+    out_at = int64(row) * ffn
+    if ffn % 8 == 0:
+        gs = cuda.local.array(SILU_WORDS, uint32)
+        us = cuda.local.array(SILU_WORDS, uint32)
+        for j in range(SILU_CHUNKS):
+            i = 8 * (first + j * cuda.blockDim.x)
             if i < ffn:
-                gs[j] = load(gate_up, row * 2 * ffn + i)
-                us[j] = load(gate_up, row * 2 * ffn + ffn + i)
-        for j in range(ITEMS):
-            i = first + j * cuda.blockDim.x
+                gs[4 * j], gs[4 * j + 1], gs[4 * j + 2], gs[4 * j + 3] = load_u32x4(gate_up, gate_at + i)
+                us[4 * j], us[4 * j + 1], us[4 * j + 2], us[4 * j + 3] = load_u32x4(gate_up, up_at + i)
+        for j in range(SILU_CHUNKS):
+            i = 8 * (first + j * cuda.blockDim.x)
             if i < ffn:
-                g = gs[j]
-                # The reference's overflow-free sigmoid: (1 + tanh(g / 2)) / 2.
-                sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * g)
-                store(out, row * ffn + i, g * sig * us[j])
+                store_u32x4(out, out_at + i, silu_pair(gs[4 * j], us[4 * j]), silu_pair(gs[4 * j + 1], us[4 * j + 1]),
+                            silu_pair(gs[4 * j + 2], us[4 * j + 2]), silu_pair(gs[4 * j + 3], us[4 * j + 3]))
+    else:
+        for j in range(SILU_CHUNKS):
+            for e in range(8):
+                i = 8 * (first + j * cuda.blockDim.x) + e
+                if i < ffn:
+                    out[out_at + i] = f32_to_bf16(silu_times(bf16_to_f32(gate_up[gate_at + i]),
+                                                             bf16_to_f32(gate_up[up_at + i])))
 
-    return silu_mul
+
+def silu_mul(out, gate_up, ffn):
+    """out[r, i] = silu(gate[r, i]) * up[r, i] in fp32, gate_up[r] = [gate (ffn) | up (ffn)].
+
+    Launch: grid ``(ceil(ffn / 256), rows)``, block 256: a decode step has one to eight rows, so the
+    row alone would leave all but a few SMs idle."""
+    row = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < ffn:
+        out[row * ffn + i] = silu_times(gate_up[row * 2 * ffn + i], gate_up[row * 2 * ffn + ffn + i])
 
 
 def to_bf16(out, x, count):
@@ -211,13 +238,13 @@ KERNELS = {
     "embed": (embed, (F32P, U16P, I32P, int32), {"grid_wait": 1}),
     "rmsnorm": (make_rmsnorm(store_f32), (F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "add_rmsnorm": (make_add_rmsnorm(store_f32), (F32P, F32P, F32P, F32P, int32, float32), {"grid_wait": 1}),
-    "silu_mul": (make_silu_mul(store_f32), (F32P, F32P, int32), {"items": 1}),
+    "silu_mul": (silu_mul, (F32P, F32P, int32), {"items": 1}),
     "rmsnorm_bf16": (make_rmsnorm(store_bf16), (U16P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
     "rmsnorm_rows_bf16": (rmsnorm_rows_bf16, (U32P, F32P, F32P, int32, int32, float32),
                           {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS}),
     # The prefill's: gate and up as the bf16 its cuBLASLt GEMM wrote (half the bytes of fp32 both ways).
-    "silu_mul_bf16": (make_silu_mul(store_bf16, load_bf16, ITEMS=4), (U16P, U16P, int32), {"items": 4}),
+    "silu_mul_bf16": (silu_mul_bf16, (U16P, U16P, int32), {"items": 8 * SILU_CHUNKS}),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),
 }

@@ -33,7 +33,7 @@ from numba import cuda, float32, int32, int64
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, bf16_to_f32, block_sum, grid_dependency_wait,
                                   launch_dependents, warp_sum)
 from numba_kernels.deltanet import sigmoid
-from numba_kernels.rope import store_bf16, store_f32
+from numba_kernels.rope import load_bf16, load_f32, store_bf16, store_f32
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_HEAD_DIM = 256
@@ -87,16 +87,6 @@ def make_qk_rope(store):
         store(kc, base + (int64(kv_head) * page_size + slot) * head_dim + i, x)
 
     return qk_rope
-
-
-@cuda.jit(device=True, inline=True)
-def load_bf16(pool, index):
-    return bf16_to_f32(pool[index])
-
-
-@cuda.jit(device=True, inline=True)
-def load_f32(pool, index):
-    return pool[index]
 
 
 def make_attention(D, load):

@@ -182,6 +182,18 @@ def exp2_approx(typingctx, x):
     return sig, codegen
 
 
+@cuda.jit(device=True, inline=True)
+def q_pair_f32(qkv, index):
+    """q elements ``index`` and ``index + 1`` (even) of fp32 ``qkv`` as the bf16 pair an MMA reads."""
+    return pack_bf16x2(qkv[index], qkv[index + 1])
+
+
+@cuda.jit(device=True, inline=True)
+def q_pair_bf16(qkv, index):
+    """The same from bf16 ``qkv`` (uint32 words: a pair a word)."""
+    return qkv[index >> 1]
+
+
 cp_async_commit = asm_statement("cp.async.commit_group;")
 # cp_async_wait[n]: every committed group but the newest n has landed
 cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(4))
@@ -237,7 +249,7 @@ def store_pair_bf16(out, index, lo, hi):
     out[index >> 1] = pack_bf16x2(lo, hi)
 
 
-def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
+def make_prefill_attention(D, ROWS, BK, STAGES, BF16=False):
     THREADS = 2 * ROWS  # one warp per 16 rows
     KS = D // 16  # k-steps of q·Kᵀ
     NB = BK // 8  # 8-key column blocks of S
@@ -294,14 +306,14 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
             qa = int64(ra) * width + col
             qb = int64(rb) * width + col
             if ra < rows:
-                qf[ks, 0] = pack_bf16x2(qkv[qa], qkv[qa + 1])
-                qf[ks, 2] = pack_bf16x2(qkv[qa + 2], qkv[qa + 3])
+                qf[ks, 0] = q_pair(qkv, qa)
+                qf[ks, 2] = q_pair(qkv, qa + 2)
             else:
                 qf[ks, 0] = uint32(0)
                 qf[ks, 2] = uint32(0)
             if rb < rows:
-                qf[ks, 1] = pack_bf16x2(qkv[qb], qkv[qb + 1])
-                qf[ks, 3] = pack_bf16x2(qkv[qb + 2], qkv[qb + 3])
+                qf[ks, 1] = q_pair(qkv, qb)
+                qf[ks, 3] = q_pair(qkv, qb + 2)
             else:
                 qf[ks, 1] = uint32(0)
                 qf[ks, 3] = uint32(0)
@@ -503,7 +515,8 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
         for i in range(NB // 16):
             v[i] += v[i + NB // 16]
 
-    store_pair = store_pair_bf16 if OUT_BF16 else store_pair_f32
+    store_pair = store_pair_bf16 if BF16 else store_pair_f32
+    q_pair = q_pair_bf16 if BF16 else q_pair_f32
 
     @cuda.jit(device=True, inline=True)
     def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, kc_base, stride_bytes, k_bytes, v_bytes,
@@ -540,7 +553,9 @@ def make_prefill_attention(D, ROWS, BK, STAGES, OUT_BF16=False):
 
 
 SIGNATURE = (F32P, U32P, int64, I32P, int32, I32P, I32P, F32P, int32, int32, int32, int32, float32)
-SIGNATURE_BF16 = SIGNATURE[:7] + (U32P,) + SIGNATURE[8:]  # out as bf16 pairs: what cuBLASLt reads next
+# The cuBLASLt prefill's (suffix _bf16): qkv as its GEMM wrote it and the output as its next GEMM
+# reads it, both bf16 pairs.
+SIGNATURE_BF16 = (U32P,) + SIGNATURE[1:7] + (U32P,) + SIGNATURE[8:]
 
 
 def _entry(D, rows, keys, stages, max_registers=0, out="f32"):

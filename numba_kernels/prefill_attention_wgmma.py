@@ -26,36 +26,48 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from numba_kernels.mbarrier import cp_async_arrive, mbarrier_arrive, mbarrier_init, mbarrier_try_wait
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
-                                             exp2_approx, global_address, inverse_row_sums, page_of, row_run,
-                                             shared_address, store_pair_bf16, store_pair_f32, sts_u32x4)
+                                             exp2_approx, global_address, inverse_row_sums, page_of, q_pair_bf16,
+                                             q_pair_f32, row_run, shared_address, store_pair_bf16, store_pair_f32,
+                                             sts_u32x4)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
                                  make_setmaxnreg, make_wait, wgmma_commit, wgmma_fence)
 
 NEG_INF = float32(-math.inf)
 PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
-# head_dim -> (warpgroups a block, keys a tile, stages, register cap) of the production kernels. On
-# the H200 (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks of 1024 in brackets):
-# two warpgroups of 64 rows, 64-key tiles, two stages, held to 128 registers so two blocks share an SM:
-# 398 (357) TFLOP/s, against 308 (295) uncapped (one block an SM), 376 (339) with 32-key tiles in 4
-# stages pipelined, 367 (325) with one warpgroup and 32 keys, 348 (313) with four warpgroups; the
-# mma.sync kernel 239 (229), torch SDPA 584-600.
-SHAPES = {128: (2, 64, 2, 128), 64: (2, 64, 2, 128)}
-# Shapes to time against it (tools/bench_prefill_attention.py --variants), name suffix
-# wg{warpgroups}k{keys}s{stages}[m{registers}]; three stages or more pipeline the scores of a tile
-# with the P·V of the tile before.
-VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128), "wg1k32s2m128": (1, 32, 2, 128), "wg2k32s2m128": (2, 32, 2, 128),
-            "wg2k32s3m128": (2, 32, 3, 128)}
-# The same with mbarriers for the stages (MBAR above), suffix ``mb``: not yet run on a GPU.
-MBAR_VARIANTS = {"wg2k64s2m128mb": (2, 64, 2, 128), "wg2k32s4m128mb": (2, 32, 4, 128),
-                 "wg4k64s2m128mb": (4, 64, 2, 128), "wg3k96s2m168mb": (3, 96, 2, 168)}
-# Two computing warpgroups and a copying one (PRODUCER above), suffix ``p``: not yet run on a GPU.
-PRODUCER_VARIANTS = {"wg2k128s2p": (2, 128, 2, 168), "wg2k64s4p": (2, 64, 4, 168), "wg2k128s3p": (2, 128, 3, 168)}
+# How a block's warpgroups hand the K/V stages over (the last item of a shape, and its name suffix):
+# ""   a block barrier a tile; with three stages or more the scores of a tile fly with the P·V of the
+#      tile before (PIPELINED below);
+# "mb" mbarriers a stage (MBAR), so the warpgroups need not be at the same tile;
+# "p"  mbarriers, and a copying warpgroup beside the two computing ones (PRODUCER);
+# "pp" "p" with the computing warpgroups pipelined as PIPELINED (PIPE).
+# head_dim -> (warpgroups computing, keys a tile, stages, register cap, hand-over) of the production
+# kernels. On the H200 (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks
+# of 1024 in brackets), head_dim 128: "pp" with 64-key tiles in four stages 405-409 (389-393) TFLOP/s;
+# "p" unpipelined 378 (363); a block barrier a tile, two blocks an SM at 128 registers, 398 (357) (the
+# head_dim 64 kernel's shape), 308 (295) uncapped, 376 (339) with 32-key tiles in 4 stages pipelined;
+# the mma.sync kernel 239 (229), torch SDPA 584-600. Table in docs/benchmarks.md.
+SHAPES = {128: (2, 64, 4, 168, "pp"), 64: (2, 64, 2, 128, "")}
+# Shapes to time against them (tools/bench_prefill_attention.py --variants), head_dim 128, name
+# suffix wg{warpgroups}k{keys}s{stages}[m{registers}]{hand-over}.
+VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128, ""), "wg1k32s2m128": (1, 32, 2, 128, ""),
+            "wg2k32s2m128": (2, 32, 2, 128, ""), "wg2k32s3m128": (2, 32, 3, 128, ""),
+            "wg2k64s2m128": (2, 64, 2, 128, ""),
+            "wg2k64s2m128mb": (2, 64, 2, 128, "mb"), "wg2k32s4m128mb": (2, 32, 4, 128, "mb"),
+            "wg4k64s2m128mb": (4, 64, 2, 128, "mb"), "wg3k96s2m168mb": (3, 96, 2, 168, "mb"),
+            "wg2k128s2p": (2, 128, 2, 168, "p"), "wg2k64s4p": (2, 64, 4, 168, "p"),
+            "wg2k128s3p": (2, 128, 3, 168, "p"),
+            "wg2k128s3pp": (2, 128, 3, 168, "pp"), "wg2k128s2pp": (2, 128, 2, 168, "pp"),
+            "wg2k64s3pp": (2, 64, 3, 168, "pp")}
 
 
-def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False, MBAR=False, PRODUCER=False):
+def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
+    MBAR = HANDOVER in ("mb", "p", "pp")
+    PRODUCER = HANDOVER in ("p", "pp")
+    PIPE = HANDOVER == "pp"
     # PRODUCER (with MBAR): one more warpgroup, after the WGS that compute, does all the copying with
     # few registers, and gives the rest to them (setmaxnreg; the kernel is launched capped at 168).
-    MBAR = MBAR or PRODUCER
+    # PIPE (with PRODUCER): the computing warpgroups pipelined as PIPELINED below, which the registers
+    # that the copier gives up make room for at 64- and 128-key tiles.
     ROWS = 64 * WGS
     Q_THREADS = 128 * WGS  # the threads that compute (and load q)
     THREADS = Q_THREADS + (128 if PRODUCER else 0)
@@ -134,10 +146,10 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False, MBAR=False,
                 w3 = uint32(0)
                 if r0 + r < rows:
                     at = int64(r0 + r) * width + head * D + c * 8
-                    w0 = pack_bf16x2(qkv[at], qkv[at + 1])
-                    w1 = pack_bf16x2(qkv[at + 2], qkv[at + 3])
-                    w2 = pack_bf16x2(qkv[at + 4], qkv[at + 5])
-                    w3 = pack_bf16x2(qkv[at + 6], qkv[at + 7])
+                    w0 = q_pair(qkv, at)
+                    w1 = q_pair(qkv, at + 2)
+                    w2 = q_pair(qkv, at + 4)
+                    w3 = q_pair(qkv, at + 6)
                 sts_u32x4(base + uint32((c >> 3) * Q_PANEL + r * PANEL_ROW + 16 * ((c & 7) ^ (r & 7))), w0, w1, w2, w3)
         q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
         if MBAR:
@@ -210,7 +222,10 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False, MBAR=False,
                                stride_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len, page_shift,
                                in_page)
                 page = page_of(page_tables, table_base, int32(AHEAD * BK + warp_key), kv_len, page_shift)
-                for it in range(n_tiles):
+                if PIPE:
+                    m_a, m_b, l_a, l_b = consume_pipelined(bars, done, n_tiles, kv_base, q_low, s, p, o, warp_first,
+                                                           pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2, lane)
+                for it in range(0 if PIPE else n_tiles):
                     ahead = int32(it + AHEAD)
                     if not PRODUCER and ahead < n_tiles:
                         refill(bars, done + ahead, page, kv_base, copy_dst, one_page, page_tables, table_base,
@@ -368,6 +383,58 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False, MBAR=False,
             seg = end
 
     @cuda.jit(device=True, inline=True)
+    def consume_pipelined(bars, done, n_tiles, kv_base, q_low, s, p, o, warp_first, pos_a, pos_b, t, m_a, m_b,
+                          l_a, l_b, scale_log2, lane):
+        """PIPE: a computing warpgroup's tiles of one run, the scores of tile it issued with the P·V of
+        it - 1 and softmaxed while that runs; a stage is handed back once its P·V is done. As in
+        PIPELINED, no MMA sits in a branch: every warpgroup computes every tile, masked or not."""
+        kt = tile_stage(kv_base, done)
+        wait_full(bars, done)
+        issue_scores(s, q_low, kt)
+        wait_s(s)
+        m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
+            s, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
+        if rescaled:
+            rescale(o, alpha_a, alpha_b)
+        pack_p(s, p)
+        for it in range(1, n_tiles):
+            previous = kt
+            kt = tile_stage(kv_base, done + it)
+            wait_full(bars, done + it)
+            issue_scores(s, q_low, kt)
+            issue_values(o, p, previous)
+            wait_s_behind_one(s)  # the scores; the P·V (the newest group) may still run
+            m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
+                s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
+            wait_o(o)  # P·V of tile it - 1: O, the P registers and its stage are free again
+            release(bars, done + it - 1, lane)
+            if rescaled:
+                rescale(o, alpha_a, alpha_b)
+            pack_p(s, p)
+        issue_values(o, p, kt)
+        wait_o(o)
+        release(bars, done + n_tiles - 1, lane)
+        return m_a, m_b, l_a, l_b
+
+    @cuda.jit(device=True, inline=True)
+    def tile_stage(kv_base, tile):
+        return kv_base + (uint32(tile) % uint32(STAGES)) * uint32(STAGE)
+
+    @cuda.jit(device=True, inline=True)
+    def wait_full(bars, tile):
+        """MBAR: wait until ``tile``'s copies have landed in its stage, and make them visible to the MMAs."""
+        wait_phase(bars + 8 * (uint32(tile) % uint32(STAGES)), (uint32(tile) // uint32(STAGES)) & uint32(1))
+        fence_proxy_async()
+
+    @cuda.jit(device=True, inline=True)
+    def release(bars, tile, lane):
+        """MBAR: this warp is done with ``tile``'s stage (its MMAs' reads ordered before the refill)."""
+        fence_proxy_async()
+        cuda.syncwarp()
+        if lane == 0:
+            mbarrier_arrive(bars + 8 * (uint32(STAGES) + uint32(tile) % uint32(STAGES)))
+
+    @cuda.jit(device=True, inline=True)
     def wait_phase(address, parity):
         while mbarrier_try_wait(address, parity) == 0:
             pass
@@ -475,7 +542,8 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, OUT_BF16=False, MBAR=False,
             b1 += s[nb * 4 + 6] + s[nb * 4 + 7]
         return a0 + a1, b0 + b1
 
-    store_pair = store_pair_bf16 if OUT_BF16 else store_pair_f32
+    store_pair = store_pair_bf16 if BF16 else store_pair_f32
+    q_pair = q_pair_bf16 if BF16 else q_pair_f32
 
     @cuda.jit(device=True, inline=True)
     def fetch_tile(stage, copy_dst, page, one_page, page_tables, table_base, k_base, stride_bytes, v_bytes,
@@ -509,12 +577,12 @@ def shared_bytes(D, wgs, keys, stages):
     return 2 * D * (64 * wgs + 2 * stages * keys) + 1024
 
 
-def _entry(D, wgs, keys, stages, max_registers, out="f32", mbar=False, producer=False):
-    meta = {"rows": 64 * wgs, "threads": 128 * (wgs + producer), "keys": keys, "stages": stages,
+def _entry(D, wgs, keys, stages, max_registers, handover, out="f32"):
+    meta = {"rows": 64 * wgs, "threads": 128 * (wgs + (handover in ("p", "pp"))), "keys": keys, "stages": stages,
             "shared": shared_bytes(D, wgs, keys, stages), "out": out, "arch": "sm_90a"}
     if max_registers:
         meta["max_registers"] = max_registers
-    return (make_prefill_attention_wgmma(D, wgs, keys, stages, out == "bf16", mbar, producer),
+    return (make_prefill_attention_wgmma(D, wgs, keys, stages, handover, out == "bf16"),
             SIGNATURE_BF16 if out == "bf16" else SIGNATURE, meta)
 
 
@@ -525,7 +593,3 @@ for _d, _shape in SHAPES.items():
 if os.environ.get("NINFER_PREFILL_VARIANTS") == "1":
     for _suffix, _shape in VARIANTS.items():
         KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape)
-    for _suffix, _shape in MBAR_VARIANTS.items():
-        KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape, mbar=True)
-    for _suffix, _shape in PRODUCER_VARIANTS.items():
-        KERNELS[f"prefill_attention_d128_{_suffix}"] = _entry(128, *_shape, producer=True)

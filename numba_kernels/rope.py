@@ -20,7 +20,7 @@ import math
 
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, U16P, f32_to_bf16, warp_sum
+from numba_kernels.common import F32P, I32P, U16P, bf16_to_f32, f32_to_bf16, warp_sum
 
 
 @cuda.jit(device=True, inline=True)
@@ -37,7 +37,17 @@ HEADS_PER_BLOCK = 8  # one warp a head
 MAX_PAIRS = 4  # rotate-half pairs a lane owns: head_dim up to 256
 
 
-def make_rope_kv(store):
+@cuda.jit(device=True, inline=True)
+def load_f32(values, index):
+    return values[index]
+
+
+@cuda.jit(device=True, inline=True)
+def load_bf16(values, index):
+    return bf16_to_f32(values[index])
+
+
+def make_rope_kv(store, load_qkv=load_f32, store_q=store_f32):
     def rope_kv(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, page_stride, page_tables, max_pages,
                 row_table, positions, n_heads, n_kv, head_dim, page_size, has_bias, has_norm, eps):
         row = cuda.blockIdx.x
@@ -54,8 +64,8 @@ def make_rope_kv(store):
         for p in range(MAX_PAIRS):
             if p < pairs:
                 col = base_col + 32 * p
-                a[p] = qkv[row * width + col]
-                b[p] = qkv[row * width + col + half]
+                a[p] = load_qkv(qkv, row * width + col)
+                b[p] = load_qkv(qkv, row * width + col + half)
                 if has_bias != 0:
                     a[p] += bias[col]
                     b[p] += bias[col + half]
@@ -85,8 +95,8 @@ def make_rope_kv(store):
             for p in range(MAX_PAIRS):
                 if p < pairs:
                     col = base_col + 32 * p
-                    qkv[row * width + col] = a[p]
-                    qkv[row * width + col + half] = b[p]
+                    store_q(qkv, row * width + col, a[p])
+                    store_q(qkv, row * width + col + half, b[p])
             return
         table = row_table[row]
         page = int64(page_tables[table * max_pages + pos // page_size])
@@ -113,5 +123,8 @@ def _signature(pool):
 _META = {"heads_per_block": HEADS_PER_BLOCK, "threads": 32 * HEADS_PER_BLOCK}
 KERNELS = {
     "rope_kv_bf16": (make_rope_kv(store_bf16), _signature(U16P), _META),
+    # The cuBLASLt prefill's: qkv in bf16 as its GEMM wrote it, q written back in bf16 (what the
+    # tensor-core attention reads; it rounded q to bf16 itself before).
+    "rope_kv_bf16_qkv_bf16": (make_rope_kv(store_bf16, load_bf16, store_bf16), (U16P,) + _signature(U16P)[1:], _META),
     "rope_kv_f32": (make_rope_kv(store_f32), _signature(F32P), _META),
 }

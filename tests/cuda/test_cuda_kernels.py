@@ -293,6 +293,35 @@ def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
                          qkv_dev, layer_kv, page_elems, got_q, hist_k, hist_v)
 
 
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (2, 64)])
+def test_rope_from_bf16_qkv_is_the_fp32_kernel_rounded(gpu, group, head_dim):
+    """``rope_kv_bf16_qkv_bf16`` (the cuBLASLt prefill's: qkv as its GEMM wrote it in bf16) against
+    ``rope_kv_bf16`` on the same bf16 values widened: q bit for bit the fp32 result rounded to
+    nearest even, the pool bit for bit the same."""
+    rng = np.random.default_rng(group + head_dim)
+    KV, D, ps, max_ctx = 2, head_dim, 16, 64
+    H, rows = KV * group, 21
+    max_pages = max_ctx // ps
+    qkv, qn, kn, bias, cos, sin = _qkv_inputs(rng, rows, H, KV, D, max_ctx)
+    qkv16 = from_float32(qkv)
+    tables = rng.permutation(max_pages).astype(np.int32)[None]
+    row_table = np.zeros(rows, np.int32)
+    positions = np.arange(rows, dtype=np.int32) + 30
+    page_elems = 2 * KV * ps * D
+    results = {}
+    for name, qkv_in in (("rope_kv_bf16", to_float32(qkv16)), ("rope_kv_bf16_qkv_bf16", qkv16)):
+        pool, qkv_dev = gpu.put(np.zeros(max_pages * page_elems, np.uint16)), gpu.put(qkv_in)
+        rope = gpu.kernels[name]
+        gpu.launch(name, (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],),
+                   (qkv_dev, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), pool, page_elems,
+                    gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions), H, KV, D, ps, 1, 1, 1e-6))
+        q = gpu.get(qkv_dev, qkv_in.dtype, qkv_in.shape)[:, :H * D]
+        results[name] = (from_float32(q) if q.dtype == np.float32 else q, gpu.get(pool, np.uint16, (max_pages * page_elems,)))
+    np.testing.assert_array_equal(results["rope_kv_bf16_qkv_bf16"][0], results["rope_kv_bf16"][0])
+    np.testing.assert_array_equal(results["rope_kv_bf16_qkv_bf16"][1], results["rope_kv_bf16"][1])
+    assert np.count_nonzero(results["rope_kv_bf16"][1]) > 0
+
+
 def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pages, tables, row_table, positions,
                      qkv_dev, layer_kv, page_elems, got_q, hist_k, hist_v):
     rows = len(row_table)

@@ -58,13 +58,15 @@ def _run_case(gpu, rng, head_dim, group, sequences, kv_heads=2):
     kc = d_pool.at(2 * KV * PAGE * D * 2)  # layer 1
     out = gpu.empty(rows * H * D * 4)
     d_qkv, d_tables, d_row_table, d_positions = (gpu.put(a) for a in (qkv, tables, row_table, positions))
+    d_qkv16 = gpu.put(from_float32(qkv))  # what the _bf16 kernels read: q as the cuBLASLt GEMM writes it
     outputs = {}
     for name in _shapes(gpu, D):
         kernel = gpu.kernels[name]
+        q_in = d_qkv16 if kernel.meta.get("out") == "bf16" else d_qkv
         gpu.launch(name, (H, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
-                   (d_qkv, kc, page_elems, d_tables, max_pages, d_row_table, d_positions, out, rows, H, KV,
+                   (q_in, kc, page_elems, d_tables, max_pages, d_row_table, d_positions, out, rows, H, KV,
                     PAGE.bit_length() - 1, float(scale * np.log2(np.e))))
-        if kernel.meta.get("out") == "bf16":  # the same fp32 result rounded to nearest even, as to_bf16 rounds
+        if kernel.meta.get("out") == "bf16":  # the fp32 kernel's result (it rounds q as from_float32 does) rounded
             bits = gpu.get(out, np.uint16, (rows, H, D))
             np.testing.assert_array_equal(bits, from_float32(outputs[name.removesuffix("_bf16")]))
             outputs[name] = to_float32(bits)

@@ -245,7 +245,8 @@ class Forward:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
                  "rmsnorm_bf16", "add_rmsnorm_bf16", "rmsnorm_rows_bf16", "silu_mul_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name, self.decode_attention_name]
-        names += [self.prefill_attention_name, self.prefill_attention_name + "_bf16"] if self.prefill_attention_name else []
+        if self.prefill_attention_name:
+            names += [self.prefill_attention_name, self.prefill_attention_name + "_bf16", self.rope_name + "_qkv_bf16"]
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
@@ -285,10 +286,10 @@ class Forward:
         return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
     def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False,
-               bf16_out: bool = False) -> rt.DevicePtr:
+               bf16: bool = False) -> rt.DevicePtr:
         """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``
-        (or, with ``bf16_out`` where the tensor-core prefill kernel runs, bf16 into ``x_bf16``); returns
-        where the output went.
+        (or, with ``bf16``, only where the tensor-core prefill kernel runs: from a bf16 ``qkv``, into
+        ``x_bf16`` in bf16); returns where the output went.
 
         ``decode``: every row is its own sequence, so one ``decode_attention`` launch does it all;
         else rows of one sequence read each other's keys and the append runs first, alone."""
@@ -307,13 +308,14 @@ class Forward:
                           b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale, *flags),
                          stream)
             return b.attn
-        rope = k[self.rope_name]
+        rope = k[self.rope_name + ("_qkv_bf16" if bf16 else "")]
         rope.launch(
             (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],),
             (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
              b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags), stream)
         if self.prefill_attention_name and rows > inp.lanes.size:
-            return self.prefill_attention(layer_kv, rows, stream, bf16_out)
+            return self.prefill_attention(layer_kv, rows, stream, bf16)
+        assert not bf16, "the split attention kernels read fp32 q"
         attention, combine = k[self.attention_name], k["attention_combine"]
         attention.launch(
             (KV, rows, n_splits), (attention.meta["threads"],),
@@ -336,6 +338,8 @@ class Forward:
         n_splits = self.n_splits(rows)
         eps = float(c.rms_norm_eps)
         bf16 = self.lt is not None and rows > GEMV_MAX_ROWS
+        # qkv too, where the tensor-core prefill attention reads q (it rounds q to bf16 for its MMAs anyway).
+        bf16_qkv = bf16 and self.prefill_attention_name is not None and rows > inp.lanes.size
         normed, act, kind = (b.x_bf16, b.x_bf16, "_bf16") if bf16 else (b.h, b.act, "")
         threads = norm_threads(rows)
         pending = False  # whether ``delta`` holds a product the residual stream has not taken yet
@@ -372,8 +376,8 @@ class Forward:
         for i in range(c.num_layers):
             p = f"layers.{i}."
             norm(normed, w[p + "attn_norm"], kind)
-            matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size)
-            residual(self.attend(i, rows, n_splits, stream, bf16_out=bf16), w[p + "o"], c.q_size)
+            matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size, out_bf16=bf16_qkv)
+            residual(self.attend(i, rows, n_splits, stream, bf16=bf16_qkv), w[p + "o"], c.q_size)
             norm(normed, w[p + "mlp_norm"], kind)
             # Under cuBLASLt gate and up come out in bf16 (as a bf16 checkpoint's own MLP has them).
             matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size, out_bf16=bf16)
@@ -413,13 +417,13 @@ class Forward:
             self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
                              stream)
 
-    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16_out: bool = False) -> rt.DevicePtr:
-        """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or as
-        bf16 into ``x_bf16`` (``bf16_out``: the o projection's cuBLASLt GEMM reads it; no ``to_bf16``).
-        Returns where the output went."""
+    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False) -> rt.DevicePtr:
+        """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or with
+        ``bf16`` from a bf16 ``qkv`` (as the qkv cuBLASLt GEMM wrote it) as bf16 into ``x_bf16`` (the o
+        projection's cuBLASLt GEMM reads it; no ``to_bf16``). Returns where the output went."""
         b, inp = self.b, self.b.inputs
-        kernel = self.k[self.prefill_attention_name + ("_bf16" if bf16_out else "")]
-        out = b.x_bf16 if bf16_out else b.attn
+        kernel = self.k[self.prefill_attention_name + ("_bf16" if bf16 else "")]
+        out = b.x_bf16 if bf16 else b.attn
         scale_log2 = float(self.c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
         kernel.launch((self.c.num_heads, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
                       (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
