@@ -82,23 +82,16 @@ def make_rmsnorm(store):
     return rmsnorm
 
 
-# rmsnorm_rows_bf16: rows a block (a warp each) and float4s a lane has in flight per pass step.
+# rmsnorm_rows_bf16: warps a block, float4s a lane has in flight per pass step, and the most blocks
+# a launch (two an SM of the H200: the rows in flight between a warp's two passes stay in L2).
 ROW_NORM_WARPS = 8
 ROW_NORM_QUADS = 8
+ROW_NORM_BLOCKS = 264
 
 
-def rmsnorm_rows_bf16(out, x, weight, rows, hidden, eps):
-    """A prefill's RMSNorm into the bf16 its next GEMM reads: out[r] = bf16(x[r] / sqrt(mean(x[r]^2) +
-    eps) * weight), pairs of bf16 in uint32 words. ``hidden`` a multiple of 4.
-
-    A warp a row and no block barrier: the squares are summed from 16-byte loads, ROW_NORM_QUADS a
-    lane in flight, then the row is read again (from L1) to scale and store. ``rmsnorm_bf16``'s block
-    a row, with its two block-wide reductions, keeps too few loads in flight on thousands of rows.
-    Launch: grid ``(ceil(rows / ROW_NORM_WARPS),)``, block ``32 * ROW_NORM_WARPS``."""
-    row = cuda.blockIdx.x * ROW_NORM_WARPS + (cuda.threadIdx.x >> 5)
-    lane = cuda.threadIdx.x & 31
-    if row >= rows:
-        return
+@cuda.jit(device=True, inline=True)
+def normalize_row(out, x, weight, row, lane, hidden, eps):
+    """rmsnorm_rows_bf16's work on one row (its warp's)."""
     base = int64(row) * hidden
     quads = hidden >> 2
     acc = float32(0.0)
@@ -109,12 +102,38 @@ def rmsnorm_rows_bf16(out, x, weight, rows, hidden, eps):
                 a, b, c, d = load_f32x4(x, base + 4 * q)
                 acc += a * a + b * b + c * c + d * d
     inv = float32(1.0) / math.sqrt(warp_sum(acc) / float32(hidden) + eps)
-    for q in range(lane, quads, 32):
-        a, b, c, d = load_f32x4(x, base + 4 * q)
-        wa, wb, wc, wd = load_f32x4(weight, 4 * q)
-        at = (base >> 1) + 2 * q
-        out[at] = pack_bf16x2(a * inv * wa, b * inv * wb)
-        out[at + 1] = pack_bf16x2(c * inv * wc, d * inv * wd)
+    if hidden % 8 == 0:  # 8 elements a lane and step: one 16-byte store, a warp's 512 bytes whole
+        for o in range(lane, hidden >> 3, 32):
+            a, b, c, d = load_f32x4(x, base + 8 * o)
+            e, f, g, h = load_f32x4(x, base + 8 * o + 4)
+            wa, wb, wc, wd = load_f32x4(weight, 8 * o)
+            we, wf, wg, wh = load_f32x4(weight, 8 * o + 4)
+            store_u32x4(out, (base >> 1) + 4 * o, pack_bf16x2(a * inv * wa, b * inv * wb),
+                        pack_bf16x2(c * inv * wc, d * inv * wd), pack_bf16x2(e * inv * we, f * inv * wf),
+                        pack_bf16x2(g * inv * wg, h * inv * wh))
+    else:
+        for q in range(lane, quads, 32):
+            a, b, c, d = load_f32x4(x, base + 4 * q)
+            wa, wb, wc, wd = load_f32x4(weight, 4 * q)
+            at = (base >> 1) + 2 * q
+            out[at] = pack_bf16x2(a * inv * wa, b * inv * wb)
+            out[at + 1] = pack_bf16x2(c * inv * wc, d * inv * wd)
+
+
+def rmsnorm_rows_bf16(out, x, weight, rows, hidden, eps):
+    """A prefill's RMSNorm into the bf16 its next GEMM reads: out[r] = bf16(x[r] / sqrt(mean(x[r]^2) +
+    eps) * weight), pairs of bf16 in uint32 words. ``hidden`` a multiple of 4.
+
+    A warp a row and no block barrier: the squares are summed from 16-byte loads, ROW_NORM_QUADS a
+    lane in flight, then the row is read again to scale and store. ``rmsnorm_bf16``'s block a row,
+    with its two block-wide reductions, keeps too few loads in flight on thousands of rows. A warp
+    takes every ``gridDim.x * ROW_NORM_WARPS``-th row: with a warp for each of 8192 rows all first
+    passes ran before any second one, and the second read came from HBM again (the rows exceed L2).
+    Launch: grid ``(min(ceil(rows / ROW_NORM_WARPS), meta["blocks"]),)``, block ``32 * ROW_NORM_WARPS``."""
+    lane = cuda.threadIdx.x & 31
+    warps = cuda.gridDim.x * ROW_NORM_WARPS
+    for row in range(cuda.blockIdx.x * ROW_NORM_WARPS + (cuda.threadIdx.x >> 5), rows, warps):
+        normalize_row(out, x, weight, row, lane, hidden, eps)
 
 
 def make_add_rmsnorm(store):
@@ -242,7 +261,7 @@ KERNELS = {
     "rmsnorm_bf16": (make_rmsnorm(store_bf16), (U16P, F32P, F32P, int32, float32), {"grid_wait": 1}),
     "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
     "rmsnorm_rows_bf16": (rmsnorm_rows_bf16, (U32P, F32P, F32P, int32, int32, float32),
-                          {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS}),
+                          {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS, "blocks": ROW_NORM_BLOCKS}),
     # The prefill's: gate and up as the bf16 its cuBLASLt GEMM wrote (half the bytes of fp32 both ways).
     "silu_mul_bf16": (silu_mul_bf16, (U16P, U16P, int32), {"items": 8 * SILU_CHUNKS}),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),

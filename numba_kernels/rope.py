@@ -125,6 +125,7 @@ KERNELS = {
     "rope_kv_bf16": (make_rope_kv(store_bf16), _signature(U16P), _META),
     # The cuBLASLt prefill's: qkv in bf16 as its GEMM wrote it, q written back in bf16 (what the
     # tensor-core attention reads; it rounded q to bf16 itself before).
-    "rope_kv_bf16_qkv_bf16": (make_rope_kv(store_bf16, load_bf16, store_bf16), (U16P,) + _signature(U16P)[1:], _META),
+    "rope_kv_bf16_qkv_bf16": (make_rope_kv(store_bf16, load_bf16, store_bf16), (U16P,) + _signature(U16P)[1:],
+                              _META),
     "rope_kv_f32": (make_rope_kv(store_f32), _signature(F32P), _META),
 }

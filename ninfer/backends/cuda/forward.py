@@ -350,7 +350,8 @@ class Forward:
                                                stream)
             elif kind == "_bf16" and c.hidden_size % 4 == 0:  # a warp a row keeps more loads in flight
                 rows_norm = k["rmsnorm_rows_bf16"]
-                rows_norm.launch((-(-rows // rows_norm.meta["rows"]),), (rows_norm.meta["threads"],),
+                blocks = min(-(-rows // rows_norm.meta["rows"]), rows_norm.meta["blocks"])
+                rows_norm.launch((blocks,), (rows_norm.meta["threads"],),
                                  (out, b.x, weight, rows, c.hidden_size, eps), stream)
             else:
                 k["rmsnorm" + kind].launch((rows,), (threads,), (out, b.x, weight, c.hidden_size, eps), stream)
