@@ -13,7 +13,10 @@ mma.sync kernel at about 240 TFLOP/s, drops by an order of magnitude.
 Shared memory (dynamic, 1024-byte aligned at run time): q of the block's rows, then ``STAGES``
 stages of K and V, each in 128-byte-swizzled panels of 64 dims (wgmma.py has the layout). K/V
 tiles are copied with ``cp.async`` from the pages (a warp's rows from one page); q is read once
-from the fp32 ``qkv``, rounded to bf16 and stored swizzled.
+(from the fp32 ``qkv`` rounded to bf16, or, in the ``_bf16`` kernels, from the bf16 ``qkv`` that the
+cuBLASLt prefill writes) and stored swizzled. How the stages pass between the copying and the
+computing threads is the shape's hand-over (below): head_dim 128 has a copying warpgroup of its own
+and mbarriers, head_dim 64 a block barrier a tile.
 """
 
 from __future__ import annotations
