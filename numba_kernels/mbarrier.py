@@ -41,29 +41,23 @@ def mbarrier_init(typingctx, address, count):
     return sig, codegen
 
 
-@intrinsic
-def mbarrier_arrive(typingctx, address):
-    """One arrival (release: the caller's earlier shared-memory accesses happen before the phase
-    completes)."""
-    sig = types.void(uint32)
+def _on_barrier(text):
+    """An intrinsic ``f(address)`` emitting ``text`` with the barrier's shared address as ``$0``."""
+    @intrinsic
+    def statement(typingctx, address):
+        def codegen(context, builder, signature, args):
+            _statement(builder, text, args)
+            return context.get_dummy_value()
 
-    def codegen(context, builder, signature, args):
-        _statement(builder, "{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }", args)
-        return context.get_dummy_value()
+        return types.void(uint32), codegen
 
-    return sig, codegen
+    return statement
 
 
-@intrinsic
-def cp_async_arrive(typingctx, address):
-    """One arrival once this thread's ``cp.async`` copies issued so far have landed."""
-    sig = types.void(uint32)
-
-    def codegen(context, builder, signature, args):
-        _statement(builder, "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", args)
-        return context.get_dummy_value()
-
-    return sig, codegen
+# One arrival (release: the caller's earlier shared-memory accesses happen before the phase completes).
+mbarrier_arrive = _on_barrier("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }")
+# One arrival once this thread's ``cp.async`` copies issued so far have landed.
+cp_async_arrive = _on_barrier("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];")
 
 
 @intrinsic

@@ -242,17 +242,9 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                     wait_phase(bars + 8 * stage, (uint32(done + it) // uint32(STAGES)) & uint32(1))
                     if it < wg_tiles:  # uniform over the warpgroup
                         fence_proxy_async()  # the other threads' copies, for the MMAs
-                        kt = kv_base + stage * uint32(STAGE)
-                        issue_scores(s, q_low, kt)
-                        wait_s(s)
-                        m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-                            s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
-                            scale_log2)
-                        if rescaled:
-                            rescale(o, alpha_a, alpha_b)
-                        pack_p(s, p)
-                        issue_values(o, p, kt)
-                        wait_o(o)
+                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, kv_base + stage * uint32(STAGE),
+                                                          int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b,
+                                                          l_a, l_b, scale_log2)
                         fence_proxy_async()  # the MMAs' reads before the copies that refill the stage
                     cuda.syncwarp()
                     if lane == 0:
@@ -274,17 +266,10 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                     page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                      stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
                     if it < wg_tiles:  # uniform over the warpgroup
-                        kt = stage_at(kv_base, it)
-                        issue_scores(s, q_low, kt)
-                        wait_s(s)
-                        m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-                            s, int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
-                            scale_log2)
-                        if rescaled:
-                            rescale(o, alpha_a, alpha_b)
-                        pack_p(s, p)
-                        issue_values(o, p, kt)
-                        wait_o(o)  # before the next barrier lets copies overwrite this stage
+                        # (its P·V waited for before the next barrier lets copies overwrite this stage)
+                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, stage_at(kv_base, it), int32(it * BK),
+                                                          warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
+                                                          scale_log2)
             else:
                 # Tile it's scores fly with tile it - 1's P·V, and its softmax runs under that P·V; O
                 # is rescaled for tile it once the P·V of it - 1 is done. No MMA sits in a branch (ptxas
@@ -384,6 +369,21 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             done += n_tiles
             cuda.syncthreads()
             seg = end
+
+    @cuda.jit(device=True, inline=True)
+    def compute_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
+        """One tile (stage at shared ``kt``, first key ``k0``) unpipelined: S = q·Kᵀ, the online
+        softmax, O rescaled, O += P·V, and its wait. Returns the new (m_a, m_b, l_a, l_b)."""
+        issue_scores(s, q_low, kt)
+        wait_s(s)
+        m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
+            s, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
+        if rescaled:
+            rescale(o, alpha_a, alpha_b)
+        pack_p(s, p)
+        issue_values(o, p, kt)
+        wait_o(o)
+        return m_a, m_b, l_a, l_b
 
     @cuda.jit(device=True, inline=True)
     def consume_pipelined(bars, done, n_tiles, kv_base, q_low, s, p, o, warp_first, pos_a, pos_b, t, m_a, m_b,
