@@ -277,13 +277,8 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                 # the last one that the causal mask hides from its rows entirely.
                 page = next_tile(0, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                  stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
-                issue_scores(s, q_low, kv_base)
-                wait_s(s)
-                m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-                    s, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
-                if rescaled:
-                    rescale(o, alpha_a, alpha_b)
-                pack_p(s, p)
+                m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kv_base, int32(0), warp_first, pos_a, pos_b, t,
+                                                m_a, m_b, l_a, l_b, scale_log2)
                 for it in range(1, n_tiles):
                     page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                      stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
@@ -371,9 +366,9 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             seg = end
 
     @cuda.jit(device=True, inline=True)
-    def compute_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
-        """One tile (stage at shared ``kt``, first key ``k0``) unpipelined: S = q·Kᵀ, the online
-        softmax, O rescaled, O += P·V, and its wait. Returns the new (m_a, m_b, l_a, l_b)."""
+    def score_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
+        """A tile's (stage at shared ``kt``, first key ``k0``) S = q·Kᵀ and its online softmax: O
+        rescaled, P packed for the P·V. Returns the new (m_a, m_b, l_a, l_b)."""
         issue_scores(s, q_low, kt)
         wait_s(s)
         m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
@@ -381,6 +376,13 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         if rescaled:
             rescale(o, alpha_a, alpha_b)
         pack_p(s, p)
+        return m_a, m_b, l_a, l_b
+
+    @cuda.jit(device=True, inline=True)
+    def compute_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
+        """One tile unpipelined: ``score_tile``, then O += P·V and its wait."""
+        m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
+                                        scale_log2)
         issue_values(o, p, kt)
         wait_o(o)
         return m_a, m_b, l_a, l_b
@@ -393,13 +395,8 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         PIPELINED, no MMA sits in a branch: every warpgroup computes every tile, masked or not."""
         kt = tile_stage(kv_base, done)
         wait_full(bars, done)
-        issue_scores(s, q_low, kt)
-        wait_s(s)
-        m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
-            s, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
-        if rescaled:
-            rescale(o, alpha_a, alpha_b)
-        pack_p(s, p)
+        m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kt, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a,
+                                        l_b, scale_log2)
         for it in range(1, n_tiles):
             previous = kt
             kt = tile_stage(kv_base, done + it)
