@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CC = (9, 0)
@@ -91,9 +94,32 @@ def limit_registers(ptx: str, count: int) -> str:
     return f"{head}\n.maxnreg {count}\n{{{body}"
 
 
-def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR) -> dict[str, str]:
+def compile_in_processes(names: list[str], jobs: int) -> dict[str, tuple[str, list[str]]]:
+    """``compile_one`` of every kernel in ``names``, spread over ``jobs`` fresh interpreters.
+
+    Fresh ones (``python -m numba_kernels.build --compile-to``), not forks: Numba and NVVM state
+    forked from a process that has compiled already hung under pytest. Kernels are dealt out in turn
+    so the slow ones (decode attention, about 25 s each) spread evenly."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = []
+        for i in range(jobs):
+            share = names[i::jobs]
+            if share:
+                out = Path(tmp) / f"{i}.json"
+                command = [sys.executable, "-m", "numba_kernels.build", "--compile-to", str(out), "--only", *share]
+                runs.append((out, subprocess.Popen(command, cwd=PTX_DIR.parent)))
+        compiled = {}
+        for out, run in runs:
+            if run.wait() != 0:
+                raise RuntimeError(f"compiling {', '.join(run.args[5:])} failed (exit {run.returncode})")
+            compiled.update({name: (ptx, params) for name, (ptx, params) in json.loads(out.read_text()).items()})
+    return compiled
+
+
+def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR, jobs: int = 1) -> dict[str, str]:
     """{relative file name: text} for every PTX module and the manifest; with ``only``, those kernels'
-    modules and the manifest of ``manifest_dir`` with their entries replaced."""
+    modules and the manifest of ``manifest_dir`` with their entries replaced. ``jobs`` > 1 compiles
+    in that many processes."""
     files: dict[str, str] = {}
     manifest = {"format": 1, "target": f"sm_{CC[0]}{CC[1]}", "ptx_version": REQUIRED_PTX_VERSION,
                 "kernels": {}}
@@ -104,8 +130,14 @@ def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR) -> di
             raise SystemExit(f"no such kernels: {', '.join(unknown)}")
         manifest = json.loads((manifest_dir / "manifest.json").read_text())
         table = {name: table[name] for name in only}
-    for name, (func, argtypes, *meta) in sorted(table.items()):
-        ptx, params = compile_one(name, func, argtypes)
+    names = sorted(table)
+    if jobs > 1 and len(names) > 1:
+        compiled = compile_in_processes(names, min(jobs, len(names)))
+    else:
+        compiled = {name: compile_one(name, *table[name][:2]) for name in names}
+    for name in names:
+        func, argtypes, *meta = table[name]
+        ptx, params = compiled[name]
         if meta and meta[0].get("arch") == "sm_90a":  # wgmma: the arch-specific target
             ptx = ptx.replace(f".target sm_{CC[0]}{CC[1]}\n", f".target sm_{CC[0]}{CC[1]}a\n", 1)
         if meta and "max_registers" in meta[0]:
@@ -137,10 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="rebuild and diff against ptx/")
     parser.add_argument("--out", type=Path, default=PTX_DIR)
     parser.add_argument("--only", nargs="+", metavar="KERNEL", help="rebuild just these kernels (quick edits)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
+    parser.add_argument("--compile-to", type=Path, help=argparse.SUPPRESS)  # compile_in_processes' worker
     args = parser.parse_args(argv)
     if args.check and args.only:
         parser.error("--check rebuilds everything; drop --only")
-    files = build_all(args.only, args.out)
+    if args.compile_to:
+        table = kernel_table()
+        args.compile_to.write_text(json.dumps({name: compile_one(name, *table[name][:2]) for name in args.only}))
+        return 0
+    files = build_all(args.only, args.out, args.jobs)
     if args.check:
         problems = check(files, args.out)
         for p in problems:
