@@ -45,7 +45,7 @@ PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
 # "pp" "p" with the computing warpgroups pipelined as PIPELINED (PIPE).
 # head_dim -> (warpgroups computing, keys a tile, stages, register cap, hand-over) of the production
 # kernels. On the H200 (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks
-# of 1024 in brackets), head_dim 128: "pp" with 64-key tiles in four stages 405-409 (389-393) TFLOP/s;
+# of 1024 in brackets), head_dim 128: "pp" with 64-key tiles in four stages 403-411 (389-393) TFLOP/s;
 # "p" unpipelined 378 (363); a block barrier a tile, two blocks an SM at 128 registers, 398 (357) (the
 # head_dim 64 kernel's shape), 308 (295) uncapped, 376 (339) with 32-key tiles in 4 stages pipelined;
 # the mma.sync kernel 239 (229), torch SDPA 584-600. Table in docs/benchmarks.md.
@@ -393,13 +393,13 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         """PIPE: a computing warpgroup's tiles of one run, the scores of tile it issued with the P·V of
         it - 1 and softmaxed while that runs; a stage is handed back once its P·V is done. As in
         PIPELINED, no MMA sits in a branch: every warpgroup computes every tile, masked or not."""
-        kt = tile_stage(kv_base, done)
+        kt = stage_at(kv_base, done)
         wait_full(bars, done)
         m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kt, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a,
                                         l_b, scale_log2)
         for it in range(1, n_tiles):
             previous = kt
-            kt = tile_stage(kv_base, done + it)
+            kt = stage_at(kv_base, done + it)
             wait_full(bars, done + it)
             issue_scores(s, q_low, kt)
             issue_values(o, p, previous)
@@ -415,10 +415,6 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         wait_o(o)
         release(bars, done + n_tiles - 1, lane)
         return m_a, m_b, l_a, l_b
-
-    @cuda.jit(device=True, inline=True)
-    def tile_stage(kv_base, tile):
-        return kv_base + (uint32(tile) % uint32(STAGES)) * uint32(STAGE)
 
     @cuda.jit(device=True, inline=True)
     def wait_full(bars, tile):
