@@ -30,8 +30,8 @@ import math
 
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, bf16_to_f32, block_sum, grid_dependency_wait,
-                                  launch_dependents, warp_sum)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, block_sum, grid_dependency_wait, launch_dependents,
+                                  warp_sum)
 from numba_kernels.deltanet import sigmoid
 from numba_kernels.rope import load_bf16, load_f32, store_bf16, store_f32
 
