@@ -107,11 +107,11 @@ def compile_in_processes(names: list[str], jobs: int) -> dict[str, tuple[str, li
             if share:
                 out = Path(tmp) / f"{i}.json"
                 command = [sys.executable, "-m", "numba_kernels.build", "--compile-to", str(out), "--only", *share]
-                runs.append((out, subprocess.Popen(command, cwd=PTX_DIR.parent)))
+                runs.append((share, out, subprocess.Popen(command, cwd=PTX_DIR.parent)))
         compiled = {}
-        for out, run in runs:
+        for share, out, run in runs:
             if run.wait() != 0:
-                raise RuntimeError(f"compiling {', '.join(run.args[5:])} failed (exit {run.returncode})")
+                raise RuntimeError(f"compiling {', '.join(share)} failed (exit {run.returncode})")
             compiled.update({name: (ptx, params) for name, (ptx, params) in json.loads(out.read_text()).items()})
     return compiled
 

@@ -218,13 +218,14 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             # The warpgroup's tiles: the causal mask leaves none for it past its last row's position.
             wg_tiles = int32(min(n_tiles, (wg_last + BK) // BK)) if wg_last >= 0 else int32(0)
             if MBAR:
-                for st in range(0 if PRODUCER else AHEAD):
-                    if st < n_tiles:
-                        page = page_of(page_tables, table_base, int32(st * BK + warp_key), kv_len, page_shift)
-                        refill(bars, done + st, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
-                               stride_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len, page_shift,
-                               in_page)
-                page = page_of(page_tables, table_base, int32(AHEAD * BK + warp_key), kv_len, page_shift)
+                if not PRODUCER:  # the computing warps copy too: the first tiles start flying
+                    for st in range(AHEAD):
+                        if st < n_tiles:
+                            page = page_of(page_tables, table_base, int32(st * BK + warp_key), kv_len, page_shift)
+                            refill(bars, done + st, page, kv_base, copy_dst, one_page, page_tables, table_base,
+                                   k_base, stride_bytes, v_bytes, int32(st * BK + warp_key), lane_row, kv_len,
+                                   page_shift, in_page)
+                    page = page_of(page_tables, table_base, int32(AHEAD * BK + warp_key), kv_len, page_shift)
                 if PIPE:
                     m_a, m_b, l_a, l_b = consume_pipelined(bars, done, n_tiles, kv_base, q_low, s, p, o, warp_first,
                                                            pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2, lane)
@@ -238,17 +239,12 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                                        page_shift)
                     # Every warp waits for the tile, even one whose rows it cannot see: its own copies
                     # into the stage must land before it lets the stage be refilled.
-                    stage = uint32(done + it) % uint32(STAGES)
-                    wait_phase(bars + 8 * stage, (uint32(done + it) // uint32(STAGES)) & uint32(1))
+                    wait_full(bars, done + it)
                     if it < wg_tiles:  # uniform over the warpgroup
-                        fence_proxy_async()  # the other threads' copies, for the MMAs
-                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, kv_base + stage * uint32(STAGE),
+                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, stage_at(kv_base, done + it),
                                                           int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b,
                                                           l_a, l_b, scale_log2)
-                        fence_proxy_async()  # the MMAs' reads before the copies that refill the stage
-                    cuda.syncwarp()
-                    if lane == 0:
-                        mbarrier_arrive(bars + 8 * (uint32(STAGES) + stage))
+                    release(bars, done + it, lane)
                 done += n_tiles
                 cuda.syncthreads()
                 seg = end
