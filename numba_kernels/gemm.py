@@ -15,13 +15,14 @@ Launch: grid ``(ceil(N / 64), ceil(rows / 64))``, block 256.
 from __future__ import annotations
 
 import math
+import os
 
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
 from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  launch_dependents, load_f32x4, load_u64x2)
+                                  launch_dependents, load_f32x4)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
@@ -31,31 +32,49 @@ GEMV_THREADS = 128
 GEMV_WARPS = GEMV_THREADS // 32
 
 
+@intrinsic
+def load_weights_u64x2(typingctx, ptr, index):
+    """16 bytes of weights, read once per step: non-coherent path, not kept in L1."""
+    sig = types.UniTuple(uint64, 2)(ptr, index)
+
+    def codegen(context, builder, signature, args):
+        base, idx = args
+        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [i64])
+        call = builder.call(ir.InlineAsm(fnty, "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];", "=l,=l,l"),
+                            [addr])
+        parts = [builder.extract_value(call, i) for i in range(2)]
+        return context.make_tuple(builder, signature.return_type, parts)
+
+    return sig, codegen
+
+
 def make_gemv(M, COLS, normed=False, epilogue="store"):
     """``COLS`` weight rows per block: each x value loaded serves that many rows.
 
     ``normed`` / ``epilogue`` are the decode fusions of ``mma_gemv`` below (same meaning; with
-    "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows)."""
+    "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows).
+    Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.5-1.5%
+    slower on the H200)."""
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
 
     @cuda.jit(device=True, inline=True)
-    def load_weights(w, row_of, words, j, wv):
-        """16-byte chunk ``j`` of each of the block's weight rows, widened to fp32 (zero past the matrix)."""
+    def load_weights(w, row_of, words, chunks, j, raw):
+        """16-byte chunk ``j`` of each of the block's weight rows as raw bf16 pairs (zero past the
+        matrix or past k). They widen to fp32 only where they are multiplied: that keeps the kernel
+        at 64 registers, two more blocks an SM than widening them here."""
         for c in range(COLS):
-            if row_of[c] >= 0:
-                a, b = load_u64x2(w, row_of[c] * words + 2 * j)
-                for h in range(2):
-                    word = a if h == 0 else b
-                    lo = uint32(word & uint64(0xFFFFFFFF))
-                    hi = uint32(word >> uint64(32))
-                    wv[c, 4 * h] = bf16_lo(lo)
-                    wv[c, 4 * h + 1] = bf16_hi(lo)
-                    wv[c, 4 * h + 2] = bf16_lo(hi)
-                    wv[c, 4 * h + 3] = bf16_hi(hi)
+            if j < chunks and row_of[c] >= 0:
+                a, b = load_weights_u64x2(w, row_of[c] * words + 2 * j)
+                raw[c, 0] = uint32(a & uint64(0xFFFFFFFF))
+                raw[c, 1] = uint32(a >> uint64(32))
+                raw[c, 2] = uint32(b & uint64(0xFFFFFFFF))
+                raw[c, 3] = uint32(b >> uint64(32))
             else:
-                for e in range(8):
-                    wv[c, e] = float32(0.0)
+                for e in range(4):
+                    raw[c, e] = uint32(0)
 
     def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
@@ -78,18 +97,18 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
             else:
                 f = cuda.blockIdx.x * COLS + c
                 row_of[c] = int64(f) if f < n else int64(-1)
-        wv = cuda.local.array((COLS, 8), float32)
+        raw = cuda.local.array((COLS, 4), uint32)
+        xr = cuda.local.array((M, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)
         words = k >> 2
         # The whole block walks K together: 128 threads read 2 KiB of each weight row per step. The
         # first step's weights are in flight before the wait for the previous kernel (common.py,
         # "programmatic dependent launch"): weights never depend on it.
         launch_dependents()
-        j = tid
-        if j < chunks:
-            load_weights(w, row_of, words, j, wv)
+        load_weights(w, row_of, words, chunks, tid, raw)
         grid_dependency_wait()
-        while j < chunks:
+        for j in range(tid, chunks, GEMV_THREADS):
+            # The step's activations first, their loads out together (x and norm_w sit in L2).
             if normed:
                 n0, n1, n2, n3 = load_f32x4(norm_w, 8 * j)
                 n4, n5, n6, n7 = load_f32x4(norm_w, 8 * j + 4)
@@ -102,12 +121,21 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
                         ss[r] += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
                         x0, x1, x2, x3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
                         x4, x5, x6, x7 = x4 * n4, x5 * n5, x6 * n6, x7 * n7
-                    for c in range(COLS):
-                        acc[r, c] += (x0 * wv[c, 0] + x1 * wv[c, 1] + x2 * wv[c, 2] + x3 * wv[c, 3]
-                                      + x4 * wv[c, 4] + x5 * wv[c, 5] + x6 * wv[c, 6] + x7 * wv[c, 7])
-            j += GEMV_THREADS
-            if j < chunks:
-                load_weights(w, row_of, words, j, wv)
+                    xr[r, 0], xr[r, 1], xr[r, 2], xr[r, 3] = x0, x1, x2, x3
+                    xr[r, 4], xr[r, 5], xr[r, 6], xr[r, 7] = x4, x5, x6, x7
+                else:
+                    for e in range(8):
+                        xr[r, e] = float32(0.0)
+            for c in range(COLS):
+                w0, w1 = bf16_lo(raw[c, 0]), bf16_hi(raw[c, 0])
+                w2, w3 = bf16_lo(raw[c, 1]), bf16_hi(raw[c, 1])
+                w4, w5 = bf16_lo(raw[c, 2]), bf16_hi(raw[c, 2])
+                w6, w7 = bf16_lo(raw[c, 3]), bf16_hi(raw[c, 3])
+                for r in range(M):
+                    acc[r, c] += (xr[r, 0] * w0 + xr[r, 1] * w1 + xr[r, 2] * w2 + xr[r, 3] * w3
+                                  + xr[r, 4] * w4 + xr[r, 5] * w5 + xr[r, 6] * w6 + xr[r, 7] * w7)
+            # The registers are free again: the next step's weights go out now.
+            load_weights(w, row_of, words, chunks, j + GEMV_THREADS, raw)
         for r in range(M):
             for c in range(COLS):
                 v = acc[r, c]
@@ -249,24 +277,6 @@ KERNELS["gemm_tiled"] = (gemm_tiled, (F32P, F32P, U16P, int32, int32, int32, int
 # ``k % 8 == 0``, 16-byte aligned rows; ``norm_w`` and ``eps`` are read only when normed.
 
 MMA_EPILOGUES = ("store", "residual", "swiglu")
-
-
-@intrinsic
-def load_weights_u64x2(typingctx, ptr, index):
-    """16 bytes of weights, read once per step: non-coherent path, not kept in L1."""
-    sig = types.UniTuple(uint64, 2)(ptr, index)
-
-    def codegen(context, builder, signature, args):
-        base, idx = args
-        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
-        i64 = ir.IntType(64)
-        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [i64])
-        call = builder.call(ir.InlineAsm(fnty, "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];", "=l,=l,l"),
-                            [addr])
-        parts = [builder.extract_value(call, i) for i in range(2)]
-        return context.make_tuple(builder, signature.return_type, parts)
-
-    return sig, codegen
 
 
 @cuda.jit(device=True, inline=True)
@@ -444,12 +454,21 @@ def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: 
 # 2 bf16 parts instead of 3 were about 3% faster.
 MMA_SHAPES = [(1, 8, 2, 3), (1, 16, 4, 3), (4, 4, 1, 3), (4, 8, 1, 3)]
 FUSIONS = ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu"))
+# NINFER_GEMM_VARIANTS=1 adds builds only timed (python -m numba_kernels.build --out DIR --only ...):
+# the shapes held to fewer registers (``r{N}``: more blocks an SM, maybe spills).
+_TIMED_ONLY = os.environ.get("NINFER_GEMM_VARIANTS") == "1"
+MMA_REGISTER_CAPS = {(4, 4, 1, 3): (64, 80), (1, 8, 2, 3): (56, 64), (1, 16, 4, 3): (32, 40), (4, 8, 1, 3): (64, 80)}
 for _shape in MMA_SHAPES:
-    for _normed, _epilogue in FUSIONS:
-        KERNELS[mma_kernel_name(_normed, _epilogue, *_shape)] = (
-            make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
-            {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
-             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1})
+    for _cap in (0, *(MMA_REGISTER_CAPS[_shape] if _TIMED_ONLY else ())):
+        for _normed, _epilogue in FUSIONS:
+            _meta = {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
+                     "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1}
+            if _cap:
+                _meta["max_registers"] = _cap
+            KERNELS[mma_kernel_name(_normed, _epilogue, *_shape) + (f"r{_cap}" if _cap else "")] = (
+                make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG, _meta)
+
+
 # The fp32 GEMV with the same fusions and arguments (terms 0: exact fp32 products), for few rows.
 for _m in GEMV_ROWS:
     for _normed, _epilogue in FUSIONS[1:]:

@@ -40,12 +40,13 @@ def test_the_measured_choices():
 
 
 def test_dense_decode_overlaps_launches_where_its_gemms_preload():
-    """The dense step overlaps its launches at one row (every decode GEMM is the fp32 GEMV, which
-    issues its first weight loads before waiting), not from two rows (tensor-core GEMMs), and never
-    with the master switch off."""
+    """The dense step overlaps its launches where every decode GEMM is the fp32 GEMV (it issues its
+    first weight loads before waiting: one and two rows), not where a tensor-core GEMM runs (from
+    three rows), and never with the master switch off."""
     from types import SimpleNamespace
 
-    assert fw.Forward.overlaps(SimpleNamespace(overlap=True), 1)
-    for rows in range(2, fw.GEMV_MAX_ROWS + 1):
-        assert not fw.Forward.overlaps(SimpleNamespace(overlap=True), rows)
+    for rows in range(1, fw.GEMV_MAX_ROWS + 1):
+        fp32_only = all(fw.DECODE_GEMMS[matrix][rows] == "fp32" for matrix in fw.DECODE_GEMMS)
+        assert fw.Forward.overlaps(SimpleNamespace(overlap=True), rows) == fp32_only
+        assert fp32_only == (rows <= 2)
     assert not fw.Forward.overlaps(SimpleNamespace(overlap=False), 1)

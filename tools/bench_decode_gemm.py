@@ -4,7 +4,8 @@
 
 For every matrix of a decode step (qkv, o, gate_up, down, LM head) and every row count it times the
 fp32 CUDA-core GEMV plain (``gemv_m{M}_c4``) and with the matrix's fusion (``gemv_<fusion>_m{M}``),
-and each tensor-core shape of ``mma_gemv`` with the fusion (numba_kernels/gemm.py)
+and each tensor-core shape of ``mma_gemv`` with the fusion (numba_kernels/gemm.py): every such kernel
+of the manifest, so variants built into ``ptx/`` (NINFER_GEMM_VARIANTS=1) are timed too,
 inside one CUDA Graph of ``--reps`` launches. Launches cycle through enough copies of the weights to
 exceed the 50 MB L2, so every launch streams its matrix from HBM as in a real step. Prints one line
 per (matrix, rows) with the best kernel first; forward.py's choice table comes from these figures.
@@ -13,13 +14,13 @@ per (matrix, rows) with the best kernel first; forward.py's choice table comes f
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
-from numba_kernels.gemm import MMA_SHAPES, mma_kernel_name  # noqa: E402
 
 MATRICES = {  # name: (output columns, k, epilogue, normed) as a Qwen3-8B decode step uses them
     "qkv": (6144, 4096, "store", True),
@@ -72,16 +73,14 @@ def main(argv=None) -> int:
             candidates = {gemv.name: [lambda wt=wt: gemv.launch((-(-n_plain // 4),), (128,),
                                                                   (y, x, wt, rows, n_plain, k, n_plain), stream)
                                       for wt in weights]}
-            fused = kernels[f"gemv_{'normed_' if normed else ''}{epilogue}_m{rows}"]
-            candidates[fused.name] = [lambda wt=wt: fused.launch(
-                (-(-cols // fused.meta["cols"]),), (fused.meta["threads"],),
-                (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream) for wt in weights]
-            for shape in MMA_SHAPES:
-                kern = kernels[mma_kernel_name(normed, epilogue, *shape)]
-                grid = (-(-cols // kern.meta["cols"]),)
-                candidates[kern.name] = [lambda wt=wt, kern=kern, grid=grid: kern.launch(
-                    grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream)
-                    for wt in weights]
+            fusion = f"{'normed_' if normed else ''}{epilogue}"
+            for kname in kernels.entries:  # every build of the fused kernels in the manifest (variants too)
+                if re.fullmatch(rf"mma_gemv_{fusion}_t\w+|gemv_{fusion}_m{rows}(_\w+)?", kname):
+                    kern = kernels[kname]
+                    grid = (-(-cols // kern.meta["cols"]),)
+                    candidates[kname] = [lambda wt=wt, kern=kern, grid=grid: kern.launch(
+                        grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream)
+                        for wt in weights]
             for kname, launches in candidates.items():
                 if args.only in kname:
                     results[kname] = nbytes / time_graph(device, stream, launches, args.reps) / 1e9

@@ -7,7 +7,8 @@ Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
-every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), launches that do not overlap
+every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), per-matrix kernel choices
+at the case's row count (``--gemms``; variants must be built into ``ptx/``), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
 (``forward.KV_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="comma-separated parts of the variant labels to time "
                         "(the default step always runs); empty: every variant")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
+    parser.add_argument("--gemms", default="", help="comma-separated decode GEMM choices to time, each as "
+                        "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3)")
     args = parser.parse_args(argv)
     from ninfer.backends.cuda import CudaRunner
 
@@ -72,7 +75,6 @@ def main(argv=None) -> int:
     for name in runner.kernels.entries:  # module loads are not allowed during capture
         if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul", "attention_", "rope_kv")):
             runner.kernels[name]
-    mma = tuple(int(v) for v in args.mma[1:].replace("w", " ").replace("u", " ").replace("s", " ").split())
     default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
     weights_bytes = weight_bytes_per_step(config)
     print(f"copy {copy_bw / 1e9:.0f} GB/s; weights per step {weights_bytes / 1e9:.2f} GB", flush=True)
@@ -91,10 +93,17 @@ def main(argv=None) -> int:
         measure("unfused")
         runner.forward.fused_decode = True
         measure(f"fused (splits of {int(runner.buffers.inputs.split[0])})")
-        for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", mma)):
+        for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", args.mma)):
             for table in fw.DECODE_GEMMS.values():
                 table.update({r: choice for r in table})
             measure(f"fused, {label}")
+            for matrix, table in fw.DECODE_GEMMS.items():
+                table.update(default_gemms[matrix])
+        for spec in filter(None, args.gemms.split(",")):  # per-matrix kernels: qkv=fp32+o=t1w16u4s3+...
+            for part in spec.split("+"):
+                matrix, choice = part.split("=")
+                fw.DECODE_GEMMS[matrix][batch] = choice
+            measure(f"fused, {spec}")
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
         runner.forward.overlap = False

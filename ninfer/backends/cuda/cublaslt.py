@@ -3,8 +3,8 @@
 ``y[rows, n] (fp32, or bf16 rounded to nearest even) = x[rows, k] (bf16) @ W[n, k].T (bf16)``,
 accumulated in fp32. In cuBLAS's
 column-major terms that is ``y^T = op(W^T) @ x^T`` with ``W`` seen as a ``k x n`` matrix and
-transposed ("TN"). One descriptor set and the heuristic's first algorithm are cached per shape, so a
-call costs the cuBLASLt launch only. Decode never comes here: its GEMVs keep fp32 activations.
+transposed ("TN"). One descriptor set and the heuristic's first algorithm (or one ``choose`` picked
+among its ``choices``) are cached per shape, so a call costs the cuBLASLt launch only. Decode never comes here: its GEMVs keep fp32 activations.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class LtMatmul:
         self.workspace = workspace
         self.handle = cublasLt.create()
         self._plans: dict[tuple[int, int, int, bool], tuple] = {}
+        self.choices = 1  # algorithms asked of the heuristic per shape (tools/bench_cublaslt_algos.py asks more)
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
 
@@ -50,14 +51,27 @@ class LtMatmul:
         pref = lt.matmul_preference_create()
         self._set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
                   self.workspace.nbytes)
-        results = lt.MatmulHeuristicResult(1)
+        results = lt.MatmulHeuristicResult(self.choices)
         count = np.zeros(1, np.int32)
-        lt.matmul_algo_get_heuristic(self.handle, desc, a, b, c, c, pref, 1, results.ptr, count.ctypes.data)
+        lt.matmul_algo_get_heuristic(self.handle, desc, a, b, c, c, pref, self.choices, results.ptr,
+                                     count.ctypes.data)
         if count[0] < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for bf16 {rows}x{k} @ {k}x{n} -> "
                                + ("bf16" if out_bf16 else "fp32"))
-        plan = self._plans[key] = (desc, a, b, c, pref, results)
+        # The algorithm is the first field of cublasLtMatmulHeuristicResult_t: a pointer to result i is one to its algorithm.
+        plan = self._plans[key] = [desc, a, b, c, pref, results, int(count[0]), results.ptr]
         return plan
+
+    def algorithms(self, rows: int, n: int, k: int, out_bf16: bool = False) -> int:
+        """How many algorithms the heuristic offered for this shape (at most ``choices``)."""
+        return self._plan(rows, n, k, out_bf16)[6]
+
+    def choose(self, rows: int, n: int, k: int, out_bf16: bool, index: int) -> None:
+        """Run this shape with the heuristic's ``index``-th algorithm from now on."""
+        plan = self._plan(rows, n, k, out_bf16)
+        if not 0 <= index < plan[6]:
+            raise ValueError(f"cuBLASLt: algorithm {index} of {plan[6]}")
+        plan[7] = plan[5].ptr + index * self.lt.matmul_heuristic_result_dtype.itemsize
 
     def matmul(self, y: rt.DevicePtr, x_bf16: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int,
                stream, accumulate: bool = False, out_bf16: bool = False) -> None:
@@ -68,16 +82,15 @@ class LtMatmul:
             raise ValueError(f"cuBLASLt {rows}x{k} @ {k}x{n}: a buffer is too small")
         if accumulate and out_bf16:
             raise ValueError("cuBLASLt: the residual stream it adds into stays fp32")
-        desc, a, b, c, _, results = self._plan(rows, n, k, out_bf16)
+        desc, a, b, c, _, _, _, algo = self._plan(rows, n, k, out_bf16)
         beta = self._alpha if accumulate else self._beta  # alpha is 1
-        # The algorithm is the first field of cublasLtMatmulHeuristicResult_t.
         self.lt.matmul(self.handle, desc, self._alpha.ctypes.data, w.addr, a, x_bf16.addr, b,
-                       beta.ctypes.data, y.addr, c, y.addr, c, results.ptr, self.workspace.addr,
+                       beta.ctypes.data, y.addr, c, y.addr, c, algo, self.workspace.addr,
                        self.workspace.nbytes, int(stream))
 
     def close(self) -> None:
         lt = self.lt
-        for desc, a, b, c, pref, _ in self._plans.values():
+        for desc, a, b, c, pref, *_ in self._plans.values():
             lt.matmul_preference_destroy(pref)
             for layout in (a, b, c):
                 lt.matrix_layout_destroy(layout)

@@ -75,27 +75,26 @@ def flash_prefill(kv_dtype: str) -> bool:
     return kv_dtype == "bf16"
 
 
-# The decode GEMM of each matrix by row count (tools/bench_decode_gemm.py on the H200): "fp32" is
-# the CUDA-core GEMV (``gemv_<fusion>_m<rows>``), a tuple a tensor-core ``mma_gemv`` shape (tiles of
-# 16 weight rows per block, warps splitting K, 32-k steps in flight per warp, bf16 parts per activation).
+# The decode GEMM of each matrix by row count (tools/bench_decode_gemm.py and bench_decode_step.py on
+# the H200): "fp32" is the CUDA-core GEMV (``gemv_<fusion>_m<rows>``), anything else names a
+# tensor-core ``mma_gemv_<fusion>_<shape>`` shape: tiles of 16 weight rows per block, warps
+# splitting K, 32-k steps in flight per warp, bf16 parts per activation.
 DECODE_FUSIONS = {"qkv": ("store", True), "o": ("residual", False), "gate_up": ("swiglu", True),
                   "down": ("residual", False), "lm_head": ("store", True)}  # (epilogue, normed)
-# GB/s on the H200 (rows 1 / 2 / 8): qkv 3252 fp32 / 2721 / 2666, o 3366 fp32 / 2947 / 2884,
-# gate_up 3907 fp32 / 3653 / 3612, down 3888 fp32 / 3448 / 3251, LM head 4331 fp32 / 4017 fp32 / 3809.
-_MMA_FROM_2 = {"qkv": (1, 8, 2, 3), "o": (1, 16, 4, 3), "gate_up": (4, 4, 1, 3), "down": (1, 16, 4, 3)}
-DECODE_GEMMS = {matrix: {rows: "fp32" if rows == 1 else shape for rows in range(1, GEMV_MAX_ROWS + 1)}
-                for matrix, shape in _MMA_FROM_2.items()}
-DECODE_GEMMS["lm_head"] = {rows: "fp32" if rows <= 2 else (4, 8, 1, 3) for rows in range(1, GEMV_MAX_ROWS + 1)}
+# GB/s on the H200 (rows 1 / 2 / 8): qkv 3622 fp32 / 3331 fp32 / 2518, o 3506 fp32 / 2981 / 2877,
+# gate_up 4207 fp32 / 3998 fp32 / 3591, down 4080 fp32 / 3514 / 3246, LM head 4445 fp32 / 4408 fp32
+# / 3794. At two rows a step of fp32 GEMVs only (launches overlapped) beat the mix: 4.57 ms against 4.96.
+_MMA_FROM_3 = {"qkv": "t1w8u2s3", "o": "t1w16u4s3", "gate_up": "t4w4u1s3", "down": "t1w16u4s3",
+               "lm_head": "t4w8u1s3"}
+DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else shape for rows in range(1, GEMV_MAX_ROWS + 1)}
+                for matrix, shape in _MMA_FROM_3.items()}
 
 
 def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
     """The kernel a decode step of ``rows`` rows launches for ``matrix``."""
     choice = DECODE_GEMMS[matrix][rows]
     fusion = f"{'normed_' if normed else ''}{epilogue}"
-    if choice == "fp32":
-        return f"gemv_{fusion}_m{rows}"
-    tiles, warps, steps, terms = choice
-    return f"mma_gemv_{fusion}_t{tiles}w{warps}u{steps}s{terms}"
+    return f"gemv_{fusion}_m{rows}" if choice == "fp32" else f"mma_gemv_{fusion}_{choice}"
 
 
 KV_DTYPES = {"bf16": 2, "f32": 4}
@@ -268,7 +267,7 @@ class Forward:
 
     def overlaps(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows overlaps its launches (``overlap`` is the master switch):
-        where its GEMMs are the fp32 GEMV, which issues its first weight loads before waiting (one row).
+        where its GEMMs are the fp32 GEMV, which issues its first weight loads before waiting (one or two rows).
         The tensor-core GEMMs load after the wait, and overlapping them measured 0.6-1.5% slower."""
         return self.overlap and all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in DECODE_GEMMS)
 
