@@ -15,7 +15,6 @@ Launch: grid ``(ceil(N / 64), ceil(rows / 64))``, block 256.
 from __future__ import annotations
 
 import math
-import os
 
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
@@ -55,8 +54,10 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
 
     ``normed`` / ``epilogue`` are the decode fusions of ``mma_gemv`` below (same meaning; with
     "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows).
-    Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.5-1.5%
-    slower on the H200)."""
+    Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.2-1.7%
+    slower on the H200). Also timed and dropped (tools/bench_decode_gemm.py, one row): 2 or 4 chunks
+    of each row in flight a thread (96 / 168 registers: fewer blocks, 3-25% slower), and thread 0
+    prefetching the block's rows into L2 one or two steps ahead (8-12% slower)."""
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
 
@@ -451,22 +452,18 @@ def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: 
 # rows fill the GPU anyway: 3809 GB/s at 8 rows against 3204 for (1, 8, 2)). Also timed there and
 # dropped: (1, 8, 4), (1, 16, 2), (4, 4, 2), (8, 4, 1), and 2 tiles (x shared by 32 weight rows) with
 # 8 or 16 warps and 2 or 4 steps, slower on every matrix (fewer blocks, not less L2 traffic, decides);
-# 2 bf16 parts instead of 3 were about 3% faster.
+# 2 bf16 parts instead of 3 were about 3% faster. Timed and dropped in the tenth session: each lane
+# reading 2 or 4 contiguous 16-byte vectors of its rows a step (a lane quad covering 128-256 bytes of
+# a row instead of 64; slower on every matrix), and the shapes held by ``.maxnreg`` to fewer registers
+# (more blocks an SM, with spills: 5-45% slower).
 MMA_SHAPES = [(1, 8, 2, 3), (1, 16, 4, 3), (4, 4, 1, 3), (4, 8, 1, 3)]
 FUSIONS = ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu"))
-# NINFER_GEMM_VARIANTS=1 adds builds only timed (python -m numba_kernels.build --out DIR --only ...):
-# the shapes held to fewer registers (``r{N}``: more blocks an SM, maybe spills).
-_TIMED_ONLY = os.environ.get("NINFER_GEMM_VARIANTS") == "1"
-MMA_REGISTER_CAPS = {(4, 4, 1, 3): (64, 80), (1, 8, 2, 3): (56, 64), (1, 16, 4, 3): (32, 40), (4, 8, 1, 3): (64, 80)}
 for _shape in MMA_SHAPES:
-    for _cap in (0, *(MMA_REGISTER_CAPS[_shape] if _TIMED_ONLY else ())):
-        for _normed, _epilogue in FUSIONS:
-            _meta = {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
-                     "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1}
-            if _cap:
-                _meta["max_registers"] = _cap
-            KERNELS[mma_kernel_name(_normed, _epilogue, *_shape) + (f"r{_cap}" if _cap else "")] = (
-                make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG, _meta)
+    for _normed, _epilogue in FUSIONS:
+        KERNELS[mma_kernel_name(_normed, _epilogue, *_shape)] = (
+            make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
+            {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
+             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1})
 
 
 # The fp32 GEMV with the same fusions and arguments (terms 0: exact fp32 products), for few rows.
