@@ -86,6 +86,7 @@ def make_rmsnorm(store):
 # a launch (two an SM of the H200: the rows in flight between a warp's two passes stay in L2).
 ROW_NORM_WARPS = 8
 ROW_NORM_QUADS = 8
+ROW_NORM_OCTETS = 4  # the second pass: 8-element octets a lane loads before it stores any
 ROW_NORM_BLOCKS = 264
 
 
@@ -102,15 +103,28 @@ def normalize_row(out, x, weight, row, lane, hidden, eps):
                 a, b, c, d = load_f32x4(x, base + 4 * q)
                 acc += a * a + b * b + c * c + d * d
     inv = float32(1.0) / math.sqrt(warp_sum(acc) / float32(hidden) + eps)
-    if hidden % 8 == 0:  # 8 elements a lane and step: one 16-byte store, a warp's 512 bytes whole
-        for o in range(lane, hidden >> 3, 32):
-            a, b, c, d = load_f32x4(x, base + 8 * o)
-            e, f, g, h = load_f32x4(x, base + 8 * o + 4)
-            wa, wb, wc, wd = load_f32x4(weight, 8 * o)
-            we, wf, wg, wh = load_f32x4(weight, 8 * o + 4)
-            store_u32x4(out, (base >> 1) + 4 * o, pack_bf16x2(a * inv * wa, b * inv * wb),
-                        pack_bf16x2(c * inv * wc, d * inv * wd), pack_bf16x2(e * inv * we, f * inv * wf),
-                        pack_bf16x2(g * inv * wg, h * inv * wh))
+    if hidden % 8 == 0:  # 8 elements a lane and octet: one 16-byte store, a warp's 512 bytes whole
+        # ROW_NORM_OCTETS octets' loads go out before any store: the compiler cannot tell that the
+        # stores miss x, so it would otherwise wait for each octet's loads after the previous store.
+        octets = hidden >> 3
+        xs = cuda.local.array((ROW_NORM_OCTETS, 8), float32)
+        ws = cuda.local.array((ROW_NORM_OCTETS, 8), float32)
+        for o0 in range(lane, octets, 32 * ROW_NORM_OCTETS):
+            for j in range(ROW_NORM_OCTETS):
+                o = o0 + 32 * j
+                if o < octets:
+                    xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3] = load_f32x4(x, base + 8 * o)
+                    xs[j, 4], xs[j, 5], xs[j, 6], xs[j, 7] = load_f32x4(x, base + 8 * o + 4)
+                    ws[j, 0], ws[j, 1], ws[j, 2], ws[j, 3] = load_f32x4(weight, 8 * o)
+                    ws[j, 4], ws[j, 5], ws[j, 6], ws[j, 7] = load_f32x4(weight, 8 * o + 4)
+            for j in range(ROW_NORM_OCTETS):
+                o = o0 + 32 * j
+                if o < octets:
+                    w0 = pack_bf16x2(xs[j, 0] * inv * ws[j, 0], xs[j, 1] * inv * ws[j, 1])
+                    w1 = pack_bf16x2(xs[j, 2] * inv * ws[j, 2], xs[j, 3] * inv * ws[j, 3])
+                    w2 = pack_bf16x2(xs[j, 4] * inv * ws[j, 4], xs[j, 5] * inv * ws[j, 5])
+                    w3 = pack_bf16x2(xs[j, 6] * inv * ws[j, 6], xs[j, 7] * inv * ws[j, 7])
+                    store_u32x4(out, (base >> 1) + 4 * o, w0, w1, w2, w3)
     else:
         for q in range(lane, quads, 32):
             a, b, c, d = load_f32x4(x, base + 4 * q)
