@@ -296,9 +296,9 @@ def test_rope_kv_and_paged_attention(gpu, kv_dtype, group, head_dim):
 
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (2, 64), (1, 256)])
 def test_rope_from_bf16_qkv_is_the_fp32_kernel_rounded(gpu, group, head_dim):
-    """``rope_kv_bf16_qkv_bf16`` (the cuBLASLt prefill's: qkv as its GEMM wrote it, in bf16) against
-    ``rope_kv_bf16`` on the same bf16 values widened: q bit for bit the fp32 result rounded to
-    nearest even, the pool bit for bit the same."""
+    """``rope_kv_bf16_qkv_bf16`` (the cuBLASLt prefill's: qkv as its GEMM wrote it, in bf16, a thread
+    per 16 dims of a head) against ``rope_kv_bf16`` on the same bf16 values widened: q and the pool
+    within one bf16 step (the q/k norm's squares add in another order), mostly equal."""
     rng = np.random.default_rng(group + head_dim)
     KV, D, ps, max_ctx = 2, head_dim, 16, 64
     H, rows = KV * group, 21
@@ -310,17 +310,29 @@ def test_rope_from_bf16_qkv_is_the_fp32_kernel_rounded(gpu, group, head_dim):
     positions = np.arange(rows, dtype=np.int32) + 30
     page_elems = 2 * KV * ps * D
     results = {}
+    extra = from_float32(rng.standard_normal((5, qkv.shape[1])))  # rows past the count: left alone
     for name, qkv_in in (("rope_kv_bf16", to_float32(qkv16)), ("rope_kv_bf16_qkv_bf16", qkv16)):
-        pool, qkv_dev = gpu.put(np.zeros(max_pages * page_elems, np.uint16)), gpu.put(qkv_in)
+        pool = gpu.put(np.zeros(max_pages * page_elems, np.uint16))
+        qkv_dev = gpu.put(np.concatenate([qkv_in, extra]) if qkv_in.dtype == np.uint16 else qkv_in)
         rope = gpu.kernels[name]
-        gpu.launch(name, (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],),
-                   (qkv_dev, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), pool, page_elems,
-                    gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions), H, KV, D, ps, 1, 1, 1e-6))
-        q = gpu.get(qkv_dev, qkv_in.dtype, qkv_in.shape)[:, :H * D]
+        args = (qkv_dev, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), pool, page_elems,
+                gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions), H, KV, D, ps, 1, 1, 1e-6)
+        if "dims_per_thread" in rope.meta:
+            threads = rope.meta["threads"]
+            gpu.launch(name, (-(-(rows * (H + 2 * KV) * D // rope.meta["dims_per_thread"]) // threads),), (threads,),
+                       args + (rows,))
+        else:
+            gpu.launch(name, (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), args)
+        q = gpu.get(qkv_dev, qkv_in.dtype, (rows + (5 if qkv_in.dtype == np.uint16 else 0), qkv_in.shape[1]))
+        if qkv_in.dtype == np.uint16:
+            assert np.array_equal(q[rows:], extra)
+        q = q[:rows, :H * D]
         q = from_float32(q) if q.dtype == np.float32 else q
         results[name] = (q, gpu.get(pool, np.uint16, (max_pages * page_elems,)))
-    np.testing.assert_array_equal(results["rope_kv_bf16_qkv_bf16"][0], results["rope_kv_bf16"][0])
-    np.testing.assert_array_equal(results["rope_kv_bf16_qkv_bf16"][1], results["rope_kv_bf16"][1])
+    for got, want in zip(results["rope_kv_bf16_qkv_bf16"], results["rope_kv_bf16"]):
+        step = np.abs(to_float32(got) - to_float32(want)) / np.maximum(np.abs(to_float32(want)), 1e-30)
+        assert step.max() <= 2 ** -7  # one bf16 step at most
+        assert np.mean(got != want) < 2e-2
     assert np.count_nonzero(results["rope_kv_bf16"][1]) > 0
 
 

@@ -307,11 +307,17 @@ class Forward:
                           b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale, *flags),
                          stream)
             return b.attn
-        rope = k[self.rope_name + ("_qkv_bf16" if bf16 else "")]
-        rope.launch(
-            (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],),
-            (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
-             b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags), stream)
+        rope_args = (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
+                     b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)
+        if bf16:  # a thread per 16 dims of a head (rope.py, rope_kv_chunks_bf16)
+            rope = k[self.rope_name + "_qkv_bf16"]
+            threads = rope.meta["threads"]
+            rope.launch((-(-(rows * (H + 2 * KV) * D // rope.meta["dims_per_thread"]) // threads),), (threads,),
+                        (*rope_args, rows), stream)
+        else:
+            rope = k[self.rope_name]
+            rope.launch((rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), rope_args,
+                        stream)
         if self.prefill_attention_name and rows > inp.lanes.size:
             return self.prefill_attention(layer_kv, rows, stream, bf16)
         assert not bf16, "the split attention kernels read fp32 q"
