@@ -3,11 +3,15 @@
 ``y[rows, n] (fp32, or bf16 rounded to nearest even) = x[rows, k] (bf16) @ W[n, k].T (bf16)``,
 accumulated in fp32. In cuBLAS's
 column-major terms that is ``y^T = op(W^T) @ x^T`` with ``W`` seen as a ``k x n`` matrix and
-transposed ("TN"). One descriptor set and the heuristic's first algorithm (or one ``choose`` picked
-among its ``choices``) are cached per shape, so a call costs the cuBLASLt launch only. Decode never comes here: its GEMVs keep fp32 activations.
+transposed ("TN"). One descriptor set and the heuristic's first algorithm (or the one ``choose``
+picked among its ``choices``) are cached per shape, so a call costs the cuBLASLt launch only. Decode
+never comes here: its GEMVs keep fp32 activations.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +24,20 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 
 
+@dataclass
+class _Plan:
+    """A shape's descriptors (matmul, the layouts of W, x and y, the preference), the heuristic's
+    results and how many it gave, and the address of the algorithm calls run with."""
+    desc: Any
+    a: Any
+    b: Any
+    c: Any
+    pref: Any
+    results: Any
+    count: int
+    algo: int
+
+
 class LtMatmul:
     def __init__(self, workspace: rt.DevicePtr):
         from nvmath.bindings import cublasLt  # the cuda extra; loaded only when prefill asks for it
@@ -27,7 +45,7 @@ class LtMatmul:
         self.lt = cublasLt
         self.workspace = workspace
         self.handle = cublasLt.create()
-        self._plans: dict[tuple[int, int, int, bool], tuple] = {}
+        self._plans: dict[tuple[int, int, int, bool], _Plan] = {}
         self.choices = 1  # algorithms asked of the heuristic per shape (tools/bench_cublaslt_algos.py asks more)
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
@@ -36,7 +54,7 @@ class LtMatmul:
         buf = np.array([value], np.int32 if attr != self.lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES else np.uint64)
         setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
-    def _plan(self, rows: int, n: int, k: int, out_bf16: bool) -> tuple:
+    def _plan(self, rows: int, n: int, k: int, out_bf16: bool) -> _Plan:
         key = (rows, n, k, out_bf16)
         plan = self._plans.get(key)
         if plan is not None:
@@ -58,20 +76,20 @@ class LtMatmul:
         if count[0] < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for bf16 {rows}x{k} @ {k}x{n} -> "
                                + ("bf16" if out_bf16 else "fp32"))
-        # The algorithm is the first field of cublasLtMatmulHeuristicResult_t: a pointer to result i is one to its algorithm.
-        plan = self._plans[key] = [desc, a, b, c, pref, results, int(count[0]), results.ptr]
+        # The algorithm is the first field of cublasLtMatmulHeuristicResult_t: a result's address is its algorithm's.
+        plan = self._plans[key] = _Plan(desc, a, b, c, pref, results, int(count[0]), results.ptr)
         return plan
 
     def algorithms(self, rows: int, n: int, k: int, out_bf16: bool = False) -> int:
         """How many algorithms the heuristic offered for this shape (at most ``choices``)."""
-        return self._plan(rows, n, k, out_bf16)[6]
+        return self._plan(rows, n, k, out_bf16).count
 
     def choose(self, rows: int, n: int, k: int, out_bf16: bool, index: int) -> None:
         """Run this shape with the heuristic's ``index``-th algorithm from now on."""
         plan = self._plan(rows, n, k, out_bf16)
-        if not 0 <= index < plan[6]:
-            raise ValueError(f"cuBLASLt: algorithm {index} of {plan[6]}")
-        plan[7] = plan[5].ptr + index * self.lt.matmul_heuristic_result_dtype.itemsize
+        if not 0 <= index < plan.count:
+            raise ValueError(f"cuBLASLt: algorithm {index} of {plan.count}")
+        plan.algo = plan.results.ptr + index * self.lt.matmul_heuristic_result_dtype.itemsize
 
     def matmul(self, y: rt.DevicePtr, x_bf16: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int,
                stream, accumulate: bool = False, out_bf16: bool = False) -> None:
@@ -82,18 +100,18 @@ class LtMatmul:
             raise ValueError(f"cuBLASLt {rows}x{k} @ {k}x{n}: a buffer is too small")
         if accumulate and out_bf16:
             raise ValueError("cuBLASLt: the residual stream it adds into stays fp32")
-        desc, a, b, c, _, _, _, algo = self._plan(rows, n, k, out_bf16)
+        plan = self._plan(rows, n, k, out_bf16)
         beta = self._alpha if accumulate else self._beta  # alpha is 1
-        self.lt.matmul(self.handle, desc, self._alpha.ctypes.data, w.addr, a, x_bf16.addr, b,
-                       beta.ctypes.data, y.addr, c, y.addr, c, algo, self.workspace.addr,
+        self.lt.matmul(self.handle, plan.desc, self._alpha.ctypes.data, w.addr, plan.a, x_bf16.addr, plan.b,
+                       beta.ctypes.data, y.addr, plan.c, y.addr, plan.c, plan.algo, self.workspace.addr,
                        self.workspace.nbytes, int(stream))
 
     def close(self) -> None:
         lt = self.lt
-        for desc, a, b, c, pref, *_ in self._plans.values():
-            lt.matmul_preference_destroy(pref)
-            for layout in (a, b, c):
+        for plan in self._plans.values():
+            lt.matmul_preference_destroy(plan.pref)
+            for layout in (plan.a, plan.b, plan.c):
                 lt.matrix_layout_destroy(layout)
-            lt.matmul_desc_destroy(desc)
+            lt.matmul_desc_destroy(plan.desc)
         self._plans = {}
         lt.destroy(self.handle)
