@@ -49,6 +49,23 @@ def load_weights_u64x2(typingctx, ptr, index):
     return sig, codegen
 
 
+@cuda.jit(device=True, inline=True)
+def load_activations(x, at, norm_w, norm_at, normed, xr, i):
+    """``x[at .. at + 8]`` (16-byte aligned) into ``xr[i, 0..7]``, times ``norm_w[norm_at ..]`` when
+    ``normed``; returns the eight values' sum of squares before that scaling (0 when not normed)."""
+    x0, x1, x2, x3 = load_f32x4(x, at)
+    x4, x5, x6, x7 = load_f32x4(x, at + 4)
+    squares = float32(0.0)
+    if normed:  # every load out before the first use
+        n0, n1, n2, n3 = load_f32x4(norm_w, norm_at)
+        n4, n5, n6, n7 = load_f32x4(norm_w, norm_at + 4)
+        squares = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
+        x0, x1, x2, x3, x4, x5, x6, x7 = x0 * n0, x1 * n1, x2 * n2, x3 * n3, x4 * n4, x5 * n5, x6 * n6, x7 * n7
+    xr[i, 0], xr[i, 1], xr[i, 2], xr[i, 3] = x0, x1, x2, x3
+    xr[i, 4], xr[i, 5], xr[i, 6], xr[i, 7] = x4, x5, x6, x7
+    return squares
+
+
 def make_gemv(M, COLS, normed=False, epilogue="store"):
     """``COLS`` weight rows per block: each x value loaded serves that many rows.
 
@@ -110,20 +127,9 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
         grid_dependency_wait()
         for j in range(tid, chunks, GEMV_THREADS):
             # The step's activations first, their loads out together (x and norm_w sit in L2).
-            if normed:
-                n0, n1, n2, n3 = load_f32x4(norm_w, 8 * j)
-                n4, n5, n6, n7 = load_f32x4(norm_w, 8 * j + 4)
             for r in range(M):
                 if r < rows:
-                    xb = int64(r) * k + 8 * j
-                    x0, x1, x2, x3 = load_f32x4(x, xb)
-                    x4, x5, x6, x7 = load_f32x4(x, xb + 4)
-                    if normed:
-                        ss[r] += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
-                        x0, x1, x2, x3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-                        x4, x5, x6, x7 = x4 * n4, x5 * n5, x6 * n6, x7 * n7
-                    xr[r, 0], xr[r, 1], xr[r, 2], xr[r, 3] = x0, x1, x2, x3
-                    xr[r, 4], xr[r, 5], xr[r, 6], xr[r, 7] = x4, x5, x6, x7
+                    ss[r] += load_activations(x, int64(r) * k + 8 * j, norm_w, 8 * j, normed, xr, r)
                 else:
                     for e in range(8):
                         xr[r, e] = float32(0.0)
@@ -359,15 +365,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             for u in range(U):
                 kk = (s0 + u * W) * 32 + 8 * t
                 if kk < k and has_row:
-                    x0, x1, x2, x3 = load_f32x4(x, x_row + kk)
-                    x4, x5, x6, x7 = load_f32x4(x, x_row + kk + 4)
-                    if normed:
-                        ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
-                        n0, n1, n2, n3 = load_f32x4(norm_w, kk)
-                        n4, n5, n6, n7 = load_f32x4(norm_w, kk + 4)
-                        x0, x1, x2, x3, x4, x5, x6, x7 = x0 * n0, x1 * n1, x2 * n2, x3 * n3, x4 * n4, x5 * n5, x6 * n6, x7 * n7
-                    xr[u, 0], xr[u, 1], xr[u, 2], xr[u, 3] = x0, x1, x2, x3
-                    xr[u, 4], xr[u, 5], xr[u, 6], xr[u, 7] = x4, x5, x6, x7
+                    ss += load_activations(x, x_row + kk, norm_w, kk, normed, xr, u)
                 else:
                     for e in range(8):
                         xr[u, e] = float32(0.0)
