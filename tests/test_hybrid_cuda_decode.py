@@ -20,6 +20,7 @@ from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
 from ninfer.convert.random_model import HYBRID_PRESETS  # noqa: E402
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
+from fake_cuda import FakeDevice, FakeKernels, check_decode_gemm  # noqa: E402
 
 LAYERS = (LINEAR, LINEAR, LINEAR, FULL)
 REAL = dict(vocab_size=248320, num_layers=4, layer_types=LAYERS, rms_norm_eps=1e-6, head_dim=256, rotary_dim=64,
@@ -36,46 +37,6 @@ CONFIGS = {
                             **REAL),
 }
 MAX_BATCH = 8
-
-
-class FakeDevice:
-    def __init__(self):
-        self.next = 1 << 32
-
-    def alloc(self, nbytes, label):
-        ptr = rt.DevicePtr(self.next, nbytes, label)
-        self.next += -(-max(1, nbytes) // 4096) * 4096
-        return ptr
-
-    def pinned(self, nbytes):
-        return np.zeros(nbytes, np.uint8)
-
-
-class Recorded(rt.Kernel):
-    def __init__(self, kernels, name, entry):
-        super().__init__(name, None, entry["params"], entry.get("meta"), kernels.overlap)
-        self.kernels = kernels
-
-    def launch(self, grid, block, args, stream, shared=0):
-        self.pack(args)  # the argument count and types of the manifest
-        self.kernels.log.append((self, tuple(grid), tuple(args)))
-        self.kernels.overlaps.append(bool(self.overlap.on and self.meta.get("grid_wait")))
-
-
-class FakeKernels:
-    overlapped = rt.Kernels.overlapped
-
-    def __init__(self):
-        self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
-        self.log = []
-        self.overlaps = []  # per launch in ``log``: would it have overlapped its predecessor
-        self._kernels = {}
-        self.overlap = rt.Overlap()
-
-    def __getitem__(self, name):
-        if name not in self._kernels:
-            self._kernels[name] = Recorded(self, name, self.entries[name])
-        return self._kernels[name]
 
 
 def forward(config, kv_dtype="bf16"):
@@ -100,7 +61,7 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
         assert launched <= preloaded, sorted(launched - preloaded)
         for kernel, grid, args in fwd.k.log:
             if "epilogue" in kernel.meta:  # (y, x, w, norm, rows, n, k, ldy, eps)
-                _check_gemm(kernel, grid, *args)
+                check_decode_gemm(kernel, grid, *args)
         if MOE not in config.mlp_types:
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
 
@@ -119,15 +80,6 @@ def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():
     fwd.overlap = False
     fwd.decode(2, None)
     assert fwd.k.overlaps and not any(fwd.k.overlaps)
-
-
-def _check_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps):
-    meta, f32 = kernel.meta, 4
-    weight_rows = 2 * n if meta["epilogue"] == "swiglu" else n
-    assert k % 8 == 0 and rows <= meta["max_rows"] and grid[0] * meta["cols"] >= n, kernel.name
-    assert y.nbytes >= rows * ldy * f32 and ldy >= n and x.nbytes >= rows * k * f32, kernel.name
-    assert w.nbytes >= weight_rows * k * 2, kernel.name
-    assert not meta["normed"] or norm.nbytes >= k * f32, kernel.name
 
 
 def test_unfused_decode_keeps_one_lane_a_row():

@@ -1,0 +1,62 @@
+"""A CUDA backend with no GPU, for CPU tests of what a forward pass launches: a device that hands out
+addresses (no memory) and kernels from ptx/manifest.json that type-check their arguments and record
+each launch instead of running it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ninfer.backends.cuda import runtime as rt
+
+
+class FakeDevice:
+    def __init__(self):
+        self.next = 1 << 32
+
+    def alloc(self, nbytes, label):
+        ptr = rt.DevicePtr(self.next, nbytes, label)
+        self.next += -(-max(1, nbytes) // 4096) * 4096
+        return ptr
+
+    def pinned(self, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
+
+class Recorded(rt.Kernel):
+    def __init__(self, kernels, name, entry):
+        super().__init__(name, None, entry["params"], entry.get("meta"), kernels.overlap)
+        self.kernels = kernels
+
+    def launch(self, grid, block, args, stream, shared=0):
+        self.pack(args)  # the argument count and types of the manifest
+        self.kernels.log.append((self, tuple(grid), tuple(args)))
+        self.kernels.overlaps.append(bool(self.overlap.on and self.meta.get("grid_wait")))
+
+
+class FakeKernels:
+    overlapped = rt.Kernels.overlapped
+
+    def __init__(self):
+        self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
+        self.log = []
+        self.overlaps = []  # per launch in ``log``: would it have overlapped its predecessor
+        self._kernels = {}
+        self.overlap = rt.Overlap()
+
+    def __getitem__(self, name):
+        if name not in self._kernels:
+            self._kernels[name] = Recorded(self, name, self.entries[name])
+        return self._kernels[name]
+
+
+def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps):
+    """A fused decode GEMM's launch (its arguments as ``Forward.decode_gemm`` passes them) stays inside
+    its buffers, covers its n outputs, and has K % 8 == 0."""
+    meta, f32 = kernel.meta, 4
+    weight_rows = 2 * n if meta["epilogue"] == "swiglu" else n
+    assert k % 8 == 0 and rows <= meta["max_rows"] and grid[0] * meta["cols"] >= n, kernel.name
+    assert y.nbytes >= rows * ldy * f32 and ldy >= n and x.nbytes >= rows * k * f32, kernel.name
+    assert w.nbytes >= weight_rows * k * 2, kernel.name
+    assert not meta["normed"] or norm.nbytes >= k * f32, kernel.name

@@ -1,0 +1,80 @@
+"""The dense CUDA forward's launches, checked on the CPU against ptx/manifest.json (tests/fake_cuda.py).
+
+At the Qwen3-8B shape (2 layers): every kernel of a decode step of 1..8 rows is in ``kernel_names()``
+(modules cannot load during graph capture), each fused decode GEMM stays inside its buffers, and the
+step overlaps its launches exactly where its GEMMs are all the fp32 GEMV; a cuBLASLt prefill launches
+the chunked rope (a thread per 16 dims of a head) over exactly its rows.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+fw = pytest.importorskip("ninfer.backends.cuda.forward")
+
+from fake_cuda import FakeDevice, FakeKernels, check_decode_gemm  # noqa: E402
+
+from ninfer.backends.cuda.weights import device_layout  # noqa: E402
+from ninfer.convert.random_model import LARGE_PRESETS  # noqa: E402
+
+CONFIG = attrs.evolve(LARGE_PRESETS["qwen3-8b"], num_layers=2)
+MAX_BATCH = 8
+
+
+class FakeLt:
+    """cuBLASLt's place in the prefill: records each GEMM's shape and options."""
+
+    def __init__(self):
+        self.calls = []
+
+    def matmul(self, y, x, w, rows, n, k, stream, accumulate=False, out_bf16=False):
+        assert x.nbytes >= rows * k * 2 and w.nbytes >= n * k * 2
+        assert y.nbytes >= rows * n * (2 if out_bf16 else 4)
+        self.calls.append((n, k, accumulate, out_bf16))
+
+
+def forward(max_rows=64, lt=None):
+    device = FakeDevice()
+    buffers = fw.StepBuffers(device, CONFIG, page_size=16, num_pages=64, max_batch=MAX_BATCH, max_context=256,
+                             max_rows=max_rows, kv_dtype="bf16", tensor_core_prefill=lt is not None)
+    weights = {name: device.alloc(int(np.prod(shape)) * (2 if kind == "bf16" else 4), name)
+               for name, (shape, kind) in device_layout(CONFIG).items()}
+    return fw.Forward(FakeKernels(), CONFIG, weights, buffers, page_size=16, kv_dtype="bf16", lt=lt)
+
+
+def test_decode_launches_are_preloaded_in_bounds_and_overlapped_where_they_preload():
+    fwd = forward()
+    preloaded = set(fwd.kernel_names())
+    for rows in range(1, MAX_BATCH + 1):
+        fwd.k.log.clear()
+        fwd.k.overlaps.clear()
+        fwd.decode(rows, None)
+        launched = [kernel.name for kernel, _, _ in fwd.k.log]
+        assert set(launched) <= preloaded, sorted(set(launched) - preloaded)
+        for kernel, grid, args in fwd.k.log:
+            if "epilogue" in kernel.meta:
+                check_decode_gemm(kernel, grid, *args)
+        fp32_only = all(fw.DECODE_GEMMS[matrix][rows] == "fp32" for matrix in fw.DECODE_GEMMS)
+        assert launched[0] == "count_tokens" and not fwd.k.overlaps[0]
+        assert all(fwd.k.overlaps[1:]) if fp32_only else not any(fwd.k.overlaps), (rows, fwd.k.overlaps)
+        assert any(name.startswith("gemv_normed_swiglu_m") for name in launched) == fp32_only
+
+
+@pytest.mark.parametrize("rows", [300, 64])
+def test_cublaslt_prefill_ropes_exactly_its_rows(rows):
+    lt = FakeLt()
+    fwd = forward(max_rows=512, lt=lt)
+    fwd.layers(rows, None)
+    ropes = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == "rope_kv_bf16_qkv_bf16"]
+    assert len(ropes) == CONFIG.num_layers
+    kernel = fwd.k["rope_kv_bf16_qkv_bf16"]
+    threads = kernel.meta["threads"]
+    needed = rows * (CONFIG.num_heads + 2 * CONFIG.num_kv_heads) * CONFIG.head_dim // kernel.meta["dims_per_thread"]
+    for grid, args in ropes:
+        assert (grid[0] - 1) * threads < needed <= grid[0] * threads
+        assert args[-1] == rows
+    # qkv and gate_up come out in bf16 (rope and SiLU-mul read them), o and down add into x.
+    assert (CONFIG.qkv_size, CONFIG.hidden_size, False, True) in lt.calls
+    assert (CONFIG.hidden_size, CONFIG.intermediate_size, True, False) in lt.calls
