@@ -5,7 +5,7 @@
 For every matrix of a decode step (qkv, o, gate_up, down, LM head) and every row count it times the
 fp32 CUDA-core GEMV plain (``gemv_m{M}_c4``) and with the matrix's fusion (``gemv_<fusion>_m{M}``),
 and each tensor-core shape of ``mma_gemv`` with the fusion (numba_kernels/gemm.py): every such kernel
-of the manifest, so variants built into ``ptx/`` (NINFER_GEMM_VARIANTS=1) are timed too,
+of the manifest, so a variant whose build is copied into ``ptx/`` for the run is timed too,
 inside one CUDA Graph of ``--reps`` launches. Launches cycle through enough copies of the weights to
 exceed the 50 MB L2, so every launch streams its matrix from HBM as in a real step. Prints one line
 per (matrix, rows) with the best kernel first; forward.py's choice table comes from these figures.

@@ -93,19 +93,17 @@ def main(argv=None) -> int:
         measure("unfused")
         runner.forward.fused_decode = True
         measure(f"fused (splits of {int(runner.buffers.inputs.split[0])})")
-        for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", args.mma)):
-            for table in fw.DECODE_GEMMS.values():
-                table.update({r: choice for r in table})
+        def measure_gemms(label: str, choices: dict[str, dict[int, str]]) -> None:
+            """The step with these decode GEMM choices (matrix -> rows -> kernel), then the defaults again."""
+            for matrix, table in choices.items():
+                fw.DECODE_GEMMS[matrix].update(table)
             measure(f"fused, {label}")
             for matrix, table in fw.DECODE_GEMMS.items():
                 table.update(default_gemms[matrix])
+        for label, choice in (("fp32 GEMV only", "fp32"), (f"mma {args.mma} only", args.mma)):
+            measure_gemms(label, {matrix: {r: choice for r in table} for matrix, table in fw.DECODE_GEMMS.items()})
         for spec in filter(None, args.gemms.split(",")):  # per-matrix kernels: qkv=fp32+o=t1w16u4s3+...
-            for part in spec.split("+"):
-                matrix, choice = part.split("=")
-                fw.DECODE_GEMMS[matrix][batch] = choice
-            measure(f"fused, {spec}")
-            for matrix, table in fw.DECODE_GEMMS.items():
-                table.update(default_gemms[matrix])
+            measure_gemms(spec, {matrix: {batch: choice} for matrix, choice in (p.split("=") for p in spec.split("+"))})
         runner.forward.overlap = False
         measure("fused, launches not overlapped")
         runner.forward.overlap = True
