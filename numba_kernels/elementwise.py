@@ -254,14 +254,21 @@ def to_bf16(out, x, count):
         out[i] = f32_to_bf16(x[i])
 
 
-def count_tokens(counts, lanes, tokens, rows, vocab):
+def count_tokens(counts, lanes, tokens, previous, follow, rows, vocab):
     """counts[lanes[r], tokens[r]] += 1: a decode input is the lane's previous output token.
 
+    When ``follow[0]`` is set the step follows the one before it row for row, launched before the
+    host read that step's tokens: row r's input is ``previous[r]`` (that step's sampled token,
+    still in the sampler's output), written into ``tokens`` for the embedding to read.
     Rows of one batch hold distinct lanes, so no two threads touch one counter.
     Launch: grid ``(ceil(rows / 32),)``, block 32."""
     r = cuda.grid(1)
     if r < rows:
-        index = lanes[r] * vocab + tokens[r]
+        token = tokens[r]
+        if follow[0] != 0:
+            token = previous[r]
+            tokens[r] = token
+        index = lanes[r] * vocab + token
         counts[index] = counts[index] + int32(1)
 
 
@@ -278,6 +285,6 @@ KERNELS = {
                           {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS, "blocks": ROW_NORM_BLOCKS}),
     # The prefill's: gate and up as the bf16 its cuBLASLt GEMM wrote (half the bytes of fp32 both ways).
     "silu_mul_bf16": (silu_mul_bf16, (U16P, U16P, int32), {"items": 8 * SILU_CHUNKS}),
-    "count_tokens": (count_tokens, (I32P, I32P, I32P, int32, int32)),
+    "count_tokens": (count_tokens, (I32P, I32P, I32P, I32P, I32P, int32, int32)),
     "to_bf16": (to_bf16, (U16P, F32P, int32)),
 }

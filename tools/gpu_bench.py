@@ -69,26 +69,40 @@ def weight_bytes_per_step(config: DenseConfig) -> int:
 
 def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float,
                  sampling: SamplingRow = SamplingRow()) -> dict:
+    """Decode steps as the engine drives them: one at a time (``decode``: inputs, launch, wait, tokens)
+    and pipelined (the next step launched before this one's tokens are read, as the engine does
+    while the batch stays the same), then the graph replayed back to back: device time alone."""
     max_pages = runner.buffers.max_pages
     tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
     lanes = np.arange(batch, dtype=np.int32)
-    tokens = np.full(batch, 7, np.int32)
     rows = [sampling] * batch
+
+    def inputs(step, tokens):
+        return DecodeBatch(lanes=lanes, tokens=tokens, positions=np.full(batch, context + step, np.int32),
+                           page_tables=tables, sampling=rows)
+
+    tokens = np.full(batch, 7, np.int32)
     times = []
     cpu0 = wall0 = 0.0
     for step in range(steps + 3):
         if step == 3:
             cpu0, wall0 = time.process_time(), time.perf_counter()
-        positions = np.full(batch, context + step, np.int32)
         t0 = time.perf_counter()
-        out = runner.decode(DecodeBatch(lanes=lanes, tokens=tokens, positions=positions, page_tables=tables,
-                                        sampling=rows))
+        tokens = runner.decode(inputs(step, tokens)).tokens
         times.append(time.perf_counter() - t0)
-        tokens = out.tokens
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     step_s = float(np.median(times[3:]))
+    runner.launch_decode(inputs(0, tokens))
+    for step in range(1, steps + 4):
+        if step == 4:
+            pipe0, pipe_cpu0 = time.perf_counter(), time.process_time()
+        runner.launch_decode(inputs(step, tokens), follow=True)
+        runner.finish_decode()
+    runner.finish_decode()
+    pipelined_s = (time.perf_counter() - pipe0) / steps
+    pipelined_cpu = (time.process_time() - pipe_cpu0) / steps
     # Device time alone: replay the graph back to back (inputs unchanged: same positions).
-    graph = runner.graphs[batch]
+    graph = runner.graphs[batch][0]
     dev, stream = runner.device, runner.stream
     start, stop = dev.event(timing=True), dev.event(timing=True)
     rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
@@ -103,7 +117,47 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     return {"batch": batch, "context": context, "temperature": sampling.temperature, "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
             "host_ms": (step_s - gpu_s) * 1e3, "tok_s": batch / step_s,
             "achieved_gb_s": step_bytes / gpu_s / 1e9, "roofline_tok_s": batch / roofline_step,
-            "pct_roofline": 100 * roofline_step / step_s, "cpu_cores_busy": cpu_share}
+            "pct_roofline": 100 * roofline_step / step_s, "cpu_cores_busy": cpu_share,
+            "pipelined_step_ms": pipelined_s * 1e3, "pipelined_tok_s": batch / pipelined_s,
+            "pipelined_pct_roofline": 100 * roofline_step / pipelined_s,
+            "pipelined_host_cpu_ms": pipelined_cpu * 1e3}
+
+
+def bench_engine(runner, batch: int, context: int, steps: int, pipelined: bool = True) -> dict:
+    """Decode driven by the engine core (scheduling, page tables, sampling rows, commits and events;
+    with ``pipelined`` the next step launched ahead as the worker does): ``batch`` greedy requests of
+    ``context`` prompt tokens. The figure is the stretch where every request decodes, up to the
+    first that ends: wall time per step, and the host's own time per step (time outside runner
+    calls, the engine's host time as the spec counts it)."""
+    from ninfer.engine import EngineConfig, GenerationRequest
+    from ninfer.engine.context_cost import load
+    from ninfer.engine.core import EngineCore
+    from ninfer.engine.sequence import Sequence
+
+    info = runner.info
+    config = EngineConfig(max_concurrency=batch, max_context=info.max_context, page_size=info.page_size,
+                          kv_capacity=info.num_pages * info.page_size, prefill_chunk=512, prefix_reuse=False)
+    core = EngineCore(runner, config, load(None, "cuda", None))
+    core.pipelined = pipelined and info.pipelined_decode
+    rng = np.random.default_rng(batch)
+    for rid in range(batch):
+        prompt = rng.integers(0, info.vocab_size, context).tolist()
+        core.add(Sequence(rid, GenerationRequest(prompt=prompt, max_tokens=steps), SamplingRow(), frozenset(),
+                          core.limit, float("inf"), time.monotonic()))
+    marks = []  # after each step: (wall clock, decode rows so far, engine host seconds so far)
+    work = core.counters.host_work
+    while core.has_work():
+        core.step()
+        marks.append((time.perf_counter(), core.counters.decode_row_rounds,
+                      work["engine_boundary"] + work["program_submit"] + work["program_post"]))
+    # The steady stretch: consecutive steps that each decoded all ``batch`` rows, less two at each end.
+    full = [i for i in range(1, len(marks)) if marks[i][1] - marks[i - 1][1] == batch]
+    first, last = full[2], full[-3]
+    (t0, r0, h0), (t1, r1, h1) = marks[first], marks[last]
+    rounds = (r1 - r0) // batch
+    step_s, host_s = (t1 - t0) / rounds, (h1 - h0) / rounds
+    return {"batch": batch, "context": context, "pipelined": core.pipelined, "step_ms": step_s * 1e3,
+            "tok_s": batch / step_s, "engine_host_us": host_s * 1e6}
 
 
 def host_phases(runner, batch: int, context: int, steps: int = 64) -> dict[str, float]:
@@ -115,7 +169,7 @@ def host_phases(runner, batch: int, context: int, steps: int = 64) -> dict[str, 
     max_pages = runner.buffers.max_pages
     tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
     phases: dict[str, list[int]] = {"checks": [], "launch": [], "wait": []}
-    patched = [(runner_module, "decode_inputs", "checks"), (rt.Graph, "launch", "launch"), (rt, "synchronize", "wait")]
+    patched = [(runner_module, "decode_inputs", "checks"), (rt.Graph, "launch", "launch"), (rt, "wait_event", "wait")]
     originals = [getattr(owner, name) for owner, name, _ in patched]
 
     def timed(fn, label):
@@ -400,7 +454,16 @@ def main(argv=None) -> int:
             report["decode"].append(r)
             print("decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.3f} ms (gpu {gpu_step_ms:.3f}, "
                   "host {host_ms:.3f}), {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline "
-                  "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores".format(**r), flush=True)
+                  "({roofline_tok_s:.0f} tok/s), host CPU {cpu_cores_busy:.2f} cores; pipelined {pipelined_tok_s:.1f} "
+                  "tok/s, step {pipelined_step_ms:.3f} ms, {pipelined_pct_roofline:.1f}% of roofline, host CPU "
+                  "{pipelined_host_cpu_ms:.3f} ms a step".format(**r), flush=True)
+    report["engine"] = []
+    for batch in sorted({min(batches), max(batches)}):
+        for pipelined in (True, False):
+            r = bench_engine(runner, batch, min(contexts), max(args.steps, 128), pipelined)
+            report["engine"].append(r)
+            print("engine-driven decode b={batch} ctx={context} pipelined={pipelined}: {tok_s:.1f} tok/s, step "
+                  "{step_ms:.3f} ms, engine host time {engine_host_us:.1f} us a step".format(**r), flush=True)
     report["host_phases"] = {}
     for batch in sorted({min(batches), max(batches)}):
         r = report["host_phases"][f"b{batch}"] = host_phases(runner, batch, min(contexts))

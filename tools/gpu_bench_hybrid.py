@@ -131,7 +131,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     start, stop = dev.event(timing=True), dev.event(timing=True)
     rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
     for _ in range(steps):  # device time alone: the graph replayed back to back
-        runner.graphs[batch].launch(stream)
+        runner.graphs[batch][0].launch(stream)
     rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
     rt.synchronize(stream)
     gpu_s = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / steps
@@ -202,9 +202,10 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
               flush=True)
     if args.overlap_ablation:  # the same steps with launches that do not overlap (Forward.overlap off)
         runner.forward.overlap = False
-        for rows, graph in runner.graphs.items():
-            graph.destroy()
-            runner.graphs[rows] = rt.Graph.capture(runner.stream, lambda rows=rows: runner._decode_step(rows))
+        for rows, pair in runner.graphs.items():
+            for graph in pair:
+                graph.destroy()
+            runner.graphs[rows] = runner._capture_decode(rows)
         report["decode_not_overlapped"] = []
         for batch in batches:
             r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)

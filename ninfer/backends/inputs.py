@@ -116,3 +116,14 @@ def decode_inputs(info: RunnerInfo, batch: DecodeBatch) -> tuple[np.ndarray, np.
             raise ValueError("decode page_tables: two rows write the same KV slot (a shared page "
                              "needs copy_pages before it is written)")
     return lanes, tokens.astype(np.int64, copy=False), positions, tables
+
+
+def check_follow(info: RunnerInfo, previous: np.ndarray | None, batch: DecodeBatch) -> None:
+    """A ``launch_decode(follow=True)``: the runner pipelines decode, and the batch has the lanes
+    of the step in flight before it (``previous``; None when there is none), in order."""
+    if not info.pipelined_decode:
+        raise ValueError("launch_decode(follow=True): this runner does not pipeline decode steps")
+    if previous is None or not np.array_equal(previous, np.asarray(batch.lanes).reshape(-1)):
+        raise ValueError("launch_decode(follow=True) needs the lanes of the step in flight before it, in order")
+    if batch.return_logits:
+        raise ValueError("launch_decode(follow=True) cannot return logits")

@@ -40,6 +40,9 @@ class RunnerInfo:
     vocab_size: int
     max_context: int  # longest sequence (prompt + output) a lane may hold
     backend: str  # "reference" or "cuda"
+    # launch_decode / finish_decode may keep a second step in flight that follows the first on the
+    # device (a dense model; a recurrent one would advance its lanes' state past a finished request)
+    pipelined_decode: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -87,6 +90,17 @@ class ModelRunner(Protocol):
     def prefill(self, chunk: PrefillChunk) -> StepResult: ...
 
     def decode(self, batch: DecodeBatch) -> StepResult: ...
+
+    # Where ``info.pipelined_decode``: ``decode`` in two halves, so the host can queue the next
+    # step before it has read this one's tokens. At most two steps are in flight.
+
+    def launch_decode(self, batch: DecodeBatch, follow: bool = False) -> None:
+        """Start a decode step. ``follow``: the step has the rows (lanes, in order) of the step
+        launched before it, and each row's input token is that step's sampled token, taken on the
+        device; ``batch.tokens`` is not used."""
+
+    def finish_decode(self) -> StepResult:
+        """The result of the oldest launched step, once it has finished."""
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy whole KV pages (copy-on-write of a shared tail page)."""

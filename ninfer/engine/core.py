@@ -68,9 +68,12 @@ class EngineCore:
         # Persistent page tables, one row per lane; rows are synced incrementally.
         self._tables = np.full((config.max_concurrency, self._max_pages), -1, dtype=np.int32)
         self._synced = [0] * config.max_concurrency
-        self._row_cache: dict[int, tuple[int, SamplingRow]] = {}
         self.last_step_seconds = 0.0
         self.last_runner_seconds = 0.0
+        # A runner that pipelines decode gets the next step launched before this one is read
+        # (``Scheduler.decode_ahead``), so the host's work between steps hides under the device's.
+        self.pipelined = bool(info.pipelined_decode)
+        self._ahead: list[Sequence] | None = None  # rows of the step launched ahead, in flight
 
     # -- requests -------------------------------------------------------------------------
 
@@ -101,7 +104,7 @@ class EngineCore:
             self.counters.outcome(outcome)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._ahead is not None or self.scheduler.has_work()
 
     def take_touched(self) -> list[Sequence]:
         touched, self.touched = self.touched, []
@@ -115,7 +118,7 @@ class EngineCore:
         computes; it times itself."""
         c = self.counters
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self._ahead_plan() if self._ahead is not None else self.scheduler.schedule()
         t1 = time.perf_counter()
         if before_run is not None:
             before_run()
@@ -184,15 +187,37 @@ class EngineCore:
             result = runner.prefill(chunk)
             device += pc() - t
             unit.result = result.tokens
-        if plan.decode:
-            batch = self._decode_batch(plan.decode)
+        if plan.decode or plan.launched is not None:
             t = pc()
-            result = runner.decode(batch)
+            plan.decode_result = self._run_decode(plan)
             device += pc() - t
-            plan.decode_result = result.tokens
         return device
 
-    def _decode_batch(self, rows: list[Sequence]) -> DecodeBatch:
+    def _ahead_plan(self) -> Plan:
+        """The plan that collects the step launched ahead: its rows still resident (a row that
+        finished on the last step's token, or was stopped since, is dropped)."""
+        launched, self._ahead = self._ahead, None
+        return Plan(decode=[s for s in launched if s.phase is Phase.RESIDENT], launched=launched)
+
+    def _run_decode(self, plan: Plan) -> np.ndarray:
+        """The plan's decode step (launched now, or ahead by the last step); its tokens, a row each."""
+        runner, launched = self.runner, plan.launched
+        if not self.pipelined:
+            return runner.decode(self._decode_batch(plan.decode)).tokens
+        if launched is None:
+            launched = plan.decode
+            runner.launch_decode(self._decode_batch(launched))
+        if len(launched) == len(plan.decode) and self.scheduler.decode_ahead(plan.decode):
+            runner.launch_decode(self._decode_batch(plan.decode, ahead=True), follow=True)
+            self._ahead = list(plan.decode)
+        tokens = runner.finish_decode().tokens
+        if len(launched) != len(plan.decode):
+            tokens = tokens[[i for i, s in enumerate(launched) if s.phase is Phase.RESIDENT]]
+        return tokens
+
+    def _decode_batch(self, rows: list[Sequence], ahead: bool = False) -> DecodeBatch:
+        """The runner's batch for ``rows``; ``ahead``: for the step after the one in flight, one
+        position on, its input tokens still on the device (placeholders here)."""
         tables, synced = self._tables, self._synced
         lanes = []
         for seq in rows:
@@ -203,16 +228,17 @@ class EngineCore:
                 synced[lane] = n
             lanes.append(lane)
         lane_arr = np.array(lanes, dtype=np.int32)
+        shift = int(ahead)
         return DecodeBatch(
             lanes=lane_arr,
-            tokens=np.array([s.tokens[-1] for s in rows], dtype=np.int32),
-            positions=np.array([s.computed for s in rows], dtype=np.int32),
+            tokens=np.zeros(len(rows), np.int32) if ahead else np.array([s.tokens[-1] for s in rows], dtype=np.int32),
+            positions=np.array([s.computed + shift for s in rows], dtype=np.int32),
             page_tables=tables[lane_arr],
-            sampling=[self._row(s) for s in rows],
+            sampling=[self._row(s, shift) for s in rows],
         )
 
-    def _row(self, seq: Sequence) -> SamplingRow:
-        step = seq.n_output
+    def _row(self, seq: Sequence, ahead: int = 0) -> SamplingRow:
+        step = seq.n_output + ahead
         r = seq.row
         return SamplingRow(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                            presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,

@@ -71,10 +71,14 @@ class Plan:
     decode: list[Sequence] = attrs.Factory(list)
     replays: list[Sequence] = attrs.Factory(list)  # restored by replay this step
     decode_result: np.ndarray | None = None  # one token per decode row, set by execution
+    # A plan that collects the step the last one launched ahead: its rows, of which ``decode``
+    # are those still resident (the others finished on the last step's token).
+    launched: list[Sequence] | None = None
 
     @property
     def empty(self) -> bool:
-        return self.prompt is None and not self.decode and not self.restores and not self.pauses
+        return (self.prompt is None and not self.decode and not self.restores and not self.pauses
+                and self.launched is None)
 
 
 class Scheduler:
@@ -159,6 +163,32 @@ class Scheduler:
                 self._ensure_pages(seq, seq.computed + 1)
                 plan.decode.append(seq)
         return plan
+
+    def decode_ahead(self, rows: list[Sequence]) -> bool:
+        """Whether the decode step after this one (``rows`` one position on) may be launched before
+        this step's tokens are known, on a runner that pipelines decode; if so, its pages are
+        reserved now.
+
+        Only where that step is certainly the next plan, up to rows that finish on this step's
+        token (dropped when it is collected): nobody waits or is paused, nobody has prompt work,
+        every resident decodes here, and no row can reach a length limit or its thinking budget
+        with this token (each of those changes what the next step does)."""
+        if self.waiting or self.paused or self.owner is not None:
+            return False
+        if sum(s is not None for s in self.lanes) != len(rows):
+            return False
+        need = 0
+        for seq in rows:
+            budget = seq.request.thinking.budget
+            if (seq.n_output + 1 >= seq.request.max_tokens or len(seq.tokens) + 1 >= seq.limit
+                    or (seq.in_thinking and budget is not None and seq.thinking_count + 1 >= budget)):
+                return False
+            need += self._deficit(seq, seq.computed + 2)
+        if need and not self._make_room(need):
+            return False
+        for seq in rows:
+            self._ensure_pages(seq, seq.computed + 2)
+        return True
 
     def _control_unit(self, plan: Plan, residents: list[Sequence]) -> Sequence | None:
         """A resident whose committed tokens outran its KV (a forced thinking-close suffix) needs

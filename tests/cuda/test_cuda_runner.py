@@ -92,8 +92,10 @@ def test_tied_lm_head_logits(tmp_path):
         gpu.close()
 
 
-def _generate(runner, prompts, steps, sampling):
-    """Prefill each prompt on its own lane, then decode all lanes together for ``steps`` steps."""
+def _generate(runner, prompts, steps, sampling, pipelined=False):
+    """Prefill each prompt on its own lane, then decode all lanes together for ``steps`` steps.
+    ``pipelined``: each step after the first is launched before the one before it is read, its
+    input tokens taken on the device (``launch_decode(follow=True)``)."""
     outputs = []
     for lane, prompt in enumerate(prompts):
         runner.bind_lane(lane, [])
@@ -101,12 +103,23 @@ def _generate(runner, prompts, steps, sampling):
                                             sample=sampling(lane, 0)))
         outputs.append([int(first.tokens[0])])
     lanes = np.arange(len(prompts), dtype=np.int32)
-    for step in range(1, steps):
-        result = runner.decode(DecodeBatch(
+
+    def batch(step):
+        return DecodeBatch(
             lanes=lanes, tokens=np.array([o[-1] for o in outputs], np.int32),
-            positions=np.array([len(p) + len(o) - 1 for p, o in zip(prompts, outputs)], np.int32),
+            positions=np.array([len(p) + step - 1 for p in prompts], np.int32),
             page_tables=np.stack([_table(lane) for lane in lanes]),
-            sampling=[sampling(int(lane), step) for lane in lanes]))
+            sampling=[sampling(int(lane), step) for lane in lanes])
+
+    if pipelined and steps > 1:
+        runner.launch_decode(batch(1))
+    for step in range(1, steps):
+        if not pipelined:
+            result = runner.decode(batch(step))
+        else:
+            if step + 1 < steps:
+                runner.launch_decode(batch(step + 1), follow=True)
+            result = runner.finish_decode()
         for o, t in zip(outputs, result.tokens):
             o.append(int(t))
     return outputs
@@ -148,6 +161,28 @@ def test_seeded_sampling_with_penalties_matches_reference(artifact):
                                frequency_penalty=0.2, seed=1000 + lane, step=step)
 
         assert _generate(gpu, prompts, 40, sampling) == _generate(ref, prompts, 40, sampling)
+    finally:
+        gpu.close()
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_pipelined_decode_matches_reference(artifact, cuda_graph):
+    """Two steps in flight, the second fed the first's tokens on the device: the tokens (and the
+    penalty counts they feed) are those of the reference one step at a time."""
+    ref, gpu = _runners(artifact, cuda_graph=cuda_graph)
+    try:
+        rng = np.random.default_rng(12)
+        prompts = [rng.integers(0, ref.info.vocab_size, n).astype(np.int32) for n in (7, 33, 2, 60)]
+
+        def sampling(lane, step):
+            return SamplingRow(temperature=0.9, top_k=0, presence_penalty=0.5, frequency_penalty=0.4,
+                               seed=77 + lane, step=step)
+
+        want = _generate(ref, prompts, 40, sampling)
+        assert _generate(gpu, prompts, 40, sampling, pipelined=True) == want
+        with pytest.raises(ValueError, match="lanes of the step in flight"):
+            gpu.launch_decode(DecodeBatch(lanes=np.array([0]), tokens=np.array([1]), positions=np.array([0]),
+                                          page_tables=_table(0)[None], sampling=[SamplingRow()]), follow=True)
     finally:
         gpu.close()
 

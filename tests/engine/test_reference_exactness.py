@@ -3,6 +3,7 @@ prefix reuse never change greedy tokens, and seeded sampling is reproducible."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from ninfer.backends.reference import ReferenceRunner
@@ -127,3 +128,59 @@ def test_penalties_and_thinking_budget_survive_a_replay_pause(artifact, alone):
     assert out(older) == alone(prompt(8, 40), 30)
     expected = alone(prompt(9, 40), 30, sampling=sampled, thinking=think)
     assert out(young) == expected and tuple(expected[6:9]) == (900, 901, 902)
+
+
+class Pipelining:
+    """The reference runner with decode pipelining on or off, counting the steps launched ahead."""
+
+    def __init__(self, inner: ReferenceRunner, pipelined: bool):
+        self._inner = inner
+        self.info = attrs.evolve(inner.info, pipelined_decode=pipelined)
+        self.follows = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def launch_decode(self, batch, follow=False):
+        self.follows += follow
+        self._inner.launch_decode(batch, follow)
+
+
+def test_decode_launched_ahead_matches_step_by_step(artifact):
+    """The engine's pipelined decode (the next step queued before this one's tokens are read)
+    yields exactly the tokens of one step at a time: greedy and seeded sampling with penalties,
+    rows ending on a stop id, at max_tokens, at the context limit, on a thinking budget, a stop
+    from outside while a step is in flight, and a request arriving mid-run; every page comes back."""
+    from ninfer.engine import ThinkingControl
+
+    sampled = SamplingOverrides(temperature=0.9, seed=5, presence_penalty=0.8, frequency_penalty=0.4)
+    think = ThinkingControl(starts_in_thinking=True, budget=9, close_ids=(900, 901, 902), end_think_id=902)
+
+    def run(pipelined: bool, stop_id: int | None):
+        d = driver(artifact, max_concurrency=4, max_context=96, prefix_reuse=False)
+        d.runner = d.core.runner = Pipelining(d.core.runner, pipelined)
+        d.core.pipelined = pipelined
+        seqs = [d.submit(prompt(0, 20), 40), d.submit(prompt(1, 14), 30, sampling=sampled),
+                d.submit(prompt(2, 30), 40, stop_ids=() if stop_id is None else (stop_id,)),
+                d.submit(prompt(3, 80), 40)]  # 96 - 80: ends at the context limit
+        for step in range(400):
+            if not d.core.has_work():
+                break
+            if step == 12:
+                seqs.append(d.submit(prompt(4, 25), 20, sampling=sampled, thinking=think))
+            if step == 20:
+                d.core.stop(seqs[0])
+            d.core.step()
+            d.now += 0.001
+        assert d.core.pool.free_count == d.config.kv_pages
+        return [out(s) for s in seqs], d.runner.follows
+
+    reference, _ = run(False, None)
+    stop_id = reference[2][6]
+    stepwise, none_ahead = run(False, stop_id)
+    ahead, follows = run(True, stop_id)
+    assert none_ahead == 0 and follows > 10
+    assert ahead == stepwise
+    assert stepwise[2][-1] == stop_id and len(stepwise[2]) < 40
+    assert len(stepwise[3]) == 96 - 80 - 1 + 1 and 0 < len(stepwise[0]) < 40
+    assert tuple(stepwise[4][9:12]) == (900, 901, 902)

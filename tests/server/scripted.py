@@ -13,8 +13,10 @@ import json
 import threading
 import time
 
+import attrs
 import numpy as np
 
+from ninfer.backends.inputs import check_follow
 from ninfer.backends.reference import ReferenceRunner
 from ninfer.backends.runner import StepResult
 
@@ -76,6 +78,7 @@ class ScriptedRunner:
         self.gate.set()
         self.fail = False
         self.delay = 0.0  # seconds each decode step takes at least (a slow model)
+        self._pending: collections.deque = collections.deque()  # (lanes, result) of pipelined steps, computed at launch
 
     def bind_lane(self, lane, generated):
         self._inner.bind_lane(lane, generated)
@@ -106,6 +109,17 @@ class ScriptedRunner:
         result = self._inner.decode(batch)
         tokens = [self._next(int(lane), int(t)) for lane, t in zip(batch.lanes, result.tokens)]
         return StepResult(tokens=np.array(tokens, dtype=np.int32), logits=result.logits)
+
+    def launch_decode(self, batch, follow=False):
+        """The pipelined protocol (the engine uses it: the inner runner's info says so), with a
+        following step fed the scripted tokens of the one before it, as a GPU step would be."""
+        if follow:
+            check_follow(self.info, self._pending[-1][0] if self._pending else None, batch)
+            batch = attrs.evolve(batch, tokens=self._pending[-1][1].tokens)
+        self._pending.append((np.asarray(batch.lanes), self.decode(batch)))
+
+    def finish_decode(self):
+        return self._pending.popleft()[1]
 
     def copy_pages(self, src, dst):
         self._inner.copy_pages(src, dst)

@@ -40,12 +40,16 @@ class IllegalAddressRunner:
         return getattr(self._inner, name)
 
     def decode(self, batch):
+        self.launch_decode(batch)
+        return self.finish_decode()
+
+    def launch_decode(self, batch, follow=False):
         self.decodes += 1
         if len(batch.lanes) == 2:
             self.both_running.set()
         if self.armed is not None and self.decodes >= self.armed:
-            raise CudaError("cuStreamSynchronize", cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
-        return self._inner.decode(batch)
+            raise CudaError("cuGraphLaunch", cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+        self._inner.launch_decode(batch, follow)
 
 
 async def test_sticky_cuda_error_makes_the_engine_unavailable(nursery, tiny_artifact, caplog):

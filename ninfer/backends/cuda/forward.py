@@ -135,26 +135,42 @@ def check_supported(config: DenseConfig, kv_dtype: str) -> None:
 
 
 class Inputs:
-    """The per-step inputs: one pinned host block mirrored by one device block."""
+    """The per-step inputs: a device block fed from one of two pinned host blocks (sides).
+
+    The field attributes (``tokens``, ``positions``, ...) are NumPy views of the selected side, the
+    ``d_`` ones the device block's. Two sides let the host fill a step's inputs while the step
+    before it, launched from the other side, has not yet copied its own (``CudaRunner.launch_decode``).
+    """
 
     def __init__(self, device: rt.Device, arena: rt.Arena, rows: int, max_batch: int, max_pages: int):
         fields = [("tokens", np.int32, rows), ("positions", np.int32, rows), ("row_table", np.int32, rows),
                   ("lanes", np.int32, max_batch), ("page_tables", np.int32, max_batch * max_pages),
                   ("iparams", np.int32, 2 * max_batch), ("fparams", np.float32, 5 * max_batch),
-                  ("keys", np.uint64, 2 * max_batch), ("split", np.int32, 2)]
+                  ("keys", np.uint64, 2 * max_batch), ("split", np.int32, 2), ("follow", np.int32, 1)]
         offsets, size = {}, 0
         for name, dtype, count in fields:
             size = -(-size // 8) * 8
             offsets[name] = (size, dtype, count)
             size += np.dtype(dtype).itemsize * count
         self.nbytes = size
-        self.host = device.pinned(size)
         self.device = arena.take(size, "inputs")
+        self._sides = []
+        for _ in range(2):
+            host = device.pinned(size)
+            views = {"host": host}
+            for name, (offset, dtype, count) in offsets.items():
+                views[name] = host[offset:offset + np.dtype(dtype).itemsize * count].view(dtype)
+            views["page_tables"] = views["page_tables"].reshape(max_batch, max_pages)
+            views["follow"][0] = 0
+            self._sides.append(views)
         for name, (offset, dtype, count) in offsets.items():
-            nbytes = np.dtype(dtype).itemsize * count
-            setattr(self, name, self.host[offset:offset + nbytes].view(dtype))
-            setattr(self, "d_" + name, self.device.at(offset, nbytes))
-        self.page_tables = self.page_tables.reshape(max_batch, max_pages)
+            setattr(self, "d_" + name, self.device.at(offset, np.dtype(dtype).itemsize * count))
+        self.select(0)
+
+    def select(self, side: int) -> None:
+        """Point the host field views at pinned block ``side`` (0 or 1)."""
+        self.side = side
+        self.__dict__.update(self._sides[side])
 
     def upload(self, stream) -> None:
         rt.copy_h2d(self.device, self.host, stream)
@@ -461,8 +477,8 @@ class Forward:
     def decode(self, rows: int, stream) -> None:
         """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""
         inp = self.b.inputs
-        self.k["count_tokens"].launch((-(-rows // 32),), (32,),
-                                      (self.b.counts, inp.d_lanes, inp.d_tokens, rows, self.c.vocab_size), stream)
+        self.k["count_tokens"].launch((-(-rows // 32),), (32,), (self.b.counts, inp.d_lanes, inp.d_tokens, self.b.out,
+                                                             inp.d_follow, rows, self.c.vocab_size), stream)
         if not self.fused_decode:  # the prefill kernels, for comparison (tools/bench_decode_step.py)
             self.unfused_layers(rows, stream)
             self.logits(0, rows, stream)

@@ -47,6 +47,8 @@ def open_runner(artifact: Any, *, state_slots: int = 0, **options: Any) -> CudaR
 class CudaHybridRunner(CudaRunner):
     """A Qwen3-Next / Qwen3.5 hybrid on the GPU; see the module docstring."""
 
+    PIPELINED_DECODE = False  # a step run ahead would move a finished lane's state past its end
+
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int, max_context: int,
                  device: int | rt.Device = 0, kv_dtype: str = "bf16", cuda_graph: bool = True,
                  max_prefill_rows: int = 512, prefill_gemm: str = "fp32", state_slots: int = 0):
@@ -118,15 +120,14 @@ class CudaHybridRunner(CudaRunner):
         return result
 
     @_on_device
-    def decode(self, batch: DecodeBatch) -> StepResult:
+    def launch_decode(self, batch: DecodeBatch, follow: bool = False) -> None:
         lanes = np.asarray(batch.lanes, dtype=np.int64).reshape(-1)
         positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
         if lanes.size == positions.size and lanes.size and 0 <= lanes.min() and lanes.max() < self.info.max_batch:
             for lane, position in zip(lanes.tolist(), positions.tolist()):
                 self._check_continues(lane, position, "decode position")
-        result = super().decode(batch)  # validates the rest before anything runs
+        super().launch_decode(batch, follow)  # validates the rest before anything runs
         self.states.length[lanes] = positions + 1
-        return result
 
     def _check_continues(self, lane: int, position: int, field: str) -> None:
         have = int(self.states.length[lane])

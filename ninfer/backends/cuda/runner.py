@@ -20,6 +20,7 @@ weights are placed: see ``auto_kv_pages``; ``startup["kv_auto"]`` records the ar
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -33,7 +34,7 @@ from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, PREFILL_GEMMS, PREFILL_SPLIT, Forward, StepBuffers,
                                           check_supported)
-from ninfer.backends.inputs import check_lane, check_tokens, decode_inputs, prefill_inputs
+from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.backends.sampling import TOP_K_CAP
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
@@ -87,6 +88,8 @@ def _on_device(method):
 
 class CudaRunner:
     """A dense (Llama / Qwen3) model on the GPU; see the module docstring."""
+
+    PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int,
                  max_context: int, device: int | rt.Device = 0, kv_dtype: str = "bf16",
@@ -150,7 +153,7 @@ class CudaRunner:
 
         kv_sizing = None
         if num_pages == AUTO:  # whatever else the workspace holds comes first; the pool gets the rest
-            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=max_batch if cuda_graph else 0)
+            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=2 * max_batch if cuda_graph else 0)
         self.buffers = buffers(num_pages)
         self.buffers.init(stream)
         self._lt = None
@@ -162,8 +165,13 @@ class CudaRunner:
         for name in self.forward.kernel_names():  # module loads are not allowed during capture
             self.kernels[name]
         self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
-                               vocab_size=config.vocab_size, max_context=max_context, backend="cuda")
-        self._out = device.pinned(4 * max_batch).view(np.int32)
+                               vocab_size=config.vocab_size, max_context=max_context, backend="cuda",
+                               pipelined_decode=self.PIPELINED_DECODE)
+        self._outs = [device.pinned(4 * max_batch).view(np.int32) for _ in range(2)]  # a side each
+        self._out = self._outs[0]  # a prefill's sampled token
+        self._done = [device.event() for _ in range(2)]  # a side's step has finished
+        self._pending: collections.deque = collections.deque()  # (side, lanes, logits) of launched steps
+        self._launched = 0
         self._decode_rows = np.arange(max_batch, dtype=np.int32)  # a decode step's row r is sequence r
         self._count_staging = device.pinned(4 * config.vocab_size).view(np.int32)
         self._page_staging = device.pinned(self.buffers.page_elems * self.buffers.kv_itemsize)
@@ -173,15 +181,15 @@ class CudaRunner:
         self.startup.update(self._startup_details())
         if kv_sizing is not None:
             self.startup["kv_auto"] = kv_sizing
-        self.graphs: dict[int, rt.Graph] = {}
+        self.graphs: dict[int, tuple[rt.Graph, rt.Graph]] = {}  # rows -> the graph of each side
         if cuda_graph:
             free_before = device.free_memory()
             start = time.perf_counter()
             for rows in range(1, max_batch + 1):
-                self.graphs[rows] = rt.Graph.capture(stream, lambda rows=rows: self._decode_step(rows))
+                self.graphs[rows] = self._capture_decode(rows)
             self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
             self.startup["graph_bytes"] = free_before - device.free_memory()
-            self.startup["graph_nodes"] = self.graphs[1].nodes
+            self.startup["graph_nodes"] = self.graphs[1][0].nodes
         self.startup["free_bytes_after_startup"] = device.free_memory()
 
     # -- what a model family changes: its buffers, its forward pass, its start-up figures --------
@@ -208,6 +216,8 @@ class CudaRunner:
 
     @_on_device
     def prefill(self, chunk: PrefillChunk) -> StepResult:
+        if self._pending:  # its pinned inputs may still be waiting to be copied
+            raise RuntimeError("prefill: a decode step is in flight; finish_decode it first")
         tokens, positions, table = prefill_inputs(self.info, chunk)
         inp, b, stream = self.buffers.inputs, self.buffers, self.stream
         logits = np.empty((tokens.size, self.info.vocab_size), np.float32) if chunk.return_logits else None
@@ -239,10 +249,29 @@ class CudaRunner:
 
     @_on_device
     def decode(self, batch: DecodeBatch) -> StepResult:
+        self.launch_decode(batch)
+        return self.finish_decode()
+
+    @_on_device
+    def launch_decode(self, batch: DecodeBatch, follow: bool = False) -> None:
+        """Enqueue a decode step and return without waiting for it; ``finish_decode`` collects it.
+
+        Steps alternate between the two pinned input and output blocks, so a step may be launched
+        while the one before it still runs. ``follow``: the rows are the previous launched step's
+        rows, in order, and each input token is that step's sampled token, read on the device
+        (``batch.tokens`` is ignored): the step can be queued before the host has seen them."""
+        if len(self._pending) >= 2:
+            raise RuntimeError("launch_decode: two decode steps are in flight; finish_decode one first")
+        if follow:
+            check_follow(self.info, self._pending[-1][1] if self._pending else None, batch)
         lanes, tokens, positions, tables = decode_inputs(self.info, batch)
         rows = lanes.size
+        side = self._launched % 2
         inp, stream = self.buffers.inputs, self.stream
-        inp.tokens[:rows] = tokens
+        inp.select(side)
+        if not follow:
+            inp.tokens[:rows] = tokens
+        inp.follow[0] = follow
         inp.positions[:rows] = positions
         inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
@@ -253,23 +282,44 @@ class CudaRunner:
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)
         if rows in self.graphs:
-            self.graphs[rows].launch(stream)
+            self.graphs[rows][side].launch(stream)
         else:
             self._decode_step(rows)
         logits = None
         if batch.return_logits:
             logits = np.empty((rows, self.info.vocab_size), np.float32)
             rt.copy_d2h(logits, self.buffers.logits, stream)
-        rt.synchronize(stream)
-        return StepResult(tokens=self._out[:rows].copy(), logits=logits)
+        rt.check(rt.cu.cuEventRecord(self._done[side], stream), "cuEventRecord")
+        self._launched += 1
+        self._pending.append((side, lanes, logits))
+
+    @_on_device
+    def finish_decode(self) -> StepResult:
+        """Wait for the oldest decode step in flight and return its tokens."""
+        if not self._pending:
+            raise RuntimeError("finish_decode: no decode step is in flight")
+        side, lanes, logits = self._pending.popleft()
+        rt.wait_event(self._done[side])
+        return StepResult(tokens=self._outs[side][:lanes.size].copy(), logits=logits)
 
     def _decode_step(self, rows: int) -> None:
-        """A decode step's device work, the body of its CUDA Graph: the pinned inputs up, the forward
-        pass and the sampler, the token ids down to pinned memory. The copies ride in the graph (pinned
-        buffers at fixed addresses) so a step costs the host one graph launch and one wait."""
+        """A decode step's device work, the body of its CUDA Graph: the selected side's pinned inputs
+        up, the forward pass and the sampler, the token ids down to that side's pinned outputs. The
+        copies ride in the graph (pinned buffers at fixed addresses) so a step costs the host one
+        graph launch and one wait."""
+        side = self.buffers.inputs.side
         self.buffers.inputs.upload(self.stream)
         self.forward.decode(rows, self.stream)
-        rt.copy_d2h(self._out[:rows], self.buffers.out, self.stream)
+        rt.copy_d2h(self._outs[side][:rows], self.buffers.out, self.stream)
+
+    def _capture_decode(self, rows: int) -> tuple[rt.Graph, rt.Graph]:
+        """The decode graphs of ``rows`` rows, one per input/output side."""
+        graphs = []
+        for side in (0, 1):
+            self.buffers.inputs.select(side)
+            graphs.append(rt.Graph.capture(self.stream, lambda: self._decode_step(rows)))
+        self.buffers.inputs.select(0)
+        return graphs[0], graphs[1]
 
     @_on_device
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -320,8 +370,11 @@ class CudaRunner:
             return
         if self._lt is not None:
             self._lt.close()
-        for graph in self.graphs.values():
-            graph.destroy()
+        rt.synchronize(self.stream)  # a step still in flight finishes before its graph goes
+        self._pending.clear()
+        for pair in self.graphs.values():
+            for graph in pair:
+                graph.destroy()
         self.graphs = {}
         self.device.close()
 

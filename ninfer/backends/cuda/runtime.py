@@ -234,6 +234,11 @@ def synchronize(stream) -> None:
     check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
+def wait_event(event) -> None:
+    """Block until the work recorded before ``event`` has finished (as ``NINFER_CUDA_SYNC`` says)."""
+    check(cu.cuEventSynchronize(event), "cuEventSynchronize")
+
+
 # -- kernels --------------------------------------------------------------------------------------
 
 _PACK = {

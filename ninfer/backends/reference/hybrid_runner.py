@@ -38,6 +38,8 @@ def is_hybrid_config(config: Any) -> bool:
 class HybridRunner(ReferenceRunner):
     """NumPy fp32 runner of a Qwen3-Next / Qwen3.5 hybrid with paged KV and StateImage slots."""
 
+    PIPELINED_DECODE = False  # a step run ahead would move a finished lane's state past its end
+
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int, max_batch: int, max_context: int,
                  blas_threads: int | None = 1, state_slots: int = 0):
         """``artifact``: an opened artifact or a path; ``state_slots``: extra StateImage slots."""
