@@ -19,6 +19,7 @@ whatever the pool holds (zeros at start): our kernels' time does not depend on t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -93,14 +94,14 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     step_s = float(np.median(times[3:]))
     runner.launch_decode(inputs(0, tokens))
-    for step in range(1, steps + 4):
-        if step == 4:
-            pipe0, pipe_cpu0 = time.perf_counter(), time.process_time()
+    for step in range(1, steps + 5):  # each round launches ``step`` and collects ``step - 1``
         runner.launch_decode(inputs(step, tokens), follow=True)
         runner.finish_decode()
-    runner.finish_decode()
-    pipelined_s = (time.perf_counter() - pipe0) / steps
+        if step == 4:
+            pipe0, pipe_cpu0 = time.perf_counter(), time.process_time()
+    pipelined_s = (time.perf_counter() - pipe0) / steps  # from step 3 collected to step steps + 3
     pipelined_cpu = (time.process_time() - pipe_cpu0) / steps
+    runner.finish_decode()
     # Device time alone: replay the graph back to back (inputs unchanged: same positions).
     graph = runner.graphs[batch][0]
     dev, stream = runner.device, runner.stream
@@ -123,6 +124,9 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
             "pipelined_host_cpu_ms": pipelined_cpu * 1e3}
 
 
+ENGINE_STEPS = 128  # tokens each request of bench_engine generates
+
+
 def bench_engine(runner, batch: int, context: int, steps: int, pipelined: bool = True) -> dict:
     """Decode driven by the engine core (scheduling, page tables, sampling rows, commits and events;
     with ``pipelined`` the next step launched ahead as the worker does): ``batch`` greedy requests of
@@ -138,6 +142,8 @@ def bench_engine(runner, batch: int, context: int, steps: int, pipelined: bool =
     config = EngineConfig(max_concurrency=batch, max_context=info.max_context, page_size=info.page_size,
                           kv_capacity=info.num_pages * info.page_size, prefill_chunk=512, prefix_reuse=False)
     core = EngineCore(runner, config, load(None, "cuda", None))
+    gc.collect()  # as the engine's worker does once its core is built (a full pass mid-run costs 100+ ms here)
+    gc.freeze()
     core.pipelined = pipelined and info.pipelined_decode
     rng = np.random.default_rng(batch)
     for rid in range(batch):
@@ -149,15 +155,19 @@ def bench_engine(runner, batch: int, context: int, steps: int, pipelined: bool =
     while core.has_work():
         core.step()
         marks.append((time.perf_counter(), core.counters.decode_row_rounds,
-                      work["engine_boundary"] + work["program_submit"] + work["program_post"]))
+                      work["engine_boundary"] + work["program_submit"] + work["program_post"],
+                      core.last_runner_seconds))
     # The steady stretch: consecutive steps that each decoded all ``batch`` rows, less two at each end.
     full = [i for i in range(1, len(marks)) if marks[i][1] - marks[i - 1][1] == batch]
     first, last = full[2], full[-3]
-    (t0, r0, h0), (t1, r1, h1) = marks[first], marks[last]
+    (t0, r0, h0, _), (t1, r1, h1, _) = marks[first], marks[last]
     rounds = (r1 - r0) // batch
     step_s, host_s = (t1 - t0) / rounds, (h1 - h0) / rounds
+    runner_s = float(np.median([m[3] for m in marks[first + 1:last + 1]]))
+    longest_s = max(b[0] - a[0] for a, b in zip(marks[first:last], marks[first + 1:last + 1]))
     return {"batch": batch, "context": context, "pipelined": core.pipelined, "step_ms": step_s * 1e3,
-            "tok_s": batch / step_s, "engine_host_us": host_s * 1e6}
+            "tok_s": batch / step_s, "engine_host_us": host_s * 1e6, "runner_ms": runner_s * 1e3,
+            "longest_step_ms": longest_s * 1e3}
 
 
 def host_phases(runner, batch: int, context: int, steps: int = 64) -> dict[str, float]:
@@ -439,7 +449,7 @@ def main(argv=None) -> int:
     report["random_fill_s"] = fill.seconds
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    max_context = max(max(contexts) + args.steps + 8, args.prefill, *(int(n) for n in args.ttft.split(",") if n))
+    max_context = max(max(contexts) + max(args.steps, ENGINE_STEPS, 64) + 8, args.prefill, *(int(n) for n in args.ttft.split(",") if n))
     max_pages = -(-max_context // PAGE)
     runner = CudaRunner.from_device_weights(config, ptrs, device=device, page_size=PAGE,
                                             num_pages=max(batches) * max_pages, max_batch=max(batches),
@@ -459,11 +469,12 @@ def main(argv=None) -> int:
                   "{pipelined_host_cpu_ms:.3f} ms a step".format(**r), flush=True)
     report["engine"] = []
     for batch in sorted({min(batches), max(batches)}):
-        for pipelined in (True, False):
-            r = bench_engine(runner, batch, min(contexts), max(args.steps, 128), pipelined)
+        for pipelined in (False, True):
+            r = bench_engine(runner, batch, min(contexts), max(args.steps, ENGINE_STEPS), pipelined)
             report["engine"].append(r)
             print("engine-driven decode b={batch} ctx={context} pipelined={pipelined}: {tok_s:.1f} tok/s, step "
-                  "{step_ms:.3f} ms, engine host time {engine_host_us:.1f} us a step".format(**r), flush=True)
+                  "{step_ms:.3f} ms (median {runner_ms:.3f} ms in runner calls, longest {longest_step_ms:.3f}), engine host time {engine_host_us:.1f} us a "
+                  "step".format(**r), flush=True)
     report["host_phases"] = {}
     for batch in sorted({min(batches), max(batches)}):
         r = report["host_phases"][f"b{batch}"] = host_phases(runner, batch, min(contexts))

@@ -8,6 +8,7 @@ callback on the trio loop, so a slow consumer never stalls the next step.
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
 from typing import Callable
@@ -57,6 +58,11 @@ class Worker:
     def _run(self) -> None:
         try:
             self.core = self._build()
+            # What start-up made (the model's host-side tables, modules, the tokenizer) lives as long
+            # as the process: frozen, the collector's full passes skip it instead of stopping this
+            # thread for many milliseconds in the middle of serving (torch-sized heaps: 100+ ms).
+            gc.collect()
+            gc.freeze()
             self.snapshot = self.core.snapshot(ready=True)
             self.ready = True
         except BaseException as exc:
@@ -187,3 +193,4 @@ class Worker:
             self._live.clear()
             self._publish(force=True)
             self._deliver(force=True)
+            gc.unfreeze()  # what start-up froze may be collected again (a process may start another engine)
