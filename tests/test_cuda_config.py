@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 runner = pytest.importorskip("ninfer.backends.cuda.runner")
@@ -24,3 +25,15 @@ def test_a_dense_config_passes():
                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
                         rope_theta=1e4, qk_norm=True)
     assert runner._dense_config(dense.to_json()) == dense
+
+
+def test_a_vocabulary_past_the_sampler_is_refused_by_name():
+    from ninfer.backends.cuda.forward import SAMPLE_MAX_VOCAB, check_supported
+    from ninfer.models import DenseConfig
+
+    big = DenseConfig(architecture="Qwen3ForCausalLM", vocab_size=SAMPLE_MAX_VOCAB + 1, hidden_size=16,
+                      intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                      rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)
+    with pytest.raises(ValueError, match="vocab_size of at most 262144"):
+        check_supported(big, "bf16")
+    check_supported(attrs.evolve(big, vocab_size=SAMPLE_MAX_VOCAB), "bf16")

@@ -103,6 +103,13 @@ GROUPS = (1, 2, 4, 8)
 LT_WORKSPACE_BYTES = 32 << 20
 PREFILL_GEMMS = ("fp32", "cublaslt")
 SAMPLE_PARTS, SAMPLE_TOP_K = 64, 20  # the sampler's candidate buffers (manifest meta of "sample")
+SAMPLE_MAX_VOCAB = 262144  # the sampler's slices are held in registers (manifest meta "max_vocab")
+
+
+def check_vocab(vocab_size: int) -> None:
+    if vocab_size > SAMPLE_MAX_VOCAB:
+        raise ValueError(f"the CUDA backend's sampler takes a vocab_size of at most {SAMPLE_MAX_VOCAB}, "
+                         f"the model has {vocab_size}")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
 PREFILL_NORM_THREADS = 512  # a prefill's thousands of rows fill the GPU anyway; 4096 wide rows stay in registers
 
@@ -132,6 +139,7 @@ def check_supported(config: DenseConfig, kv_dtype: str) -> None:
             raise ValueError(f"the CUDA backend needs {field} divisible by 8, got {getattr(config, field)}")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    check_vocab(config.vocab_size)
 
 
 class Inputs:
@@ -248,8 +256,9 @@ class Forward:
                                        if flash_prefill(kv_dtype) else None)
         self.lm_head = weights["lm_head"] if "lm_head" in weights else weights["embed"]
         meta = kernels["sample"].meta
-        if (meta["max_parts"], meta["top_k_cap"]) != (SAMPLE_PARTS, SAMPLE_TOP_K):
-            raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K}")
+        if (meta["max_parts"], meta["top_k_cap"], meta["max_vocab"]) != (SAMPLE_PARTS, SAMPLE_TOP_K, SAMPLE_MAX_VOCAB):
+            raise RuntimeError(f"ptx/ sampler was built for {meta}; the buffers expect {SAMPLE_PARTS} x {SAMPLE_TOP_K} "
+                               f"and a vocabulary of up to {SAMPLE_MAX_VOCAB}")
         self.fused_decode = True  # False: decode through the prefill kernels (tools/bench_decode_step.py)
         self.fused_attention = True  # False: decode attention in the prefill path's three launches
         self.overlap = True  # decode launches overlap their predecessor (runtime.Kernels.overlapped)

@@ -36,7 +36,7 @@ import numpy as np
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS,
-                                          PREFILL_ATTENTION, Forward, Inputs, attention_splits, norm_threads,
+                                          PREFILL_ATTENTION, Forward, Inputs, attention_splits, check_vocab, norm_threads,
                                           sampler_regions, split_length)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
@@ -52,6 +52,7 @@ def check_supported(config: HybridConfig, kv_dtype: str) -> None:
     """Reject shapes the kernels were not built for, naming the field."""
     c = config
     moe.check_supported(c)
+    check_vocab(c.vocab_size)
     if c.head_dim not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"the CUDA hybrid runner supports head_dim {ATTENTION_HEAD_DIMS}, the model has {c.head_dim}")
     if c.linear_k_head_dim != c.linear_v_head_dim or c.linear_k_head_dim not in DELTANET_HEAD_DIMS:
