@@ -78,3 +78,19 @@ def test_cublaslt_prefill_ropes_exactly_its_rows(rows):
     # qkv and gate_up come out in bf16 (rope and SiLU-mul read them), o and down add into x.
     assert (CONFIG.qkv_size, CONFIG.hidden_size, False, True) in lt.calls
     assert (CONFIG.hidden_size, CONFIG.intermediate_size, True, False) in lt.calls
+
+
+def test_decode_graph_depths_hold_every_split():
+    """A step is captured at each depth of ``decode_depths`` and runs at the shallowest holding its
+    splits: attention's grid is that deep, and no depth leaves a split of the longest row out."""
+    fwd = forward()  # max_context 256: splits of 32 keys at most 8 deep
+    assert fwd.decode_depths() == (4, 8)
+    for length in range(1, 257):
+        split = fwd.decode_split(length, 1)
+        depth = fwd.decode_depth(split, length)
+        assert depth * split >= length and (depth == 4 or (depth // 2) * split < length), (length, split, depth)
+    for depth in fwd.decode_depths():
+        fwd.k.log.clear()
+        fwd.decode(2, None, depth)
+        grids = [grid for kernel, grid, _ in fwd.k.log if kernel.name.startswith("decode_attention")]
+        assert len(grids) == CONFIG.num_layers and all(grid[2] == depth for grid in grids)

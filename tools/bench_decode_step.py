@@ -12,8 +12,8 @@ at the case's row count (``--gemms``; variants must be built into ``ptx/``), lau
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
 (``forward.KV_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
-``forward.decode_split`` picks, a grid only as deep as the step's splits (the captured grid is as deep
-as the longest context needs; blocks past a row's keys exit at once), and the step without attention at
+``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
+in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
 all (wrong tokens, right cost of everything else: the difference is attention's share).
 """
 
@@ -35,8 +35,12 @@ from tools.gpu_bench import PAGE, QWEN3_8B, copy_bandwidth, weight_bytes_per_ste
 
 
 def step_ms(runner, batch: int, reps: int) -> float:
+    """Milliseconds of the step captured at the attention depth the runner would pick for the inputs
+    in place (``Forward.decode_depth``), replayed back to back."""
     dev, stream = runner.device, runner.stream
-    graph = rt.Graph.capture(stream, lambda: runner.forward.decode(batch, stream))
+    inp = runner.buffers.inputs
+    depth = runner.forward.decode_depth(int(inp.split[0]), int(inp.positions[:batch].max()) + 1)
+    graph = rt.Graph.capture(stream, lambda: runner.forward.decode(batch, stream, depth))
     start, stop = dev.event(timing=True), dev.event(timing=True)
     graph.launch(stream)
     rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")

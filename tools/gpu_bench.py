@@ -103,7 +103,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     pipelined_cpu = (time.process_time() - pipe_cpu0) / steps
     runner.finish_decode()
     # Device time alone: replay the graph back to back (inputs unchanged: same positions).
-    graph = runner.graphs[batch][0]
+    graph = runner.replay_graph(batch)
     dev, stream = runner.device, runner.stream
     start, stop = dev.event(timing=True), dev.event(timing=True)
     rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")

@@ -24,6 +24,7 @@ GEMV_VARIANT = "_c4"  # 4 columns per block: faster than 8 at every M on the H20
 # many rows and bounds its partials with long splits.
 MIN_SPLIT = 32
 MAX_DECODE_SPLITS = 64
+GRAPH_DEPTHS = (4, 8, 16, 32)  # shallower decode graphs than the full depth (Forward.decode_depths)
 PREFILL_SPLIT = 256
 # The dense decode attention's split policy (tools/bench_decode_step.py on the H200, Qwen3-8B, 8 KV
 # heads, ms a step): at 512 keys batch 1 was fastest with 128 blocks (splits of 32: 4.63 against 4.66
@@ -427,14 +428,27 @@ class Forward:
         kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
                       (y, x, w, norm if normed else self.b.cos, rows, n, k, n, float(self.c.rms_norm_eps)), stream)
 
-    def decode_layers(self, rows: int, stream) -> None:
+    def decode_depths(self) -> tuple[int, ...]:
+        """The attention grid depths (splits per row) a decode step is captured at, shallowest first:
+        the full depth and the powers of two below it from GRAPH_DEPTHS. A step runs at the shallowest
+        that holds its splits (``decode_depth``): blocks past a row's splits exit at once, but
+        scheduling them cost batch 8 at 512 keys 2% of its step (tools/bench_decode_step.py)."""
+        full = self.n_splits(1, decode=True)
+        return tuple(d for d in GRAPH_DEPTHS if d < full) + (full,)
+
+    def decode_depth(self, split: int, length: int) -> int:
+        """The captured depth for a step whose longest row has ``length`` keys in splits of ``split``."""
+        needed = -(-length // split)
+        return next(d for d in self.decode_depths() if d >= needed)
+
+    def decode_layers(self, rows: int, stream, depth: int | None = None) -> None:
         """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
 
         Five launches a layer: the RMSNorms ride in the GEMMs that consume them, the residual adds
         in the GEMMs that produce them, SiLU-mul in the gate/up GEMM's epilogue, and one
         ``decode_attention`` does rope, the KV append and attention (``attend``)."""
         c, b, w = self.c, self.b, self.w
-        n_splits = self.n_splits(rows, decode=True)
+        n_splits = depth or self.n_splits(rows, decode=True)
         self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
@@ -483,8 +497,9 @@ class Forward:
         """A decode step's layers through the prefill kernels (``fused_decode`` off)."""
         self.layers(rows, stream)
 
-    def decode(self, rows: int, stream) -> None:
-        """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body)."""
+    def decode(self, rows: int, stream, depth: int | None = None) -> None:
+        """One decode step of ``rows`` rows: count inputs, forward, LM head, sample (graph body);
+        ``depth``: the attention grid's (``decode_depths``; None: the full depth)."""
         inp = self.b.inputs
         self.k["count_tokens"].launch((-(-rows // 32),), (32,), (self.b.counts, inp.d_lanes, inp.d_tokens, self.b.out,
                                                              inp.d_follow, rows, self.c.vocab_size), stream)
@@ -496,7 +511,7 @@ class Forward:
         # After count_tokens (a kernel: the first overlapped launch must follow one), each kernel's
         # blocks may be scheduled while the one before finishes.
         with self.k.overlapped() if self.overlaps(rows) else contextlib.nullcontext():
-            self.decode_layers(rows, stream)
+            self.decode_layers(rows, stream, depth)
             self.decode_gemm("lm_head", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size,
                              self.c.hidden_size, stream, norm=self.w["final_norm"])
             self.sample(rows, stream)

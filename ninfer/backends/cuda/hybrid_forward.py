@@ -292,12 +292,17 @@ class HybridForward(Forward):
         at batch 8 too (35B-A3B 2.5-3.3%, 27B level; docs/benchmarks.md, "Hybrid models")."""
         return self.overlap
 
-    def decode_layers(self, rows: int, stream) -> None:
+    def decode_depths(self) -> tuple[int, ...]:
+        """One depth: ``gated_attention`` spreads a row's keys over every split the grid has."""
+        return (self.n_splits(1, decode=True),)
+
+    def decode_layers(self, rows: int, stream, depth: int | None = None) -> None:
         """Decode rows through every layer, leaving the residual stream (not normalised) in ``buffers.x``.
 
         ``Forward.decode_layers``' fusions around the hybrid mixers: each RMSNorm rides in the GEMM
         that consumes it, each residual add in the GEMM that produces it. in_proj is a normed store
-        like qkv and out a residual like o, so they run under those entries of ``DECODE_GEMMS``."""
+        like qkv and out a residual like o, so they run under those entries of ``DECODE_GEMMS``.
+        ``depth`` is always the one of ``decode_depths``."""
         c, b, w = self.c, self.b, self.w
         self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)

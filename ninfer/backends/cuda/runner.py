@@ -32,8 +32,8 @@ import numpy as np
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
-from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, PREFILL_GEMMS, PREFILL_SPLIT, Forward, StepBuffers,
-                                          check_supported)
+from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS, PREFILL_SPLIT, Forward,
+                                          StepBuffers, check_supported)
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.backends.sampling import TOP_K_CAP
@@ -43,9 +43,9 @@ _MASK64 = (1 << 64) - 1
 log = logging.getLogger("ninfer.cuda")
 AUTO = "auto"  # num_pages: size the KV pool from the free device memory (``auto_kv_pages``)
 KV_HEADROOM_BYTES = 1 << 30  # what --kv-capacity auto leaves free (the spec's sizing headroom)
-# Device memory the decode graphs take once instantiated, per captured batch size: 4 MiB for all
-# eight of the Qwen3-8B shape on the H200 (0.5 MiB each), taken 8x for safety. The startup record
-# shows the real figure (graph_bytes, free_bytes_after_startup).
+# Device memory a decode graph takes once instantiated: 4 MiB for eight of the Qwen3-8B shape on the
+# H200 (0.5 MiB each), taken 8x for safety. The startup record shows the real figure (graph_bytes,
+# free_bytes_after_startup).
 GRAPH_BYTES_ESTIMATE = 4 << 20
 
 
@@ -153,7 +153,8 @@ class CudaRunner:
 
         kv_sizing = None
         if num_pages == AUTO:  # whatever else the workspace holds comes first; the pool gets the rest
-            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=2 * max_batch if cuda_graph else 0)
+            graphs = 2 * max_batch * (len(GRAPH_DEPTHS) + 1) if cuda_graph else 0  # sides x depths, at most
+            num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=graphs)
         self.buffers = buffers(num_pages)
         self.buffers.init(stream)
         self._lt = None
@@ -181,7 +182,8 @@ class CudaRunner:
         self.startup.update(self._startup_details())
         if kv_sizing is not None:
             self.startup["kv_auto"] = kv_sizing
-        self.graphs: dict[int, tuple[rt.Graph, rt.Graph]] = {}  # rows -> the graph of each side
+        # rows -> attention depth -> the graph of each side
+        self.graphs: dict[int, dict[int, tuple[rt.Graph, rt.Graph]]] = {}
         if cuda_graph:
             free_before = device.free_memory()
             start = time.perf_counter()
@@ -189,7 +191,8 @@ class CudaRunner:
                 self.graphs[rows] = self._capture_decode(rows)
             self.startup["graph_capture_s"] = round(time.perf_counter() - start, 3)
             self.startup["graph_bytes"] = free_before - device.free_memory()
-            self.startup["graph_nodes"] = self.graphs[1][0].nodes
+            self.startup["graph_nodes"] = next(iter(self.graphs[1].values()))[0].nodes
+            self.startup["graph_count"] = sum(2 * len(by_depth) for by_depth in self.graphs.values())
         self.startup["free_bytes_after_startup"] = device.free_memory()
 
     # -- what a model family changes: its buffers, its forward pass, its start-up figures --------
@@ -276,15 +279,17 @@ class CudaRunner:
         inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
         position_list = positions.tolist()
-        inp.split[0] = self.forward.decode_split(max(position_list) + 1, rows)
+        longest = max(position_list) + 1
+        inp.split[0] = split = self.forward.decode_split(longest, rows)
         inp.split[1] = self.forward.decode_prefetch(sum(position_list) + rows)  # keys of the step
         width = min(tables.shape[1], self.buffers.max_pages)
         inp.page_tables[:rows, :width] = tables[:, :width]
         self._fill_sampling_rows(lanes, batch.sampling)
+        depth = self.forward.decode_depth(split, longest)
         if rows in self.graphs:
-            self.graphs[rows][side].launch(stream)
+            self.graphs[rows][depth][side].launch(stream)
         else:
-            self._decode_step(rows)
+            self._decode_step(rows, depth)
         logits = None
         if batch.return_logits:
             logits = np.empty((rows, self.info.vocab_size), np.float32)
@@ -302,24 +307,34 @@ class CudaRunner:
         rt.wait_event(self._done[side])
         return StepResult(tokens=self._outs[side][:lanes.size].copy(), logits=logits)
 
-    def _decode_step(self, rows: int) -> None:
+    def _decode_step(self, rows: int, depth: int | None = None) -> None:
         """A decode step's device work, the body of its CUDA Graph: the selected side's pinned inputs
-        up, the forward pass and the sampler, the token ids down to that side's pinned outputs. The
-        copies ride in the graph (pinned buffers at fixed addresses) so a step costs the host one
-        graph launch and one wait."""
+        up, the forward pass (attention ``depth`` splits deep) and the sampler, the token ids down to
+        that side's pinned outputs. The copies ride in the graph (pinned buffers at fixed addresses)
+        so a step costs the host one graph launch and one wait."""
         side = self.buffers.inputs.side
         self.buffers.inputs.upload(self.stream)
-        self.forward.decode(rows, self.stream)
+        self.forward.decode(rows, self.stream, depth)
         rt.copy_d2h(self._outs[side][:rows], self.buffers.out, self.stream)
 
-    def _capture_decode(self, rows: int) -> tuple[rt.Graph, rt.Graph]:
-        """The decode graphs of ``rows`` rows, one per input/output side."""
-        graphs = []
-        for side in (0, 1):
-            self.buffers.inputs.select(side)
-            graphs.append(rt.Graph.capture(self.stream, lambda: self._decode_step(rows)))
+    def replay_graph(self, rows: int) -> rt.Graph:
+        """The side-0 decode graph of ``rows`` rows at the depth side 0's current inputs need: what
+        tools replay back to back for a step's device time alone."""
+        inp = self.buffers.inputs
+        inp.select(0)
+        return self.graphs[rows][self.forward.decode_depth(int(inp.split[0]), int(inp.positions[:rows].max()) + 1)][0]
+
+    def _capture_decode(self, rows: int) -> dict[int, tuple[rt.Graph, rt.Graph]]:
+        """The decode graphs of ``rows`` rows: per attention depth, one per input/output side."""
+        graphs = {}
+        for depth in self.forward.decode_depths():
+            pair = []
+            for side in (0, 1):
+                self.buffers.inputs.select(side)
+                pair.append(rt.Graph.capture(self.stream, lambda: self._decode_step(rows, depth)))
+            graphs[depth] = (pair[0], pair[1])
         self.buffers.inputs.select(0)
-        return graphs[0], graphs[1]
+        return graphs
 
     @_on_device
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -372,9 +387,10 @@ class CudaRunner:
             self._lt.close()
         rt.synchronize(self.stream)  # a step still in flight finishes before its graph goes
         self._pending.clear()
-        for pair in self.graphs.values():
-            for graph in pair:
-                graph.destroy()
+        for by_depth in self.graphs.values():
+            for pair in by_depth.values():
+                for graph in pair:
+                    graph.destroy()
         self.graphs = {}
         self.device.close()
 
