@@ -84,11 +84,14 @@ def test_decode_graph_depths_hold_every_split():
     """A step is captured at each depth of ``decode_depths`` and runs at the shallowest holding its
     splits: attention's grid is that deep, and no depth leaves a split of the longest row out."""
     fwd = forward()  # max_context 256: splits of 32 keys at most 8 deep
-    assert fwd.decode_depths() == (4, 8)
-    for length in range(1, 257):
-        split = fwd.decode_split(length, 1)
-        depth = fwd.decode_depth(split, length)
-        assert depth * split >= length and (depth == 4 or (depth // 2) * split < length), (length, split, depth)
+    depths = fwd.decode_depths()
+    assert depths == (1, 2, 3, 4, 5, 6, 8)
+    for rows in (1, 8):
+        for length in range(1, 257):
+            split = fwd.decode_split(length, rows)
+            depth = fwd.decode_depth(split, length)
+            shallower = depths[depths.index(depth) - 1] if depth > 1 else 0
+            assert depth * split >= length > shallower * split, (rows, length, split, depth)
     for depth in fwd.decode_depths():
         fwd.k.log.clear()
         fwd.decode(2, None, depth)

@@ -63,9 +63,11 @@ class Engine:
     @asynccontextmanager
     async def open(cls, source: ModelRunner | str | os.PathLike, config: EngineConfig | None = None, *,
                    eos_token_ids: Iterable[int] | None = None,
-                   generation: Mapping[str, Any] | None = None) -> AsyncIterator["Engine"]:
-        """Start an engine over a runner (the caller keeps ownership) or a ``.ninfer`` path
-        (loaded on the reference backend by the worker; the engine owns and closes it).
+                   generation: Mapping[str, Any] | None = None,
+                   close_runner: bool = False) -> AsyncIterator["Engine"]:
+        """Start an engine over a runner (the caller keeps ownership unless ``close_runner``: then
+        the worker closes it when the engine stops) or a ``.ninfer`` path (loaded on the reference
+        backend by the worker; the engine owns and closes it).
 
         ``eos_token_ids`` end every request with finish "stop" (an artifact path supplies its
         own); ``generation`` is the artifact's generation block (sampling presets)."""
@@ -85,11 +87,11 @@ class Engine:
                 log.info("context cost: %s", cost.source)
                 return EngineCore(runner, config, cost)
             except BaseException:
-                if owns:
+                if owns or close_runner:
                     runner.close()
                 raise
 
-        engine._worker = Worker(build, engine._wake_from_worker, close_runner=owns)
+        engine._worker = Worker(build, engine._wake_from_worker, close_runner=owns or close_runner)
         await engine._worker.start()
         engine._core = engine._worker.core
         engine.info = engine._core.runner.info

@@ -169,6 +169,9 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
             raise StartupError(str(e)) from None
     config = engine_config(args)
     log.info("loading %s (%s)", model_id, art.metadata["architecture"])
+    # A CUDA runner the server builds itself is closed with the engine (its memory goes back at once,
+    # not at process exit: the GPU tests start servers one after another in one process).
+    owns_runner = runner_factory is None and args.device is not None
     if runner_factory is None and args.device is not None:
         def runner_factory(art: Any, config: EngineConfig) -> Any:
             return cuda_runner(model, args, config)
@@ -179,7 +182,8 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
         source, extra = path, {}  # the Engine loads the artifact on the reference backend
     else:  # CUDA, or a test's runner over the same artifact
         source = runner_factory(art, config)
-        extra = {"eos_token_ids": art.special_tokens.get("eos_token_ids") or [], "generation": art.generation}
+        extra = {"eos_token_ids": art.special_tokens.get("eos_token_ids") or [], "generation": art.generation,
+                 "close_runner": owns_runner}
         if args.kv_capacity == "auto":
             config = await _resolve_auto_capacity(source, config)
     try:

@@ -24,7 +24,10 @@ GEMV_VARIANT = "_c4"  # 4 columns per block: faster than 8 at every M on the H20
 # many rows and bounds its partials with long splits.
 MIN_SPLIT = 32
 MAX_DECODE_SPLITS = 64
-GRAPH_DEPTHS = (4, 8, 16, 32)  # shallower decode graphs than the full depth (Forward.decode_depths)
+# Shallower decode graphs than the full depth (Forward.decode_depths). Dense at the short end: batch 8
+# at 512 keys needs 5 splits, and a depth-8 grid (512 blocks of decode_attention, more than the 396
+# that fit the H200 at once) measured as slow as the full depth (5.62 against 5.50 ms a step).
+GRAPH_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48)
 PREFILL_SPLIT = 256
 # The dense decode attention's split policy (tools/bench_decode_step.py on the H200, Qwen3-8B, 8 KV
 # heads, ms a step): at 512 keys batch 1 was fastest with 128 blocks (splits of 32: 4.63 against 4.66
@@ -430,7 +433,7 @@ class Forward:
 
     def decode_depths(self) -> tuple[int, ...]:
         """The attention grid depths (splits per row) a decode step is captured at, shallowest first:
-        the full depth and the powers of two below it from GRAPH_DEPTHS. A step runs at the shallowest
+        those of GRAPH_DEPTHS below the full depth, and the full depth. A step runs at the shallowest
         that holds its splits (``decode_depth``): blocks past a row's splits exit at once, but
         scheduling them cost batch 8 at 512 keys 2% of its step (tools/bench_decode_step.py)."""
         full = self.n_splits(1, decode=True)
