@@ -184,3 +184,28 @@ def test_decode_launched_ahead_matches_step_by_step(artifact):
     assert stepwise[2][-1] == stop_id and len(stepwise[2]) < 40
     assert len(stepwise[3]) == 96 - 80 - 1 + 1 and 0 < len(stepwise[0]) < 40
     assert tuple(stepwise[4][9:12]) == (900, 901, 902)
+
+
+def test_prefixes_retained_with_a_step_in_flight_are_reused_exactly(artifact):
+    """A request stopped while the step after its last token is in flight (that step writes the next
+    position's KV into its last page) leaves its endpoint retained; a follow-up that reuses it gets
+    the tokens of one step at a time."""
+    def run(pipelined: bool):
+        d = driver(artifact, max_concurrency=2, max_context=128)
+        d.runner = d.core.runner = Pipelining(d.core.runner, pipelined)
+        d.core.pipelined = pipelined
+        first = d.submit(prompt(6, 21), 40)
+        mate = d.submit(prompt(7, 9), 60)
+        while first.n_output < 10:
+            d.core.step()
+        in_flight = d.core.has_work() and d.core._ahead is not None
+        d.core.stop(first)  # a stop string, as the text layer reports one
+        d.run()
+        follow = d.submit(prompt(6, 21) + out(first) + [11, 12], 10)
+        d.run()
+        return (out(first), out(mate), out(follow), end(follow).usage.cached_tokens), in_flight
+
+    stepwise, _ = run(False)
+    ahead, in_flight = run(True)
+    assert in_flight and ahead == stepwise
+    assert len(stepwise[0]) == 10 and stepwise[3] > 21  # the follow-up reused the stopped endpoint
