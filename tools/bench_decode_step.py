@@ -31,7 +31,7 @@ from ninfer.backends.cuda import forward as fw  # noqa: E402
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, SamplingRow  # noqa: E402
 from ninfer.backends.cuda.random_weights import random_device_weights  # noqa: E402
-from tools.gpu_bench import PAGE, QWEN3_8B, copy_bandwidth, weight_bytes_per_step  # noqa: E402
+from tools.gpu_bench import PAGE, QWEN3_8B, copy_bandwidth, replay_ms, weight_bytes_per_step  # noqa: E402
 
 
 def step_ms(runner, batch: int, reps: int) -> float:
@@ -41,15 +41,9 @@ def step_ms(runner, batch: int, reps: int) -> float:
     inp = runner.buffers.inputs
     depth = runner.forward.decode_depth(int(inp.split[0]), int(inp.positions[:batch].max()) + 1)
     graph = rt.Graph.capture(stream, lambda: runner.forward.decode(batch, stream, depth))
-    start, stop = dev.event(timing=True), dev.event(timing=True)
-    graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-    for _ in range(reps):
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-    rt.synchronize(stream)
+    ms = replay_ms(graph, dev, stream, reps)
     graph.destroy()
-    return rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
+    return ms
 
 
 def main(argv=None) -> int:

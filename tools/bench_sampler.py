@@ -18,6 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from tools.gpu_bench import replay_ms  # noqa: E402
 
 
 def time_sampler(device, kernels, stream, vocab: int, rows: int, temperature: float, reps: int) -> float:
@@ -45,15 +46,9 @@ def time_sampler(device, kernels, stream, vocab: int, rows: int, temperature: fl
                                                         vocab, parts), stream)
 
     graph = rt.Graph.capture(stream, step)  # replayed: launch costs out of the figure
-    start, stop = device.event(timing=True), device.event(timing=True)
-    graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-    for _ in range(reps):
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-    rt.synchronize(stream)
+    us = replay_ms(graph, device, stream, reps) * 1e3
     graph.destroy()
-    return rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") * 1e3 / reps
+    return us
 
 
 def main(argv=None) -> int:

@@ -40,6 +40,20 @@ QWEN3_8B = LARGE_PRESETS["qwen3-8b"]
 PAGE = 16
 
 
+def replay_ms(graph: rt.Graph, device: rt.Device, stream, reps: int, warmup: int = 1) -> float:
+    """Milliseconds a replay of ``graph``, replayed ``reps`` times back to back (after ``warmup``
+    replays), timed by events on ``stream``."""
+    start, stop = device.event(timing=True), device.event(timing=True)
+    for _ in range(warmup):
+        graph.launch(stream)
+    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
+    for _ in range(reps):
+        graph.launch(stream)
+    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
+    rt.synchronize(stream)
+    return rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
+
+
 def copy_bandwidth(device: rt.Device, stream, nbytes: int = 4 << 30, reps: int = 10) -> float:
     """bytes read + written per second of a device-to-device copy (median of ``reps``)."""
     a, b = device.alloc(nbytes, "bw_a"), device.alloc(nbytes, "bw_b")
@@ -103,15 +117,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     pipelined_cpu = (time.process_time() - pipe_cpu0) / steps
     runner.finish_decode()
     # Device time alone: replay the graph back to back (inputs unchanged: same positions).
-    graph = runner.replay_graph(batch)
-    dev, stream = runner.device, runner.stream
-    start, stop = dev.event(timing=True), dev.event(timing=True)
-    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-    for _ in range(steps):
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-    rt.synchronize(stream)
-    gpu_s = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / steps
+    gpu_s = replay_ms(runner.replay_graph(batch), runner.device, runner.stream, steps, warmup=0) / 1e3
     kv_bytes = batch * (context + steps // 2) * config.kv_bytes_per_token
     step_bytes = weight_bytes_per_step(config) + kv_bytes
     roofline_step = step_bytes / copy_bw
@@ -255,7 +261,6 @@ def ablate(runner, batch: int, context: int, reps: int = 20) -> dict[str, float]
                               positions=np.full(batch, context, np.int32), page_tables=tables,
                               sampling=[SamplingRow()] * batch))  # leaves the step inputs in place
     dev, stream = runner.device, runner.stream
-    start, stop = dev.event(timing=True), dev.event(timing=True)
     original = rt.Kernel.launch
     out = {}
     for name, prefixes in [("full", ())] + list(ABLATIONS.items()):
@@ -268,13 +273,7 @@ def ablate(runner, batch: int, context: int, reps: int = 20) -> dict[str, float]
             graph = rt.Graph.capture(stream, lambda: runner.forward.decode(batch, stream))
         finally:
             rt.Kernel.launch = original
-        graph.launch(stream)
-        rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-        for _ in range(reps):
-            graph.launch(stream)
-        rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-        rt.synchronize(stream)
-        out[name] = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
+        out[name] = replay_ms(graph, dev, stream, reps)
         graph.destroy()
     return out
 
