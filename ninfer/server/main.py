@@ -242,8 +242,8 @@ def _log_runner_startup(runner: Any) -> None:
                      + (f" at {rate} GB/s" if rate else " made on the device"))
     parts.append(f"workspace {facts['workspace_bytes'] / 2**30:.2f} GiB incl. {facts['kv_pages']} KV pages")
     if "graph_capture_s" in facts:
-        parts.append(f"decode graphs captured in {facts['graph_capture_s']} s "
-                     f"({facts['graph_bytes'] / 2**20:.0f} MiB, {facts['graph_nodes']} nodes each)")
+        parts.append(f"{facts.get('graph_count', '')} decode graphs captured in {facts['graph_capture_s']} s "
+                     f"({facts['graph_bytes'] / 2**20:.0f} MiB, {facts['graph_nodes']} nodes each)".lstrip())
     parts.append(f"{facts['free_bytes_after_startup'] / 2**30:.2f} GiB free")
     log.info("CUDA startup: %s", "; ".join(parts))
     log.debug("CUDA startup record: %s", facts)
