@@ -108,12 +108,6 @@ LT_WORKSPACE_BYTES = 32 << 20
 PREFILL_GEMMS = ("fp32", "cublaslt")
 SAMPLE_PARTS, SAMPLE_TOP_K = 64, 20  # the sampler's candidate buffers (manifest meta of "sample")
 SAMPLE_MAX_VOCAB = 262144  # the sampler's slices are held in registers (manifest meta "max_vocab")
-
-
-def check_vocab(vocab_size: int) -> None:
-    if vocab_size > SAMPLE_MAX_VOCAB:
-        raise ValueError(f"the CUDA backend's sampler takes a vocab_size of at most {SAMPLE_MAX_VOCAB}, "
-                         f"the model has {vocab_size}")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
 PREFILL_NORM_THREADS = 512  # a prefill's thousands of rows fill the GPU anyway; 4096 wide rows stay in registers
 
@@ -129,6 +123,13 @@ def sampler_regions(max_batch: int, vocab: int) -> dict[str, int]:
     candidates = max_batch * SAMPLE_PARTS * SAMPLE_TOP_K * 4
     return {"logits": max_batch * vocab * 4, "counts": max_batch * vocab * 4, "part_v": candidates, "part_i": candidates,
             "out": max_batch * 4}
+
+
+def check_vocab(vocab_size: int) -> None:
+    """Reject a vocabulary the sampler's slices cannot hold (dense and hybrid models alike)."""
+    if vocab_size > SAMPLE_MAX_VOCAB:
+        raise ValueError(f"the CUDA backend's sampler takes a vocab_size of at most {SAMPLE_MAX_VOCAB}, "
+                         f"the model has {vocab_size}")
 
 
 def check_supported(config: DenseConfig, kv_dtype: str) -> None:
