@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -207,3 +208,18 @@ def test_router_softmax_top_k_and_renormalisation():
     np.testing.assert_allclose(weights, [[0.4, 0.3], [0.25, 0.25]], rtol=1e-6)
     _, weights = route(logits, 2, renormalise=True)
     np.testing.assert_allclose(weights, [[4 / 7, 3 / 7], [0.5, 0.5]], rtol=1e-6)
+
+
+def test_decode_is_not_pipelined(runner):
+    """A step launched ahead would advance a finished lane's recurrent state past its end: the hybrid
+    runner says it does not pipeline, refuses a following step, and a plain launch keeps the state in step."""
+    ids = prompt(6)
+    first = int(prefill(runner, 0, ids, 0, table(0)).tokens[0])
+    assert not runner.info.pipelined_decode
+    batch = DecodeBatch(lanes=np.array([0]), tokens=np.array([first]), positions=np.array([6]),
+                        page_tables=table(0)[None], sampling=[GREEDY])
+    runner.launch_decode(batch)
+    with pytest.raises(ValueError, match="does not pipeline"):
+        runner.launch_decode(attrs.evolve(batch, positions=np.array([7])), follow=True)
+    runner.finish_decode()
+    assert runner.state_length(0) == 7

@@ -4,6 +4,7 @@ every way of feeding the same tokens must give the same logits as the plainest w
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -296,3 +297,48 @@ def test_prefill_longer_than_one_forward_block(model):
     assert whole[0].shape[0] == len(prompt)
     np.testing.assert_allclose(whole[0], parts[0], rtol=RTOL, atol=ATOL)
     assert whole[1] == parts[1]
+
+
+def test_pipelined_decode_follows_on_and_checks_its_order(model):
+    """launch_decode(follow=True) feeds each row the step before's token, as the next decode would;
+    a follow without that step, with other lanes or asking for logits, a third step in flight and a
+    finish with none are refused by name."""
+    runner, stepwise = make_runner(model), make_runner(model)
+    prompts = [prompt_of(9, seed=1), prompt_of(4, seed=2)]
+    tables = np.stack([np.arange(4, dtype=np.int32), np.arange(4, 8, dtype=np.int32)])
+    row = SamplingRow(temperature=0.9, presence_penalty=0.5, seed=3)
+    firsts = []
+    for r in (runner, stepwise):
+        firsts = []
+        for lane, p in enumerate(prompts):
+            r.bind_lane(lane, [])
+            firsts.append(int(r.prefill(PrefillChunk(lane=lane, tokens=p, start=0, page_table=tables[lane],
+                                                     sample=row)).tokens[0]))
+    lanes = np.array([0, 1], np.int32)
+
+    def batch(step, tokens):
+        return DecodeBatch(lanes=lanes, tokens=np.asarray(tokens, np.int32),
+                           positions=np.array([len(p) + step - 1 for p in prompts], np.int32), page_tables=tables,
+                           sampling=[attrs.evolve(row, step=step)] * 2)
+
+    want, tokens = [], firsts
+    for step in (1, 2, 3):
+        tokens = stepwise.decode(batch(step, tokens)).tokens.tolist()
+        want.append(tokens)
+    with pytest.raises(ValueError, match="lanes of the step in flight"):
+        runner.launch_decode(batch(1, [0, 0]), follow=True)
+    runner.launch_decode(batch(1, firsts))
+    runner.launch_decode(batch(2, [0, 0]), follow=True)
+    with pytest.raises(RuntimeError, match="two decode steps are in flight"):
+        runner.launch_decode(batch(3, [0, 0]), follow=True)
+    got = [runner.finish_decode().tokens.tolist()]
+    with pytest.raises(ValueError, match="lanes of the step in flight"):
+        runner.launch_decode(attrs.evolve(batch(3, [0]), lanes=lanes[:1], positions=batch(3, [0]).positions[:1],
+                                          page_tables=tables[:1], sampling=[row]), follow=True)
+    with pytest.raises(ValueError, match="cannot return logits"):
+        runner.launch_decode(attrs.evolve(batch(3, [0, 0]), return_logits=True), follow=True)
+    runner.launch_decode(batch(3, [0, 0]), follow=True)
+    got += [runner.finish_decode().tokens.tolist(), runner.finish_decode().tokens.tolist()]
+    assert got == want
+    with pytest.raises(RuntimeError, match="no decode step is in flight"):
+        runner.finish_decode()
