@@ -35,8 +35,8 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   gate rows, 8..15 the matching up rows); ``down`` reads the pair's activation and writes
   ``weight * (act @ down.T)``. Named by shape (``grouped_name``); a chunk holds ``8 * P`` pairs.
   Launch: grid ``(ceil(max(n) / cols), max_chunks)``, block ``32 * warps`` (the manifest's meta).
-- ``moe_combine``: ``y[row] = sum over slots of out[row_pair[row, slot]] + out[shared pair of row]``.
-  Launch: grid ``(ceil(hidden / 256), rows)``, block 256.
+- ``moe_combine``: ``y[row] = sum over slots of out[row_pair[row, slot]] + out[shared pair of row]``;
+  ``moe_combine_residual`` adds that sum into ``y``. Launch: grid ``(ceil(hidden / 256), rows)``, block 256.
 """
 
 from __future__ import annotations
@@ -589,18 +589,27 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
     return grouped
 
 
-def moe_combine(y, out, row_pair, rows, top_k, hidden):
-    launch_dependents()  # programmatic dependent launch: common.py
-    grid_dependency_wait()
-    r = cuda.blockIdx.y
-    h = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
-    if h >= hidden:
-        return
-    total = float32(0.0)
-    for slot in range(top_k):
-        total += out[int64(row_pair[r * top_k + slot]) * hidden + h]
-    total += out[int64(rows * top_k + r) * hidden + h]
-    y[int64(r) * hidden + h] = total
+def make_combine(residual: bool):
+    """``moe_combine`` (y = the row's sum) or, with ``residual``, ``moe_combine_residual`` (y += it:
+    the decode step adds the MoE straight into the residual stream, no launch of its own for the add)."""
+
+    def moe_combine(y, out, row_pair, rows, top_k, hidden):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        r = cuda.blockIdx.y
+        h = cuda.blockIdx.x * COMBINE_THREADS + cuda.threadIdx.x
+        if h >= hidden:
+            return
+        total = float32(0.0)
+        for slot in range(top_k):
+            total += out[int64(row_pair[r * top_k + slot]) * hidden + h]
+        total += out[int64(rows * top_k + r) * hidden + h]
+        if residual:
+            y[int64(r) * hidden + h] += total
+        else:
+            y[int64(r) * hidden + h] = total
+
+    return moe_combine
 
 
 def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int) -> str:
@@ -628,7 +637,10 @@ KERNELS = {
     "moe_route": (moe_route, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32,
                               int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS, "max_rows": ROUTE_ROWS,
                               "grid_wait": 1}),
-    "moe_combine": (moe_combine, (F32P, F32P, I32P, int32, int32, int32), {"threads": COMBINE_THREADS, "grid_wait": 1}),
+    "moe_combine": (make_combine(False), (F32P, F32P, I32P, int32, int32, int32),
+                    {"threads": COMBINE_THREADS, "grid_wait": 1}),
+    "moe_combine_residual": (make_combine(True), (F32P, F32P, I32P, int32, int32, int32),
+                             {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
 for _kind, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms)] = (

@@ -64,6 +64,8 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
                 check_decode_gemm(kernel, grid, *args)
         if MOE not in config.mlp_types:
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
+        else:  # the MoE's combine adds into the residual stream: no add_rmsnorm of its own
+            assert "moe_combine_residual" in launched and not launched & {"add_rmsnorm", "moe_combine"}
 
 
 def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():

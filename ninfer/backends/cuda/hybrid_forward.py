@@ -327,15 +327,13 @@ class HybridForward(Forward):
                 self.decode_moe(i, rows, stream)
 
     def decode_moe(self, layer: int, rows: int, stream) -> None:
-        """x += MoE(rmsnorm(x) * mlp_norm). ``CudaMoe`` reads a normalised input and overwrites its
-        output, so the norm and the add keep launches of their own."""
-        c, b, w, k = self.c, self.b, self.w, self.k
+        """x += MoE(rmsnorm(x) * mlp_norm). ``CudaMoe`` reads a normalised input (its router and expert
+        GEMMs share it), so the norm keeps a launch of its own; its combine adds into x (the next
+        layer's GEMM normalises x itself)."""
+        c, b, w = self.c, self.b, self.w
         eps, norm = float(c.rms_norm_eps), w[f"layers.{layer}.mlp_norm"]
-        k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, norm, c.hidden_size, eps), stream)
-        self.moe.forward(b.delta, b.h, w, layer, rows, stream)
-        # add_rmsnorm is the only kernel that adds into x; the h it writes again is thrown away (the
-        # next layer's GEMM normalises x itself): 4 * hidden bytes a row next to the experts' weights.
-        k["add_rmsnorm"].launch((rows,), (NORM_THREADS,), (b.x, b.delta, b.h, norm, c.hidden_size, eps), stream)
+        self.k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, norm, c.hidden_size, eps), stream)
+        self.moe.forward(b.x, b.h, w, layer, rows, stream, residual=True)
 
     def unfused_layers(self, rows: int, stream) -> None:
         """The prefill kernels with each row its own lane's sequence (``fused_decode`` off)."""

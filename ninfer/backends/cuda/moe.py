@@ -99,7 +99,8 @@ class CudaMoe:
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        return ["moe_route", "moe_topk", "moe_plan", "moe_combine", ROUTER_DECODE_GEMM, ROUTER_PREFILL_GEMM,
+        return ["moe_route", "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
+                ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2]]
 
     @staticmethod
@@ -120,9 +121,10 @@ class CudaMoe:
             setattr(self, name, arena.take(nbytes, f"moe.{name}"))
 
     def forward(self, y: rt.DevicePtr, x: rt.DevicePtr, weights: dict[str, rt.DevicePtr], layer: int, rows: int,
-                stream) -> None:
+                stream, residual: bool = False) -> None:
         """Enqueue ``y[:rows, :hidden] = MoE_layer(x[:rows])`` (fp32 ``[rows, hidden]`` each, y fully
-        written, x untouched) on ``stream``: no host sync, fixed addresses, capturable."""
+        written, x untouched; with ``residual`` ``y += ...``, the residual stream) on ``stream``: no host
+        sync, fixed addresses, capturable."""
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"MoE of {rows} rows: this CudaMoe takes 1..{self.max_rows}")
         c, k = self.c, self.k
@@ -151,7 +153,7 @@ class CudaMoe:
         self.grouped(down, chunks, H, stream,
                      (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                       self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width))
-        combine = k["moe_combine"]
+        combine = k["moe_combine_residual" if residual else "moe_combine"]
         threads = combine.meta["threads"]
         combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
 
