@@ -10,11 +10,13 @@ the GPU's hot path); only a failure walks the rows, to name the first offending 
 
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
+import attrs
 import numpy as np
 
-from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
 
 
 def check_lane(info: RunnerInfo, lane: int, field: str) -> None:
@@ -127,3 +129,27 @@ def check_follow(info: RunnerInfo, previous: np.ndarray | None, batch: DecodeBat
         raise ValueError("launch_decode(follow=True) needs the lanes of the step in flight before it, in order")
     if batch.return_logits:
         raise ValueError("launch_decode(follow=True) cannot return logits")
+
+
+class DecodesAtLaunch:
+    """``launch_decode`` / ``finish_decode`` for a runner that computes a step when it is launched
+    (the reference backend, test runners): results wait here in launch order, and a following step
+    is fed the tokens of the step before it, as the GPU feeds them on the device."""
+
+    def __init__(self, info: RunnerInfo, decode) -> None:
+        self._info, self._decode = info, decode
+        self._pending: collections.deque = collections.deque()  # (lanes, result) of launched steps
+
+    def launch(self, batch: DecodeBatch, follow: bool = False) -> None:
+        if len(self._pending) >= 2:
+            raise RuntimeError("launch_decode: two decode steps are in flight; finish_decode one first")
+        if follow:
+            previous_lanes, previous = self._pending[-1] if self._pending else (None, None)
+            check_follow(self._info, previous_lanes, batch)
+            batch = attrs.evolve(batch, tokens=previous.tokens)
+        self._pending.append((np.asarray(batch.lanes).reshape(-1), self._decode(batch)))
+
+    def finish(self) -> StepResult:
+        if not self._pending:
+            raise RuntimeError("finish_decode: no decode step is in flight")
+        return self._pending.popleft()[1]

@@ -13,10 +13,9 @@ import json
 import threading
 import time
 
-import attrs
 import numpy as np
 
-from ninfer.backends.inputs import check_follow
+from ninfer.backends.inputs import DecodesAtLaunch
 from ninfer.backends.reference import ReferenceRunner
 from ninfer.backends.runner import StepResult
 
@@ -78,7 +77,9 @@ class ScriptedRunner:
         self.gate.set()
         self.fail = False
         self.delay = 0.0  # seconds each decode step takes at least (a slow model)
-        self._pending: collections.deque = collections.deque()  # (lanes, result) of pipelined steps, computed at launch
+        # The pipelined protocol (the engine uses it: the inner runner's info says so): a following
+        # step is fed the scripted tokens of the one before it, as a GPU step would be.
+        self._launched = DecodesAtLaunch(self.info, self.decode)
 
     def bind_lane(self, lane, generated):
         self._inner.bind_lane(lane, generated)
@@ -111,15 +112,10 @@ class ScriptedRunner:
         return StepResult(tokens=np.array(tokens, dtype=np.int32), logits=result.logits)
 
     def launch_decode(self, batch, follow=False):
-        """The pipelined protocol (the engine uses it: the inner runner's info says so), with a
-        following step fed the scripted tokens of the one before it, as a GPU step would be."""
-        if follow:
-            check_follow(self.info, self._pending[-1][0] if self._pending else None, batch)
-            batch = attrs.evolve(batch, tokens=self._pending[-1][1].tokens)
-        self._pending.append((np.asarray(batch.lanes), self.decode(batch)))
+        self._launched.launch(batch, follow)
 
     def finish_decode(self):
-        return self._pending.popleft()[1]
+        return self._launched.finish()
 
     def copy_pages(self, src, dst):
         self._inner.copy_pages(src, dst)

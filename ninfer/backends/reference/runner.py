@@ -14,17 +14,15 @@ OpenBLAS to ``blas_threads`` (default 1) around each of its steps only.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import attrs
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ninfer.backends.reference.forward import PREFILL_BLOCK, DenseForward
-from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
+from ninfer.backends.inputs import DecodesAtLaunch, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.reference.kv_cache import PagedKVCache
 from ninfer.backends.reference.weights import load_weights, mapping_getter
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
@@ -113,7 +111,7 @@ class ReferenceRunner:
             backend="reference",
             pipelined_decode=self.PIPELINED_DECODE,
         )
-        self._pending: collections.deque = collections.deque()  # (lanes, result) of launched steps
+        self._launched = DecodesAtLaunch(self.info, self.decode)
 
     # -- the model (hooks HybridRunner overrides) ------------------------------------------------
 
@@ -159,18 +157,10 @@ class ReferenceRunner:
 
     def launch_decode(self, batch: DecodeBatch, follow: bool = False) -> None:
         """The pipelined protocol, computed at once: ``finish_decode`` returns results in launch order."""
-        if len(self._pending) >= 2:
-            raise RuntimeError("launch_decode: two decode steps are in flight; finish_decode one first")
-        if follow:
-            previous_lanes, previous = self._pending[-1] if self._pending else (None, None)
-            check_follow(self.info, previous_lanes, batch)
-            batch = attrs.evolve(batch, tokens=previous.tokens)
-        self._pending.append((np.asarray(batch.lanes).reshape(-1), self.decode(batch)))
+        self._launched.launch(batch, follow)
 
     def finish_decode(self) -> StepResult:
-        if not self._pending:
-            raise RuntimeError("finish_decode: no decode step is in flight")
-        return self._pending.popleft()[1]
+        return self._launched.finish()
 
     def _blas_limit(self):
         if self._forward is None:
