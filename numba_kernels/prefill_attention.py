@@ -127,6 +127,17 @@ def lds_u32x4(typingctx, address):
 
 
 @intrinsic
+def lds_u32(typingctx, address):
+    """The word at shared byte ``address`` (4-byte aligned)."""
+    sig = uint32(uint32)
+
+    def codegen(context, builder, signature, args):
+        return _inline(ir.FunctionType(_I32, [_I32]), "ld.shared.u32 $0, [$1];", "=r,r", args, builder)
+
+    return sig, codegen
+
+
+@intrinsic
 def sts_u32x4(typingctx, address, w0, w1, w2, w3):
     """Four words to shared byte ``address`` (16-byte aligned) in one st.shared.v4."""
     sig = types.void(uint32, uint32, uint32, uint32, uint32)

@@ -29,7 +29,8 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from numba_kernels.mbarrier import cp_async_arrive, mbarrier_arrive, mbarrier_init, mbarrier_try_wait
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
-                                             exp2_approx, global_address, inverse_row_sums, page_of, q_pair_bf16,
+                                             exp2_approx, global_address, inverse_row_sums, lds_u32, page_of,
+                                             q_pair_bf16,
                                              q_pair_f32, row_run, shared_address, store_pair_bf16, store_pair_f32,
                                              sts_u32x4)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
@@ -43,13 +44,19 @@ PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
 # "mb" mbarriers a stage (MBAR), so the warpgroups need not be at the same tile;
 # "p"  mbarriers, and a copying warpgroup beside the two computing ones (PRODUCER);
 # "pp" "p" with the computing warpgroups pipelined as PIPELINED (PIPE).
+# A trailing "q" (QREG): each computing thread holds its rows of q as MMA A fragments in registers,
+# so q·Kᵀ reads only K from shared memory (m64n64k16 from shared memory moves as many bytes as it
+# multiplies).
 # head_dim -> (warpgroups computing, keys a tile, stages, register cap, hand-over) of the production
 # kernels. On the H200 (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks
-# of 1024 in brackets), head_dim 128: "pp" with 64-key tiles in four stages 403-411 (389-393) TFLOP/s;
+# of 1024 in brackets), head_dim 128: "ppq" with 64-key tiles in four stages 415-416 (397) TFLOP/s
+# where "pp" read 404 (387-388) in the same runs, and "pp" with the computing warpgroups taking turns
+# to issue their MMAs (FlashAttention-3's ping-pong, named barriers) 400-402 (382-385), 409 (390) with
+# "q"; earlier sessions: "pp" 403-411 (389-393);
 # "p" unpipelined 378 (363); a block barrier a tile, two blocks an SM at 128 registers, 398 (357) (the
 # head_dim 64 kernel's shape), 308 (295) uncapped, 376 (339) with 32-key tiles in 4 stages pipelined;
 # the mma.sync kernel 239 (229), torch SDPA 584-600. Table in docs/benchmarks.md.
-SHAPES = {128: (2, 64, 4, 168, "pp"), 64: (2, 64, 2, 128, "")}
+SHAPES = {128: (2, 64, 4, 168, "ppq"), 64: (2, 64, 2, 128, "")}
 # Shapes to time against them (tools/bench_prefill_attention.py --variants), head_dim 128, name
 # suffix wg{warpgroups}k{keys}s{stages}[m{registers}]{hand-over}.
 VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128, ""), "wg1k32s2m128": (1, 32, 2, 128, ""),
@@ -60,10 +67,13 @@ VARIANTS = {"wg2k32s4m128": (2, 32, 4, 128, ""), "wg1k32s2m128": (1, 32, 2, 128,
             "wg2k128s2p": (2, 128, 2, 168, "p"), "wg2k64s4p": (2, 64, 4, 168, "p"),
             "wg2k128s3p": (2, 128, 3, 168, "p"),
             "wg2k128s3pp": (2, 128, 3, 168, "pp"), "wg2k128s2pp": (2, 128, 2, 168, "pp"),
-            "wg2k64s3pp": (2, 64, 3, 168, "pp")}
+            "wg2k64s3pp": (2, 64, 3, 168, "pp"), "wg2k64s4pp": (2, 64, 4, 168, "pp"),
+            "wg2k128s3ppq": (2, 128, 3, 168, "ppq")}
 
 
 def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
+    QREG = HANDOVER.endswith("q")
+    HANDOVER = HANDOVER[:-1] if QREG else HANDOVER
     MBAR = HANDOVER in ("mb", "p", "pp")
     PRODUCER = HANDOVER in ("p", "pp")
     PIPE = HANDOVER == "pp"
@@ -103,6 +113,8 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
     assert CHUNKS * STEP_ROWS == WARP_ROWS and WARP_ROWS & (WARP_ROWS - 1) == 0
     assert 2 <= STAGES <= len(cp_async_wait) + 1 and NB <= 16
     mma_s = make_mma_ss(BK)
+    mma_s_rs = make_mma_rs(BK, trans_b=False, flagged=True)
+    QA_REGS = 4 * KS if QREG else 1  # q's A fragments a thread (QREG)
     mma_o = make_mma_rs(D, trans_b=True)
     wait_s = make_wait(BK // 2)
     wait_o = make_wait(D // 2)
@@ -164,6 +176,9 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                     mbarrier_init(bars + uint32(8 * (STAGES + st)), uint32(4 * WGS))  # every MMA warp done
             fence_proxy_async()  # q, for the MMAs (no barrier a tile publishes it in this form)
         cuda.syncthreads()  # sh_table / sh_pos (q is published by the fence and barrier of the first tile)
+        qa = cuda.local.array(QA_REGS, uint32)
+        if QREG and (not PRODUCER or tid < Q_THREADS):
+            load_q_fragments(qa, base, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3)
 
         o = cuda.local.array(O_REGS, float32)
         for i in range(O_REGS):
@@ -227,7 +242,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                                    page_shift, in_page)
                     page = page_of(page_tables, table_base, int32(AHEAD * BK + warp_key), kv_len, page_shift)
                 if PIPE:
-                    m_a, m_b, l_a, l_b = consume_pipelined(bars, done, n_tiles, kv_base, q_low, s, p, o, warp_first,
+                    m_a, m_b, l_a, l_b = consume_pipelined(bars, done, n_tiles, kv_base, q_low, qa, s, p, o, warp_first,
                                                            pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2, lane)
                 for it in range(0 if PIPE else n_tiles):
                     ahead = int32(it + AHEAD)
@@ -241,7 +256,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                     # into the stage must land before it lets the stage be refilled.
                     wait_full(bars, done + it)
                     if it < wg_tiles:  # uniform over the warpgroup
-                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, stage_at(kv_base, done + it),
+                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, qa, stage_at(kv_base, done + it),
                                                           int32(it * BK), warp_first, pos_a, pos_b, t, m_a, m_b,
                                                           l_a, l_b, scale_log2)
                     release(bars, done + it, lane)
@@ -263,7 +278,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                                      stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
                     if it < wg_tiles:  # uniform over the warpgroup
                         # (its P·V waited for before the next barrier lets copies overwrite this stage)
-                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, stage_at(kv_base, it), int32(it * BK),
+                        m_a, m_b, l_a, l_b = compute_tile(s, p, o, q_low, qa, stage_at(kv_base, it), int32(it * BK),
                                                           warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
                                                           scale_log2)
             else:
@@ -273,12 +288,12 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                 # the last one that the causal mask hides from its rows entirely.
                 page = next_tile(0, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                  stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
-                m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kv_base, int32(0), warp_first, pos_a, pos_b, t,
+                m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, qa, kv_base, int32(0), warp_first, pos_a, pos_b, t,
                                                 m_a, m_b, l_a, l_b, scale_log2)
                 for it in range(1, n_tiles):
                     page = next_tile(it, n_tiles, page, kv_base, copy_dst, one_page, page_tables, table_base, k_base,
                                      stride_bytes, v_bytes, warp_key, lane_row, kv_len, page_shift, in_page)
-                    issue_scores(s, q_low, stage_at(kv_base, it))
+                    issue_scores(s, q_low, qa, stage_at(kv_base, it))
                     issue_values(o, p, stage_at(kv_base, it - 1))
                     wait_s_behind_one(s)  # the scores; the P·V (the newest group) may still run
                     m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
@@ -362,10 +377,10 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             seg = end
 
     @cuda.jit(device=True, inline=True)
-    def score_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
+    def score_tile(s, p, o, q_low, qa, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
         """A tile's (stage at shared ``kt``, first key ``k0``) S = q·Kᵀ and its online softmax: O
         rescaled, P packed for the P·V. Returns the new (m_a, m_b, l_a, l_b)."""
-        issue_scores(s, q_low, kt)
+        issue_scores(s, q_low, qa, kt)
         wait_s(s)
         m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
             s, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2)
@@ -375,29 +390,29 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         return m_a, m_b, l_a, l_b
 
     @cuda.jit(device=True, inline=True)
-    def compute_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
+    def compute_tile(s, p, o, q_low, qa, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
         """One tile unpipelined: ``score_tile``, then O += P·V and its wait."""
-        m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
+        m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, qa, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b,
                                         scale_log2)
         issue_values(o, p, kt)
         wait_o(o)
         return m_a, m_b, l_a, l_b
 
     @cuda.jit(device=True, inline=True)
-    def consume_pipelined(bars, done, n_tiles, kv_base, q_low, s, p, o, warp_first, pos_a, pos_b, t, m_a, m_b,
+    def consume_pipelined(bars, done, n_tiles, kv_base, q_low, qa, s, p, o, warp_first, pos_a, pos_b, t, m_a, m_b,
                           l_a, l_b, scale_log2, lane):
         """PIPE: a computing warpgroup's tiles of one run, the scores of tile it issued with the P·V of
         it - 1 and softmaxed while that runs; a stage is handed back once its P·V is done. As in
         PIPELINED, no MMA sits in a branch: every warpgroup computes every tile, masked or not."""
         kt = stage_at(kv_base, done)
         wait_full(bars, done)
-        m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, kt, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b, l_a,
-                                        l_b, scale_log2)
+        m_a, m_b, l_a, l_b = score_tile(s, p, o, q_low, qa, kt, int32(0), warp_first, pos_a, pos_b, t, m_a, m_b,
+                                        l_a, l_b, scale_log2)
         for it in range(1, n_tiles):
             previous = kt
             kt = stage_at(kv_base, done + it)
             wait_full(bars, done + it)
-            issue_scores(s, q_low, kt)
+            issue_scores(s, q_low, qa, kt)
             issue_values(o, p, previous)
             wait_s_behind_one(s)  # the scores; the P·V (the newest group) may still run
             m_a, m_b, l_a, l_b, alpha_a, alpha_b, rescaled = softmax_scores(
@@ -432,15 +447,33 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             pass
 
     @cuda.jit(device=True, inline=True)
-    def issue_scores(s, q_low, kt):
-        """Start S = q·Kᵀ of the tile whose stage is at shared ``kt`` (one commit group)."""
+    def issue_scores(s, q_low, qa, kt):
+        """Start S = q·Kᵀ of the tile whose stage is at shared ``kt`` (one commit group); q from
+        shared memory (``q_low``) or, with QREG, from the fragments ``qa``."""
         k_low = descriptor_low(kt, 16)
         wgmma_fence()
         for ks in range(KS):
-            q_step = uint32(((ks >> 2) * Q_PANEL + (ks & 3) * 32) >> 4)
             k_step = uint32(((ks >> 2) * KV_PANEL + (ks & 3) * 32) >> 4)
-            mma_s(s, descriptor_of(q_low + q_step, 1024), descriptor_of(k_low + k_step, 1024), int32(ks))
+            if QREG:
+                mma_s_rs(s, qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3],
+                         descriptor_of(k_low + k_step, 1024), int32(ks))
+            else:
+                q_step = uint32(((ks >> 2) * Q_PANEL + (ks & 3) * 32) >> 4)
+                mma_s(s, descriptor_of(q_low + q_step, 1024), descriptor_of(k_low + k_step, 1024), int32(ks))
         wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def load_q_fragments(qa, base, row, t):
+        """QREG: the A fragments of q·Kᵀ's k-steps for this lane (rows ``row`` and ``row + 8`` of the
+        block, dims 16 ks + 2t, + 1 and + 8, + 9), read from q's swizzled panels at ``base``."""
+        for ks in range(KS):
+            for half in range(2):
+                col = ks * 16 + half * 8 + 2 * t
+                chunk = (col & 63) >> 3
+                for r8 in range(2):
+                    r = row + 8 * r8
+                    at = base + uint32((col >> 6) * Q_PANEL + r * PANEL_ROW + 16 * (chunk ^ (r & 7)) + 2 * (col & 7))
+                    qa[4 * ks + 2 * half + r8] = lds_u32(at)
 
     @cuda.jit(device=True, inline=True)
     def issue_values(o, p, kt):
@@ -570,7 +603,7 @@ def shared_bytes(D, wgs, keys, stages):
 
 
 def _entry(D, wgs, keys, stages, max_registers, handover, out="f32"):
-    meta = {"rows": 64 * wgs, "threads": 128 * (wgs + (handover in ("p", "pp"))), "keys": keys, "stages": stages,
+    meta = {"rows": 64 * wgs, "threads": 128 * (wgs + (handover.rstrip("q") in ("p", "pp"))), "keys": keys, "stages": stages,
             "shared": shared_bytes(D, wgs, keys, stages), "out": out, "arch": "sm_90a"}
     if max_registers:
         meta["max_registers"] = max_registers

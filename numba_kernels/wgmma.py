@@ -124,28 +124,32 @@ def make_mma_ss(n):
     return mma
 
 
-def make_mma_rs(n, trans_b):
+def make_mma_rs(n, trans_b, flagged=False):
     """An intrinsic ``mma(acc, a0, a1, a2, a3, desc_b)``: acc (64 x n fp32) += A·B, A a 64 x 16 bf16
     from registers (mma.m16n8k16 A fragments of each warp's 16 rows), B in shared memory, MN-major
-    (``trans_b``) or K-major."""
+    (``trans_b``) or K-major. ``flagged``: a last argument ``accumulate`` as ``make_mma_ss``'s
+    (0: acc = A·B)."""
     regs = n // 2
 
-    @intrinsic
-    def mma(typingctx, acc, a0, a1, a2, a3, desc_b):
-        sig = types.void(acc, uint32, uint32, uint32, uint32, uint64)
+    def codegen(context, builder, signature, args):
+        pointers, values = _array_values(context, builder, signature.args[0], args[0], regs)
+        operands = [context.cast(builder, v, t, t) for v, t in zip(args[1:], signature.args[1:])]
+        a = 2 * regs
+        asm = (f"{{ .reg .pred p; setp.ne.b32 p, ${a + 5}, 0; "
+               f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 ACC, "
+               f"{{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, ${a + 4}, p, 1, 1, {int(trans_b)}; }}")
+        _mma(builder, regs, asm, [_I32] * 4 + [_I64, _I32], ["r"] * 4 + ["l", "r"], pointers, values,
+             operands if flagged else operands + [ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
 
-        def codegen(context, builder, signature, args):
-            pointers, values = _array_values(context, builder, signature.args[0], args[0], regs)
-            operands = [context.cast(builder, v, t, s) for v, t, s in zip(args[1:], signature.args[1:], sig.args[1:])]
-            a = 2 * regs
-            asm = (f"{{ .reg .pred p; setp.ne.b32 p, ${a + 5}, 0; "
-                   f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 ACC, "
-                   f"{{${a}, ${a + 1}, ${a + 2}, ${a + 3}}}, ${a + 4}, p, 1, 1, {int(trans_b)}; }}")
-            _mma(builder, regs, asm, [_I32] * 4 + [_I64, _I32], ["r"] * 4 + ["l", "r"], pointers, values,
-                 operands + [ir.Constant(_I32, 1)])
-            return context.get_dummy_value()
-
-        return sig, codegen
+    if flagged:
+        @intrinsic
+        def mma(typingctx, acc, a0, a1, a2, a3, desc_b, accumulate):
+            return types.void(acc, uint32, uint32, uint32, uint32, uint64, int32), codegen
+    else:
+        @intrinsic
+        def mma(typingctx, acc, a0, a1, a2, a3, desc_b):
+            return types.void(acc, uint32, uint32, uint32, uint32, uint64), codegen
 
     return mma
 
