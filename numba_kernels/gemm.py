@@ -317,7 +317,11 @@ def make_weight_fragments(T: int, load):
     return weight_fragments
 
 
-def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int):
+def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False):
+    """``keep`` (with ``normed``): a last argument ``kept`` takes rmsnorm(x) * norm_w too, each block
+    writing its share of every row's columns, for the kernels after this one that read the
+    normalised rows (the MoE router: its routing and expert GEMMs), so no norm launch precedes it."""
+    assert normed or not keep
     THREADS = 32 * W
     SWIGLU = epilogue == "swiglu"
     COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
@@ -325,7 +329,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
 
     load_weights = make_weight_fragments(T, load_weights_u64x2)
 
-    def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
+    @cuda.jit(device=True, inline=True)
+    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
         red = cuda.shared.array((W, T, 16, 8), float32)
         red_ss = cuda.shared.array((W, 8), float32)
         inv = cuda.shared.array(8, float32)
@@ -407,6 +412,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             inv[tid] = float32(1.0) / math.sqrt(total / float32(k) + eps)
         if normed:
             cuda.syncthreads()
+        if keep:
+            keep_normed(kept, x, norm_w, inv, rows, k, tid)
         # One output per thread: consecutive threads take consecutive columns of one row.
         for idx in range(tid, OUTS, THREADS):
             r = idx // (T * COLS)
@@ -434,14 +441,33 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 else:
                     y[at] = v
 
+    @cuda.jit(device=True, inline=True)
+    def keep_normed(kept, x, norm_w, inv, rows, k, tid):
+        """This block's columns (a 1 / gridDim share, in 4-column steps) of ``kept = x / rms * norm_w``."""
+        share = (((k + 3) >> 2) + cuda.gridDim.x - 1) // cuda.gridDim.x * 4
+        first = cuda.blockIdx.x * share
+        width = min(share, k - first)
+        for idx in range(tid, rows * max(width, 0), THREADS):
+            r = idx // width
+            kk = first + idx % width
+            at = int64(r) * k + kk
+            kept[at] = x[at] * inv[r] * norm_w[kk]
+
+    if keep:
+        def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, kept)
+    else:
+        def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y)
+
     return mma_gemv
 
 
 MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
-def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int) -> str:
-    return f"mma_gemv_{'normed_' if normed else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}"
+def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False) -> str:
+    return f"mma_gemv_{'normed_' if normed else ''}{'keep_' if keep else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}"
 
 
 # The shapes forward.DECODE_GEMMS uses, from tools/bench_decode_gemm.py on the H200: 16 warps with
@@ -462,6 +488,15 @@ for _shape in MMA_SHAPES:
             make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
             {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
              "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1})
+# The MoE router's decode GEMM (ninfer/backends/cuda/moe.py ROUTER_NORMED_DECODE_GEMM): normalises x
+# itself and keeps the normalised rows for the routing and the expert GEMMs. 16 warps of 4 steps load
+# a 2048-wide row in one round: 35B-A3B b1 329.5-331.0 tok/s against 317.9-320.0 with (1, 8, 2), four
+# rounds (tools/gpu_bench_hybrid.py, alternating runs).
+_ROUTER_SHAPE = (1, 16, 4, 3)
+KERNELS[mma_kernel_name(True, "store", *_ROUTER_SHAPE, keep=True)] = (
+    make_mma_gemv(True, "store", *_ROUTER_SHAPE, keep=True), MMA_SIG + (F32P,),
+    {"threads": 32 * _ROUTER_SHAPE[1], "cols": 16, "epilogue": "store", "normed": 1, "keep": 1, "terms": 3,
+     "max_rows": 8, "grid_wait": 1})
 
 
 # The fp32 GEMV with the same fusions and arguments (terms 0: exact fp32 products), for few rows.

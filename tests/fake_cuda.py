@@ -51,10 +51,14 @@ class FakeKernels:
         return self._kernels[name]
 
 
-def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps):
+def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *kept):
     """A fused decode GEMM's launch (its arguments as ``Forward.decode_gemm`` passes them) stays inside
-    its buffers, covers its n outputs, and has K % 8 == 0."""
+    its buffers, covers its n outputs, and has K % 8 == 0; a ``keep`` kernel's normalised rows (its
+    last argument) fit theirs and are not its input."""
     meta, f32 = kernel.meta, 4
+    assert len(kept) == meta.get("keep", 0), kernel.name
+    if kept:
+        assert kept[0].nbytes >= rows * k * f32 and kept[0].addr != x.addr, kernel.name
     weight_rows = 2 * n if meta["epilogue"] == "swiglu" else n
     assert k % 8 == 0 and rows <= meta["max_rows"] and grid[0] * meta["cols"] >= n, kernel.name
     assert y.nbytes >= rows * ldy * f32 and ldy >= n and x.nbytes >= rows * k * f32, kernel.name

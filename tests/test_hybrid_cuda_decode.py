@@ -16,6 +16,7 @@ import pytest
 
 hf = pytest.importorskip("ninfer.backends.cuda.hybrid_forward")
 
+from ninfer.backends.cuda import moe  # noqa: E402
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
 from ninfer.convert.random_model import HYBRID_PRESETS  # noqa: E402
@@ -64,8 +65,9 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
                 check_decode_gemm(kernel, grid, *args)
         if MOE not in config.mlp_types:
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
-        else:  # the MoE's combine adds into the residual stream: no add_rmsnorm of its own
-            assert "moe_combine_residual" in launched and not launched & {"add_rmsnorm", "moe_combine"}
+        else:  # the router normalises x and the combine adds into the residual stream: no norm launch
+            assert "moe_combine_residual" in launched and not launched & {"rmsnorm", "add_rmsnorm", "moe_combine"}
+            assert moe.ROUTER_NORMED_DECODE_GEMM in launched and moe.ROUTER_DECODE_GEMM not in launched
 
 
 def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():

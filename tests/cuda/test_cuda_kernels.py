@@ -88,10 +88,14 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
     elif epilogue == "residual":
         want = want + y0[:rows]
     y = gpu.put(y0) if epilogue == "residual" else gpu.empty(8 * n * 4)
+    kept = (gpu.empty(8 * k * 4),) if kernel.meta.get("keep") else ()  # the normalised rows, written too
     gpu.launch(kernel.name, (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
-               (y, gpu.put(x), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps))
+               (y, gpu.put(x), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *kept))
     got = gpu.get(y, np.float32, (8, n))
     assert _err(got[:rows], want) < DECODE_GEMM_TOLERANCE[kernel.meta["terms"]]
+    if kept:
+        normed = gpu.get(kept[0], np.float32, (8, k))
+        assert _err(normed[:rows], h) < 1e-6 and np.isnan(normed[rows:]).all()
     if epilogue == "residual":
         assert np.array_equal(got[rows:], y0[rows:])  # rows past ``rows`` untouched
     else:

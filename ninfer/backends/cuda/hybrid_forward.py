@@ -35,7 +35,7 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS, NORM_THREADS,
+from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS,
                                           PREFILL_ATTENTION, Forward, Inputs, attention_splits, check_vocab, norm_threads,
                                           sampler_regions, split_length)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
@@ -327,13 +327,12 @@ class HybridForward(Forward):
                 self.decode_moe(i, rows, stream)
 
     def decode_moe(self, layer: int, rows: int, stream) -> None:
-        """x += MoE(rmsnorm(x) * mlp_norm). ``CudaMoe`` reads a normalised input (its router and expert
-        GEMMs share it), so the norm keeps a launch of its own; its combine adds into x (the next
-        layer's GEMM normalises x itself)."""
+        """x += MoE(rmsnorm(x) * mlp_norm): the router GEMM normalises x and leaves the normalised rows
+        in ``h`` for the routing and the expert GEMMs; the combine adds into x (the next layer's GEMM
+        normalises x itself)."""
         c, b, w = self.c, self.b, self.w
-        eps, norm = float(c.rms_norm_eps), w[f"layers.{layer}.mlp_norm"]
-        self.k["rmsnorm"].launch((rows,), (NORM_THREADS,), (b.h, b.x, norm, c.hidden_size, eps), stream)
-        self.moe.forward(b.x, b.h, w, layer, rows, stream, residual=True)
+        norm = (w[f"layers.{layer}.mlp_norm"], float(c.rms_norm_eps), b.h)
+        self.moe.forward(b.x, b.x, w, layer, rows, stream, residual=True, norm=norm)
 
     def unfused_layers(self, rows: int, stream) -> None:
         """The prefill kernels with each row its own lane's sequence (``fused_decode`` off)."""

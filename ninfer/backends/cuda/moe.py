@@ -41,6 +41,10 @@ ROUTER_PREFILL_GEMM = "moe_router_t4w4u1p2s3"  # the grouped GEMM over plain row
 # Router logits of up to 8 rows: numba_kernels/gemm.py's tensor-core GEMM, one 16-expert tile per
 # block, three bf16 parts per activation (fp32-faithful: a near tie must break as in the reference).
 ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
+# The same from the residual stream: it normalises the rows itself (and keeps them for the routing and
+# the expert GEMMs), so a decode step's MoE layer needs no norm launch before it. 16 warps of 4 k-steps
+# read a row in one round of loads (this GEMM is all latency: 1 MB of weights).
+ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
 
 
 def check_supported(config: HybridConfig) -> None:
@@ -100,7 +104,7 @@ class CudaMoe:
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
         return ["moe_route", "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
-                ROUTER_PREFILL_GEMM,
+                ROUTER_NORMED_DECODE_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2]]
 
     @staticmethod
@@ -121,17 +125,21 @@ class CudaMoe:
             setattr(self, name, arena.take(nbytes, f"moe.{name}"))
 
     def forward(self, y: rt.DevicePtr, x: rt.DevicePtr, weights: dict[str, rt.DevicePtr], layer: int, rows: int,
-                stream, residual: bool = False) -> None:
+                stream, residual: bool = False, norm: tuple[rt.DevicePtr, float, rt.DevicePtr] | None = None) -> None:
         """Enqueue ``y[:rows, :hidden] = MoE_layer(x[:rows])`` (fp32 ``[rows, hidden]`` each, y fully
         written, x untouched; with ``residual`` ``y += ...``, the residual stream) on ``stream``: no host
-        sync, fixed addresses, capturable."""
+        sync, fixed addresses, capturable. ``norm = (weight, eps, normed)``, decode rows only: the layer
+        takes rmsnorm(x) * weight instead, which the router GEMM writes into ``normed`` on its way."""
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"MoE of {rows} rows: this CudaMoe takes 1..{self.max_rows}")
         c, k = self.c, self.k
         p = f"layers.{layer}."
         H, E, top_k = c.hidden_size, c.num_experts, c.num_experts_per_tok
         decode = rows <= GEMV_MAX_ROWS
-        self.router_logits(x, weights[p + "router"], rows, stream)
+        if norm is None:
+            self.router_logits(x, weights[p + "router"], rows, stream)
+        else:
+            x = self.normed_router_logits(x, weights[p + "router"], norm, rows, stream)
         gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
         picks = (self.topk_ids, self.topk_w, self.logits, x, weights[p + "shared_gate"], rows, E, H, top_k,
                  int(c.norm_topk_prob))
@@ -169,6 +177,19 @@ class CudaMoe:
             kernel.launch((-(-E // kernel.meta["cols"]), -(-rows // kernel.meta["pairs"])), (kernel.meta["threads"],),
                           (self.logits, x, router, router, self.chunks, self.n_chunks, self.pair_row,
                            self.pair_weight, rows, E, H, H, E, H), stream)
+
+    def normed_router_logits(self, x: rt.DevicePtr, router: rt.DevicePtr,
+                             norm: tuple[rt.DevicePtr, float, rt.DevicePtr], rows: int, stream) -> rt.DevicePtr:
+        """``logits[:rows] = (rmsnorm(x) * weight) @ router.T``, the normalised rows into ``normed``
+        as well (returned: the rest of the layer reads them)."""
+        if rows > GEMV_MAX_ROWS:
+            raise ValueError(f"the MoE's normalising router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
+        weight, eps, normed = norm
+        E, H = self.c.num_experts, self.c.hidden_size
+        kernel = self.k[ROUTER_NORMED_DECODE_GEMM]
+        kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                      (self.logits, x, router, weight, rows, E, H, E, eps, normed), stream)
+        return normed
 
     def grouped(self, name: str, chunks: int, n: int, stream, args: tuple) -> None:
         kernel = self.k[name]
