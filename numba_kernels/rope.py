@@ -122,6 +122,9 @@ def _signature(pool):
             int32, int32, int32, int32, int32, int32, float32)
 
 
+ROPE_CHUNK_THREADS = 128  # rope_kv_chunks_bf16's block: Qwen3-8B's 48 heads x 8 lanes a row are 3 blocks
+
+
 def rope_kv_chunks_bf16(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, page_stride, page_tables, max_pages,
                         row_table, positions, n_heads, n_kv, head_dim, page_size, has_bias, has_norm, eps, n_rows):
     """The cuBLASLt prefill's rope: qkv in bf16 as its GEMM wrote it, q written back in bf16 (what
@@ -129,85 +132,91 @@ def rope_kv_chunks_bf16(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, page_stride
 
     A thread a 16-byte chunk ``c`` of a head (8 dims) and its rotate-half partner ``c + D / 16``, so
     ``D / 16`` consecutive lanes hold a head (their shuffles sum its squares) and every load and
-    store is 16 bytes: a warp a head moved 256 bytes in 2-byte pieces, too little in flight to keep
-    HBM busy on thousands of rows. The squares add in another order than ``rope_kv``'s, so a value
-    may land one bf16 step from its result. Launch: grid ``(ceil(rows * (H + 2 KV) * D / 16 /
-    threads),)``, block ``meta["threads"]``; ``D`` a multiple of 16 that divides 512."""
+    store is 16 bytes. Blocks along x cover a row's heads, along y its rows (``rope_chunks_grid``),
+    so a thread finds its head, chunk and row with shifts, not divisions: three 64-bit divisions a
+    thread had cost about a third of the kernel. The squares add in another order than ``rope_kv``'s,
+    so a value may land one bf16 step from its result. ``D`` a multiple of 16 that divides 512;
+    ``page_size`` a power of two."""
     lanes = head_dim >> 4
-    t = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+    lane_shift = 0
+    while (1 << lane_shift) < lanes:
+        lane_shift += 1
+    page_shift = 0
+    while (1 << page_shift) < page_size:
+        page_shift += 1
+    t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     heads = n_heads + 2 * n_kv
-    c = int32(t % lanes)
-    head = int32((t // lanes) % heads)
-    row = t // (int64(lanes) * heads)
+    c = t & (lanes - 1)
+    head = t >> lane_shift
+    valid = head < heads  # whole lane groups: the shuffles stay inside a head's lanes
     half = head_dim >> 1
     is_q = head < n_heads
     is_v = head >= n_heads + n_kv
     x = cuda.local.array(16, float32)  # dims 8c..8c+7, then their partners half + 8c..
     cs = cuda.local.array(16, float32)  # cos (8), then sin (8) of dims 8c..8c+7
-    at = row * (heads * head_dim) + head * head_dim + 8 * c  # element index of the first chunk
-    pos = int32(0)
-    dst = int64(0)
-    if row < n_rows:
-        for h in range(2):
-            w0, w1, w2, w3 = load_u32x4(qkv, at + h * half)
-            x[8 * h], x[8 * h + 1] = bf16_lo(w0), bf16_hi(w0)
-            x[8 * h + 2], x[8 * h + 3] = bf16_lo(w1), bf16_hi(w1)
-            x[8 * h + 4], x[8 * h + 5] = bf16_lo(w2), bf16_hi(w2)
-            x[8 * h + 6], x[8 * h + 7] = bf16_lo(w3), bf16_hi(w3)
-        pos = positions[row]
-        if not is_v:
+    for row in range(cuda.blockIdx.y, n_rows, cuda.gridDim.y):
+        at = int64(row) * (heads * head_dim) + head * head_dim + 8 * c  # element index of the first chunk
+        dst = int64(0)
+        if valid:
             for h in range(2):
-                table = cos_t if h == 0 else sin_t
-                a0, a1, a2, a3 = load_f32x4(table, pos * half + 8 * c)
-                a4, a5, a6, a7 = load_f32x4(table, pos * half + 8 * c + 4)
-                cs[8 * h], cs[8 * h + 1], cs[8 * h + 2], cs[8 * h + 3] = a0, a1, a2, a3
-                cs[8 * h + 4], cs[8 * h + 5], cs[8 * h + 6], cs[8 * h + 7] = a4, a5, a6, a7
-        if not is_q:  # where k / v go: [page][layer][K|V][kv_head][slot][D]
-            page = int64(page_tables[row_table[row] * max_pages + pos // page_size])
-            kv_head = head - n_heads - (n_kv if is_v else 0)
-            base = page * page_stride + (int64(n_kv) * page_size * head_dim if is_v else int64(0))
-            dst = base + (int64(kv_head) * page_size + pos % page_size) * head_dim + 8 * c
-    else:
-        for e in range(16):
-            x[e] = float32(0.0)
-    if has_bias != 0 and row < n_rows:
-        col = head * head_dim + 8 * c
-        for e in range(16):
-            x[e] += bias[col + (e >> 3) * half + (e & 7)]
-    # Every lane shuffles (the heads of a warp may be q, k and v at once); only q and k use the sum.
-    total = float32(0.0)
-    for e in range(16):
-        total += x[e] * x[e]
-    offset = 1
-    while offset < lanes:
-        total += cuda.shfl_xor_sync(0xFFFFFFFF, total, offset)
-        offset <<= 1
-    if row >= n_rows:
-        return
-    if has_norm != 0 and not is_v:
-        inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
-        weight = q_norm if is_q else k_norm
-        for e in range(16):
-            x[e] = x[e] * inv * weight[(e >> 3) * half + 8 * c + (e & 7)]
-    if not is_v:
-        for e in range(8):
-            a, b = x[e], x[8 + e]
-            x[e], x[8 + e] = a * cs[e] - b * cs[8 + e], b * cs[e] + a * cs[8 + e]
-    for h in range(2):
-        w0 = pack_bf16x2(x[8 * h], x[8 * h + 1])
-        w1 = pack_bf16x2(x[8 * h + 2], x[8 * h + 3])
-        w2 = pack_bf16x2(x[8 * h + 4], x[8 * h + 5])
-        w3 = pack_bf16x2(x[8 * h + 6], x[8 * h + 7])
-        if is_q:  # back in place
-            store_u32x4(qkv, at + h * half, w0, w1, w2, w3)
+                w0, w1, w2, w3 = load_u32x4(qkv, at + h * half)
+                x[8 * h], x[8 * h + 1] = bf16_lo(w0), bf16_hi(w0)
+                x[8 * h + 2], x[8 * h + 3] = bf16_lo(w1), bf16_hi(w1)
+                x[8 * h + 4], x[8 * h + 5] = bf16_lo(w2), bf16_hi(w2)
+                x[8 * h + 6], x[8 * h + 7] = bf16_lo(w3), bf16_hi(w3)
+            pos = positions[row]
+            if not is_v:
+                for h in range(2):
+                    table = cos_t if h == 0 else sin_t
+                    a0, a1, a2, a3 = load_f32x4(table, pos * half + 8 * c)
+                    a4, a5, a6, a7 = load_f32x4(table, pos * half + 8 * c + 4)
+                    cs[8 * h], cs[8 * h + 1], cs[8 * h + 2], cs[8 * h + 3] = a0, a1, a2, a3
+                    cs[8 * h + 4], cs[8 * h + 5], cs[8 * h + 6], cs[8 * h + 7] = a4, a5, a6, a7
+            if not is_q:  # where k / v go: [page][layer][K|V][kv_head][slot][D]
+                page = int64(page_tables[row_table[row] * max_pages + (pos >> page_shift)])
+                kv_head = head - n_heads - (n_kv if is_v else 0)
+                base = page * page_stride + (int64(n_kv) * page_size * head_dim if is_v else int64(0))
+                dst = base + (int64(kv_head) * page_size + (pos & (page_size - 1))) * head_dim + 8 * c
+            if has_bias != 0:
+                col = head * head_dim + 8 * c
+                for e in range(16):
+                    x[e] += bias[col + (e >> 3) * half + (e & 7)]
         else:
-            store_u32x4(kc, dst + h * half, w0, w1, w2, w3)
+            for e in range(16):
+                x[e] = float32(0.0)
+        # Every lane shuffles (the heads of a warp may be q, k and v at once); only q and k use the sum.
+        total = float32(0.0)
+        for e in range(16):
+            total += x[e] * x[e]
+        offset = 1
+        while offset < lanes:
+            total += cuda.shfl_xor_sync(0xFFFFFFFF, total, offset)
+            offset <<= 1
+        if valid:
+            if has_norm != 0 and not is_v:
+                inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
+                weight = q_norm if is_q else k_norm
+                for e in range(16):
+                    x[e] = x[e] * inv * weight[(e >> 3) * half + 8 * c + (e & 7)]
+            if not is_v:
+                for e in range(8):
+                    a, b = x[e], x[8 + e]
+                    x[e], x[8 + e] = a * cs[e] - b * cs[8 + e], b * cs[e] + a * cs[8 + e]
+            for h in range(2):
+                w0 = pack_bf16x2(x[8 * h], x[8 * h + 1])
+                w1 = pack_bf16x2(x[8 * h + 2], x[8 * h + 3])
+                w2 = pack_bf16x2(x[8 * h + 4], x[8 * h + 5])
+                w3 = pack_bf16x2(x[8 * h + 6], x[8 * h + 7])
+                if is_q:  # back in place
+                    store_u32x4(qkv, at + h * half, w0, w1, w2, w3)
+                else:
+                    store_u32x4(kc, dst + h * half, w0, w1, w2, w3)
 
 
 _META = {"heads_per_block": HEADS_PER_BLOCK, "threads": 32 * HEADS_PER_BLOCK}
 KERNELS = {
     "rope_kv_bf16": (make_rope_kv(store_bf16), _signature(U16P), _META),
     "rope_kv_bf16_qkv_bf16": (rope_kv_chunks_bf16, (U16P,) + _signature(U16P)[1:] + (int32,),
-                              {"threads": 256, "dims_per_thread": 16}),
+                              {"threads": ROPE_CHUNK_THREADS, "dims_per_thread": 16}),
     "rope_kv_f32": (make_rope_kv(store_f32), _signature(F32P), _META),
 }

@@ -322,9 +322,10 @@ def test_rope_from_bf16_qkv_is_the_fp32_kernel_rounded(gpu, group, head_dim):
         args = (qkv_dev, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), pool, page_elems,
                 gpu.put(tables), max_pages, gpu.put(row_table), gpu.put(positions), H, KV, D, ps, 1, 1, 1e-6)
         if "dims_per_thread" in rope.meta:
-            threads = rope.meta["threads"]
-            gpu.launch(name, (-(-(rows * (H + 2 * KV) * D // rope.meta["dims_per_thread"]) // threads),), (threads,),
-                       args + (rows,))
+            from ninfer.backends.cuda.forward import rope_chunks_grid
+
+            grid = rope_chunks_grid(rope.meta, rows, H + 2 * KV, D)
+            gpu.launch(name, (grid[0], min(grid[1], 4)), (rope.meta["threads"],), args + (rows,))  # rows loop over y
         else:
             gpu.launch(name, (rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), args)
         q = gpu.get(qkv_dev, qkv_in.dtype, (rows + (5 if qkv_in.dtype == np.uint16 else 0), qkv_in.shape[1]))

@@ -23,6 +23,7 @@ GEMV_VARIANT = "_c4"  # 4 columns per block: faster than 8 at every M on the H20
 # graph serves every context: decode picks a split length per step (``decode_split``), prefill has
 # many rows and bounds its partials with long splits.
 MIN_SPLIT = 32
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y and z
 MAX_DECODE_SPLITS = 64
 # Shallower decode graphs than the full depth (Forward.decode_depths). Dense at the short end: batch 8
 # at 512 keys needs 5 splits, and a depth-8 grid (512 blocks of decode_attention, more than the 396
@@ -39,6 +40,12 @@ PREFILL_SPLIT = 256
 # 160 (5.61 against 5.75 ms a step, fifth session), and batch 4 splits of 64, not 96 (5.23 / 5.25).
 DECODE_ATTENTION_BLOCKS = 320
 LONG_SPLIT = 512
+
+
+def rope_chunks_grid(meta: dict, rows: int, heads: int, head_dim: int) -> tuple[int, int]:
+    """The grid of the chunked rope (``rope_kv_bf16_qkv_bf16``, its ``meta``): blocks along x over a
+    row's ``heads`` (q, k and v) of ``head_dim``, along y over the rows (looping past CUDA's 65535)."""
+    return -(-(heads * head_dim // meta["dims_per_thread"]) // meta["threads"]), min(rows, MAX_GRID_Y)
 
 
 def split_length(length: int, splits: int) -> int:
@@ -341,9 +348,8 @@ class Forward:
                      b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)
         if bf16:  # a thread per 16 dims of a head (rope.py, rope_kv_chunks_bf16)
             rope = k[self.rope_name + "_qkv_bf16"]
-            threads = rope.meta["threads"]
-            rope.launch((-(-(rows * (H + 2 * KV) * D // rope.meta["dims_per_thread"]) // threads),), (threads,),
-                        (*rope_args, rows), stream)
+            rope.launch(rope_chunks_grid(rope.meta, rows, H + 2 * KV, D), (rope.meta["threads"],), (*rope_args, rows),
+                        stream)
         else:
             rope = k[self.rope_name]
             rope.launch((rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), rope_args,
