@@ -150,6 +150,65 @@ def rmsnorm_rows_bf16(out, x, weight, rows, hidden, eps):
         normalize_row(out, x, weight, row, lane, hidden, eps)
 
 
+# rmsnorm_block_bf16: threads a block (a row at a time), 8-element octets a thread holds in registers
+# (so rows up to 128 * 8 * 4 = 4096 wide), and the most blocks a launch (they loop over the rows).
+BLOCK_NORM_THREADS = 128
+BLOCK_NORM_OCTETS = 4
+BLOCK_NORM_WARPS = BLOCK_NORM_THREADS // 32
+BLOCK_NORM_BLOCKS = 1056
+
+
+def rmsnorm_block_bf16(out, x, weight, rows, hidden, eps):
+    """``rmsnorm_rows_bf16``'s result (``hidden`` a multiple of 8, at most BLOCK_NORM_THREADS * 8 *
+    BLOCK_NORM_OCTETS) in one pass over x: a block takes a row at a time, each thread its octets
+    ``tid + BLOCK_NORM_THREADS * j`` as 16-byte loads kept in registers, so the row is read once (the
+    warp-a-row kernel reads it twice, the second time from L1 or L2) and the weights once a block.
+    The warps' sums meet in shared memory (two slots, by row parity: one barrier a row). Launch: grid
+    ``(min(rows, meta["blocks"]),)``, block BLOCK_NORM_THREADS."""
+    tid = cuda.threadIdx.x
+    lane = tid & 31
+    warp = tid >> 5
+    octets = hidden >> 3
+    sums = cuda.shared.array((2, BLOCK_NORM_WARPS), float32)
+    xs = cuda.local.array((BLOCK_NORM_OCTETS, 8), float32)
+    ws = cuda.local.array((BLOCK_NORM_OCTETS, 8), float32)
+    for j in range(BLOCK_NORM_OCTETS):
+        o = tid + BLOCK_NORM_THREADS * j
+        if o < octets:
+            ws[j, 0], ws[j, 1], ws[j, 2], ws[j, 3] = load_f32x4(weight, 8 * o)
+            ws[j, 4], ws[j, 5], ws[j, 6], ws[j, 7] = load_f32x4(weight, 8 * o + 4)
+    parity = 0
+    for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+        base = int64(row) * hidden
+        for j in range(BLOCK_NORM_OCTETS):  # every load out before the first use
+            o = tid + BLOCK_NORM_THREADS * j
+            if o < octets:
+                xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3] = load_f32x4(x, base + 8 * o)
+                xs[j, 4], xs[j, 5], xs[j, 6], xs[j, 7] = load_f32x4(x, base + 8 * o + 4)
+        acc = float32(0.0)
+        for j in range(BLOCK_NORM_OCTETS):
+            if tid + BLOCK_NORM_THREADS * j < octets:
+                for e in range(8):
+                    acc += xs[j, e] * xs[j, e]
+        acc = warp_sum(acc)
+        if lane == 0:
+            sums[parity, warp] = acc
+        cuda.syncthreads()
+        total = float32(0.0)
+        for w in range(BLOCK_NORM_WARPS):
+            total += sums[parity, w]
+        inv = float32(1.0) / math.sqrt(total / float32(hidden) + eps)
+        for j in range(BLOCK_NORM_OCTETS):
+            o = tid + BLOCK_NORM_THREADS * j
+            if o < octets:
+                w0 = pack_bf16x2(xs[j, 0] * inv * ws[j, 0], xs[j, 1] * inv * ws[j, 1])
+                w1 = pack_bf16x2(xs[j, 2] * inv * ws[j, 2], xs[j, 3] * inv * ws[j, 3])
+                w2 = pack_bf16x2(xs[j, 4] * inv * ws[j, 4], xs[j, 5] * inv * ws[j, 5])
+                w3 = pack_bf16x2(xs[j, 6] * inv * ws[j, 6], xs[j, 7] * inv * ws[j, 7])
+                store_u32x4(out, (base >> 1) + 4 * o, w0, w1, w2, w3)
+        parity ^= 1
+
+
 def make_add_rmsnorm(store):
     norm_store = make_norm_store(store)
 
@@ -283,6 +342,9 @@ KERNELS = {
     "add_rmsnorm_bf16": (make_add_rmsnorm(store_bf16), (F32P, F32P, U16P, F32P, int32, float32), {"grid_wait": 1}),
     "rmsnorm_rows_bf16": (rmsnorm_rows_bf16, (U32P, F32P, F32P, int32, int32, float32),
                           {"threads": 32 * ROW_NORM_WARPS, "rows": ROW_NORM_WARPS, "blocks": ROW_NORM_BLOCKS}),
+    "rmsnorm_block_bf16": (rmsnorm_block_bf16, (U32P, F32P, F32P, int32, int32, float32),
+                           {"threads": BLOCK_NORM_THREADS, "blocks": BLOCK_NORM_BLOCKS,
+                            "max_hidden": BLOCK_NORM_THREADS * 8 * BLOCK_NORM_OCTETS}),
     # The prefill's: gate and up as the bf16 its cuBLASLt GEMM wrote (half the bytes of fp32 both ways).
     "silu_mul_bf16": (silu_mul_bf16, (U16P, U16P, int32), {"items": 8 * SILU_CHUNKS}),
     "count_tokens": (count_tokens, (I32P, I32P, I32P, I32P, I32P, int32, int32)),

@@ -194,21 +194,25 @@ def test_bf16_norms_and_silu_round_the_fp32_result(gpu, hidden):
     same(gpu.get(out, np.float32, (rows, hidden)))
 
 
-@pytest.mark.parametrize("hidden", [4, 100, 4096, 9000])
-def test_row_norm_rounds_the_fp32_result(gpu, hidden):
-    """``rmsnorm_rows_bf16`` (a warp a row, the prefill's norm) against the fp32 ``rmsnorm`` rounded to
-    bf16: its sum of squares adds in another order, so a value may land one bf16 step away."""
+@pytest.mark.parametrize("name,hidden", [("rmsnorm_rows_bf16", 4), ("rmsnorm_rows_bf16", 100),
+                                         ("rmsnorm_rows_bf16", 4096), ("rmsnorm_rows_bf16", 9000),
+                                         ("rmsnorm_block_bf16", 8), ("rmsnorm_block_bf16", 1000),
+                                         ("rmsnorm_block_bf16", 4096)])
+def test_row_norm_rounds_the_fp32_result(gpu, name, hidden):
+    """The prefill's norms (``rmsnorm_rows_bf16``: a warp a row; ``rmsnorm_block_bf16``: a block a row
+    from registers) against the fp32 ``rmsnorm`` rounded to bf16: their sums of squares add in another
+    order, so a value may land one bf16 step away."""
     rng = np.random.default_rng(hidden + 2)
-    rows, eps = 19, 1e-6  # not a multiple of the block's 8 rows
+    rows, eps = 19, 1e-6  # not a multiple of the rows kernel's 8 rows a block
     x = gpu.put(rng.standard_normal((rows, hidden)).astype(np.float32) * 3)
     w = gpu.put((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     out = gpu.empty(rows * hidden * 4)
     gpu.launch("rmsnorm", (rows,), (1024,), (out, x, w, hidden, eps))
-    meta = gpu.kernels["rmsnorm_rows_bf16"].meta
+    meta = gpu.kernels[name].meta
     want = from_float32(gpu.get(out, np.float32, (rows, hidden))).astype(np.int32)
-    for blocks in (-(-rows // meta["rows"]), 1):  # a warp a row; one block's warps taking several rows each
+    for blocks in (-(-rows // meta.get("rows", 1)), 1):  # every row at once; one block taking every row
         out_bf16 = gpu.put(np.zeros((rows, hidden), np.uint16))
-        gpu.launch("rmsnorm_rows_bf16", (blocks,), (meta["threads"],), (out_bf16, x, w, rows, hidden, eps))
+        gpu.launch(name, (blocks,), (meta["threads"],), (out_bf16, x, w, rows, hidden, eps))
         got = gpu.get(out_bf16, np.uint16, (rows, hidden)).astype(np.int32)
         assert np.abs(got - want).max() <= 1
         assert np.mean(got != want) < 1e-2

@@ -279,7 +279,7 @@ class Forward:
 
     def kernel_names(self) -> list[str]:
         names = ["embed", "rmsnorm", "add_rmsnorm", "silu_mul", "count_tokens", "sample_partial", "sample", "to_bf16",
-                 "rmsnorm_bf16", "add_rmsnorm_bf16", "rmsnorm_rows_bf16", "silu_mul_bf16",
+                 "rmsnorm_bf16", "add_rmsnorm_bf16", "rmsnorm_rows_bf16", "rmsnorm_block_bf16", "silu_mul_bf16",
                  "attention_combine", "gemm_tiled", self.attention_name, self.rope_name, self.decode_attention_name]
         if self.prefill_attention_name:
             names += [self.prefill_attention_name, self.prefill_attention_name + "_bf16", self.rope_name + "_qkv_bf16"]
@@ -384,11 +384,15 @@ class Forward:
         normed, act, kind = (b.x_bf16, b.x_bf16, "_bf16") if bf16 else (b.h, b.act, "")
         threads = norm_threads(rows)
         pending = False  # whether ``delta`` holds a product the residual stream has not taken yet
+        block_norm = k["rmsnorm_block_bf16"]  # a block a row from registers (rows up to its max_hidden)
 
         def norm(out: rt.DevicePtr, weight: rt.DevicePtr, kind: str) -> None:
             if pending:
                 k["add_rmsnorm" + kind].launch((rows,), (threads,), (b.x, b.delta, out, weight, c.hidden_size, eps),
                                                stream)
+            elif kind == "_bf16" and c.hidden_size % 8 == 0 and c.hidden_size <= block_norm.meta["max_hidden"]:
+                block_norm.launch((min(rows, block_norm.meta["blocks"]),), (block_norm.meta["threads"],),
+                                  (out, b.x, weight, rows, c.hidden_size, eps), stream)
             elif kind == "_bf16" and c.hidden_size % 4 == 0:  # a warp a row keeps more loads in flight
                 rows_norm = k["rmsnorm_rows_bf16"]
                 blocks = min(-(-rows // rows_norm.meta["rows"]), rows_norm.meta["blocks"])
