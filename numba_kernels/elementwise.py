@@ -91,6 +91,23 @@ ROW_NORM_BLOCKS = 264
 
 
 @cuda.jit(device=True, inline=True)
+def load_octet(dst, j, src, at):
+    """Elements ``at .. at + 7`` of ``src`` (fp32, 16-byte aligned) into ``dst[j, 0..7]``."""
+    dst[j, 0], dst[j, 1], dst[j, 2], dst[j, 3] = load_f32x4(src, at)
+    dst[j, 4], dst[j, 5], dst[j, 6], dst[j, 7] = load_f32x4(src, at + 4)
+
+
+@cuda.jit(device=True, inline=True)
+def store_normed_octet(out, at, xs, ws, j, inv):
+    """bf16(xs[j, e] * inv * ws[j, e]) for e = 0..7 as four bf16 pairs at word ``at`` of ``out``."""
+    w0 = pack_bf16x2(xs[j, 0] * inv * ws[j, 0], xs[j, 1] * inv * ws[j, 1])
+    w1 = pack_bf16x2(xs[j, 2] * inv * ws[j, 2], xs[j, 3] * inv * ws[j, 3])
+    w2 = pack_bf16x2(xs[j, 4] * inv * ws[j, 4], xs[j, 5] * inv * ws[j, 5])
+    w3 = pack_bf16x2(xs[j, 6] * inv * ws[j, 6], xs[j, 7] * inv * ws[j, 7])
+    store_u32x4(out, at, w0, w1, w2, w3)
+
+
+@cuda.jit(device=True, inline=True)
 def normalize_row(out, x, weight, row, lane, hidden, eps):
     """rmsnorm_rows_bf16's work on one row (its warp's)."""
     base = int64(row) * hidden
@@ -113,18 +130,12 @@ def normalize_row(out, x, weight, row, lane, hidden, eps):
             for j in range(ROW_NORM_OCTETS):
                 o = o0 + 32 * j
                 if o < octets:
-                    xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3] = load_f32x4(x, base + 8 * o)
-                    xs[j, 4], xs[j, 5], xs[j, 6], xs[j, 7] = load_f32x4(x, base + 8 * o + 4)
-                    ws[j, 0], ws[j, 1], ws[j, 2], ws[j, 3] = load_f32x4(weight, 8 * o)
-                    ws[j, 4], ws[j, 5], ws[j, 6], ws[j, 7] = load_f32x4(weight, 8 * o + 4)
+                    load_octet(xs, j, x, base + 8 * o)
+                    load_octet(ws, j, weight, 8 * o)
             for j in range(ROW_NORM_OCTETS):
                 o = o0 + 32 * j
                 if o < octets:
-                    w0 = pack_bf16x2(xs[j, 0] * inv * ws[j, 0], xs[j, 1] * inv * ws[j, 1])
-                    w1 = pack_bf16x2(xs[j, 2] * inv * ws[j, 2], xs[j, 3] * inv * ws[j, 3])
-                    w2 = pack_bf16x2(xs[j, 4] * inv * ws[j, 4], xs[j, 5] * inv * ws[j, 5])
-                    w3 = pack_bf16x2(xs[j, 6] * inv * ws[j, 6], xs[j, 7] * inv * ws[j, 7])
-                    store_u32x4(out, (base >> 1) + 4 * o, w0, w1, w2, w3)
+                    store_normed_octet(out, (base >> 1) + 4 * o, xs, ws, j, inv)
     else:
         for q in range(lane, quads, 32):
             a, b, c, d = load_f32x4(x, base + 4 * q)
@@ -175,16 +186,14 @@ def rmsnorm_block_bf16(out, x, weight, rows, hidden, eps):
     for j in range(BLOCK_NORM_OCTETS):
         o = tid + BLOCK_NORM_THREADS * j
         if o < octets:
-            ws[j, 0], ws[j, 1], ws[j, 2], ws[j, 3] = load_f32x4(weight, 8 * o)
-            ws[j, 4], ws[j, 5], ws[j, 6], ws[j, 7] = load_f32x4(weight, 8 * o + 4)
+            load_octet(ws, j, weight, 8 * o)
     parity = 0
     for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
         base = int64(row) * hidden
         for j in range(BLOCK_NORM_OCTETS):  # every load out before the first use
             o = tid + BLOCK_NORM_THREADS * j
             if o < octets:
-                xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3] = load_f32x4(x, base + 8 * o)
-                xs[j, 4], xs[j, 5], xs[j, 6], xs[j, 7] = load_f32x4(x, base + 8 * o + 4)
+                load_octet(xs, j, x, base + 8 * o)
         acc = float32(0.0)
         for j in range(BLOCK_NORM_OCTETS):
             if tid + BLOCK_NORM_THREADS * j < octets:
@@ -201,11 +210,7 @@ def rmsnorm_block_bf16(out, x, weight, rows, hidden, eps):
         for j in range(BLOCK_NORM_OCTETS):
             o = tid + BLOCK_NORM_THREADS * j
             if o < octets:
-                w0 = pack_bf16x2(xs[j, 0] * inv * ws[j, 0], xs[j, 1] * inv * ws[j, 1])
-                w1 = pack_bf16x2(xs[j, 2] * inv * ws[j, 2], xs[j, 3] * inv * ws[j, 3])
-                w2 = pack_bf16x2(xs[j, 4] * inv * ws[j, 4], xs[j, 5] * inv * ws[j, 5])
-                w3 = pack_bf16x2(xs[j, 6] * inv * ws[j, 6], xs[j, 7] * inv * ws[j, 7])
-                store_u32x4(out, (base >> 1) + 4 * o, w0, w1, w2, w3)
+                store_normed_octet(out, (base >> 1) + 4 * o, xs, ws, j, inv)
         parity ^= 1
 
 
