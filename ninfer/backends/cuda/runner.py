@@ -171,6 +171,7 @@ class CudaRunner:
         self._outs = [device.pinned(4 * max_batch).view(np.int32) for _ in range(2)]  # a side each
         self._out = self._outs[0]  # a prefill's sampled token
         self._done = [device.event() for _ in range(2)]  # a side's step has finished
+        self._uploaded = device.event()  # a prefill sub-chunk's inputs have been copied (unrecorded: no wait)
         self._pending: collections.deque = collections.deque()  # (side, lanes, logits) of launched steps
         self._launched = 0
         self._decode_rows = np.arange(max_batch, dtype=np.int32)  # a decode step's row r is sequence r
@@ -226,19 +227,25 @@ class CudaRunner:
         logits = np.empty((tokens.size, self.info.vocab_size), np.float32) if chunk.return_logits else None
         for first in range(0, tokens.size, b.rows):
             n = min(b.rows, tokens.size - first)
+            # The pinned inputs are rewritten only once the device has copied them in (not once the
+            # sub-chunk before has run): the device goes on from one sub-chunk to the next, and into
+            # the sampling, without waiting for the host.
+            rt.wait_event(self._uploaded)
             inp.tokens[:n] = tokens[first:first + n]
             inp.positions[:n] = positions[first:first + n]
             inp.row_table[:n] = 0
             inp.split[0] = PREFILL_SPLIT
             self._fill_table(0, table[0])
             inp.upload(stream)
+            rt.check(rt.cu.cuEventRecord(self._uploaded, stream), "cuEventRecord")
             self.forward.layers(n, stream)
             if logits is not None:
                 for r in range(0, n, b.logit_rows):
                     m = min(b.logit_rows, n - r)
                     self.forward.logits(r, m, stream)
                     rt.copy_d2h(logits[first + r:first + r + m], b.logits, stream)
-            rt.synchronize(stream)  # the pinned inputs are rewritten by the next sub-chunk
+                rt.synchronize(stream)  # into the caller's (pageable) array
+        rt.wait_event(self._uploaded)  # the inputs are free for the sampling's, or the next call's
         out = np.empty(0, dtype=np.int32)
         if chunk.sample is not None:
             self._fill_sampling(0, chunk.lane, chunk.sample)
