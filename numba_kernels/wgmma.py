@@ -133,7 +133,7 @@ def make_mma_rs(n, trans_b, flagged=False):
 
     def codegen(context, builder, signature, args):
         pointers, values = _array_values(context, builder, signature.args[0], args[0], regs)
-        operands = [context.cast(builder, v, t, t) for v, t in zip(args[1:], signature.args[1:])]
+        operands = list(args[1:])  # the declared types already
         a = 2 * regs
         asm = (f"{{ .reg .pred p; setp.ne.b32 p, ${a + 5}, 0; "
                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 ACC, "
