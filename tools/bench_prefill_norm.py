@@ -19,6 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from tools.bench_prefill_attention import time_ms  # noqa: E402
 
 KERNELS = ("rmsnorm_rows_bf16", "rmsnorm_block_bf16")
 
@@ -41,7 +42,6 @@ def main(argv=None) -> int:
     rt.copy_h2d(x, rng.standard_normal(rows * hidden).astype(np.float32), stream)
     rt.copy_h2d(weight, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32), stream)
     rt.synchronize(stream)
-    start, stop = device.event(timing=True), device.event(timing=True)
 
     def launch(name: str) -> None:
         kernel = kernels[name]
@@ -51,13 +51,7 @@ def main(argv=None) -> int:
     moved = rows * hidden * (4 + 2)  # bytes: x read, the bf16 result written
     for _ in range(args.rounds):
         for name in KERNELS:
-            launch(name)  # warm-up
-            rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-            for _ in range(args.loops):
-                launch(name)
-            rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-            rt.synchronize(stream)
-            ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / args.loops
+            ms = time_ms(device, stream, lambda: launch(name), args.loops)  # after one warm-up launch
             print(f"{name}: {ms * 1e3:.1f} us a norm, {moved / ms / 1e9:.2f} TB/s", flush=True)
     return 0
 
