@@ -58,7 +58,7 @@ from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, I32P, U32P, asm_statement
+from numba_kernels.common import F32P, I32P, U32P, asm_statement, warp_max
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2
 
 NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
@@ -214,13 +214,26 @@ cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(
 def row_run(sh_table, sh_pos, seg, rows, la):
     """The run of a block's rows that starts at ``seg`` (rows of one sequence: one ``row_table``
     entry): (its table, its end, its largest position, this lane's two rows' positions ``la`` and
-    ``la + 8`` (-1 outside the run), the largest and smallest of those over the warp)."""
+    ``la + 8`` (-1 outside the run), the largest and smallest of those over the warp).
+
+    The warp looks at 32 rows a step (lane l at row b + l) and a ballot finds the first row that is
+    not the run's: four steps for 128 rows, where a row at a time was a chain of 128 dependent
+    shared loads that every block waited for before its first tile."""
     table = sh_table[seg]
-    end = seg
+    lane = int32(cuda.laneid)
+    end = int32(rows)
     last = int32(-1)
-    while end < rows and sh_table[end] == table:
-        last = max(last, sh_pos[end])
-        end += 1
+    b = int32(seg)
+    while b < end:  # warp-uniform
+        r = b + lane
+        inside = r < rows and sh_table[r] == table
+        outside = cuda.ballot_sync(0xFFFFFFFF, not inside)
+        if outside != 0:
+            end = b + int32(cuda.clz(cuda.brev(outside)))  # the lowest lane outside the run
+        if r < end:
+            last = max(last, sh_pos[r])
+        b += 32
+    last = warp_max(last)
     pos_a = sh_pos[la] if seg <= la < end else int32(-1)
     pos_b = sh_pos[la + 8] if seg <= la + 8 < end else int32(-1)
     warp_last = max(pos_a, pos_b)
