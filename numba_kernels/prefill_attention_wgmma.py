@@ -49,7 +49,8 @@ PANEL_ROW = 128  # bytes of a swizzled panel row: 64 bf16
 # multiplies).
 # head_dim -> (warpgroups computing, keys a tile, stages, register cap, hand-over) of the production
 # kernels. On the H200 (tools/bench_prefill_attention.py, Qwen3-8B's 32/8 heads, 8192 tokens; chunks
-# of 1024 in brackets), head_dim 128: "ppq" with 64-key tiles in four stages 415-416 (397) TFLOP/s
+# of 1024 in brackets), head_dim 128: "ppq" with 64-key tiles in four stages 447-450 (426-429) TFLOP/s
+# since a block finds its row run with a ballot (prefill_attention.row_run; 415-416 (397) before),
 # where "pp" read 404 (387-388) in the same runs, and "pp" with the computing warpgroups taking turns
 # to issue their MMAs (FlashAttention-3's ping-pong, named barriers) 400-402 (382-385), 409 (390) with
 # "q"; earlier sessions: "pp" 403-411 (389-393);
