@@ -165,13 +165,6 @@ def rope_kv_chunks_bf16(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, page_stride
                 x[8 * h + 4], x[8 * h + 5] = bf16_lo(w2), bf16_hi(w2)
                 x[8 * h + 6], x[8 * h + 7] = bf16_lo(w3), bf16_hi(w3)
             pos = positions[row]
-            if not is_v:
-                for h in range(2):
-                    table = cos_t if h == 0 else sin_t
-                    a0, a1, a2, a3 = load_f32x4(table, pos * half + 8 * c)
-                    a4, a5, a6, a7 = load_f32x4(table, pos * half + 8 * c + 4)
-                    cs[8 * h], cs[8 * h + 1], cs[8 * h + 2], cs[8 * h + 3] = a0, a1, a2, a3
-                    cs[8 * h + 4], cs[8 * h + 5], cs[8 * h + 6], cs[8 * h + 7] = a4, a5, a6, a7
             if not is_q:  # where k / v go: [page][layer][K|V][kv_head][slot][D]
                 page = int64(page_tables[row_table[row] * max_pages + (pos >> page_shift)])
                 kv_head = head - n_heads - (n_kv if is_v else 0)
@@ -196,9 +189,20 @@ def rope_kv_chunks_bf16(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, page_stride
             if has_norm != 0 and not is_v:
                 inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
                 weight = q_norm if is_q else k_norm
-                for e in range(16):
-                    x[e] = x[e] * inv * weight[(e >> 3) * half + 8 * c + (e & 7)]
+                for q4 in range(4):  # weights of dims 8c + 4 q4.. (low half), then half + 8c + ..
+                    w0, w1, w2, w3 = load_f32x4(weight, (q4 >> 1) * half + 8 * c + 4 * (q4 & 1))
+                    x[4 * q4] = x[4 * q4] * inv * w0
+                    x[4 * q4 + 1] = x[4 * q4 + 1] * inv * w1
+                    x[4 * q4 + 2] = x[4 * q4 + 2] * inv * w2
+                    x[4 * q4 + 3] = x[4 * q4 + 3] * inv * w3
             if not is_v:
+                # cos / sin loaded here, after the shuffles: held across them they cost 16 registers a
+                # thread, and the registers held the kernel to 6 blocks an SM.
+                for q4 in range(2):
+                    c0, c1, c2, c3 = load_f32x4(cos_t, pos * half + 8 * c + 4 * q4)
+                    cs[4 * q4], cs[4 * q4 + 1], cs[4 * q4 + 2], cs[4 * q4 + 3] = c0, c1, c2, c3
+                    s0, s1, s2, s3 = load_f32x4(sin_t, pos * half + 8 * c + 4 * q4)
+                    cs[8 + 4 * q4], cs[9 + 4 * q4], cs[10 + 4 * q4], cs[11 + 4 * q4] = s0, s1, s2, s3
                 for e in range(8):
                     a, b = x[e], x[8 + e]
                     x[e], x[8 + e] = a * cs[e] - b * cs[8 + e], b * cs[e] + a * cs[8 + e]
