@@ -138,6 +138,18 @@ def lds_u32(typingctx, address):
 
 
 @intrinsic
+def sts_u32(typingctx, address, word):
+    """One word to shared byte ``address`` (4-byte aligned)."""
+    sig = types.void(uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        _inline(ir.FunctionType(ir.VoidType(), [_I32] * 2), "st.shared.u32 [$0], $1;", "r,r,~{memory}", args, builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def sts_u32x4(typingctx, address, w0, w1, w2, w3):
     """Four words to shared byte ``address`` (16-byte aligned) in one st.shared.v4."""
     sig = types.void(uint32, uint32, uint32, uint32, uint32)

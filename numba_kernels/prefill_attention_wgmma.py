@@ -26,13 +26,14 @@ import os
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
+from numba_kernels.common import store_u32x4
 from numba_kernels.mbarrier import cp_async_arrive, mbarrier_arrive, mbarrier_init, mbarrier_try_wait
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
                                              exp2_approx, global_address, inverse_row_sums, lds_u32, page_of,
                                              q_pair_bf16,
-                                             q_pair_f32, row_run, shared_address, store_pair_bf16, store_pair_f32,
-                                             sts_u32x4)
+                                             lds_u32x4, q_pair_f32, row_run, shared_address, store_pair_bf16,
+                                             store_pair_f32, sts_u32, sts_u32x4)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
                                  make_setmaxnreg, make_wait, wgmma_commit, wgmma_fence)
 
@@ -311,12 +312,38 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
 
         inv_a, inv_b = inverse_row_sums(l_a, l_b)
         out_w = n_heads * D
+        if BF16:
+            store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, head * D, out_w, warp, lane, t)
+            return
         for db in range(DB):
             col = head * D + db * 8 + 2 * t
             if ra < rows:
                 store_pair(out, int64(ra) * out_w + col, o[db * 4] * inv_a, o[db * 4 + 1] * inv_a)
             if rb < rows:
                 store_pair(out, int64(rb) * out_w + col, o[db * 4 + 2] * inv_b, o[db * 4 + 3] * inv_b)
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, col0, out_w, warp, lane, t):
+        """BF16: the warp's 16 rows of O, normalised and rounded, out through shared memory: each lane
+        puts its pairs where q's rows were (the same swizzled place a 16-byte chunk of q had, so only
+        this warp's rows are touched and a store of 8 rows hits 8 different bank groups), then the
+        warp writes whole 16-byte chunks, a row's 256 bytes by 16 lanes, instead of 4-byte pairs that
+        left half of every 32-byte sector they touched unwritten."""
+        for db in range(DB):
+            for h in range(2):  # rows la and la + 8
+                row = la + 8 * h
+                inv = inv_a if h == 0 else inv_b
+                sts_u32(base + uint32((db >> 3) * Q_PANEL + row * PANEL_ROW + 16 * ((db & 7) ^ (row & 7)) + 4 * t),
+                        pack_bf16x2(o[db * 4 + 2 * h] * inv, o[db * 4 + 2 * h + 1] * inv))
+        cuda.syncwarp()
+        first = la - (lane >> 2)  # the warp's first row in the block
+        for k in range(DG // 2):  # 16 rows x DG chunks over 32 lanes
+            i = lane + 32 * k
+            row = first + i // DG
+            c = i % DG
+            w0, w1, w2, w3 = lds_u32x4(base + uint32((c >> 3) * Q_PANEL + row * PANEL_ROW + 16 * ((c & 7) ^ (row & 7))))
+            if r0 + row < rows:
+                store_u32x4(out, (int64(r0 + row) * out_w + col0 + c * 8) >> 1, w0, w1, w2, w3)
 
     @cuda.jit(device=True, inline=True)
     def stage_at(kv_base, tile):
