@@ -167,7 +167,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                     w1 = q_pair(qkv, at + 2)
                     w2 = q_pair(qkv, at + 4)
                     w3 = q_pair(qkv, at + 6)
-                sts_u32x4(base + uint32((c >> 3) * Q_PANEL + r * PANEL_ROW + 16 * ((c & 7) ^ (r & 7))), w0, w1, w2, w3)
+                sts_u32x4(base + q_place(r, c), w0, w1, w2, w3)
         q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
         if MBAR:
             sh_bars = cuda.shared.array(BARRIERS, uint64)  # full[stage], then empty[stage]
@@ -313,7 +313,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         inv_a, inv_b = inverse_row_sums(l_a, l_b)
         out_w = n_heads * D
         if BF16:
-            store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, head * D, out_w, warp, lane, t)
+            store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, head * D, out_w, lane, t)
             return
         for db in range(DB):
             col = head * D + db * 8 + 2 * t
@@ -323,7 +323,13 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                 store_pair(out, int64(rb) * out_w + col, o[db * 4 + 2] * inv_b, o[db * 4 + 3] * inv_b)
 
     @cuda.jit(device=True, inline=True)
-    def store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, col0, out_w, warp, lane, t):
+    def q_place(row, c):
+        """Byte offset of row ``row``'s 16-byte chunk ``c`` (dims 8c..8c+7) in the q panels: panel c // 8,
+        its row, the chunk swizzled by the row's low bits (wgmma.py's 128-byte swizzle)."""
+        return uint32((c >> 3) * Q_PANEL + row * PANEL_ROW + 16 * ((c & 7) ^ (row & 7)))
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, col0, out_w, lane, t):
         """BF16: the warp's 16 rows of O, normalised and rounded, out through shared memory: each lane
         puts its pairs where q's rows were (the same swizzled place a 16-byte chunk of q had, so only
         this warp's rows are touched and a store of 8 rows hits 8 different bank groups), then the
@@ -333,7 +339,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             for h in range(2):  # rows la and la + 8
                 row = la + 8 * h
                 inv = inv_a if h == 0 else inv_b
-                sts_u32(base + uint32((db >> 3) * Q_PANEL + row * PANEL_ROW + 16 * ((db & 7) ^ (row & 7)) + 4 * t),
+                sts_u32(base + q_place(row, db) + uint32(4 * t),
                         pack_bf16x2(o[db * 4 + 2 * h] * inv, o[db * 4 + 2 * h + 1] * inv))
         cuda.syncwarp()
         first = la - (lane >> 2)  # the warp's first row in the block
@@ -341,7 +347,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             i = lane + 32 * k
             row = first + i // DG
             c = i % DG
-            w0, w1, w2, w3 = lds_u32x4(base + uint32((c >> 3) * Q_PANEL + row * PANEL_ROW + 16 * ((c & 7) ^ (row & 7))))
+            w0, w1, w2, w3 = lds_u32x4(base + q_place(row, c))
             if r0 + row < rows:
                 store_u32x4(out, (int64(r0 + row) * out_w + col0 + c * 8) >> 1, w0, w1, w2, w3)
 
@@ -497,11 +503,9 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         for ks in range(KS):
             for half in range(2):
                 col = ks * 16 + half * 8 + 2 * t
-                chunk = (col & 63) >> 3
                 for r8 in range(2):
                     r = row + 8 * r8
-                    at = base + uint32((col >> 6) * Q_PANEL + r * PANEL_ROW + 16 * (chunk ^ (r & 7)) + 2 * (col & 7))
-                    qa[4 * ks + 2 * half + r8] = lds_u32(at)
+                    qa[4 * ks + 2 * half + r8] = lds_u32(base + q_place(r, col >> 3) + uint32(2 * (col & 7)))
 
     @cuda.jit(device=True, inline=True)
     def issue_values(o, p, kt):
