@@ -18,11 +18,14 @@ import math
 
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
+from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
 from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
                                   launch_dependents, load_f32x4)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
+from numba_kernels.prefill_attention import (cp_async16, cp_async_commit, cp_async_wait, global_address, lds_u32x4,
+                                             shared_address)
 
 GEMV_ROWS = tuple(range(1, 9))
 
@@ -317,11 +320,23 @@ def make_weight_fragments(T: int, load):
     return weight_fragments
 
 
-def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False):
+def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False, RING: int = 0):
     """``keep`` (with ``normed``): a last argument ``kept`` takes rmsnorm(x) * norm_w too, each block
     writing its share of every row's columns, for the kernels after this one that read the
-    normalised rows (the MoE router: its routing and expert GEMMs), so no norm launch precedes it."""
+    normalised rows (the MoE router: its routing and expert GEMMs), so no norm launch precedes it.
+
+    ``RING`` (with ``U == 1``): the operands come through a ring of RING slots of 64 k in shared
+    memory (``ring_bytes``, dynamic) instead of registers. Each warp copies its own slots with
+    ``cp.async`` RING slots ahead: the weight rows as whole 128-byte lines (8 lanes a row, 4 rows an
+    instruction, where the register path's lanes read 64 bytes of each of 16 rows), the slot's
+    activations (zeros past ``rows``) and norm weights; then reads its fragments back after a warp
+    barrier. The first RING slots' weights go out before the wait for the previous kernel."""
     assert normed or not keep
+    assert not RING or (U == 1 and 2 <= RING <= len(cp_async_wait))
+    wait_slot = cp_async_wait[RING - 1] if RING else None
+    SLOT = ring_slot_bytes(T, normed)
+    X_AT = 16 * T * 128  # the slot's activations: 8 rows of 64 fp32 (256 bytes), after the weight rows
+    NORM_AT = X_AT + 8 * 256  # then 64 fp32 norm weights
     THREADS = 32 * W
     SWIGLU = epilogue == "swiglu"
     COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
@@ -330,30 +345,137 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     load_weights = make_weight_fragments(T, load_weights_u64x2)
 
     @cuda.jit(device=True, inline=True)
-    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
-        red = cuda.shared.array((W, T, 16, 8), float32)
-        red_ss = cuda.shared.array((W, 8), float32)
-        inv = cuda.shared.array(8, float32)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
+    def step_mmas(acc, wr, u, xr, xu):
+        """One 32-k step's MMAs: the lane's weight fragments ``wr[u]`` against its activations ``xr[xu]``."""
+        for half in range(2):  # k = 8t+0..3, then 8t+4..7
+            e = 4 * half
+            if TERMS == 3:
+                p0, q0, r0 = split3_bf16x2(xr[xu, e], xr[xu, e + 1])
+                p1, q1, r1 = split3_bf16x2(xr[xu, e + 2], xr[xu, e + 3])
+            else:
+                p0, q0 = split_bf16x2(xr[xu, e], xr[xu, e + 1])
+                p1, q1 = split_bf16x2(xr[xu, e + 2], xr[xu, e + 3])
+            for tt in range(T):
+                a0 = wr[u, tt, 0, 2 * half]
+                a1 = wr[u, tt, 1, 2 * half]
+                a2 = wr[u, tt, 0, 2 * half + 1]
+                a3 = wr[u, tt, 1, 2 * half + 1]
+                c0, c1, c2, c3 = acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3]
+                if TERMS == 3:  # smallest part first: it is added before the big products
+                    c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, r0, r1, c0, c1, c2, c3)
+                c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, q0, q1, c0, c1, c2, c3)
+                c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, p0, p1, c0, c1, c2, c3)
+                acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3] = c0, c1, c2, c3
+
+    @cuda.jit(device=True, inline=True)
+    def weight_row(tt, i, n, k):
+        """Element offset of row ``i`` (0..15) of the block's tile ``tt`` in W (-1: past the matrix)."""
+        if SWIGLU:  # rows 0..7: gate rows j..j+7; 8..15: the matching up rows
+            j = (cuda.blockIdx.x * T + tt) * 8 + (i & 7)
+            return (int64(j) + (i >> 3) * int64(n)) * k if j < n else int64(-1)
+        f = (cuda.blockIdx.x * T + tt) * 16 + i
+        return int64(f) * k if f < n else int64(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_weights(slot_at, w_at, n, k, k0, lane):
+        """Start copying the block's weight rows ``[k0, k0 + 64)`` into a slot: row r (tile-major) at
+        ``r * 128``, its 16-byte chunk q at ``q ^ (4 * (r & 1))`` (rows 2i and 2i + 1, which one
+        fragment load reads together, on different banks)."""
+        q = lane & 7
+        for c in range(4 * T):
+            r = 4 * c + (lane >> 3)
+            at = weight_row(r >> 4, r & 15, n, k)
+            inside = at >= 0 and k0 + 8 * q < k
+            src = w_at + uint64(at + k0 + 8 * q) * uint64(2) if inside else w_at
+            cp_async16(slot_at + uint32(r * 128 + ((q ^ (4 * (r & 1))) << 4)), src, uint32(16) if inside else uint32(0))
+
+    @cuda.jit(device=True, inline=True)
+    def copy_activations(slot_at, x_at, norm_at, rows, k, k0, lane):
+        """Start copying x ``[0:8, k0:k0 + 64)`` (zeros past ``rows`` or k; row r at ``X_AT + 256 r``,
+        chunk q at ``q ^ (r & 1)``) and, when normed, the norm weights of those k into a slot."""
+        q = lane & 15
+        for c in range(4):
+            r = 2 * c + (lane >> 4)
+            inside = r < rows and k0 + 4 * q < k
+            src = x_at + uint64(int64(r) * k + k0 + 4 * q) * uint64(4) if inside else x_at
+            cp_async16(slot_at + uint32(X_AT + r * 256 + ((q ^ (r & 1)) << 4)), src, uint32(16) if inside else uint32(0))
+        if normed and lane < 16:
+            inside = k0 + 4 * q < k
+            src = norm_at + uint64(k0 + 4 * q) * uint64(4) if inside else norm_at
+            cp_async16(slot_at + uint32(NORM_AT + (q << 4)), src, uint32(16) if inside else uint32(0))
+
+    @cuda.jit(device=True, inline=True)
+    def ring_loop(acc, w, x, norm_w, rows, n, k, warp, lane):
+        """The warp's slots (64 k each: ``warp``, ``warp + W``, ...) through its ring; returns the
+        lane's sum of squares of its activations (0 when not normed)."""
+        sh = cuda.shared.array(0, uint32, alignment=16)
+        ring = shared_address(sh) + uint32(warp * RING * SLOT)
+        w_at = global_address(w)
+        g = lane >> 2
+        t = lane & 3
+        mine = (((k + 63) >> 6) - warp + W - 1) // W  # this warp's slots
+        for i in range(RING):  # the weights never depend on the previous kernel: before the wait
+            if i < mine:
+                copy_weights(ring + uint32(i * SLOT), w_at, n, k, (warp + i * W) * 64, lane)
+            cp_async_commit()
+        launch_dependents()
+        grid_dependency_wait()
+        x_at = global_address(x)
+        norm_at = global_address(norm_w)
+        for i in range(RING):
+            if i < mine:
+                copy_activations(ring + uint32(i * SLOT), x_at, norm_at, rows, k, (warp + i * W) * 64, lane)
+            cp_async_commit()
+        wr = cuda.local.array((1, T, 2, 4), uint32)
+        xr = cuda.local.array((1, 8), float32)
+        ss = float32(0.0)
+        for i in range(mine):
+            slot_at = ring + uint32((i % RING) * SLOT)
+            wait_slot()  # this lane's copies of slot i have landed (groups are uniform: RING - 1 newer)
+            cuda.syncwarp()  # ... and every lane's
+            for j in range(2):  # the slot's two 32-k steps: chunk 4j + t of rows g, g + 8 of each tile
+                for tt in range(T):
+                    for h in range(2):
+                        r = 16 * tt + 8 * h + g
+                        at = slot_at + uint32(r * 128 + (((4 * j + t) ^ (4 * (r & 1))) << 4))
+                        wr[0, tt, h, 0], wr[0, tt, h, 1], wr[0, tt, h, 2], wr[0, tt, h, 3] = lds_u32x4(at)
+                for half in range(2):  # x[g, 32j + 8t + 4 half ..]: chunk 8j + 2t + half
+                    at = slot_at + uint32(X_AT + g * 256 + (((8 * j + 2 * t + half) ^ (g & 1)) << 4))
+                    a, b, c, d = lds_u32x4(at)
+                    e = 4 * half
+                    xr[0, e] = libdevice.int_as_float(int32(a))
+                    xr[0, e + 1] = libdevice.int_as_float(int32(b))
+                    xr[0, e + 2] = libdevice.int_as_float(int32(c))
+                    xr[0, e + 3] = libdevice.int_as_float(int32(d))
+                    if normed:
+                        ss += (xr[0, e] * xr[0, e] + xr[0, e + 1] * xr[0, e + 1] + xr[0, e + 2] * xr[0, e + 2]
+                               + xr[0, e + 3] * xr[0, e + 3])
+                        a, b, c, d = lds_u32x4(slot_at + uint32(NORM_AT + ((8 * j + 2 * t + half) << 4)))
+                        xr[0, e] *= libdevice.int_as_float(int32(a))
+                        xr[0, e + 1] *= libdevice.int_as_float(int32(b))
+                        xr[0, e + 2] *= libdevice.int_as_float(int32(c))
+                        xr[0, e + 3] *= libdevice.int_as_float(int32(d))
+                step_mmas(acc, wr, 0, xr, 0)
+            cuda.syncwarp()  # every lane has read the slot: refill it
+            nxt = i + RING
+            if nxt < mine:
+                k0 = (warp + nxt * W) * 64
+                copy_weights(slot_at, w_at, n, k, k0, lane)
+                copy_activations(slot_at, x_at, norm_at, rows, k, k0, lane)
+            cp_async_commit()
+        return ss
+
+    @cuda.jit(device=True, inline=True)
+    def register_loop(acc, w, x, norm_w, rows, n, k, warp, lane):
+        """The warp's 32-k steps (``warp``, ``warp + W``, ...), U steps' weights loaded into registers
+        before their MMAs; returns the lane's sum of squares of its activations (0 when not normed)."""
         g = lane >> 2
         t = lane & 3
         # Element offsets of this lane's two weight rows in each tile (-1: past the matrix).
         row_at = cuda.local.array((T, 2), int64)
         for tt in range(T):
             for h in range(2):
-                i = g + 8 * h
-                if SWIGLU:
-                    j = (cuda.blockIdx.x * T + tt) * 8 + g
-                    row_at[tt, h] = (int64(j) + h * int64(n)) * k if j < n else int64(-1)
-                else:
-                    f = (cuda.blockIdx.x * T + tt) * 16 + i
-                    row_at[tt, h] = int64(f) * k if f < n else int64(-1)
-        acc = cuda.local.array((T, 4), float32)
-        for tt in range(T):
-            for e in range(4):
-                acc[tt, e] = float32(0.0)
+                row_at[tt, h] = weight_row(tt, g + 8 * h, n, k)
         ss = float32(0.0)
         x_row = int64(g) * k
         has_row = g < rows
@@ -375,25 +497,27 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                     for e in range(8):
                         xr[u, e] = float32(0.0)
             for u in range(U):
-                for half in range(2):  # k = 8t+0..3, then 8t+4..7
-                    e = 4 * half
-                    if TERMS == 3:
-                        p0, q0, r0 = split3_bf16x2(xr[u, e], xr[u, e + 1])
-                        p1, q1, r1 = split3_bf16x2(xr[u, e + 2], xr[u, e + 3])
-                    else:
-                        p0, q0 = split_bf16x2(xr[u, e], xr[u, e + 1])
-                        p1, q1 = split_bf16x2(xr[u, e + 2], xr[u, e + 3])
-                    for tt in range(T):
-                        a0 = wr[u, tt, 0, 2 * half]
-                        a1 = wr[u, tt, 1, 2 * half]
-                        a2 = wr[u, tt, 0, 2 * half + 1]
-                        a3 = wr[u, tt, 1, 2 * half + 1]
-                        c0, c1, c2, c3 = acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3]
-                        if TERMS == 3:  # smallest part first: it is added before the big products
-                            c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, r0, r1, c0, c1, c2, c3)
-                        c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, q0, q1, c0, c1, c2, c3)
-                        c0, c1, c2, c3 = mma_bf16_16816(a0, a1, a2, a3, p0, p1, c0, c1, c2, c3)
-                        acc[tt, 0], acc[tt, 1], acc[tt, 2], acc[tt, 3] = c0, c1, c2, c3
+                step_mmas(acc, wr, u, xr, u)
+        return ss
+
+    @cuda.jit(device=True, inline=True)
+    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
+        red = cuda.shared.array((W, T, 16, 8), float32)
+        red_ss = cuda.shared.array((W, 8), float32)
+        inv = cuda.shared.array(8, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        g = lane >> 2
+        t = lane & 3
+        acc = cuda.local.array((T, 4), float32)
+        for tt in range(T):
+            for e in range(4):
+                acc[tt, e] = float32(0.0)
+        if RING:
+            ss = ring_loop(acc, w, x, norm_w, rows, n, k, warp, lane)
+        else:
+            ss = register_loop(acc, w, x, norm_w, rows, n, k, warp, lane)
         for tt in range(T):
             red[warp, tt, g, 2 * t] = acc[tt, 0]
             red[warp, tt, g, 2 * t + 1] = acc[tt, 1]
@@ -466,8 +590,20 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
 MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
-def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False) -> str:
-    return f"mma_gemv_{'normed_' if normed else ''}{'keep_' if keep else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}"
+def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
+                    RING: int = 0) -> str:
+    ring = f"r{RING}" if RING else ""
+    return f"mma_gemv_{'normed_' if normed else ''}{'keep_' if keep else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}{ring}"
+
+
+def ring_slot_bytes(T: int, normed: bool) -> int:
+    """One slot of a RING shape's ring: 16 T weight rows and 8 activation rows of 64 k, the norm's 64."""
+    return 16 * T * 128 + 8 * 256 + (256 if normed else 0)
+
+
+def ring_bytes(normed: bool, T: int, W: int, RING: int) -> int:
+    """Dynamic shared memory of a RING shape: each warp's RING slots."""
+    return W * RING * ring_slot_bytes(T, normed)
 
 
 # The shapes forward.DECODE_GEMMS uses, from tools/bench_decode_gemm.py on the H200: 16 warps with
@@ -481,13 +617,20 @@ def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: 
 # a row instead of 64; slower on every matrix), and the shapes held by ``.maxnreg`` to fewer registers
 # (more blocks an SM, with spills: 5-45% slower).
 MMA_SHAPES = [(1, 8, 2, 3), (1, 16, 4, 3), (4, 4, 1, 3), (4, 8, 1, 3)]
+# (T, W, RING) of the ring shapes (U = 1, three terms).
+# (T, W, U, TERMS, RING) of the ring shapes: t1w8 with 3 slots streams down at batch 8 at 3500 GB/s
+# against 3316 for t1w16u4s3 (tools/bench_decode_gemm.py); see forward.DECODE_GEMMS.
+RING_SHAPES = [(1, 8, 1, 3, 3)]
 FUSIONS = ((False, "store"), (True, "store"), (False, "residual"), (True, "swiglu"))
-for _shape in MMA_SHAPES:
+for _shape in [_s + (0,) for _s in MMA_SHAPES] + RING_SHAPES:
+    _t, _w, _u, _terms, _ring = _shape
     for _normed, _epilogue in FUSIONS:
-        KERNELS[mma_kernel_name(_normed, _epilogue, *_shape)] = (
-            make_mma_gemv(_normed, _epilogue, *_shape), MMA_SIG,
-            {"threads": 32 * _shape[1], "cols": _shape[0] * (8 if _epilogue == "swiglu" else 16),
-             "epilogue": _epilogue, "normed": int(_normed), "terms": _shape[3], "max_rows": 8, "grid_wait": 1})
+        _meta = {"threads": 32 * _w, "cols": _t * (8 if _epilogue == "swiglu" else 16),
+                 "epilogue": _epilogue, "normed": int(_normed), "terms": _terms, "max_rows": 8, "grid_wait": 1}
+        if _ring:
+            _meta["shared"] = ring_bytes(_normed, _t, _w, _ring)
+        KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring)] = (
+            make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring), MMA_SIG, _meta)
 # The MoE router's decode GEMM (ninfer/backends/cuda/moe.py ROUTER_NORMED_DECODE_GEMM): normalises x
 # itself and keeps the normalised rows for the routing and the expert GEMMs. 16 warps of 4 steps load
 # a 2048-wide row in one round: 35B-A3B b1 329.5-331.0 tok/s against 317.9-320.0 with (1, 8, 2), four

@@ -219,7 +219,7 @@ def q_pair_bf16(qkv, index):
 
 cp_async_commit = asm_statement("cp.async.commit_group;")
 # cp_async_wait[n]: every committed group but the newest n has landed
-cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(4))
+cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(8))
 
 
 @cuda.jit(device=True, inline=True)

@@ -107,6 +107,10 @@ _MMA_FROM_3 = {"qkv": "t1w8u2s3", "o": "t1w16u4s3", "gate_up": "t4w4u1s3", "down
                "lm_head": "t4w8u1s3"}
 DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else shape for rows in range(1, GEMV_MAX_ROWS + 1)}
                 for matrix, shape in _MMA_FROM_3.items()}
+# down through the ring of shared memory (``mma_gemv`` RING shapes) from 7 rows: a step of 7 / 8 rows
+# at 512 keys 5.371 -> 5.355 / 5.432 -> 5.404 ms, 8 rows at 4096 keys 9.006 -> 8.960; 5 and 6 rows
+# lose 0.8-1.8% (tools/bench_decode_step.py --gemms down=t1w8u1s3r3, two runs).
+DECODE_GEMMS["down"].update({7: "t1w8u1s3r3", 8: "t1w8u1s3r3"})
 
 
 def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
