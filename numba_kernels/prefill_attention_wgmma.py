@@ -17,6 +17,11 @@ tiles are copied with ``cp.async`` from the pages (a warp's rows from one page);
 cuBLASLt prefill writes) and stored swizzled. How the stages pass between the copying and the
 computing threads is the shape's hand-over (below): head_dim 128 has a copying warpgroup of its own
 and mbarriers, head_dim 64 a block barrier a tile.
+
+A block's work is items (a head and a tile of rows). Launched as a grid of (heads, row tiles) a block
+has one; the shapes with a copying warpgroup are launched persistent (meta ``persistent``: one block an
+SM, ``forward.prefill_attention_grid``), each block taking items in rounds, and the copying warpgroup
+runs on into the next item's tiles while the computing ones finish an item and write it out.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import os
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from numba_kernels.common import store_u32x4
+from numba_kernels.common import asm_statement, store_u32x4
 from numba_kernels.mbarrier import cp_async_arrive, mbarrier_arrive, mbarrier_init, mbarrier_try_wait
 from numba_kernels.mma import pack_bf16x2
 from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
@@ -124,6 +129,10 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
     wait_s_behind_one = make_wait(BK // 2, behind=1)
     wait_all = cp_async_wait[0]
     copier_registers = make_setmaxnreg("dec", 40)
+    # PRODUCER: the computing and the copying warpgroups each meet among themselves (named barriers 1
+    # and 2), never all together after the start, so the copier can run into the next item.
+    compute_threads_barrier = asm_statement(f"bar.sync 1, {Q_THREADS};")
+    copier_barrier = asm_statement(f"bar.sync 2, {COPY_THREADS};")
     mma_registers = make_setmaxnreg("inc", 232)  # 128 x 40 + 256 x 232 = 384 x 168
     if PRODUCER:
         assert WGS == 2 and THREADS == 384
@@ -138,37 +147,9 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         warp = tid >> 5
         lane = tid & 31
         wg = warp >> 2
-        g = lane >> 2
-        t = lane & 3
-        tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
-        head = cuda.blockIdx.x
-        kvh = head // (n_heads // n_kv)
-        r0 = tile * ROWS
-        if tid < ROWS:
-            r = r0 + tid
-            sh_table[tid] = row_table[r] if r < rows else -1
-            sh_pos[tid] = positions[r] if r < rows else -1
         base = (shared_address(sh) + uint32(1023)) & uint32(0xFFFFFC00)
         kv_base = base + uint32(PANELS * Q_PANEL)
-        # q: 16-byte chunk c of row r (8 dims, rounded to bf16) at its swizzled place in panel c // 8.
-        width = (n_heads + 2 * n_kv) * D
-        if not PRODUCER or tid < Q_THREADS:  # the copying warpgroup has no rows
-            for j in range(Q_CHUNKS):
-                i = tid + j * Q_THREADS
-                r = i // DG
-                c = i % DG
-                w0 = uint32(0)
-                w1 = uint32(0)
-                w2 = uint32(0)
-                w3 = uint32(0)
-                if r0 + r < rows:
-                    at = int64(r0 + r) * width + head * D + c * 8
-                    w0 = q_pair(qkv, at)
-                    w1 = q_pair(qkv, at + 2)
-                    w2 = q_pair(qkv, at + 4)
-                    w3 = q_pair(qkv, at + 6)
-                sts_u32x4(base + q_place(r, c), w0, w1, w2, w3)
-        q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
+        bars = uint32(0)
         if MBAR:
             sh_bars = cuda.shared.array(BARRIERS, uint64)  # full[stage], then empty[stage]
             bars = shared_address(sh_bars)
@@ -176,10 +157,104 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                 for st in range(STAGES):
                     mbarrier_init(bars + uint32(8 * st), uint32(COPY_THREADS))  # every copier's copies landed
                     mbarrier_init(bars + uint32(8 * (STAGES + st)), uint32(4 * WGS))  # every MMA warp done
+            fence_proxy_async()
+        cuda.syncthreads()  # the barriers
+        # The block's items (head, row tile), numbered as a grid of (heads, row tiles) with the last row
+        # tile first would run them: launched as that grid a block has one; launched with fewer blocks
+        # ("persistent" in the meta) each takes one of every round of gridDim items, and with a copying
+        # warpgroup the copies of the next item's first tiles run under this item's last MMAs and output.
+        row_tiles = (rows + ROWS - 1) // ROWS
+        items = row_tiles * n_heads
+        block = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+        blocks = cuda.gridDim.x * cuda.gridDim.y
+        rounds = (items + blocks - 1) // blocks
+        if PRODUCER:
+            if wg == WGS:
+                copier_registers()
+                sh_ptable = cuda.shared.array(ROWS, int32)  # the copier's own copy of the item's rows
+                sh_ppos = cuda.shared.array(ROWS, int32)
+                done = int32(0)
+                for turn in range(rounds):
+                    item = item_of(turn, block, blocks)
+                    if item >= items:
+                        break
+                    r0 = (row_tiles - 1 - item // n_heads) * ROWS
+                    kvh = (item % n_heads) // (n_heads // n_kv)
+                    load_rows(sh_ptable, sh_ppos, row_table, positions, r0, rows, tid - Q_THREADS)
+                    copier_barrier()
+                    done = produce(sh_ptable, sh_ppos, bars, kv_base, page_tables, max_pages, kc, kvh, page_stride,
+                                   n_kv, page_shift, warp, lane, done)
+                    copier_barrier()  # its rows are read: the next item may overwrite them
+                return
+            mma_registers()
+        done = int32(0)
+        for turn in range(rounds):
+            item = item_of(turn, block, blocks)
+            if item >= items:
+                break
+            done = compute_item(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, out, rows,
+                                n_heads, n_kv, page_shift, scale_log2, sh_table, sh_pos, sh_last, base, kv_base, bars,
+                                row_tiles - 1 - item // n_heads, item % n_heads, done, tid, warp, lane, wg)
+
+    @cuda.jit(device=True, inline=True)
+    def item_of(turn, block, blocks):
+        """The item ``block`` takes in round ``turn``: rounds go up and down the blocks in turn. Items
+        come longest first (causal rows), so a block that took a longer item of one round takes a
+        shorter one of the next. Taking every gridDim-th item instead left the first blocks more work
+        than the last: 444 TFLOP/s against 463 at 8192 rows (455 as a block an item)."""
+        return turn * blocks + (block if turn % 2 == 0 else blocks - 1 - block)
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(sh_table, sh_pos, row_table, positions, r0, rows, i):
+        """Thread ``i`` (< ROWS does it) puts row r0 + i's table and position (-1 past the rows) into shared memory."""
+        if 0 <= i < ROWS:
+            r = r0 + i
+            sh_table[i] = row_table[r] if r < rows else -1
+            sh_pos[i] = positions[r] if r < rows else -1
+
+    @cuda.jit(device=True, inline=True)
+    def compute_barrier():
+        """The computing threads meet (the whole block where there is no copying warpgroup)."""
+        if PRODUCER:
+            compute_threads_barrier()
+        else:
+            cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def compute_item(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, out, rows, n_heads, n_kv,
+                     page_shift, scale_log2, sh_table, sh_pos, sh_last, base, kv_base, bars, tile, head, done, tid,
+                     warp, lane, wg):
+        """The computing threads' (and, without a copying warpgroup, the copying) work of one item:
+        its rows' attention over the K/V tiles of their runs, written to ``out``. Returns ``done``
+        (the block's tiles so far) advanced past the item's."""
+        g = lane >> 2
+        t = lane & 3
+        kvh = head // (n_heads // n_kv)
+        r0 = tile * ROWS
+        load_rows(sh_table, sh_pos, row_table, positions, r0, rows, tid)
+        # q: 16-byte chunk c of row r (8 dims, rounded to bf16) at its swizzled place in panel c // 8.
+        width = (n_heads + 2 * n_kv) * D
+        for j in range(Q_CHUNKS):
+            i = tid + j * Q_THREADS
+            r = i // DG
+            c = i % DG
+            w0 = uint32(0)
+            w1 = uint32(0)
+            w2 = uint32(0)
+            w3 = uint32(0)
+            if r0 + r < rows:
+                at = int64(r0 + r) * width + head * D + c * 8
+                w0 = q_pair(qkv, at)
+                w1 = q_pair(qkv, at + 2)
+                w2 = q_pair(qkv, at + 4)
+                w3 = q_pair(qkv, at + 6)
+            sts_u32x4(base + q_place(r, c), w0, w1, w2, w3)
+        q_low = descriptor_low(base + uint32(wg * 64 * PANEL_ROW), 16)
+        if MBAR:
             fence_proxy_async()  # q, for the MMAs (no barrier a tile publishes it in this form)
-        cuda.syncthreads()  # sh_table / sh_pos (q is published by the fence and barrier of the first tile)
+        compute_barrier()  # sh_table / sh_pos (q is published by the fence and barrier of the first tile)
         qa = cuda.local.array(QA_REGS, uint32)
-        if QREG and (not PRODUCER or tid < Q_THREADS):
+        if QREG:
             load_q_fragments(qa, base, wg * 64 + (warp & 3) * 16 + (lane >> 2), lane & 3)
 
         o = cuda.local.array(O_REGS, float32)
@@ -196,37 +271,24 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         ra = r0 + la
         rb = ra + 8
 
-        # Copies: rows j0 + c * STEP_ROWS of the tile, chunk lane % DG, at their swizzled places.
-        j0 = int32((warp - COPY_WARP0) * WARP_ROWS + lane // DG)
-        chunk = lane % DG
+        # Copies (without a copying warpgroup): rows j0 + c * STEP_ROWS of the tile, chunk lane % DG.
         copy_dst = cuda.local.array(CHUNKS, uint32)
-        for c in range(CHUNKS):
-            row = j0 + c * STEP_ROWS
-            copy_dst[c] = uint32((chunk >> 3) * KV_PANEL + row * PANEL_ROW + 16 * ((chunk & 7) ^ (row & 7)))
-        # This lane's chunk of K of this kv head in page 0 (64-bit); the distances to V and from page to
-        # page fit 32 bits, which spares registers (the kernel is short of them).
-        k_base = global_address(kc) + uint64(((kvh << page_shift) * D + chunk * 8) * 2)
-        v_bytes = uint32((n_kv << page_shift) * D * 2)
-        stride_bytes = uint32(page_stride * 2)
-        in_page = int32((1 << page_shift) - 1)
-        one_page = (1 << page_shift) >= WARP_ROWS
-        warp_key = int32((warp - COPY_WARP0) * WARP_ROWS)
-        lane_row = int32(lane // DG)
-
-        if PRODUCER:
-            if wg == WGS:
-                copier_registers()
-                produce(sh_table, sh_pos, sh_last, bars, kv_base, copy_dst, one_page, page_tables, max_pages,
-                        k_base, stride_bytes, v_bytes, warp_key, lane_row, page_shift, in_page, warp, lane)
-                return
-            mma_registers()
-        done = int32(0)  # tiles of the runs before (MBAR: stages and phases go on counting across runs)
+        k_base = uint64(0)
+        v_bytes = uint32(0)
+        stride_bytes = uint32(0)
+        in_page = int32(0)
+        one_page = False
+        warp_key = int32(0)
+        lane_row = int32(0)
+        if not PRODUCER:
+            k_base, v_bytes, stride_bytes, in_page, one_page, warp_key, lane_row = copy_plan(
+                copy_dst, kc, kvh, page_stride, n_kv, page_shift, warp, lane)
         seg = 0
         while seg < ROWS and sh_table[seg] >= 0:
             table, end, last, pos_a, pos_b, warp_last, warp_first = row_run(sh_table, sh_pos, seg, ROWS, la)
             if lane == 0:
                 sh_last[warp] = warp_last
-            cuda.syncthreads()
+            compute_barrier()
             # The warpgroup's last position: its MMAs are issued by all four warps or none.
             wg_last = max(max(sh_last[4 * wg], sh_last[4 * wg + 1]), max(sh_last[4 * wg + 2], sh_last[4 * wg + 3]))
             kv_len = int32(last + 1)
@@ -235,6 +297,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
             # The warpgroup's tiles: the causal mask leaves none for it past its last row's position.
             wg_tiles = int32(min(n_tiles, (wg_last + BK) // BK)) if wg_last >= 0 else int32(0)
             if MBAR:
+                page = int32(0)
                 if not PRODUCER:  # the computing warps copy too: the first tiles start flying
                     for st in range(AHEAD):
                         if st < n_tiles:
@@ -263,7 +326,7 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                                                           l_a, l_b, scale_log2)
                     release(bars, done + it, lane)
                 done += n_tiles
-                cuda.syncthreads()
+                compute_barrier()  # sh_last is read: the next run may overwrite it
                 seg = end
                 continue
             for st in range(AHEAD):  # the first tiles start flying
@@ -314,13 +377,34 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         out_w = n_heads * D
         if BF16:
             store_rows_bf16(out, o, base, inv_a, inv_b, la, r0, rows, head * D, out_w, lane, t)
-            return
-        for db in range(DB):
-            col = head * D + db * 8 + 2 * t
-            if ra < rows:
-                store_pair(out, int64(ra) * out_w + col, o[db * 4] * inv_a, o[db * 4 + 1] * inv_a)
-            if rb < rows:
-                store_pair(out, int64(rb) * out_w + col, o[db * 4 + 2] * inv_b, o[db * 4 + 3] * inv_b)
+        else:
+            for db in range(DB):
+                col = head * D + db * 8 + 2 * t
+                if ra < rows:
+                    store_pair(out, int64(ra) * out_w + col, o[db * 4] * inv_a, o[db * 4 + 1] * inv_a)
+                if rb < rows:
+                    store_pair(out, int64(rb) * out_w + col, o[db * 4 + 2] * inv_b, o[db * 4 + 3] * inv_b)
+        compute_barrier()  # every warp's output has left q's place: the next item's q may take it
+        return done
+
+    @cuda.jit(device=True, inline=True)
+    def copy_plan(copy_dst, kc, kvh, page_stride, n_kv, page_shift, warp, lane):
+        """A copying thread's part of every tile: its rows' places in a stage (``copy_dst``), its chunk
+        of K of kv head ``kvh`` in page 0 and the byte distances from there (32-bit: the kernel is short
+        of registers). Returns (k_base, v_bytes, stride_bytes, in_page, one_page, warp_key, lane_row)."""
+        j0 = int32((warp - COPY_WARP0) * WARP_ROWS + lane // DG)
+        chunk = lane % DG
+        for c in range(CHUNKS):
+            row = j0 + c * STEP_ROWS
+            copy_dst[c] = uint32((chunk >> 3) * KV_PANEL + row * PANEL_ROW + 16 * ((chunk & 7) ^ (row & 7)))
+        k_base = global_address(kc) + uint64(((kvh << page_shift) * D + chunk * 8) * 2)
+        v_bytes = uint32((n_kv << page_shift) * D * 2)
+        stride_bytes = uint32(page_stride * 2)
+        in_page = int32((1 << page_shift) - 1)
+        one_page = (1 << page_shift) >= WARP_ROWS
+        warp_key = int32((warp - COPY_WARP0) * WARP_ROWS)
+        lane_row = int32(lane // DG)
+        return k_base, v_bytes, stride_bytes, in_page, one_page, warp_key, lane_row
 
     @cuda.jit(device=True, inline=True)
     def q_place(row, c):
@@ -386,18 +470,18 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
         cp_async_arrive(bars + 8 * stage)
 
     @cuda.jit(device=True, inline=True)
-    def produce(sh_table, sh_pos, sh_last, bars, kv_base, copy_dst, one_page, page_tables, max_pages, k_base,
-                stride_bytes, v_bytes, warp_key, lane_row, page_shift, in_page, warp, lane):
-        """PRODUCER: the copying warpgroup's whole work. It meets the others at the block barriers of
-        each run of rows (the same count of them) and otherwise only through the stages' barriers,
-        running as many tiles ahead as there are stages."""
-        done = int32(0)
+    def produce(sh_table, sh_pos, bars, kv_base, page_tables, max_pages, kc, kvh, page_stride, n_kv, page_shift,
+                warp, lane, done):
+        """PRODUCER: the copying warpgroup's work for one item (its rows in ``sh_table`` / ``sh_pos``,
+        its own copy). It meets the computing warpgroups only through the stages' barriers, running as
+        many tiles ahead as there are stages, into the next item's tiles too. Returns ``done``
+        advanced past the item's tiles."""
+        copy_dst = cuda.local.array(CHUNKS, uint32)
+        k_base, v_bytes, stride_bytes, in_page, one_page, warp_key, lane_row = copy_plan(
+            copy_dst, kc, kvh, page_stride, n_kv, page_shift, warp, lane)
         seg = 0
         while seg < ROWS and sh_table[seg] >= 0:
-            table, end, last, _, _, warp_last, _ = row_run(sh_table, sh_pos, seg, ROWS, 0)
-            if lane == 0:
-                sh_last[warp] = warp_last
-            cuda.syncthreads()
+            table, end, last, _, _, _, _ = row_run(sh_table, sh_pos, seg, ROWS, 0)
             kv_len = int32(last + 1)
             table_base = int32(table * max_pages)
             n_tiles = int32((kv_len + BK - 1) // BK)
@@ -407,8 +491,8 @@ def make_prefill_attention_wgmma(D, WGS, BK, STAGES, HANDOVER, BF16=False):
                        stride_bytes, v_bytes, int32(it * BK + warp_key), lane_row, kv_len, page_shift, in_page)
                 page = page_of(page_tables, table_base, int32(it * BK + BK + warp_key), kv_len, page_shift)
             done += n_tiles
-            cuda.syncthreads()
             seg = end
+        return done
 
     @cuda.jit(device=True, inline=True)
     def score_tile(s, p, o, q_low, qa, kt, k0, warp_first, pos_a, pos_b, t, m_a, m_b, l_a, l_b, scale_log2):
@@ -639,6 +723,8 @@ def _entry(D, wgs, keys, stages, max_registers, handover, out="f32"):
             "shared": shared_bytes(D, wgs, keys, stages), "out": out, "arch": "sm_90a"}
     if max_registers:
         meta["max_registers"] = max_registers
+    if handover.rstrip("q") in ("p", "pp"):  # a copying warpgroup: blocks take item after item, one an SM
+        meta["persistent"] = 1
     return (make_prefill_attention_wgmma(D, wgs, keys, stages, handover, out == "bf16"),
             SIGNATURE_BF16 if out == "bf16" else SIGNATURE, meta)
 

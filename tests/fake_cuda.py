@@ -12,6 +12,8 @@ from ninfer.backends.cuda import runtime as rt
 
 
 class FakeDevice:
+    sm_count = 132  # the H200's
+
     def __init__(self):
         self.next = 1 << 32
 
@@ -44,6 +46,7 @@ class FakeKernels:
         self.overlaps = []  # per launch in ``log``: would it have overlapped its predecessor
         self._kernels = {}
         self.overlap = rt.Overlap()
+        self.device = FakeDevice()
 
     def __getitem__(self, name):
         if name not in self._kernels:

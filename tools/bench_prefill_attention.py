@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.forward import prefill_attention_grid  # noqa: E402
 
 PAGE = 16
 
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--peer", choices=("torch", "none"), default="torch")
     parser.add_argument("--variants", default="", help="comma-separated kernel name suffixes to time too")
+    parser.add_argument("--full-grid", action="store_true",
+                        help="time the persistent kernels launched as a block per (head, row tile) too")
     args = parser.parse_args(argv)
     N, H, KV, D = args.tokens, args.heads, args.kv_heads, args.head_dim
     device = rt.Device(0)
@@ -76,14 +79,18 @@ def main(argv=None) -> int:
     print(f"prefill attention {N} tokens, {H} q heads / {KV} kv heads, head_dim {D}: "
           f"{flops / 1e12:.2f} TFLOP (causal)", flush=True)
     names = [f"prefill_attention_d{D}"] + [f"prefill_attention_d{D}_{v}" for v in args.variants.split(",") if v]
+    runs = [(n, False) for n in names]
+    if args.full_grid:
+        runs += [(n, True) for n in names if kernels[n].meta.get("persistent")]
     firsts = {}
-    for name, chunk in ((n, int(c)) for n in names for c in args.chunks.split(",")):
+    for (name, full), chunk in ((r, int(c)) for r in runs for c in args.chunks.split(",")):
         kernel = kernels[name]
+        meta = {**kernel.meta, "persistent": 0} if full else kernel.meta
 
-        def body(chunk=chunk, kernel=kernel):
+        def body(chunk=chunk, kernel=kernel, meta=meta):
             for first in range(0, N, chunk):
                 n = min(chunk, N - first)
-                kernel.launch((H, -(-n // kernel.meta["rows"])), (kernel.meta["threads"],),
+                kernel.launch(prefill_attention_grid(meta, H, n, device.sm_count), (kernel.meta["threads"],),
                               (qkv.at(first * width * 4), pool, page_elems, table, pages,
                                row_table.at(first * 4), positions.at(first * 4), out.at(first * H * D * 4), n,
                                H, KV, PAGE.bit_length() - 1, scale_log2), stream)
@@ -94,7 +101,7 @@ def main(argv=None) -> int:
         rt.synchronize(stream)
         first = firsts.setdefault(chunk, got)  # every kernel's output against the first kernel's
         diff = float(np.abs(got - first).max())
-        print(f"  {name}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s"
+        print(f"  {name}{' (full grid)' if full else ''}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s"
               f" (max |diff| vs {names[0]}: {diff:.2e})", flush=True)
     if args.peer == "torch":
         import torch

@@ -12,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.cuda
 
 from ninfer.artifact.bf16 import from_float32, to_float32  # noqa: E402
+from ninfer.backends.cuda.forward import prefill_attention_grid  # noqa: E402
 
 PAGE = 16
 LAYERS = 2  # the launch reads layer 1, so the page stride and layer offset are exercised
@@ -63,9 +64,14 @@ def _run_case(gpu, rng, head_dim, group, sequences, kv_heads=2):
     for name in _shapes(gpu, D):
         kernel = gpu.kernels[name]
         q_in = d_qkv16 if kernel.meta.get("out") == "bf16" else d_qkv
-        gpu.launch(name, (H, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
-                   (q_in, kc, page_elems, d_tables, max_pages, d_row_table, d_positions, out, rows, H, KV,
-                    PAGE.bit_length() - 1, float(scale * np.log2(np.e))))
+        args = (q_in, kc, page_elems, d_tables, max_pages, d_row_table, d_positions, out, rows, H, KV,
+                PAGE.bit_length() - 1, float(scale * np.log2(np.e)))
+        if kernel.meta.get("persistent"):  # three blocks taking item after item: the same bits as a block an item
+            gpu.launch(name, prefill_attention_grid(kernel.meta, H, rows, 3), (kernel.meta["threads"],), args)
+            persistent = gpu.get(out, np.uint32, (rows, H, D // (2 if kernel.meta.get("out") == "bf16" else 1)))
+        gpu.launch(name, (H, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],), args)
+        if kernel.meta.get("persistent"):
+            np.testing.assert_array_equal(persistent, gpu.get(out, np.uint32, persistent.shape))
         if kernel.meta.get("out") == "bf16":  # the fp32 kernel's result (it rounds q as from_float32 does) rounded
             bits = gpu.get(out, np.uint16, (rows, H, D))
             np.testing.assert_array_equal(bits, from_float32(outputs[name.removesuffix("_bf16")]))

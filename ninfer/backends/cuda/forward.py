@@ -88,6 +88,16 @@ def attention_splits(max_context: int) -> dict[str, int]:
 PREFILL_ATTENTION = {64: "prefill_attention_d64_wgmma", 128: "prefill_attention_d128_wgmma"}
 
 
+def prefill_attention_grid(meta: dict, heads: int, rows: int, sm_count: int) -> tuple[int, ...]:
+    """The grid of a prefill attention kernel (``meta``) over ``rows`` rows: a block per (head, row
+    tile), or, for a kernel whose blocks take item after item (``meta["persistent"]``: blocks an SM),
+    as many blocks as the GPU holds at once."""
+    tiles = -(-rows // meta["rows"])
+    if meta.get("persistent"):
+        return (min(heads * tiles, sm_count * meta["persistent"]),)
+    return (heads, tiles)
+
+
 def flash_prefill(kv_dtype: str) -> bool:
     """Whether prefill rows take the tensor-core flash kernel (bf16 pool; numba_kernels/prefill_attention.py)
     instead of the split decode kernel, which stays for the f32 pool's bit-comparable parity runs."""
@@ -496,7 +506,8 @@ class Forward:
         kernel = self.k[self.prefill_attention_name + ("_bf16" if bf16 else "")]
         out = b.x_bf16 if bf16 else b.attn
         scale_log2 = float(self.c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
-        kernel.launch((self.c.num_heads, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
+        kernel.launch(prefill_attention_grid(kernel.meta, self.c.num_heads, rows, self.k.device.sm_count),
+                      (kernel.meta["threads"],),
                       (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
                        inp.d_positions, out, rows, self.c.num_heads, self.c.num_kv_heads, self.page_shift,
                        scale_log2), stream)

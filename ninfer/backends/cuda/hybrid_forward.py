@@ -37,7 +37,7 @@ from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS,
                                           PREFILL_ATTENTION, Forward, Inputs, attention_splits, check_vocab, norm_threads,
-                                          sampler_regions, split_length)
+                                          prefill_attention_grid, sampler_regions, split_length)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -273,8 +273,8 @@ class HybridForward(Forward):
         c, b, inp = self.c, self.b, self.b.inputs
         kernel = self.k[self.flash_name]
         scale_log2 = float(c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
-        kernel.launch((c.num_heads, -(-rows // kernel.meta["rows"])), (kernel.meta["threads"],),
-                      (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
+        kernel.launch(prefill_attention_grid(kernel.meta, c.num_heads, rows, self.k.device.sm_count),
+                      (kernel.meta["threads"],), (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
                        inp.d_positions, b.attn_raw, rows, c.num_heads, c.num_kv_heads, self.page_shift,
                        scale_log2), stream)
         count = rows * c.q_size
