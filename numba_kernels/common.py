@@ -257,3 +257,111 @@ def global_timer(typingctx):
         return builder.call(ir.InlineAsm(fnty, "mov.u64 $0, %globaltimer;", "=l", side_effect=True), [])
 
     return sig, codegen
+
+
+# -- shared-memory addresses, loads, stores and copies -----------------------------------------------
+# Kernels that manage their own shared memory (the tensor-core attention and GEMV kernels) address it
+# by 32-bit shared-window byte addresses, and copy global memory into it with ``cp.async`` in commit
+# groups (``cp_async_wait[n]``: every group but the newest n has landed).
+
+def inline_asm(fnty, text, constraints, args, builder, side_effect=True):
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+
+
+@intrinsic
+def shared_address(typingctx, array):
+    """The 32-bit shared-window byte address of a shared array's first element: shared loads and
+    copies then address it with 32-bit adds and immediate offsets instead of 64-bit generic math."""
+    sig = uint32(array)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        generic = builder.ptrtoint(data, I64)
+        return inline_asm(ir.FunctionType(I32, [I64]),
+                       "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l", [generic], builder,
+                       side_effect=False)
+
+    return sig, codegen
+
+
+@intrinsic
+def global_address(typingctx, pointer):
+    """A global pointer as an integer, for byte arithmetic that stays in registers."""
+    sig = uint64(pointer)
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], I64)
+
+    return sig, codegen
+
+
+@intrinsic
+def lds_u32x4(typingctx, address):
+    """Four words at shared byte ``address`` (16-byte aligned) in one ld.shared.v4."""
+    sig = types.UniTuple(uint32, 4)(uint32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
+        call = inline_asm(fnty, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", args, builder)
+        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def lds_u32(typingctx, address):
+    """The word at shared byte ``address`` (4-byte aligned)."""
+    sig = uint32(uint32)
+
+    def codegen(context, builder, signature, args):
+        return inline_asm(ir.FunctionType(I32, [I32]), "ld.shared.u32 $0, [$1];", "=r,r", args, builder)
+
+    return sig, codegen
+
+
+@intrinsic
+def sts_u32(typingctx, address, word):
+    """One word to shared byte ``address`` (4-byte aligned)."""
+    sig = types.void(uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        inline_asm(ir.FunctionType(ir.VoidType(), [I32] * 2), "st.shared.u32 [$0], $1;", "r,r,~{memory}", args, builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def sts_u32x4(typingctx, address, w0, w1, w2, w3):
+    """Four words to shared byte ``address`` (16-byte aligned) in one st.shared.v4."""
+    sig = types.void(uint32, uint32, uint32, uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        inline_asm(ir.FunctionType(ir.VoidType(), [I32] * 5), "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
+                "r,r,r,r,r,~{memory}", args, builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cp_async16(typingctx, address, source, size):
+    """Asynchronous copy of 16 bytes from global byte address ``source`` to shared byte ``address``
+    (cp.async.cg: bypasses L1); ``size`` 0 writes zeros instead."""
+    sig = types.void(uint32, uint64, uint32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.VoidType(), [I32, I64, I32])
+        inline_asm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", args, builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+cp_async_commit = asm_statement("cp.async.commit_group;")
+# cp_async_wait[n]: every committed group but the newest n has landed
+cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(8))

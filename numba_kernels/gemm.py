@@ -21,11 +21,10 @@ from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  launch_dependents, load_f32x4)
+from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, cp_async16, cp_async_commit,
+                                  cp_async_wait, global_address, grid_dependency_wait, launch_dependents, lds_u32x4,
+                                  load_f32x4, shared_address)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
-from numba_kernels.prefill_attention import (cp_async16, cp_async_commit, cp_async_wait, global_address, lds_u32x4,
-                                             shared_address)
 
 GEMV_ROWS = tuple(range(1, 9))
 

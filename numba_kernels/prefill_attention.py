@@ -58,7 +58,8 @@ from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, I32P, U32P, asm_statement, warp_max
+from numba_kernels.common import (F32P, I32, I32P, U32P, asm_statement, cp_async16, cp_async_commit, cp_async_wait,
+                                  global_address, inline_asm, lds_u32x4, shared_address, warp_max)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2
 
 NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
@@ -78,90 +79,6 @@ SHAPES = {64: (64, 64, 2), 128: (64, 64, 2), 256: (128, 32, 2)}
 VARIANTS = {128: ((64, 32, 2, 0), (128, 64, 2, 0), (64, 64, 3, 0)), 256: ((64, 32, 2, 0), (128, 32, 3, 0))}
 
 
-def _inline(fnty, text, constraints, args, builder, side_effect=True):
-    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
-
-
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
-
-
-@intrinsic
-def shared_address(typingctx, array):
-    """The 32-bit shared-window byte address of a shared array's first element: shared loads and
-    copies then address it with 32-bit adds and immediate offsets instead of 64-bit generic math."""
-    sig = uint32(array)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        generic = builder.ptrtoint(data, _I64)
-        return _inline(ir.FunctionType(_I32, [_I64]),
-                       "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l", [generic], builder,
-                       side_effect=False)
-
-    return sig, codegen
-
-
-@intrinsic
-def global_address(typingctx, pointer):
-    """A global pointer as an integer, for byte arithmetic that stays in registers."""
-    sig = uint64(pointer)
-
-    def codegen(context, builder, signature, args):
-        return builder.ptrtoint(args[0], _I64)
-
-    return sig, codegen
-
-
-@intrinsic
-def lds_u32x4(typingctx, address):
-    """Four words at shared byte ``address`` (16-byte aligned) in one ld.shared.v4."""
-    sig = types.UniTuple(uint32, 4)(uint32)
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
-        call = _inline(fnty, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", args, builder)
-        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
-
-    return sig, codegen
-
-
-@intrinsic
-def lds_u32(typingctx, address):
-    """The word at shared byte ``address`` (4-byte aligned)."""
-    sig = uint32(uint32)
-
-    def codegen(context, builder, signature, args):
-        return _inline(ir.FunctionType(_I32, [_I32]), "ld.shared.u32 $0, [$1];", "=r,r", args, builder)
-
-    return sig, codegen
-
-
-@intrinsic
-def sts_u32(typingctx, address, word):
-    """One word to shared byte ``address`` (4-byte aligned)."""
-    sig = types.void(uint32, uint32)
-
-    def codegen(context, builder, signature, args):
-        _inline(ir.FunctionType(ir.VoidType(), [_I32] * 2), "st.shared.u32 [$0], $1;", "r,r,~{memory}", args, builder)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def sts_u32x4(typingctx, address, w0, w1, w2, w3):
-    """Four words to shared byte ``address`` (16-byte aligned) in one st.shared.v4."""
-    sig = types.void(uint32, uint32, uint32, uint32, uint32)
-
-    def codegen(context, builder, signature, args):
-        _inline(ir.FunctionType(ir.VoidType(), [_I32] * 5), "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
-                "r,r,r,r,r,~{memory}", args, builder)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @intrinsic
 def ldmatrix_x4_trans(typingctx, address):
     """ldmatrix.x4.trans at shared byte ``address``: four 8x8 bf16 matrices whose rows (16 bytes
@@ -170,24 +87,10 @@ def ldmatrix_x4_trans(typingctx, address):
     sig = types.UniTuple(uint32, 4)(uint32)
 
     def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
-        call = _inline(fnty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        fnty = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
+        call = inline_asm(fnty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
                        "=r,=r,=r,=r,r", args, builder)
         return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
-
-    return sig, codegen
-
-
-@intrinsic
-def cp_async16(typingctx, address, source, size):
-    """Asynchronous copy of 16 bytes from global byte address ``source`` to shared byte ``address``
-    (cp.async.cg: bypasses L1); ``size`` 0 writes zeros instead."""
-    sig = types.void(uint32, uint64, uint32)
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32])
-        _inline(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", args, builder)
-        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -199,7 +102,7 @@ def exp2_approx(typingctx, x):
 
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
-        return _inline(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", args, builder,
+        return inline_asm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", args, builder,
                        side_effect=False)
 
     return sig, codegen
@@ -215,11 +118,6 @@ def q_pair_f32(qkv, index):
 def q_pair_bf16(qkv, index):
     """The same from bf16 ``qkv`` (uint32 words: a pair a word)."""
     return qkv[index >> 1]
-
-
-cp_async_commit = asm_statement("cp.async.commit_group;")
-# cp_async_wait[n]: every committed group but the newest n has landed
-cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(8))
 
 
 @cuda.jit(device=True, inline=True)

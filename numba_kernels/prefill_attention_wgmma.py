@@ -31,14 +31,12 @@ import os
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from numba_kernels.common import asm_statement, store_u32x4
+from numba_kernels.common import (asm_statement, cp_async16, cp_async_commit, cp_async_wait, global_address, lds_u32,
+                                  lds_u32x4, shared_address, store_u32x4, sts_u32, sts_u32x4)
 from numba_kernels.mbarrier import cp_async_arrive, mbarrier_arrive, mbarrier_init, mbarrier_try_wait
 from numba_kernels.mma import pack_bf16x2
-from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, cp_async16, cp_async_commit, cp_async_wait,
-                                             exp2_approx, global_address, inverse_row_sums, lds_u32, page_of,
-                                             q_pair_bf16,
-                                             lds_u32x4, q_pair_f32, row_run, shared_address, store_pair_bf16,
-                                             store_pair_f32, sts_u32, sts_u32x4)
+from numba_kernels.prefill_attention import (SIGNATURE, SIGNATURE_BF16, exp2_approx, inverse_row_sums, page_of,
+                                             q_pair_bf16, q_pair_f32, row_run, store_pair_bf16, store_pair_f32)
 from numba_kernels.wgmma import (descriptor_low, descriptor_of, fence_proxy_async, make_mma_rs, make_mma_ss,
                                  make_setmaxnreg, make_wait, wgmma_commit, wgmma_fence)
 

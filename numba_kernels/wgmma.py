@@ -37,9 +37,8 @@ from llvmlite import ir
 from numba import cuda, float32, int32, types, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import F32P, U32P, asm_statement
+from numba_kernels.common import F32P, U32P, asm_statement, shared_address, sts_u32x4
 from numba_kernels.mma import pack_bf16x2
-from numba_kernels.prefill_attention import shared_address, sts_u32x4
 
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
