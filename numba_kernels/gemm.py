@@ -397,7 +397,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             r = 2 * c + (lane >> 4)
             inside = r < rows and k0 + 4 * q < k
             src = x_at + uint64(int64(r) * k + k0 + 4 * q) * uint64(4) if inside else x_at
-            cp_async16(slot_at + uint32(X_AT + r * 256 + ((q ^ (r & 1)) << 4)), src, uint32(16) if inside else uint32(0))
+            dst = slot_at + uint32(X_AT + r * 256 + ((q ^ (r & 1)) << 4))
+            cp_async16(dst, src, uint32(16) if inside else uint32(0))
         if normed and lane < 16:
             inside = k0 + 4 * q < k
             src = norm_at + uint64(k0 + 4 * q) * uint64(4) if inside else norm_at

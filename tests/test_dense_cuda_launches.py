@@ -3,7 +3,8 @@
 At the Qwen3-8B shape (2 layers): every kernel of a decode step of 1..8 rows is in ``kernel_names()``
 (modules cannot load during graph capture), each fused decode GEMM stays inside its buffers, and the
 step overlaps its launches exactly where its GEMMs are all the fp32 GEMV; a cuBLASLt prefill launches
-the chunked rope (a thread per 16 dims of a head) over exactly its rows.
+the chunked rope (a thread per 16 dims of a head) over exactly its rows and the persistent attention
+at no more blocks than the GPU holds or there are items.
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def test_cublaslt_prefill_ropes_exactly_its_rows(rows):
     # qkv and gate_up come out in bf16 (rope and SiLU-mul read them), o and down add into x.
     assert (CONFIG.qkv_size, CONFIG.hidden_size, False, True) in lt.calls
     assert (CONFIG.hidden_size, CONFIG.intermediate_size, True, False) in lt.calls
+    # The tensor-core attention (bf16 out) runs persistent: one block an SM, or one an item if fewer.
+    attention = [(kernel, grid) for kernel, grid, _ in fwd.k.log if kernel.name == fw.PREFILL_ATTENTION[128] + "_bf16"]
+    assert len(attention) == CONFIG.num_layers
+    for kernel, grid in attention:
+        items = CONFIG.num_heads * -(-rows // kernel.meta["rows"])
+        assert kernel.meta["persistent"] == 1 and grid == (min(items, fwd.k.device.sm_count),)
+
+
+def test_prefill_attention_grid():
+    """A block per (head, row tile), or for a persistent kernel as many blocks as fit the GPU (each
+    then takes items in rounds) but never more than there are items."""
+    assert fw.prefill_attention_grid({"rows": 128}, 32, 8192, 132) == (32, 64)
+    assert fw.prefill_attention_grid({"rows": 128}, 32, 129, 132) == (32, 2)
+    assert fw.prefill_attention_grid({"rows": 128, "persistent": 1}, 32, 8192, 132) == (132,)
+    assert fw.prefill_attention_grid({"rows": 128, "persistent": 1}, 32, 300, 132) == (96,)
+    assert fw.prefill_attention_grid({"rows": 128, "persistent": 2}, 8, 8192, 132) == (264,)
 
 
 def test_decode_graph_depths_hold_every_split():

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
         rt.synchronize(stream)
         first = firsts.setdefault(chunk, got)  # every kernel's output against the first kernel's
         diff = float(np.abs(got - first).max())
-        print(f"  {name}{' (full grid)' if full else ''}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s"
+        label = f"{name} (full grid)" if full else name
+        print(f"  {label}, chunks of {chunk}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s"
               f" (max |diff| vs {names[0]}: {diff:.2e})", flush=True)
     if args.peer == "torch":
         import torch

@@ -274,7 +274,8 @@ class HybridForward(Forward):
         kernel = self.k[self.flash_name]
         scale_log2 = float(c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
         kernel.launch(prefill_attention_grid(kernel.meta, c.num_heads, rows, self.k.device.sm_count),
-                      (kernel.meta["threads"],), (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
+                      (kernel.meta["threads"],),
+                      (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
                        inp.d_positions, b.attn_raw, rows, c.num_heads, c.num_kv_heads, self.page_shift,
                        scale_log2), stream)
         count = rows * c.q_size
