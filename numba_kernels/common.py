@@ -282,8 +282,8 @@ def shared_address(typingctx, array):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         generic = builder.ptrtoint(data, I64)
         return inline_asm(ir.FunctionType(I32, [I64]),
-                       "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l", [generic], builder,
-                       side_effect=False)
+                          "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }", "=r,l", [generic], builder,
+                          side_effect=False)
 
     return sig, codegen
 
@@ -299,17 +299,26 @@ def global_address(typingctx, pointer):
     return sig, codegen
 
 
-@intrinsic
-def lds_u32x4(typingctx, address):
-    """Four words at shared byte ``address`` (16-byte aligned) in one ld.shared.v4."""
-    sig = types.UniTuple(uint32, 4)(uint32)
+def shared_load_x4(text: str):
+    """An intrinsic running ``text`` (PTX writing four 32-bit registers $0..$3 from shared byte address
+    $4) and returning the four words."""
+    @intrinsic
+    def load(typingctx, address):
+        sig = types.UniTuple(uint32, 4)(uint32)
 
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
-        call = inline_asm(fnty, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", args, builder)
-        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
+            call = inline_asm(fnty, text, "=r,=r,=r,=r,r", args, builder)
+            words = [builder.extract_value(call, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, words)
 
-    return sig, codegen
+        return sig, codegen
+
+    return load
+
+
+# Four words at shared byte ``address`` (16-byte aligned) in one ld.shared.v4.
+lds_u32x4 = shared_load_x4("ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];")
 
 
 @intrinsic
@@ -342,7 +351,7 @@ def sts_u32x4(typingctx, address, w0, w1, w2, w3):
 
     def codegen(context, builder, signature, args):
         inline_asm(ir.FunctionType(ir.VoidType(), [I32] * 5), "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
-                "r,r,r,r,r,~{memory}", args, builder)
+                   "r,r,r,r,r,~{memory}", args, builder)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -55,11 +55,11 @@ import math
 import os
 
 from llvmlite import ir
-from numba import cuda, float32, int32, int64, types, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import (F32P, I32, I32P, U32P, asm_statement, cp_async16, cp_async_commit, cp_async_wait,
-                                  global_address, inline_asm, lds_u32x4, shared_address, warp_max)
+from numba_kernels.common import (F32P, I32P, U32P, asm_statement, cp_async16, cp_async_commit, cp_async_wait,
+                                  global_address, inline_asm, lds_u32x4, shared_address, shared_load_x4, warp_max)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2
 
 NEG_INF = float32(-math.inf)  # masked scores; exp2(-inf) = 0
@@ -79,20 +79,10 @@ SHAPES = {64: (64, 64, 2), 128: (64, 64, 2), 256: (128, 32, 2)}
 VARIANTS = {128: ((64, 32, 2, 0), (128, 64, 2, 0), (64, 64, 3, 0)), 256: ((64, 32, 2, 0), (128, 32, 3, 0))}
 
 
-@intrinsic
-def ldmatrix_x4_trans(typingctx, address):
-    """ldmatrix.x4.trans at shared byte ``address``: four 8x8 bf16 matrices whose rows (16 bytes
-    each, lane l giving row l % 8 of matrix l // 8) come back transposed, one uint32 of each per
-    lane: the B fragments of a row-major [key][dim] V for P·V."""
-    sig = types.UniTuple(uint32, 4)(uint32)
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
-        call = inline_asm(fnty, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
-                       "=r,=r,=r,=r,r", args, builder)
-        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
-
-    return sig, codegen
+# ldmatrix.x4.trans at shared byte ``address``: four 8x8 bf16 matrices whose rows (16 bytes each, lane l
+# giving row l % 8 of matrix l // 8) come back transposed, one uint32 of each per lane: the B fragments
+# of a row-major [key][dim] V for P·V.
+ldmatrix_x4_trans = shared_load_x4("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];")
 
 
 @intrinsic
@@ -103,7 +93,7 @@ def exp2_approx(typingctx, x):
     def codegen(context, builder, signature, args):
         f32 = ir.FloatType()
         return inline_asm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f", args, builder,
-                       side_effect=False)
+                          side_effect=False)
 
     return sig, codegen
 
