@@ -18,11 +18,13 @@ Each block
    per-head RMSNorm (Qwen3) and RoPE in shared memory, exactly as ``rope_kv`` does;
 2. the block holding the new token writes its K/V into the pool (rounded as the pool stores them)
    and keeps the rounded values: its key loop stops one short and the new key joins in the merge;
-3. folds the staged keys from shared memory and the rest of its split through the ``attention_*``
-   key loop, then merges its warps;
+3. folds the staged keys from shared memory and the rest of its split, then merges its warps: over a
+   bf16 pool on tensor cores, 16 keys a warp step (decode_attention_mma.py), over an fp32 pool (the
+   parity runs) through the ``attention_*`` key loop on CUDA cores;
 4. with one split holding keys, writes the output; else writes its partial, and the last block of
    the (row, kv head) to finish (an atomic ticket in ``counters``, reset by that block) merges every
-   split's partial into the output (``merge_splits``: maxima and sums first, then the partial rows).
+   split's partial into the output (``merge_splits``: a thread per 4 dims of a head, MERGE_BATCH
+   splits' loads in flight at once).
 
 ``split_ptr`` (step inputs): the split length, and whether blocks ask L2 for their split's unstaged
 keys and values before waiting for the previous kernel (set when the step's keys fit in L2).
@@ -37,17 +39,21 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
-from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_bf16, load_pair_f32, load_quad_bf16,
-                                     load_quad_f32, make_key_fold, make_key_loop, make_warp_merge)
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, atomic_add_i32, bf16_hi, bf16_lo, bf16_to_f32,
+from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_f32, load_quad_f32, make_key_fold,
+                                     make_key_loop, make_warp_merge)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, atomic_add_i32, bf16_to_f32,
                                   copy_async_16, copy_async_wait, f32_to_bf16, grid_dependency_wait,
-                                  global_timer, launch_dependents, prefetch_l2, warp_max, warp_sum)
+                                  global_timer, launch_dependents, load_f32x4, prefetch_l2, warp_sum)
+from numba_kernels.decode_attention_mma import make_mma_key_phase
 from numba_kernels.rope import store_bf16, store_f32
 
 MAX_SPLITS = 64  # splits a launch may have (forward.MAX_DECODE_SPLITS; the manifest's ``max_splits``)
 # Shared memory for the K and V rows of each split's first keys, copied in before the kernel waits for
 # the q/k/v (32 keys of a bf16 head of 128: a whole split at batch 1 and 512 keys).
 STAGE_BYTES = 16 << 10
+# Splits the merge folds per round of loads (each thread: that many maxima, sums and 4-dim pieces in
+# registers), by pool: 16 where the key phase needs as many registers anyway (tensor cores), else 4.
+MERGE_BATCH = {"bf16": 16, "f32": 4}
 # Where the traced variant stamps the time (thread 0 of each block; the last two only in split merges).
 TRACE_POINTS = ("start", "staged", "waited", "qkv", "roped", "keys", "partial", "ticket", "merged")
 
@@ -62,32 +68,27 @@ def as_stored_f32(value):
     return value
 
 
-def make_staged_row(ITEM, E):
-    """A device function unpacking the lane's ``E`` dims of a staged K or V row (32-bit words in shared
-    memory, ``row_at`` its first word) into ``dst[u]``."""
-    if ITEM == 2:
-        LANE_WORDS = E // 2
-
-        @cuda.jit(device=True, inline=True)
-        def staged_row(dst, u, sh_kv, row_at, lane):
-            at = row_at + lane * LANE_WORDS
-            for w in range(LANE_WORDS):
-                word = sh_kv[at + w]
-                dst[u, 2 * w] = bf16_lo(word)
-                dst[u, 2 * w + 1] = bf16_hi(word)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def staged_row(dst, u, sh_kv, row_at, lane):
-            at = row_at + lane * E
-            for e in range(E):
-                dst[u, e] = libdevice.int_as_float(int32(sh_kv[at + e]))
+def make_staged_row(E):
+    """A device function unpacking the lane's ``E`` dims of a staged fp32 K or V row (32-bit words in
+    shared memory, ``row_at`` its first word) into ``dst[u]``."""
+    @cuda.jit(device=True, inline=True)
+    def staged_row(dst, u, sh_kv, row_at, lane):
+        at = row_at + lane * E
+        for e in range(E):
+            dst[u, e] = libdevice.int_as_float(int32(sh_kv[at + e]))
 
     return staged_row
 
 
-def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS, ITEM, TRACE=False):
-    """The kernel; with ``TRACE`` a variant taking one more parameter, a uint64 array where thread 0 of
-    each block writes ``%globaltimer`` at TRACE_POINTS (tools/trace_decode_attention.py)."""
+def make_decode_attention(G, D, dtype, TRACE=False):
+    """The kernel over a ``dtype`` pool; with ``TRACE`` a variant taking one more parameter, a uint64
+    array where thread 0 of each block writes ``%globaltimer`` at TRACE_POINTS
+    (tools/trace_decode_attention.py). A bf16 pool's key phase runs on tensor cores
+    (decode_attention_mma.py), an fp32 pool's on CUDA cores (attention.py's key loop)."""
+    store, as_stored, ITEM = POOLS[dtype][2:]
+    TC = dtype == "bf16"
+    WARPS = TC_WARPS if TC else CUDA_WARPS
+    U = keys_in_flight(G, D)  # the CUDA-core key loop's keys in flight per warp
     E = D // 32
     WORD_SHIFT = 1 if ITEM == 2 else 0  # pool elements per 32-bit word of ``kc``: 2 (bf16) or 1
     HALF = D // 2
@@ -101,10 +102,12 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
     KV_WORDS = 2 * STAGE * ROW_WORDS  # the staged K rows, then the V rows
     STAGE_COPIES = -(-2 * STAGE * ROW_CHUNKS // THREADS)  # 16-byte copies per thread
     QKV_LOADS = -(-ROWS * D // THREADS)  # q/k/v values per thread
+    QUADS = D // 4  # 4-dim pieces of a head the split merge gives its threads
+    BATCH = MERGE_BATCH[dtype]
     NORMS = 2 * D
-    key_loop = make_key_loop(G, D, load_pair, load_quad, U, WARPS)
+    key_loop = make_key_loop(G, D, load_pair_f32, load_quad_f32, U, WARPS)
     fold = make_key_fold(G, D, U)
-    staged_row = make_staged_row(ITEM, E)
+    staged_row = make_staged_row(E)
     empty, stash, merged = make_warp_merge(G, D, WARPS)
 
     @cuda.jit(device=True, inline=True)
@@ -154,56 +157,81 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
             fold(q, acc, m, l, kb, vb, s, vals, t0, staged, lane, scale)
 
     @cuda.jit(device=True, inline=True)
-    def merge_splits(sh_pm, sh_pl, sh_sum, sh_o, acc, part_o, part_ml, out, head0, n_splits, active, warp, lane, tid):
+    def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid):
         """The last block's merge of the ``active`` splits' partials of its heads ``head0 + g`` (cells
-        ``(head0 + g) * n_splits + split``): every partial's max and sum into shared memory, then each split's factor
-        ``exp(m - max)`` and the heads' sums, then each warp adds up whole rows of every WARPS-th split
-        (G rows a split, all loads in flight) and the warps meet in shared memory."""
-        cell0 = head0 * n_splits
-        for i in range(tid, G * active, THREADS):
-            g = i // active
-            sp = i - g * active
-            cell = cell0 + g * n_splits + sp
-            sh_pm[g, sp] = part_ml[cell * 2]
-            sh_pl[g, sp] = part_ml[cell * 2 + 1]
-        cuda.syncthreads()
-        for g in range(warp, G, WARPS):
+        ``(head0 + g) * n_splits + split``) into ``out``. A thread takes 4 dims of a head and folds the
+        splits BATCH at a time, every load of a batch issued before any use: the merge is a few L2 round
+        trips, with no shared memory and no barrier."""
+        for item in range(tid, G * QUADS, THREADS):
+            g = item // QUADS
+            d = (item - g * QUADS) * 4
+            cell0 = (head0 + g) * n_splits
             top = NEG_BIG
-            for sp in range(lane, active, 32):
-                if sh_pl[g, sp] > float32(0.0):
-                    top = max(top, sh_pm[g, sp])
-            top = warp_max(top)
             total = float32(0.0)
-            for sp in range(lane, active, 32):
-                f = math.exp(sh_pm[g, sp] - top) if sh_pl[g, sp] > float32(0.0) else float32(0.0)
-                sh_pm[g, sp] = f  # the split's factor from here on
-                total += sh_pl[g, sp] * f
-            total = warp_sum(total)
-            if lane == 0:
-                sh_sum[g] = total
-        cuda.syncthreads()
-        for g in range(G):
-            for e in range(E):
-                acc[g, e] = float32(0.0)
-        for sp0 in range(warp, active, 2 * WARPS):  # two splits a step: 2 * G rows' loads in flight
-            for k in range(2):
-                sp = min(sp0 + k * WARPS, active - 1)
-                for g in range(G):
-                    f = sh_pm[g, sp] if sp0 + k * WARPS < active else float32(0.0)
-                    at = (cell0 + g * n_splits + sp) * D + lane * E
-                    for e in range(E):
-                        acc[g, e] += f * part_o[at + e]
-        for g in range(G):
-            for e in range(E):
-                sh_o[warp, g, lane * E + e] = acc[g, e]
-        cuda.syncthreads()
-        for idx in range(tid, G * D, THREADS):
-            g = idx // D
-            d = idx % D
-            oo = float32(0.0)
-            for w in range(WARPS):
-                oo += sh_o[w, g, d]
-            out[(head0 + g) * D + d] = oo / sh_sum[g]
+            o = cuda.local.array(4, float32)
+            for i in range(4):
+                o[i] = float32(0.0)
+            ms = cuda.local.array(BATCH, float32)
+            ls = cuda.local.array(BATCH, float32)
+            os = cuda.local.array((BATCH, 4), float32)
+            for sp0 in range(0, active, BATCH):
+                for u in range(BATCH):
+                    cell = cell0 + min(sp0 + u, active - 1)
+                    ms[u] = part_ml[cell * 2]
+                    ls[u] = part_ml[cell * 2 + 1] if sp0 + u < active else float32(0.0)
+                    os[u, 0], os[u, 1], os[u, 2], os[u, 3] = load_f32x4(part_o, cell * D + d)
+                new_top = top
+                for u in range(BATCH):
+                    if ls[u] > float32(0.0):
+                        new_top = max(new_top, ms[u])
+                f = math.exp(top - new_top)
+                total *= f
+                for i in range(4):
+                    o[i] *= f
+                for u in range(BATCH):
+                    w = math.exp(ms[u] - new_top) if ls[u] > float32(0.0) else float32(0.0)
+                    total += ls[u] * w
+                    for i in range(4):
+                        o[i] += w * os[u, i]
+                top = new_top
+            for i in range(4):
+                out[(head0 + g) * D + d + i] = o[i] / total
+
+    if TC:
+        q_fragments, tc_empty, tc_loop, tc_stash = make_mma_key_phase(G, D, WARPS, STAGE)
+        KSTEPS = D // 16
+
+        @cuda.jit(device=True, inline=True)
+        def key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
+                      start, staged, end, warp, lane, scale):
+            """Every warp's share of the split's old keys ``[start, end)``, then the warps' states into
+            ``sh_m``, ``sh_l``, ``sh_o`` (and a block sync)."""
+            qh = cuda.local.array((KSTEPS, 2), uint32)
+            ql = cuda.local.array((KSTEPS, 2), uint32)
+            acc = cuda.local.array((KSTEPS, 4), float32)
+            m = cuda.local.array(2, float32)
+            l = cuda.local.array(2, float32)
+            tc_empty(acc, m, l)
+            q_fragments(qh, ql, sh_x, lane)
+            tc_loop(qh, ql, acc, m, l, sh_kv, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start,
+                    staged, end, warp, lane, scale)
+            tc_stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
+                      start, staged, end, warp, lane, scale):
+            q = cuda.local.array((G, E), float32)
+            acc = cuda.local.array((G, E), float32)
+            m = cuda.local.array(G, float32)
+            l = cuda.local.array(G, float32)
+            empty(acc, m, l)
+            for g in range(G):
+                for e in range(E):
+                    q[g, e] = sh_x[g, lane * E + e]
+            staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale)
+            key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start + staged,
+                     end, warp, lane, scale)
+            stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
 
     @cuda.jit(device=True, inline=True)
     def mark(trace, point):
@@ -223,9 +251,6 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
-        sh_pm = cuda.shared.array((G, MAX_SPLITS), float32)  # the merge: each split's max, then its factor
-        sh_pl = cuda.shared.array((G, MAX_SPLITS), float32)
-        sh_sum = cuda.shared.array(G, float32)
         sh_kv = cuda.shared.array(KV_WORDS, uint32, alignment=16)
         sh_rope = cuda.shared.array(D, float32, alignment=16)  # cos, then sin, at the new position
         sh_norm = cuda.shared.array(NORMS, float32, alignment=16)  # q_norm, then k_norm
@@ -278,21 +303,20 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         active = min(n_splits, (length + split_len - 1) // split_len)
         slots = G + 2 if owner else G
         width = (n_heads + 2 * n_kv) * D
-        for j in range(QKV_LOADS):  # a fixed count per thread: the loads go out together
-            idx = tid + j * THREADS
+        # Every load first, unconditionally (past the rows: the last value again), then the stores: a
+        # load and its store inside one branch went out one at a time, each waiting for L2.
+        loaded = cuda.local.array(QKV_LOADS, float32)
+        for j in range(QKV_LOADS):
+            idx = min(tid + j * THREADS, ROWS * D - 1)
             slot = idx // D
             d = idx % D
+            col = (kvh * G + slot) * D + d if slot < G else (n_heads + (slot - G) * n_kv + kvh) * D + d
+            loaded[j] = qkv[row * width + col] + (bias[col] if has_bias != 0 else float32(0.0))
+        for j in range(QKV_LOADS):
+            idx = tid + j * THREADS
+            slot = idx // D
             if slot < slots:
-                if slot < G:
-                    col = (kvh * G + slot) * D + d
-                elif slot == G:
-                    col = (n_heads + kvh) * D + d
-                else:
-                    col = (n_heads + n_kv + kvh) * D + d
-                x = qkv[row * width + col]
-                if has_bias != 0:
-                    x += bias[col]
-                sh_x[slot, d] = x
+                sh_x[slot, idx % D] = loaded[j]
         copy_async_wait()
         cuda.syncthreads()  # the q/k/v and every thread's staged copies
         mark(trace, 3)
@@ -332,24 +356,14 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
                 store(kw, v_dst + d, v)
                 sh_x[G + 1, d] = as_stored(v)
         cuda.syncthreads()
-        q = cuda.local.array((G, E), float32)
-        acc = cuda.local.array((G, E), float32)
-        m = cuda.local.array(G, float32)
-        l = cuda.local.array(G, float32)
-        empty(acc, m, l)
-        for g in range(G):
-            for e in range(E):
-                q[g, e] = sh_x[g, lane * E + e]
         mark(trace, 4)
-        staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale)
-        key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start + staged,
-                 old_end, warp, lane, scale)
         if owner:
             for g in range(warp, G, WARPS):
                 dot = row_dot(sh_x, g, G, lane)
                 if lane == 0:
                     sh_s[g] = dot * scale
-        stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)  # syncs the block (sh_s too)
+        key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
+                  start, staged, old_end, warp, lane, scale)  # syncs the block (sh_s too)
         mark(trace, 5)
         for idx in range(tid, G * D, THREADS):
             g = idx // D
@@ -388,8 +402,7 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
         if sh_last[0] == 0:
             return
         cuda.threadfence()
-        merge_splits(sh_pm, sh_pl, sh_sum, sh_o, acc, part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active,
-                     warp, lane, tid)
+        merge_splits(part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active, tid)
         mark(trace, 8)
 
     def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
@@ -409,23 +422,20 @@ def make_decode_attention(G, D, load_pair, load_quad, store, as_stored, U, WARPS
     return decode_attention_traced if TRACE else decode_attention
 
 
-# Keys in flight per warp and warps per block where a shape has a tuned choice (tools/bench_decode_step.py
-# on the H200, Qwen3-8B's group of 4 at head_dim 128: 2 keys x 8 warps, b=8 ctx 8192 12.21 ms a step vs
-# 13.84 with 4 x 4 when this loop lived in ``attention_*``); the others take ``keys_in_flight`` x 4 warps.
-BLOCKS = {(4, 128, "bf16"): (2, 8)}
-POOLS = {"bf16": (U32P, U16P, load_pair_bf16, load_quad_bf16, store_bf16, as_stored_bf16, 2),
-         "f32": (F32P, F32P, load_pair_f32, load_quad_f32, store_f32, as_stored_f32, 4)}
+POOLS = {"bf16": (U32P, U16P, store_bf16, as_stored_bf16, 2), "f32": (F32P, F32P, store_f32, as_stored_f32, 4)}
+TC_WARPS = 4  # warps a block, tensor-core key phase (164 registers: 3 blocks an SM)
+CUDA_WARPS = 4  # and CUDA-core key phase
 
 
-def _signature(read, write):
+def signature(dtype: str) -> tuple:
+    read, write = POOLS[dtype][:2]
     return (F32P, F32P, F32P, F32P, F32P, F32P, read, write, int64, I32P, int32, I32P, I32P, F32P, F32P, F32P,
             I32P, int32, int32, int32, I32P, int32, float32, int32, int32, float32)
 
 
 KERNELS = {}
 for _g, _d in VARIANTS:
-    for _dtype, (_read, _write, _pair, _quad, _store, _as_stored, _item) in POOLS.items():
-        _u, _warps = BLOCKS.get((_g, _d, _dtype), (keys_in_flight(_g, _d), 4))
+    for _dtype in POOLS:
         KERNELS[f"decode_attention_g{_g}_d{_d}_{_dtype}"] = (
-            make_decode_attention(_g, _d, _pair, _quad, _store, _as_stored, _u, _warps, _item), _signature(_read, _write),
-            {"threads": 32 * _warps, "grid_wait": 1, "max_splits": MAX_SPLITS})
+            make_decode_attention(_g, _d, _dtype), signature(_dtype),
+            {"threads": 32 * (TC_WARPS if _dtype == "bf16" else CUDA_WARPS), "grid_wait": 1, "max_splits": MAX_SPLITS})

@@ -66,6 +66,20 @@ def pack_bf16x2(typingctx, lo, hi):
     return sig, codegen
 
 
+@intrinsic
+def movmatrix_trans(typingctx, word):
+    """The warp's 8x8 b16 matrix transposed (``movmatrix.sync.aligned.m8n8.trans.b16``): each lane holds
+    row ``g`` = lane >> 2, columns 2t and 2t + 1 (t = lane & 3, column 2t in the low half), in and out;
+    an MMA's fp32 C rows, packed to bf16 pairs, come out as the B fragment of the transposed matrix."""
+    sig = uint32(uint32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_I32, [_I32])
+        return builder.call(ir.InlineAsm(fnty, "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r"), args)
+
+    return sig, codegen
+
+
 @cuda.jit(device=True, inline=True)
 def split_bf16x2(lo, hi):
     """(big, small): bf16 pairs whose sum represents (lo, hi) to about 2^-17 relative."""

@@ -34,7 +34,8 @@ def test_the_measured_choices():
     """The Qwen3-8B cases of the H200 measurements the policy was fitted to (8 KV heads a row)."""
     assert fw.decode_split(513, 8) == 32  # batch 1, short: many short splits
     assert fw.decode_split(513, 64) == 128  # batch 8, short: about 320 blocks
-    assert fw.decode_split(8193, 64) == 512  # batch 8, long: splits of about LONG_SPLIT keys
+    assert fw.decode_split(8193, 64) == 1664  # batch 8, long: still about 320 blocks
+    assert fw.decode_split(8193, 8) == 224  # batch 1, long
     assert fw.split_length(513, fw.MAX_DECODE_SPLITS) == 32
     assert fw.split_length(8193, fw.MAX_DECODE_SPLITS) == 160  # the grid's depth bounds the count
 

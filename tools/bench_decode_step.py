@@ -14,7 +14,8 @@ their predecessor (``Forward.overlap`` off: no programmatic dependent launch), t
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
 in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
-all (wrong tokens, right cost of everything else: the difference is attention's share).
+all (wrong tokens, right cost of everything else: the difference is attention's share); with
+``--attention NAME`` every variant runs that decode attention kernel, and the default one is timed too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def main(argv=None) -> int:
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     parser.add_argument("--gemms", default="", help="comma-separated decode GEMM choices to time, each as "
                         "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3)")
+    parser.add_argument("--attention", default="", help="the decode attention kernel of every variant (a "
+                        "variant built into ptx/ under another name); the step with the default one is timed too")
+    parser.add_argument("--splits", default="32,64,128,256,512,1024,2048",
+                        help="other attention split lengths to time (keys, multiples of 32)")
     args = parser.parse_args(argv)
     from ninfer.backends.cuda import CudaRunner
 
@@ -71,8 +76,12 @@ def main(argv=None) -> int:
                                             num_pages=max_batch * max_pages, max_batch=max_batch,
                                             max_context=max_context, cuda_graph=False)
     for name in runner.kernels.entries:  # module loads are not allowed during capture
-        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul", "attention_", "rope_kv")):
+        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "silu_mul", "attention_", "rope_kv",
+                            "decode_attention_")):
             runner.kernels[name]
+    attention = runner.forward.decode_attention_name
+    if args.attention:
+        attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, args.attention
     default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
     weights_bytes = weight_bytes_per_step(config)
     print(f"copy {copy_bw / 1e9:.0f} GB/s; weights per step {weights_bytes / 1e9:.2f} GB", flush=True)
@@ -102,6 +111,10 @@ def main(argv=None) -> int:
             measure_gemms(label, {matrix: {r: choice for r in table} for matrix, table in fw.DECODE_GEMMS.items()})
         for spec in filter(None, args.gemms.split(",")):  # per-matrix kernels: qkv=fp32+o=t1w16u4s3+...
             measure_gemms(spec, {matrix: {batch: choice} for matrix, choice in (p.split("=") for p in spec.split("+"))})
+        if attention != runner.forward.decode_attention_name:
+            chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention
+            measure(f"fused, {attention}")
+            runner.forward.decode_attention_name = chosen_attention
         runner.forward.overlap = False
         measure("fused, launches not overlapped")
         runner.forward.overlap = True
@@ -111,7 +124,7 @@ def main(argv=None) -> int:
         inp = runner.buffers.inputs
         chosen = int(inp.split[0])
         depth = runner.forward.n_splits(batch, decode=True)
-        for split in (32, 64, 128, 256, 512, 1024, 2048):  # other split lengths than decode_split's
+        for split in (int(v) for v in args.splits.split(",")):  # other split lengths than decode_split's
             if split != chosen and split < context + fw.MIN_SPLIT and split * depth > context:  # no key dropped
                 inp.split[0] = split
                 inp.upload(runner.stream)

@@ -33,15 +33,13 @@ def build(directory: Path) -> None:
     from numba_kernels.common import U64P
 
     nb._compile_without_gpu()
-    read, write, pair, quad, store, as_stored, item = da.POOLS["bf16"]
-    u, warps = da.BLOCKS[(4, 128, "bf16")]
-    func = da.make_decode_attention(4, 128, pair, quad, store, as_stored, u, warps, item, TRACE=True)
-    argtypes = (*da._signature(read, write), U64P)
-    ptx, params = nb.compile_one(KERNEL, func, argtypes)
+    func = da.make_decode_attention(4, 128, "bf16", TRACE=True)
+    ptx, params = nb.compile_one(KERNEL, func, (*da.signature("bf16"), U64P))
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{KERNEL}.ptx").write_text(ptx)
+    meta = {"threads": 32 * da.TC_WARPS, "grid_wait": 1}
     manifest = {"kernels": {KERNEL: {"file": f"{KERNEL}.ptx", "symbol": f"ninfer_{KERNEL}", "params": params,
-                                     "meta": {"threads": 32 * warps, "grid_wait": 1}}}}
+                                     "meta": meta}}}
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"wrote the traced {KERNEL} to {directory}")
 
@@ -54,7 +52,10 @@ def capture_traced(runner, batch: int, traced, rt):
     arrays = []  # no allocations while capturing
     launch = rt.Kernel.launch
 
+    seen = set()
+
     def swap(self, grid, block, args, stream, shared=None):
+        seen.add(self.name)
         if self.name != KERNEL:
             return launch(self, grid, block, args, stream, shared)
         assert grid[0] * grid[1] * grid[2] == blocks
@@ -66,6 +67,8 @@ def capture_traced(runner, batch: int, traced, rt):
         graph = rt.Graph.capture(runner.stream, lambda: runner.forward.decode(batch, runner.stream))
     finally:
         rt.Kernel.launch = launch
+    if not arrays:
+        raise RuntimeError(f"the step never launched {KERNEL}; it launched {sorted(seen)}")
     for unused in free:
         runner.device.free(unused)
     for stamps, blocks in arrays:  # points a block never reaches stay 0
@@ -108,9 +111,9 @@ def run(directory: Path, cases: str, overlap: bool, reps: int) -> None:
     traced_kernels = rt.Kernels(device, directory)
     traced_kernels.overlap = runner.kernels.overlap  # launched inside the runner's overlapped regions
     traced = traced_kernels[KERNEL]
-    for name in runner.kernels.entries:  # module loads are not allowed during capture
-        if name.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "decode_attention", "sampl")):
-            runner.kernels[name]
+    for entry in runner.kernels.entries:  # module loads are not allowed during capture
+        if entry.startswith(("mma_gemv_", "gemv_", "rmsnorm", "add_rmsnorm", "decode_attention", "sampl")):
+            runner.kernels[entry]
     for batch, context in parsed:
         tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
         runner.decode(DecodeBatch(lanes=np.arange(batch, dtype=np.int32), tokens=np.full(batch, 7, np.int32),

@@ -369,12 +369,13 @@ def _check_attention(gpu, kv_dtype, group, D, H, KV, ps, split, max_ctx, max_pag
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (4, 128), (8, 64)])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (4, 128), (8, 64), (8, 128)])
 def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     """One launch per layer: rope + norm + bias, the KV append and split attention with its merge.
 
     Four decode rows (each its own sequence, shuffled pages) with 700, 37, 1 and 96 keys: the new
-    key alone, a split ending exactly at the new key, one split (direct output) and up to 22."""
+    key alone, a split ending exactly at the new key, one split (direct output) and up to 22 (over
+    the bf16 pool on tensor cores, over the fp32 pool on CUDA cores)."""
     rng = np.random.default_rng(7 * group + head_dim)
     KV, D, ps, layers, layer = 2, head_dim, 16, 2, 1
     H = KV * group

@@ -30,16 +30,15 @@ MAX_DECODE_SPLITS = 64
 # that fit the H200 at once) measured as slow as the full depth (5.62 against 5.50 ms a step).
 GRAPH_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48)
 PREFILL_SPLIT = 256
-# The dense decode attention's split policy (tools/bench_decode_step.py on the H200, Qwen3-8B, 8 KV
-# heads, ms a step): at 512 keys batch 1 was fastest with 128 blocks (splits of 32: 4.63 against 4.66
-# for 64 and 4.86 for 128 keys), batch 8 with 256-320 blocks (128 keys: 5.61; 32: 5.91; 512: 6.85);
-# at 8192 keys batch 1 with 256 keys a split (5.78; 128: 6.10; 512: 6.53), batch 8 with 512 (12.05;
-# 256: 12.71; 2048: 14.14). So: about DECODE_ATTENTION_BLOCKS blocks while rows are short, splits of
-# about LONG_SPLIT keys once there are enough of them to fill the GPU several times over. 320 rather
-# than 256 since a context of 513 keys (512 + the new one) at batch 8 then takes splits of 128, not
-# 160 (5.61 against 5.75 ms a step, fifth session), and batch 4 splits of 64, not 96 (5.23 / 5.25).
+# The dense decode attention's split policy: about DECODE_ATTENTION_BLOCKS blocks (rows x KV heads x
+# splits), the 396 that fit the H200 at once (3 an SM) less some slack. With the tensor-core key phase
+# (``decode_attention_*_bf16``) a long split costs little more than a short one, so long contexts too
+# take one wave of blocks rather than splits of a fixed length (tools/bench_decode_step.py, Qwen3-8B,
+# ms a step, the best split lengths against this policy's): b1/8192 192-224 keys (4.509; the policy:
+# 224), b4/8192 1024 (6.264; 832), b8/2048 384 (5.741; 416), b8/4096 768-1024 (6.344; 832), b8/8192
+# 2048 (7.485; 1664); at 512 keys every length from 32 to 128 is within 1%. (The CUDA-core kernel
+# wanted splits of at most 512 keys at long contexts: 12.05 against 14.14 ms at b8/8192.)
 DECODE_ATTENTION_BLOCKS = 320
-LONG_SPLIT = 512
 
 
 # Rows a thread of the chunked rope takes in turn (its block loops along y): a row is only 64 bytes
@@ -66,7 +65,7 @@ def split_length(length: int, splits: int) -> int:
 def decode_split(length: int, row_blocks: int) -> int:
     """``decode_attention``'s split length for a step whose longest row has ``length`` keys and whose
     launch has ``row_blocks`` blocks per split (rows x KV heads)."""
-    return split_length(length, max(-(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)), -(-length // LONG_SPLIT)))
+    return split_length(length, -(-DECODE_ATTENTION_BLOCKS // max(1, row_blocks)))
 
 
 # A decode step whose keys and values (one layer, every row) take at most this many bytes has
