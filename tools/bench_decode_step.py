@@ -9,7 +9,9 @@ back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), per-matrix kernel choices
 at the case's row count (``--gemms``; variants must be built into ``ptx/``), launches that do not overlap
-their predecessor (``Forward.overlap`` off: no programmatic dependent launch), the KV prefetch flipped
+their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
+(tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
+overlapping, the KV prefetch flipped
 (``forward.KV_PREFETCH_BYTES``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
@@ -115,6 +117,13 @@ def main(argv=None) -> int:
             chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention
             measure(f"fused, {attention}")
             runner.forward.decode_attention_name = chosen_attention
+        if not runner.forward.overlaps(batch):
+            runner.forward.attention_overlap = False
+            measure("fused, attention launch not overlapped")
+            runner.forward.attention_overlap = True
+            runner.forward.overlaps = lambda rows: True
+            measure("fused, every launch overlapped")
+            del runner.forward.overlaps
         runner.forward.overlap = False
         measure("fused, launches not overlapped")
         runner.forward.overlap = True

@@ -295,6 +295,11 @@ class Forward:
         self.fused_decode = True  # False: decode through the prefill kernels (tools/bench_decode_step.py)
         self.fused_attention = True  # False: decode attention in the prefill path's three launches
         self.overlap = True  # decode launches overlap their predecessor (runtime.Kernels.overlapped)
+        # ``decode_attention`` overlaps the q/k/v GEMM even in steps whose other launches do not
+        # (``overlaps``: the tensor-core GEMMs): its blocks stage their first keys before they wait.
+        # tools/bench_decode_step.py, ms a step: b4/512 5.056 -> 4.996, b8/512 5.256 -> 5.180, b8/4096
+        # 6.323 -> 6.223, b4/8192 6.225 -> 6.154 (every launch overlapped at b8/512: 8.14).
+        self.attention_overlap = True
         self.kv_prefetch_bytes = KV_PREFETCH_BYTES  # 0: never (tools/bench_decode_step.py)
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
@@ -359,11 +364,13 @@ class Forward:
         flags = (int(c.attention_bias), int(c.qk_norm), float(c.rms_norm_eps))
         if decode and self.fused_attention:
             fused = k[self.decode_attention_name]
-            fused.launch((KV, rows, n_splits), (fused.meta["threads"],),
-                         (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
-                          inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
-                          b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale, *flags),
-                         stream)
+            alone = self.attention_overlap and self.overlap and not k.overlap.on
+            with k.overlapped() if alone else contextlib.nullcontext():
+                fused.launch((KV, rows, n_splits), (fused.meta["threads"],),
+                             (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
+                              inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
+                              b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale,
+                              *flags), stream)
             return b.attn
         rope_args = (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
                      b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)
