@@ -173,13 +173,13 @@ def make_decode_attention(G, D, dtype, TRACE=False):
                 o[i] = float32(0.0)
             ms = cuda.local.array(BATCH, float32)
             ls = cuda.local.array(BATCH, float32)
-            os = cuda.local.array((BATCH, 4), float32)
+            pieces = cuda.local.array((BATCH, 4), float32)
             for sp0 in range(0, active, BATCH):
                 for u in range(BATCH):
                     cell = cell0 + min(sp0 + u, active - 1)
                     ms[u] = part_ml[cell * 2]
                     ls[u] = part_ml[cell * 2 + 1] if sp0 + u < active else float32(0.0)
-                    os[u, 0], os[u, 1], os[u, 2], os[u, 3] = load_f32x4(part_o, cell * D + d)
+                    pieces[u, 0], pieces[u, 1], pieces[u, 2], pieces[u, 3] = load_f32x4(part_o, cell * D + d)
                 new_top = top
                 for u in range(BATCH):
                     if ls[u] > float32(0.0):
@@ -192,7 +192,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
                     w = math.exp(ms[u] - new_top) if ls[u] > float32(0.0) else float32(0.0)
                     total += ls[u] * w
                     for i in range(4):
-                        o[i] += w * os[u, i]
+                        o[i] += w * pieces[u, i]
                 top = new_top
             for i in range(4):
                 out[(head0 + g) * D + d + i] = o[i] / total
