@@ -68,16 +68,56 @@ def as_stored_f32(value):
     return value
 
 
-def make_staged_row(E):
-    """A device function unpacking the lane's ``E`` dims of a staged fp32 K or V row (32-bit words in
-    shared memory, ``row_at`` its first word) into ``dst[u]``."""
+def make_cuda_key_phase(G, D, WARPS, STAGE):
+    """The key phase over an fp32 pool on CUDA cores: ``key_phase(...)`` (the signature of
+    decode_attention_mma.py's) folds the staged keys from shared memory, then the rest of ``[start,
+    end)`` through attention.py's key loop, and stashes the warps' states (a block sync)."""
+    E = D // 32
+    U = keys_in_flight(G, D)  # keys in flight per warp
+    NV = U * G
+    key_loop = make_key_loop(G, D, load_pair_f32, load_quad_f32, U, WARPS)
+    fold = make_key_fold(G, D, U)
+    empty, stash, _ = make_warp_merge(G, D, WARPS)
+
     @cuda.jit(device=True, inline=True)
     def staged_row(dst, u, sh_kv, row_at, lane):
+        """The lane's ``E`` dims of a staged row (32-bit words from ``row_at``) into ``dst[u]``."""
         at = row_at + lane * E
         for e in range(E):
             dst[u, e] = libdevice.int_as_float(int32(sh_kv[at + e]))
 
-    return staged_row
+    @cuda.jit(device=True, inline=True)
+    def staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale):
+        """The warp's share of the staged keys, U consecutive keys a step (as ``key_loop``: more would
+        cost registers, and at 3 blocks an SM the long-context batches need every one)."""
+        s = cuda.local.array((U, G), float32)
+        vals = cuda.local.array(NV, float32)
+        kb = cuda.local.array((U, E), float32)
+        vb = cuda.local.array((U, E), float32)
+        for t0 in range(warp * U, staged, WARPS * U):
+            for u in range(U):
+                slot = min(t0 + u, staged - 1)  # past the end: any staged row, ``fold`` gives it no weight
+                staged_row(kb, u, sh_kv, slot * D, lane)
+                staged_row(vb, u, sh_kv, (STAGE + slot) * D, lane)
+            fold(q, acc, m, l, kb, vb, s, vals, t0, staged, lane, scale)
+
+    @cuda.jit(device=True, inline=True)
+    def key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
+                  start, staged, end, warp, lane, scale):
+        q = cuda.local.array((G, E), float32)
+        acc = cuda.local.array((G, E), float32)
+        m = cuda.local.array(G, float32)
+        l = cuda.local.array(G, float32)
+        empty(acc, m, l)
+        for g in range(G):
+            for e in range(E):
+                q[g, e] = sh_x[g, lane * E + e]
+        staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale)
+        key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start + staged,
+                 end, warp, lane, scale)
+        stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
+
+    return key_phase
 
 
 def make_decode_attention(G, D, dtype, TRACE=False):
@@ -88,14 +128,11 @@ def make_decode_attention(G, D, dtype, TRACE=False):
     store, as_stored, ITEM = POOLS[dtype][2:]
     TC = dtype == "bf16"
     WARPS = TC_WARPS if TC else CUDA_WARPS
-    U = keys_in_flight(G, D)  # the CUDA-core key loop's keys in flight per warp
-    E = D // 32
     WORD_SHIFT = 1 if ITEM == 2 else 0  # pool elements per 32-bit word of ``kc``: 2 (bf16) or 1
     HALF = D // 2
     THREADS = WARPS * 32
     ROWS = G + 2  # shared-array shapes must be plain constants
     ROPED = G + 1
-    NV = U * G
     STAGE = STAGE_BYTES // (2 * D * ITEM)  # keys whose K and V rows are staged in shared memory
     ROW_WORDS = D * ITEM // 4  # 32-bit words of one key's K (or V) row
     ROW_CHUNKS = D * ITEM // 16  # its 16-byte copies
@@ -105,10 +142,8 @@ def make_decode_attention(G, D, dtype, TRACE=False):
     QUADS = D // 4  # 4-dim pieces of a head the split merge gives its threads
     BATCH = MERGE_BATCH[dtype]
     NORMS = 2 * D
-    key_loop = make_key_loop(G, D, load_pair_f32, load_quad_f32, U, WARPS)
-    fold = make_key_fold(G, D, U)
-    staged_row = make_staged_row(E)
-    empty, stash, merged = make_warp_merge(G, D, WARPS)
+    key_phase = (make_mma_key_phase if TC else make_cuda_key_phase)(G, D, WARPS, STAGE)
+    merged = make_warp_merge(G, D, WARPS)[2]  # both key phases stash the warps' states as it reads them
 
     @cuda.jit(device=True, inline=True)
     def row_dot(sh_x, a, b, lane):
@@ -140,21 +175,6 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         """Start copying ``count`` (a multiple of 4) fp32 values into shared memory."""
         for i in range(tid, count >> 2, THREADS):
             copy_async_16(dst, dst_at + 4 * i, src, src_at + 4 * i)
-
-    @cuda.jit(device=True, inline=True)
-    def staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale):
-        """The warp's share of the staged keys, U consecutive keys a step (as ``key_loop``: more would
-        cost registers, and at 3 blocks an SM the long-context batches need every one)."""
-        s = cuda.local.array((U, G), float32)
-        vals = cuda.local.array(NV, float32)
-        kb = cuda.local.array((U, E), float32)
-        vb = cuda.local.array((U, E), float32)
-        for t0 in range(warp * U, staged, WARPS * U):
-            for u in range(U):
-                slot = min(t0 + u, staged - 1)  # past the end: any staged row, ``fold`` gives it no weight
-                staged_row(kb, u, sh_kv, slot * ROW_WORDS, lane)
-                staged_row(vb, u, sh_kv, (STAGE + slot) * ROW_WORDS, lane)
-            fold(q, acc, m, l, kb, vb, s, vals, t0, staged, lane, scale)
 
     @cuda.jit(device=True, inline=True)
     def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid):
@@ -196,42 +216,6 @@ def make_decode_attention(G, D, dtype, TRACE=False):
                 top = new_top
             for i in range(4):
                 out[(head0 + g) * D + d + i] = o[i] / total
-
-    if TC:
-        q_fragments, tc_empty, tc_loop, tc_stash = make_mma_key_phase(G, D, WARPS, STAGE)
-        KSTEPS = D // 16
-
-        @cuda.jit(device=True, inline=True)
-        def key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
-                      start, staged, end, warp, lane, scale):
-            """Every warp's share of the split's old keys ``[start, end)``, then the warps' states into
-            ``sh_m``, ``sh_l``, ``sh_o`` (and a block sync)."""
-            qh = cuda.local.array((KSTEPS, 2), uint32)
-            ql = cuda.local.array((KSTEPS, 2), uint32)
-            acc = cuda.local.array((KSTEPS, 4), float32)
-            m = cuda.local.array(2, float32)
-            l = cuda.local.array(2, float32)
-            tc_empty(acc, m, l)
-            q_fragments(qh, ql, sh_x, lane)
-            tc_loop(qh, ql, acc, m, l, sh_kv, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start,
-                    staged, end, warp, lane, scale)
-            tc_stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
-                      start, staged, end, warp, lane, scale):
-            q = cuda.local.array((G, E), float32)
-            acc = cuda.local.array((G, E), float32)
-            m = cuda.local.array(G, float32)
-            l = cuda.local.array(G, float32)
-            empty(acc, m, l)
-            for g in range(G):
-                for e in range(E):
-                    q[g, e] = sh_x[g, lane * E + e]
-            staged_loop(q, acc, m, l, sh_kv, staged, warp, lane, scale)
-            key_loop(q, acc, m, l, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start + staged,
-                     end, warp, lane, scale)
-            stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
 
     @cuda.jit(device=True, inline=True)
     def mark(trace, point):

@@ -37,14 +37,12 @@ TILE = 16  # keys a warp folds per step: the MMA's M
 
 
 def make_mma_key_phase(G, D, WARPS, STAGE):
-    """Device functions for ``G`` query heads (at most 8) of head dim ``D`` (a multiple of 64) reading a
-    bf16 pool with ``STAGE`` keys (a multiple of TILE) staged per block:
-
-    - ``q_fragments(qh, ql, sh_x, lane)``: the B fragments of q (rows 0..G-1 of ``sh_x``), two parts;
-    - ``empty(acc, m, l)``; ``key_loop(...)``: the warp's tiles of keys ``[start, end)``;
-    - ``stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)``: the warp's state into the shared arrays that
-      attention.py's ``merged`` reads (``[WARPS, G]``, ``[WARPS, G]``, ``[WARPS, G, D]``), then a block sync.
-    """
+    """``key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift,
+    head_off, v_off, start, staged, end, warp, lane, scale)`` for ``G`` query heads (at most 8) of head
+    dim ``D`` (a multiple of 64) over a bf16 pool: q from rows 0..G-1 of ``sh_x``, every warp's tiles
+    of the keys ``[start, end)`` (the first ``staged`` in ``sh_kv``, STAGE of them at most, a multiple
+    of TILE), then the warps' states into the shared arrays that attention.py's ``merged`` reads
+    (``sh_m``, ``sh_l``: ``[WARPS, G]``; ``sh_o``: ``[WARPS, G, D]``) and a block sync."""
     assert G <= 8 and D % 64 == 0 and STAGE % TILE == 0
     KSTEPS = D // 16  # k-steps of the scores; also the m-tiles (16 dims each) of the output
     CHUNKS = D // 32  # 16-byte loads a K row takes per lane (dims 32j + 8c ...)
@@ -205,4 +203,18 @@ def make_mma_key_phase(G, D, WARPS, STAGE):
                 sh_o[warp, h1, d + 1] = acc[mt, 3]
         cuda.syncthreads()
 
-    return q_fragments, empty, key_loop, stash
+    @cuda.jit(device=True, inline=True)
+    def key_phase(sh_x, sh_kv, sh_m, sh_l, sh_o, kc, page_stride, page_tables, table, page_shift, head_off, v_off,
+                  start, staged, end, warp, lane, scale):
+        qh = cuda.local.array((KSTEPS, 2), uint32)
+        ql = cuda.local.array((KSTEPS, 2), uint32)
+        acc = cuda.local.array((KSTEPS, 4), float32)
+        m = cuda.local.array(2, float32)
+        l = cuda.local.array(2, float32)
+        empty(acc, m, l)
+        q_fragments(qh, ql, sh_x, lane)
+        key_loop(qh, ql, acc, m, l, sh_kv, kc, page_stride, page_tables, table, page_shift, head_off, v_off, start,
+                 staged, end, warp, lane, scale)
+        stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
+
+    return key_phase
