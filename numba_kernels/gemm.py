@@ -23,7 +23,7 @@ from numba.cuda.extending import intrinsic
 
 from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, cp_async16, cp_async_commit,
                                   cp_async_wait, global_address, grid_dependency_wait, launch_dependents, lds_u32x4,
-                                  load_f32x4, shared_address)
+                                  load_f32x4, shared_address, warp_sum)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
@@ -319,8 +319,21 @@ def make_weight_fragments(T: int, load):
     return weight_fragments
 
 
-def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False, RING: int = 0):
-    """``keep`` (with ``normed``): a last argument ``kept`` takes rmsnorm(x) * norm_w too, each block
+def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False, RING: int = 0,
+                  chain: str = "", hold: bool = False):
+    """``chain`` passes the next GEMM's RMSNorm from a residual GEMM to its consumer (batched decode):
+    "out" (epilogue "residual"; last arguments ``xn, part``): besides ``y += .`` the block writes
+    ``xn = y * norm_w`` (``norm_w``: the next norm's weights) and, per row, the sum of squares of its
+    columns of y into ``part[8 * block + row]``. "in" (not ``normed``; last arguments ``part, parts``):
+    x is such an ``xn``, so the loop holds no norm weights; an extra warp sums the producer's ``parts``
+    blocks of ``part`` (in a fixed order) into each row's ``1 / rms`` while the others stream the
+    weights, and the epilogue scales by it, as a normed kernel does.
+
+    ``hold``: each round's first MMA waits (through a term that adds +0.0) for every weight word of the
+    round, so ptxas cannot sink half of the round's loads below the MMAs of the other half (it did for
+    the t4 shapes without the norm's loads, taking their loop from one memory round trip to two).
+
+    ``keep`` (with ``normed``): a last argument ``kept`` takes rmsnorm(x) * norm_w too, each block
     writing its share of every row's columns, for the kernels after this one that read the
     normalised rows (the MoE router: its routing and expert GEMMs), so no norm launch precedes it.
 
@@ -331,12 +344,17 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     activations (zeros past ``rows``) and norm weights; then reads its fragments back after a warp
     barrier. The first RING slots' weights go out before the wait for the previous kernel."""
     assert normed or not keep
+    assert chain in ("", "in", "out") and not (chain == "in" and normed) and (chain != "out" or epilogue == "residual")
+    assert chain != "out" or (T == 1 and W >= 4)  # NORM_OUT: an output a thread, a row's columns a half-warp
+    NORM_IN = chain == "in"
+    NORM_OUT = chain == "out"
+    SCALED = normed or NORM_IN  # the epilogue multiplies by each row's 1 / rms
     assert not RING or (U == 1 and 2 <= RING <= len(cp_async_wait))
     wait_slot = cp_async_wait[RING - 1] if RING else None
     SLOT = ring_slot_bytes(T, normed)
     X_AT = 16 * T * 128  # the slot's activations: 8 rows of 64 fp32 (256 bytes), after the weight rows
     NORM_AT = X_AT + 8 * 256  # then 64 fp32 norm weights
-    THREADS = 32 * W
+    THREADS = 32 * (W + 1 if NORM_IN else W)  # NORM_IN: warp W sums the norm's partials
     SWIGLU = epilogue == "swiglu"
     COLS = 8 if SWIGLU else 16  # output columns per 16-row tile
     OUTS = T * COLS * 8  # (column, row) outputs per block
@@ -496,12 +514,55 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 else:
                     for e in range(8):
                         xr[u, e] = float32(0.0)
+            if hold:  # the first MMA waits for every weight word of the round: ptxas cannot sink a load below it
+                dep = uint32(0)
+                for u in range(U):
+                    for tt in range(T):
+                        for h in range(2):
+                            for e in range(4):
+                                dep ^= wr[u, tt, h, e]
+                acc[0, 0] += libdevice.int_as_float(int32(dep) & (int32(rows) >> int32(31)))  # + 0.0: rows >= 0
             for u in range(U):
                 step_mmas(acc, wr, u, xr, u)
         return ss
 
     @cuda.jit(device=True, inline=True)
-    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
+    def inverse_rms(inv, part, parts, rows, k, eps, lane):
+        """``inv[r] = 1 / rms`` of each row from the producer's ``parts`` blocks of squares (one warp:
+        lane l takes blocks l, l + 32, ..., two blocks' loads in flight; then a shuffle tree)."""
+        total = cuda.local.array(8, float32)
+        for r in range(8):
+            total[r] = float32(0.0)
+        for b0 in range(lane, parts, 64):
+            b1 = min(b0 + 32, parts - 1)  # past the end: a valid address, its sums unused
+            a0, a1, a2, a3 = load_f32x4(part, int64(b0) * 8)
+            a4, a5, a6, a7 = load_f32x4(part, int64(b0) * 8 + 4)
+            c0, c1, c2, c3 = load_f32x4(part, int64(b1) * 8)
+            c4, c5, c6, c7 = load_f32x4(part, int64(b1) * 8 + 4)
+            total[0] += a0
+            total[1] += a1
+            total[2] += a2
+            total[3] += a3
+            total[4] += a4
+            total[5] += a5
+            total[6] += a6
+            total[7] += a7
+            if b0 + 32 < parts:
+                total[0] += c0
+                total[1] += c1
+                total[2] += c2
+                total[3] += c3
+                total[4] += c4
+                total[5] += c5
+                total[6] += c6
+                total[7] += c7
+        for r in range(8):
+            total[r] = warp_sum(total[r])
+        if lane < rows:
+            inv[lane] = float32(1.0) / math.sqrt(total[lane] / float32(k) + eps)
+
+    @cuda.jit(device=True, inline=True)
+    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept, xn, part, parts):
         red = cuda.shared.array((W, T, 16, 8), float32)
         red_ss = cuda.shared.array((W, 8), float32)
         inv = cuda.shared.array(8, float32)
@@ -514,15 +575,21 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         for tt in range(T):
             for e in range(4):
                 acc[tt, e] = float32(0.0)
-        if RING:
+        ss = float32(0.0)
+        if NORM_IN and warp == W:
+            launch_dependents()
+            grid_dependency_wait()
+            inverse_rms(inv, part, parts, rows, k, eps, lane)
+        elif RING:
             ss = ring_loop(acc, w, x, norm_w, rows, n, k, warp, lane)
         else:
             ss = register_loop(acc, w, x, norm_w, rows, n, k, warp, lane)
-        for tt in range(T):
-            red[warp, tt, g, 2 * t] = acc[tt, 0]
-            red[warp, tt, g, 2 * t + 1] = acc[tt, 1]
-            red[warp, tt, g + 8, 2 * t] = acc[tt, 2]
-            red[warp, tt, g + 8, 2 * t + 1] = acc[tt, 3]
+        if not NORM_IN or warp < W:
+            for tt in range(T):
+                red[warp, tt, g, 2 * t] = acc[tt, 0]
+                red[warp, tt, g, 2 * t + 1] = acc[tt, 1]
+                red[warp, tt, g + 8, 2 * t] = acc[tt, 2]
+                red[warp, tt, g + 8, 2 * t + 1] = acc[tt, 3]
         if normed:
             ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
             ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 2)
@@ -545,25 +612,35 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             tt = col // COLS
             i = col % COLS
             out_col = cuda.blockIdx.x * T * COLS + col
+            square = float32(0.0)
             if r < rows and out_col < n:
                 v = float32(0.0)
                 for wp in range(W):
                     v += red[wp, tt, i, r]
-                if normed:
+                if SCALED:
                     v *= inv[r]
                 at = int64(r) * ldy + out_col
                 if SWIGLU:
                     up = float32(0.0)
                     for wp in range(W):
                         up += red[wp, tt, i + 8, r]
-                    if normed:
+                    if SCALED:
                         up *= inv[r]
                     sig = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * v)
                     y[at] = v * sig * up
                 elif epilogue == "residual":
-                    y[at] += v
+                    v += y[at]
+                    y[at] = v
+                    if NORM_OUT:
+                        xn[at] = v * norm_w[out_col]
+                        square = v * v
                 else:
                     y[at] = v
+            if NORM_OUT:  # a row's 16 columns are a half-warp's lanes: its sum of squares by a shuffle tree
+                for offset in (8, 4, 2, 1):
+                    square += cuda.shfl_xor_sync(0xFFFFFFFF, square, offset)
+                if i == 0 and r < rows:
+                    part[cuda.blockIdx.x * 8 + r] = square
 
     @cuda.jit(device=True, inline=True)
     def keep_normed(kept, x, norm_w, inv, rows, k, tid):
@@ -579,10 +656,16 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
 
     if keep:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, kept)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, kept, y, y, 0)
+    elif NORM_OUT:
+        def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, xn, part):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, xn, part, 0)
+    elif NORM_IN:
+        def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, part, parts):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, part, parts)
     else:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, y)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, y, 0)
 
     return mma_gemv
 
@@ -591,9 +674,11 @@ MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
-                    RING: int = 0) -> str:
-    ring = f"r{RING}" if RING else ""
-    return f"mma_gemv_{'normed_' if normed else ''}{'keep_' if keep else ''}{epilogue}_t{T}w{W}u{U}s{TERMS}{ring}"
+                    RING: int = 0, chain: str = "", hold: bool = False) -> str:
+    ring = f"r{RING}" if RING else "h" if hold else ""
+    norm = "normed_" if normed else "normin_" if chain == "in" else ""
+    fusion = f"{norm}{'keep_' if keep else ''}{epilogue}{'_normout' if chain == 'out' else ''}"
+    return f"mma_gemv_{fusion}_t{T}w{W}u{U}s{TERMS}{ring}"
 
 
 def ring_slot_bytes(T: int, normed: bool) -> int:
@@ -631,6 +716,23 @@ for _shape in [_s + (0,) for _s in MMA_SHAPES] + RING_SHAPES:
             _meta["shared"] = ring_bytes(_normed, _t, _w, _ring)
         KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring)] = (
             make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring), MMA_SIG, _meta)
+# The chained norm of batched decode (``make_mma_gemv``'s ``chain``; forward.CHAIN_IN_GEMMS): the
+# residual GEMMs that write the next norm's input (o, down) and the GEMMs that read it (q/k/v, gate/up,
+# LM head). ``tools/bench_decode_gemm.py --rows 8`` on the H200, GB/s, the normed kernel it replaces in
+# brackets: q/k/v t1w8u2s3 2781 (2567), gate/up t4w4u1s3h 3615 (3616), LM head t4w4u1s3h 3845 (3792
+# for t4w8u1s3); o t1w16u4s3 2878 (2896), down t1w16u4s3 3427 (3490 for the ring shape, whose chained
+# epilogue read 3388). Without ``hold`` the t4 shapes read 2575 (gate/up) and 3062 (LM head): ptxas
+# sank half of a round's weight loads below its first MMAs. ``hold`` on the t1 shapes was slower (o
+# t1w16u4s3 2087: 70 registers, one block an SM). The other chained shapes timed: q/k/v t1w16u4s3
+# 2598, gate/up t1w16u4s3 3322 and t1w8u2s3h 3395.
+CHAIN_KERNELS = [("out", "residual", (1, 16, 4, 3), False), ("in", "store", (1, 8, 2, 3), False),
+                 ("in", "swiglu", (4, 4, 1, 3), True), ("in", "store", (4, 4, 1, 3), True)]
+for _chain, _epilogue, (_t, _w, _u, _terms), _hold in CHAIN_KERNELS:
+    KERNELS[mma_kernel_name(False, _epilogue, _t, _w, _u, _terms, chain=_chain, hold=_hold)] = (
+        make_mma_gemv(False, _epilogue, _t, _w, _u, _terms, chain=_chain, hold=_hold),
+        MMA_SIG + ((F32P, F32P) if _chain == "out" else (F32P, int32)),
+        {"threads": 32 * (_w + 1 if _chain == "in" else _w), "cols": _t * (8 if _epilogue == "swiglu" else 16),
+         "epilogue": _epilogue, "normed": 0, "chain": _chain, "terms": _terms, "max_rows": 8, "grid_wait": 1})
 # The MoE router's decode GEMM (ninfer/backends/cuda/moe.py ROUTER_NORMED_DECODE_GEMM): normalises x
 # itself and keeps the normalised rows for the routing and the expert GEMMs. 16 warps of 4 steps load
 # a 2048-wide row in one round: 35B-A3B b1 329.5-331.0 tok/s against 317.9-320.0 with (1, 8, 2), four

@@ -54,14 +54,23 @@ class FakeKernels:
         return self._kernels[name]
 
 
-def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *kept):
+def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *extra):
     """A fused decode GEMM's launch (its arguments as ``Forward.decode_gemm`` passes them) stays inside
     its buffers, covers its n outputs, and has K % 8 == 0; a ``keep`` kernel's normalised rows (its
-    last argument) fit theirs and are not its input."""
+    last argument) fit theirs and are not its input; a chained norm's input and partial sums (a
+    producer's ``xn, part``, a consumer's ``part, parts``) fit theirs."""
     meta, f32 = kernel.meta, 4
-    assert len(kept) == meta.get("keep", 0), kernel.name
-    if kept:
-        assert kept[0].nbytes >= rows * k * f32 and kept[0].addr != x.addr, kernel.name
+    chain = meta.get("chain")
+    assert len(extra) == (2 if chain else meta.get("keep", 0)), kernel.name
+    if meta.get("keep"):
+        assert extra[0].nbytes >= rows * k * f32 and extra[0].addr != x.addr, kernel.name
+    if chain == "out":
+        xn, part = extra
+        assert xn.nbytes >= rows * ldy * f32 and xn.addr not in (x.addr, y.addr), kernel.name
+        assert part.nbytes >= grid[0] * 8 * f32 and norm.nbytes >= n * f32, kernel.name
+    if chain == "in":
+        part, parts = extra
+        assert part.nbytes >= parts * 8 * f32 and parts * 16 >= k, kernel.name
     weight_rows = 2 * n if meta["epilogue"] == "swiglu" else n
     assert k % 8 == 0 and rows <= meta["max_rows"] and grid[0] * meta["cols"] >= n, kernel.name
     assert y.nbytes >= rows * ldy * f32 and ldy >= n and x.nbytes >= rows * k * f32, kernel.name

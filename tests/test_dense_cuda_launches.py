@@ -121,3 +121,34 @@ def test_decode_graph_depths_hold_every_split():
         fwd.decode(2, None, depth)
         grids = [grid for kernel, grid, _ in fwd.k.log if kernel.name.startswith("decode_attention")]
         assert len(grids) == CONFIG.num_layers and all(grid[2] == depth for grid in grids)
+
+
+def test_tensor_core_steps_chain_their_norms():
+    """Where every decode GEMM is on the tensor cores, o and down write the next norm's input (with the
+    weights of the norm that follows them) and the normed GEMMs after them read it; the first q/k/v
+    (after the embedding) normalises its input itself. Fewer rows keep the normed fp32 GEMVs."""
+    fwd = forward()
+    fwd.chain_norm = True
+    L = CONFIG.num_layers
+    follows = [name for i in range(L)
+               for name in (f"layers.{i}.mlp_norm", f"layers.{i + 1}.attn_norm" if i + 1 < L else "final_norm")]
+    for rows in range(1, MAX_BATCH + 1):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        gemms = [(kernel.meta, args) for kernel, _, args in fwd.k.log if "epilogue" in kernel.meta]
+        chains = [meta.get("chain") for meta, _ in gemms]
+        if not fw.chains_norms(rows):
+            assert not any(chains), rows
+            continue
+        assert fwd.chains(rows)
+        assert chains == [None, "out", "in", "out"] + ["in", "out", "in", "out"] * (L - 1) + ["in"], rows
+        assert gemms[0][0]["normed"] == 1
+        producers = [args for meta, args in gemms if meta.get("chain") == "out"]
+        assert [args[3] for args in producers] == [fwd.w[name] for name in follows]  # each norm's weights
+        assert all(args[-2] is fwd.b.xn for args in producers)
+        consumers = [args for meta, args in gemms if meta.get("chain") == "in"]
+        assert all(args[1] is fwd.b.xn and args[-2] is fwd.b.norm_part for args in consumers)
+    fwd.chain_norm = False  # the default: every step normalises in its GEMMs
+    fwd.k.log.clear()
+    fwd.decode(MAX_BATCH, None)
+    assert not any(kernel.meta.get("chain") for kernel, _, _ in fwd.k.log)

@@ -4,7 +4,8 @@
 
 For every matrix of a decode step (qkv, o, gate_up, down, LM head) and every row count it times the
 fp32 CUDA-core GEMV plain (``gemv_m{M}_c4``) and with the matrix's fusion (``gemv_<fusion>_m{M}``),
-and each tensor-core shape of ``mma_gemv`` with the fusion (numba_kernels/gemm.py): every such kernel
+and each tensor-core shape of ``mma_gemv`` with the fusion (numba_kernels/gemm.py) or its chained-norm
+form (``normin`` for a normed matrix, ``normout`` for a residual one): every such kernel
 of the manifest, so a variant whose build is copied into ``ptx/`` for the run is timed too,
 inside one CUDA Graph of ``--reps`` launches. Launches cycle through enough copies of the weights to
 exceed the 50 MB L2, so every launch streams its matrix from HBM as in a real step. Prints one line
@@ -30,6 +31,7 @@ MATRICES = {  # name: (output columns, k, epilogue, normed) as a Qwen3-8B decode
     "lm_head": (151936, 4096, "store", True),
 }
 L2_BYTES = 256 << 20  # rotate through at least this many weight bytes
+CHAIN_PARTS = 256  # partial sums a chained-norm GEMM reads: the o / down GEMMs' blocks (4096 columns / 16)
 
 
 def time_graph(device, stream, launches, reps: int) -> float:
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
     x = device.alloc(8 * 12288 * 2 * 4, "x")
     y = device.alloc(8 * 151936 * 4, "y")
     norm = device.alloc(12288 * 4, "norm")
-    for buf in (x, y, norm):
+    xn = device.alloc(8 * 151936 * 4, "xn")
+    part = device.alloc(8 * (151936 // 16 + 1) * 4, "part")
+    for buf in (x, y, norm, xn, part):
         rt.memset32(buf, 0x3F800000, buf.nbytes // 4, stream)  # 1.0f
     for name, (cols, k, epilogue, normed) in MATRICES.items():
         rows_w = 2 * cols if epilogue == "swiglu" else cols
@@ -74,12 +78,17 @@ def main(argv=None) -> int:
                                                                   (y, x, wt, rows, n_plain, k, n_plain), stream)
                                       for wt in weights]}
             fusion = f"{'normed_' if normed else ''}{epilogue}"
+            # The chained norm's kernels (numba_kernels/gemm.py ``chain``) stand in for the normed ones
+            # (their input pre-scaled, the 1 / rms from a producer's CHAIN_PARTS partial sums) and
+            # for the plain residual ones (writing the next norm's input and partials as well).
+            chained = rf"mma_gemv_normin_{epilogue}_t\w+" if normed else rf"mma_gemv_{epilogue}_normout_t\w+"
             for kname in kernels.entries:  # every build of the fused kernels in the manifest (variants too)
-                if re.fullmatch(rf"mma_gemv_{fusion}_t\w+|gemv_{fusion}_m{rows}(_\w+)?", kname):
+                if re.fullmatch(rf"mma_gemv_{fusion}_t\w+|gemv_{fusion}_m{rows}(_\w+)?|{chained}", kname):
                     kern = kernels[kname]
                     grid = (-(-cols // kern.meta["cols"]),)
-                    candidates[kname] = [lambda wt=wt, kern=kern, grid=grid: kern.launch(
-                        grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6), stream)
+                    extra = {"in": (part, CHAIN_PARTS), "out": (xn, part)}.get(kern.meta.get("chain"), ())
+                    candidates[kname] = [lambda wt=wt, kern=kern, grid=grid, extra=extra: kern.launch(
+                        grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6, *extra), stream)
                         for wt in weights]
             for kname, launches in candidates.items():
                 if args.only in kname:

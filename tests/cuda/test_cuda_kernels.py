@@ -89,10 +89,31 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
         want = want + y0[:rows]
     y = gpu.put(y0) if epilogue == "residual" else gpu.empty(8 * n * 4)
     kept = (gpu.empty(8 * k * 4),) if kernel.meta.get("keep") else ()  # the normalised rows, written too
-    gpu.launch(kernel.name, (-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
-               (y, gpu.put(x), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *kept))
+    chain = kernel.meta.get("chain")
+    x_in, extra = x, kept
+    grid = -(-n // kernel.meta["cols"])
+    if chain == "in":  # x comes as x * norm_w, with a producer's per-block sums of squares (16 columns a block)
+        h = rms_norm(x, norm_w, eps)
+        want = h.astype(np.float64) @ to_float32(w).T.astype(np.float64)
+        if epilogue == "swiglu":
+            want = silu(want[:, :n]) * want[:, n:]
+        parts = -(-k // 16)
+        sums = np.zeros((parts, 8), np.float32)
+        sums[:, :rows] = np.pad(x * x, ((0, 0), (0, parts * 16 - k))).reshape(rows, parts, 16).sum(-1).T
+        x_in, extra = x * norm_w, (gpu.put(sums), parts)
+    elif chain == "out":  # the next norm's weights are per output column
+        norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        extra = (gpu.empty(8 * n * 4), gpu.empty(grid * 8 * 4))
+    gpu.launch(kernel.name, (grid,), (kernel.meta["threads"],),
+               (y, gpu.put(x_in), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *extra))
     got = gpu.get(y, np.float32, (8, n))
     assert _err(got[:rows], want) < DECODE_GEMM_TOLERANCE[kernel.meta["terms"]]
+    if chain == "out":  # x * norm_w of the new residual, and each block's sums of its squares
+        xn = gpu.get(extra[0], np.float32, (8, n))
+        assert np.array_equal(xn[:rows], got[:rows] * norm_w) and np.isnan(xn[rows:]).all()
+        sums = gpu.get(extra[1], np.float32, (grid, 8))[:, :rows]
+        squares = np.pad(got[:rows].astype(np.float64) ** 2, ((0, 0), (0, grid * kernel.meta["cols"] - n)))
+        assert _err(sums, squares.reshape(rows, grid, -1).sum(-1).T) < 1e-6
     if kept:
         normed = gpu.get(kept[0], np.float32, (8, k))
         assert _err(normed[:rows], h) < 1e-6 and np.isnan(normed[rows:]).all()

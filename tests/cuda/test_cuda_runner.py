@@ -150,6 +150,22 @@ def test_batch_of_8_mixed_lengths_identical(artifact, cuda_graph):
         gpu.close()
 
 
+@pytest.mark.parametrize("rows", [3, 8])
+def test_batch_with_chained_norms_identical(artifact, rows):
+    """Steps of 3-8 rows with their norms chained from GEMM to GEMM (``Forward.chain_norm``: the
+    residual GEMMs write the next norm's input) decode the reference's tokens too."""
+    ref, gpu = _runners(artifact, cuda_graph=False)
+    gpu.forward.chain_norm = True
+    try:
+        rng = np.random.default_rng(11)
+        lengths = (2, 5, 9, 33, 70, 128, 180, 250)[-rows:]
+        prompts = [rng.integers(0, ref.info.vocab_size, n).astype(np.int32) for n in lengths]
+        greedy = lambda lane, step: SamplingRow()  # noqa: E731
+        assert _generate(gpu, prompts, 64, greedy) == _generate(ref, prompts, 64, greedy)
+    finally:
+        gpu.close()
+
+
 def test_seeded_sampling_with_penalties_matches_reference(artifact):
     ref, gpu = _runners(artifact)
     try:

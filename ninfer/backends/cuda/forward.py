@@ -122,11 +122,30 @@ DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else shape for rows in range(
 DECODE_GEMMS["down"].update({7: "t1w8u1s3r3", 8: "t1w8u1s3r3"})
 
 
-def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int) -> str:
-    """The kernel a decode step of ``rows`` rows launches for ``matrix``."""
+# The chained norm (numba_kernels/gemm.py ``make_mma_gemv``'s ``chain``) of a step whose GEMMs are all
+# on the tensor cores: the residual GEMMs (o, down) write the next norm's input, x * weight, and each
+# block's sums of squares, so the normed GEMMs after them (q/k/v, gate/up, LM head) hold no norm weights
+# (the normed q/k/v shape takes 104 registers at 16 warps, the plain one 48). The shapes those read with:
+CHAIN_IN_GEMMS = {"qkv": "t1w8u2s3", "gate_up": "t4w4u1s3h", "lm_head": "t4w4u1s3h"}
+CHAIN_OUT_GEMMS = {"down": "t1w16u4s3"}  # the ring shape's epilogue is the slower one with the chain
+CHAIN_PRODUCERS = {"qkv": "down", "gate_up": "o", "lm_head": "down"}  # whose partial sums each reads
+
+
+def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int, chain: str = "") -> str:
+    """The kernel a decode step of ``rows`` rows launches for ``matrix``; ``chain``: "out" for a residual
+    GEMM writing the next norm's input, "in" for a normed GEMM reading it."""
     choice = DECODE_GEMMS[matrix][rows]
+    if chain == "in":
+        return f"mma_gemv_normin_{epilogue}_{CHAIN_IN_GEMMS[matrix]}"
+    if chain == "out":
+        return f"mma_gemv_{epilogue}_normout_{CHAIN_OUT_GEMMS.get(matrix, choice)}"
     fusion = f"{'normed_' if normed else ''}{epilogue}"
     return f"gemv_{fusion}_m{rows}" if choice == "fp32" else f"mma_gemv_{fusion}_{choice}"
+
+
+def chains_norms(rows: int) -> bool:
+    """Whether a decode step of ``rows`` rows chains its norms: where every decode GEMM is on the tensor cores."""
+    return all(DECODE_GEMMS[matrix][rows] != "fp32" for matrix in DECODE_GEMMS)
 
 
 KV_DTYPES = {"bf16": 2, "f32": 4}
@@ -234,6 +253,8 @@ class StepBuffers:
         plan = {
             "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
             "qkv": R * c.qkv_size * f32, "attn": R * c.q_size * f32,
+            # the chained norm's input and partial sums (8 rows a producer block of 16 columns)
+            "xn": GEMV_MAX_ROWS * c.hidden_size * f32, "norm_part": 8 * -(-c.hidden_size // 16) * f32,
             "gate_up": R * 2 * c.intermediate_size * f32, "act": R * c.intermediate_size * f32,
             "part_o": self._cells(c, R, max_batch) * c.head_dim * f32,
             "counters": max_batch * c.num_kv_heads * 4,  # decode attention's split tickets, zero between launches
@@ -300,6 +321,10 @@ class Forward:
         # tools/bench_decode_step.py, ms a step: b4/512 5.056 -> 4.996, b8/512 5.256 -> 5.180, b8/4096
         # 6.323 -> 6.223, b4/8192 6.225 -> 6.154 (every launch overlapped at b8/512: 8.14).
         self.attention_overlap = True
+        # Tensor-core decode steps pass each norm on from a residual GEMM (``chains``). Off until the
+        # whole-model GPU tests have run with it: its kernels passed their own GPU tests in an earlier
+        # form (shared-memory sums) that measured b8/512 5.074 ms a step against 5.143 unchained.
+        self.chain_norm = False
         self.kv_prefetch_bytes = KV_PREFETCH_BYTES  # 0: never (tools/bench_decode_step.py)
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
@@ -310,6 +335,9 @@ class Forward:
         if self.prefill_attention_name:
             names += [self.prefill_attention_name, self.prefill_attention_name + "_bf16", self.rope_name + "_qkv_bf16"]
         names += [decode_gemm_name(matrix, epilogue, normed, m) for m in range(1, GEMV_MAX_ROWS + 1)
+                  for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
+        names += [decode_gemm_name(matrix, epilogue, normed, m, "in" if normed else "out")
+                  for m in range(1, GEMV_MAX_ROWS + 1) if chains_norms(m)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
 
@@ -461,14 +489,27 @@ class Forward:
             residual(act, w[p + "down"], c.intermediate_size)
         norm(b.h, w["final_norm"], "")
 
+    def chains(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows chains its norms (``chain_norm``, ``chains_norms``)."""
+        return self.chain_norm and chains_norms(rows)
+
     def decode_gemm(self, matrix: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
-                    k: int, stream, norm: rt.DevicePtr | None = None) -> None:
+                    k: int, stream, norm: rt.DevicePtr | None = None, chain: str = "") -> None:
         """A decode GEMM with its fusion (DECODE_FUSIONS): "normed" = rmsnorm(x) * ``norm`` first;
-        epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up])."""
+        epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up]).
+        ``chain`` "out" (a residual GEMM): also write the next norm's input into ``xn`` (``norm``: that
+        norm's weights) and its partial sums; "in" (a normed GEMM): read them instead of x and ``norm``."""
         epilogue, normed = DECODE_FUSIONS[matrix]
-        kernel = self.k[decode_gemm_name(matrix, epilogue, normed, rows)]
-        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                      (y, x, w, norm if normed else self.b.cos, rows, n, k, n, float(self.c.rms_norm_eps)), stream)
+        kernel = self.k[decode_gemm_name(matrix, epilogue, normed, rows, chain)]
+        b, eps = self.b, float(self.c.rms_norm_eps)
+        args = (y, x, w, norm if normed or chain == "out" else b.cos, rows, n, k, n, eps)
+        if chain == "out":
+            args += (b.xn, b.norm_part)
+        elif chain == "in":  # the producer wrote one partial per block (of the hidden size's columns)
+            producer = CHAIN_PRODUCERS[matrix]
+            producer = self.k[decode_gemm_name(producer, *DECODE_FUSIONS[producer], rows, "out")]
+            args = (y, b.xn, w, b.cos, rows, n, k, n, eps, b.norm_part, -(-k // producer.meta["cols"]))
+        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],), args, stream)
 
     def decode_depths(self) -> tuple[int, ...]:
         """The attention grid depths (splits per row) a decode step is captured at, shallowest first:
@@ -491,18 +532,21 @@ class Forward:
         ``decode_attention`` does rope, the KV append and attention (``attend``)."""
         c, b, w = self.c, self.b, self.w
         n_splits = depth or self.n_splits(rows, decode=True)
+        out, into = ("out", "in") if self.chains(rows) else ("", "")
         self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
-                             norm=w[p + "attn_norm"])
+                             norm=w[p + "attn_norm"], chain=into if i else "")  # the embedding has no chain
             self.attend(i, rows, n_splits, stream, decode=True)
-            self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
+            self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
+                             norm=w[p + "mlp_norm"], chain=out)
             self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
-                             stream, norm=w[p + "mlp_norm"])
+                             stream, norm=w[p + "mlp_norm"], chain=into)
+            following = w[f"layers.{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
-                             stream)
+                             stream, norm=following, chain=out)
 
     def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False) -> rt.DevicePtr:
         """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or with
@@ -556,7 +600,8 @@ class Forward:
         with self.k.overlapped() if self.overlaps(rows) else contextlib.nullcontext():
             self.decode_layers(rows, stream, depth)
             self.decode_gemm("lm_head", self.b.logits, self.b.x, self.lm_head, rows, self.c.vocab_size,
-                             self.c.hidden_size, stream, norm=self.w["final_norm"])
+                             self.c.hidden_size, stream, norm=self.w["final_norm"],
+                             chain="in" if self.chains(rows) else "")
             self.sample(rows, stream)
 
 

@@ -146,6 +146,7 @@ class HybridForward(Forward):
         self.kv_index = {layer: i for i, layer in enumerate(c.attention_layers)}
         self.conv_floats = (c.conv_kernel - 1) * c.conv_dim
         self.moe = moe.CudaMoe(kernels, c, buffers.moe, buffers.rows) if MOE in c.mlp_types else None
+        self.chain_norm = False  # the mixers' and MoE's GEMMs still normalise their own inputs
 
     def kernel_names(self) -> list[str]:
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
