@@ -737,10 +737,10 @@ for _chain, _epilogue, (_t, _w, _u, _terms), _hold in CHAIN_KERNELS:
 # itself and keeps the normalised rows for the routing and the expert GEMMs. 16 warps of 4 steps load
 # a 2048-wide row in one round: 35B-A3B b1 329.5-331.0 tok/s against 317.9-320.0 with (1, 8, 2), four
 # rounds (tools/gpu_bench_hybrid.py, alternating runs).
-_ROUTER_SHAPE = (1, 16, 4, 3)
-KERNELS[mma_kernel_name(True, "store", *_ROUTER_SHAPE, keep=True)] = (
-    make_mma_gemv(True, "store", *_ROUTER_SHAPE, keep=True), MMA_SIG + (F32P,),
-    {"threads": 32 * _ROUTER_SHAPE[1], "cols": 16, "epilogue": "store", "normed": 1, "keep": 1, "terms": 3,
+ROUTER_SHAPE = (1, 16, 4, 3)
+KERNELS[mma_kernel_name(True, "store", *ROUTER_SHAPE, keep=True)] = (
+    make_mma_gemv(True, "store", *ROUTER_SHAPE, keep=True), MMA_SIG + (F32P,),
+    {"threads": 32 * ROUTER_SHAPE[1], "cols": 16, "epilogue": "store", "normed": 1, "keep": 1, "terms": 3,
      "max_rows": 8, "grid_wait": 1})
 
 

@@ -46,10 +46,11 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, atomic_add_i32, bf16_hi, bf16_lo, bf16_to_f32,
+                                  grid_dependency_wait,
                                   launch_dependents, load_f32x4, load_u32x2, load_u64x2, warp_max, warp_max_i32,
                                   warp_min_i32, warp_sum)
-from numba_kernels.gemm import make_weight_fragments, split3_bf16x2
+from numba_kernels.gemm import ROUTER_SHAPE, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
@@ -413,11 +414,10 @@ def write_chunks(p, mine, lower, count, first, pick_ids, first_chunks, chunks, n
         n_chunks[0] = routed + shared
 
 
-def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
-              n_experts, hidden, top_k, renormalise, chunk):
-    """``moe_topk`` and ``moe_plan`` in one block (decode: ``rows <= ROUTE_ROWS``, one launch)."""
-    launch_dependents()  # programmatic dependent launch: common.py
-    grid_dependency_wait()
+@cuda.jit(device=True, inline=True)
+def route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
+                n_experts, hidden, top_k, renormalise, chunk):
+    """``moe_route``'s work, by one block of ``ROUTE_THREADS``."""
     gate_red = cuda.shared.array((ROUTE_WARPS, ROUTE_ROWS), float32)
     pick_ids = cuda.shared.array(ROUTE_PICKS, int32)
     pick_w = cuda.shared.array(ROUTE_PICKS, float32)
@@ -445,6 +445,47 @@ def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_
     cuda.syncthreads()  # every expert's chunk count visible
     if tid < pairs:
         write_chunks(tid, mine, lower, count, first, pick_ids, first_chunks, chunks, n_chunks, pairs, rows, chunk)
+
+
+def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
+              n_experts, hidden, top_k, renormalise, chunk):
+    """``moe_topk`` and ``moe_plan`` in one block (decode: ``rows <= ROUTE_ROWS``, one launch)."""
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
+    route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
+                n_experts, hidden, top_k, renormalise, chunk)
+
+
+def make_router_route():
+    """``moe_router_route``: the normalising router GEMM (numba_kernels/gemm.py's
+    ``mma_gemv_normed_keep_store`` of ROUTER_SHAPE, a block per 16 experts) with ``moe_route`` folded
+    in. Each block writes its logits and its share of the normalised rows, then takes a ticket
+    (``ticket[0]``, zero between launches; the last block resets it); the last block to finish routes
+    for every row, as ``moe_route``'s one block does: one launch a decode MoE layer fewer."""
+    T, W, U, TERMS = ROUTER_SHAPE
+    assert 32 * W == ROUTE_THREADS  # the GEMM's block routes
+    router = cuda.jit(device=True, inline=True)(make_mma_gemv(True, "store", T, W, U, TERMS, keep=True))
+
+    def moe_router_route(logits, x, router_w, norm_w, rows, n_experts, hidden, eps, normed, chunks, n_chunks,
+                         pair_row, pair_weight, row_pair, topk_ids, topk_w, shared_gate, top_k, renormalise, chunk,
+                         ticket):
+        router(logits, x, router_w, norm_w, rows, n_experts, hidden, n_experts, eps, normed)
+        last = cuda.shared.array(1, int32)
+        cuda.threadfence()  # this block's logits and normalised columns are out before its ticket
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            taken = atomic_add_i32(ticket, 0, 1)
+            last[0] = int32(taken == cuda.gridDim.x - 1)
+            if taken == cuda.gridDim.x - 1:
+                ticket[0] = 0  # every block has had its ticket: ready for the next launch
+        cuda.syncthreads()
+        if last[0] == 0:
+            return
+        cuda.threadfence()
+        route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, normed, shared_gate,
+                    rows, n_experts, hidden, top_k, renormalise, chunk)
+
+    return moe_router_route
 
 
 def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
@@ -637,6 +678,10 @@ KERNELS = {
     "moe_route": (moe_route, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32,
                               int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS, "max_rows": ROUTE_ROWS,
                               "grid_wait": 1}),
+    "moe_router_route": (make_router_route(), (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P,
+                                               I32P, F32P, I32P, I32P, F32P, U16P, int32, int32, int32, I32P),
+                         {"threads": ROUTE_THREADS, "cols": 16 * ROUTER_SHAPE[0], "max_experts": MAX_EXPERTS,
+                          "max_rows": ROUTE_ROWS, "grid_wait": 1}),
     "moe_combine": (make_combine(False), (F32P, F32P, I32P, int32, int32, int32),
                     {"threads": COMBINE_THREADS, "grid_wait": 1}),
     "moe_combine_residual": (make_combine(True), (F32P, F32P, I32P, int32, int32, int32),

@@ -116,3 +116,25 @@ def test_decode_routing_takes_every_decode_row():
 
     manifest = json.loads((rt.PTX_DIR / "manifest.json").read_text())
     assert manifest["kernels"]["moe_route"]["meta"]["max_rows"] >= GEMV_MAX_ROWS
+
+
+def test_folded_routing_replaces_the_route_launch():
+    """With ``CudaMoe.fold_route`` a decode MoE layer routes inside its router GEMM: one
+    ``moe_router_route`` a layer (a block per 16 experts, the router's rows, the normalised rows
+    written where the grouped GEMMs read them), no ``moe_route`` and no separate router GEMM."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    fwd.moe.fold_route = True
+    preloaded = set(fwd.kernel_names())
+    for rows in (1, 5, 8):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        launched = [kernel.name for kernel, _, _ in fwd.k.log]
+        assert set(launched) <= preloaded
+        assert launched.count("moe_router_route") == config.num_layers
+        assert "moe_route" not in launched and moe.ROUTER_NORMED_DECODE_GEMM not in launched
+        for i, (kernel, grid, args) in enumerate(fwd.k.log):
+            if kernel.name == "moe_router_route":
+                assert grid == (config.num_experts // 16,) and args[4] == rows and args[8] is fwd.b.h
+                gate_up = fwd.k.log[i + 1]
+                assert gate_up[0].name == moe.DECODE_GEMMS[0] and gate_up[2][1] is fwd.b.h

@@ -3,7 +3,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
 
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--peer transformers|none]
-                                     [--overlap-ablation]
+                                     [--overlap-ablation] [--fold-route-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -201,18 +201,25 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
               " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
               flush=True)
-    if args.overlap_ablation:  # the same steps with launches that do not overlap (Forward.overlap off)
-        runner.forward.overlap = False
-        for rows, by_depth in runner.graphs.items():
-            for graph in (g for pair in by_depth.values() for g in pair):
-                graph.destroy()
-            runner.graphs[rows] = runner._capture_decode(rows)
-        report["decode_not_overlapped"] = []
+    ablations = []  # (report key, label, how the runner's forward changes)
+    if args.overlap_ablation:  # launches that do not overlap (Forward.overlap off)
+        ablations.append(("decode_not_overlapped", "launches not overlapped",
+                          lambda fwd: setattr(fwd, "overlap", False)))
+    if args.fold_route_ablation and runner.forward.moe is not None:  # CudaMoe.fold_route flipped
+        ablations.append(("decode_fold_route_flipped", "MoE routing folded into the router: "
+                          f"{not runner.forward.moe.fold_route}",
+                          lambda fwd: setattr(fwd.moe, "fold_route", not fwd.moe.fold_route)))
+    for key, label, change in ablations:  # the same steps again, from graphs captured after the change
+        change(runner.forward)
+        recapture(runner)
+        report[key] = []
         for batch in batches:
             r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
-            report["decode_not_overlapped"].append(r)
-            print("ours decode, launches not overlapped, b={batch}: {tok_s:.1f} tok/s, {pct_roofline:.1f}% of "
+            report[key].append(r)
+            print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s, {pct_roofline:.1f}% of "
                   "roofline".format(**r), flush=True)
+        change(runner.forward)  # back as it was
+        recapture(runner)
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
         print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
@@ -224,6 +231,14 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     del tensors, ptrs
     torch.cuda.empty_cache()
     return report
+
+
+def recapture(runner) -> None:
+    """Capture the runner's decode graphs again (after a change to its forward's options)."""
+    for rows, by_depth in runner.graphs.items():
+        for graph in (g for pair in by_depth.values() for g in pair):
+            graph.destroy()
+        runner.graphs[rows] = runner._capture_decode(rows)
 
 
 # -- transformers -----------------------------------------------------------------------------
@@ -323,6 +338,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ours", choices=("yes", "no"), default="yes", help="no: the peer alone")
     parser.add_argument("--overlap-ablation", action="store_true",
                         help="decode again with launches that do not overlap their predecessor")
+    parser.add_argument("--fold-route-ablation", action="store_true",
+                        help="decode again with the MoE's routing folded into its router GEMM (or not, if it is)")
     args = parser.parse_args(argv)
     import torch
 

@@ -164,6 +164,44 @@ def test_decode_replays_in_a_cuda_graph(gpu, case):
             gpu.device.free(ptr)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_folded_routing_is_the_route_launch_bit_for_bit(gpu, case, rows):
+    """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``).
+    The MoE added into the residual stream, the picks and the normalised rows are bit for bit those of
+    the router GEMM then ``moe_route``, and stay so launch after launch (the ticket resets itself)."""
+    from ninfer.backends.cuda import runtime as rt
+    from ninfer.backends.reference.forward import rms_norm
+
+    name, config, layer, block, moe = case
+    rows_h = rows * config.hidden_size
+    rng = np.random.default_rng(40 + rows)
+    x = rng.standard_normal((rows, config.hidden_size), dtype=np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(config.hidden_size)).astype(np.float32)
+    d_x, d_w, d_y, normed = gpu.put(x), gpu.put(weight), gpu.empty(rows_h * 4), gpu.empty(rows_h * 4)
+    rt.memset32(moe.ticket, 0, 1, gpu.stream)  # as HybridBuffers.init leaves it
+    runs = []
+    try:
+        for fold in (False, True, True, False):
+            moe.fold_route = fold
+            rt.memset32(d_y, 0, rows_h, gpu.stream)
+            moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
+            runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
+                         gpu.get(normed, np.float32, (rows, config.hidden_size)),
+                         gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
+                         gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
+    finally:
+        del moe.fold_route  # the class's default again
+        for ptr in (d_x, d_w, d_y, normed):
+            gpu.device.free(ptr)
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            np.testing.assert_array_equal(got, want)
+    assert gpu.get(moe.ticket, np.int32, (1,))[0] == 0
+    h = rms_norm(x, weight, 1e-6)
+    assert rel_err(runs[0][1], h) < 1e-6
+    assert rel_err(runs[0][0], _reference(config, block.reference, h)) < DECODE_TOL
+
+
 def test_rejects_unsupported_shapes():
     import attrs
 

@@ -121,7 +121,8 @@ class HybridBuffers:
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
         rt.copy_h2d(self.sin, self._tables[1], stream)
-        for region in (self.counts, self.kv, self.states):
+        regions = (self.counts, self.kv, self.states) + ((self.moe,) if hasattr(self, "moe") else ())
+        for region in regions:  # the MoE scratch holds a ticket that must start at zero
             rt.memset32(region, 0, region.nbytes // 4, stream)
         rt.synchronize(stream)
         self._tables = None

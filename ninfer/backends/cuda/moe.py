@@ -12,7 +12,8 @@ Routing never leaves the device, so a decode step's MoE can be captured in a CUD
    ``sigmoid(shared_gate . x)``;
 3. ``moe_plan`` (one block): the (row, slot) pairs sorted by expert and cut into chunks of at most
    ``chunk`` pairs of one expert; the shared expert's rows follow as chunks of expert -1
-   (decode runs 2 and 3 as one launch, ``moe_route``);
+   (decode runs 2 and 3 as one launch, ``moe_route``; with ``fold_route`` the normalising router
+   GEMM's last block to finish runs them, ``moe_router_route``);
 4. ``moe_gate_up_*`` then ``moe_down_*``: one block per (chunk, output tile), so each distinct
    expert's weights are streamed once per chunk (once a step in decode, where a chunk holds all its
    rows); mma.sync with fp32-faithful split activations; the down epilogue scales by the pair weight;
@@ -83,6 +84,7 @@ def _regions(config: HybridConfig, max_rows: int) -> dict[str, int]:
         "pair_row": pairs * 4, "pair_weight": pairs * 4,
         "chunks": 3 * chunks * 4, "n_chunks": 4,
         "act": pairs * _act_width(c) * 4, "out": pairs * c.hidden_size * 4,
+        "ticket": 4,  # moe_router_route's: zero between launches (the scratch is zeroed at start)
     }
 
 
@@ -99,11 +101,16 @@ class CudaMoe:
 
     decode_gemms = DECODE_GEMMS  # per instance, so a benchmark can try other shapes
     prefill_gemms = PREFILL_GEMMS
+    # A normalising decode router routes in its last block (``moe_router_route``) instead of launching
+    # ``moe_route``. Off until it has run on the GPU (tests/cuda/test_cuda_moe.py, and
+    # tools/gpu_bench_hybrid.py --fold-route-ablation for what it gains).
+    fold_route = False
 
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        return ["moe_route", "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
+        return ["moe_route", "moe_router_route", "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
+                ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2]]
 
@@ -134,25 +141,17 @@ class CudaMoe:
             raise ValueError(f"MoE of {rows} rows: this CudaMoe takes 1..{self.max_rows}")
         c, k = self.c, self.k
         p = f"layers.{layer}."
-        H, E, top_k = c.hidden_size, c.num_experts, c.num_experts_per_tok
+        H, top_k = c.hidden_size, c.num_experts_per_tok
         decode = rows <= GEMV_MAX_ROWS
+        gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
         if norm is None:
             self.router_logits(x, weights[p + "router"], rows, stream)
+            self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
+        elif self.fold_route:  # the router GEMM also routes, in its last block
+            x = self.normed_router_route(x, weights[p + "router"], weights[p + "shared_gate"], norm, rows, chunk, stream)
         else:
             x = self.normed_router_logits(x, weights[p + "router"], norm, rows, stream)
-        gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
-        picks = (self.topk_ids, self.topk_w, self.logits, x, weights[p + "shared_gate"], rows, E, H, top_k,
-                 int(c.norm_topk_prob))
-        plan = (self.chunks, self.n_chunks, self.pair_row, self.pair_weight, self.row_pair)
-        if decode:  # a few rows: top-k and plan in one block
-            route = k["moe_route"]
-            route.launch((1,), (route.meta["threads"],), (*plan, *picks, chunk), stream)
-        else:
-            k["moe_topk"].launch((rows,), (32,), (self.topk_ids, self.topk_w, self.pair_row, self.pair_weight,
-                                                  *picks[2:]), stream)
-            planner = k["moe_plan"]
-            planner.launch((1,), (planner.meta["threads"],),
-                           (*plan, self.topk_ids, self.topk_w, rows, top_k, E, chunk), stream)
+            self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
         chunks = max_chunks(c, rows, chunk)
         I, S, width = c.moe_intermediate_size, c.shared_expert_intermediate_size, _act_width(c)
         self.grouped(gate_up, chunks, max(I, S), stream,
@@ -164,6 +163,40 @@ class CudaMoe:
         combine = k["moe_combine_residual" if residual else "moe_combine"]
         threads = combine.meta["threads"]
         combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
+
+    def route(self, x: rt.DevicePtr, shared_gate: rt.DevicePtr, rows: int, chunk: int, stream) -> None:
+        """Top-k picks and the expert-sorted plan from ``logits``; the shared expert's gate from x."""
+        c, k = self.c, self.k
+        E, H, top_k = c.num_experts, c.hidden_size, c.num_experts_per_tok
+        picks = (self.topk_ids, self.topk_w, self.logits, x, shared_gate, rows, E, H, top_k, int(c.norm_topk_prob))
+        if rows <= GEMV_MAX_ROWS:  # a few rows: top-k and plan in one block
+            route = k["moe_route"]
+            route.launch((1,), (route.meta["threads"],), (*self.plan(), *picks, chunk), stream)
+        else:
+            k["moe_topk"].launch((rows,), (32,), (self.topk_ids, self.topk_w, self.pair_row, self.pair_weight,
+                                                  *picks[2:]), stream)
+            planner = k["moe_plan"]
+            planner.launch((1,), (planner.meta["threads"],),
+                           (*self.plan(), self.topk_ids, self.topk_w, rows, top_k, E, chunk), stream)
+
+    def plan(self) -> tuple:
+        """The routing's outputs the grouped GEMMs and the combine read."""
+        return self.chunks, self.n_chunks, self.pair_row, self.pair_weight, self.row_pair
+
+    def normed_router_route(self, x: rt.DevicePtr, router: rt.DevicePtr, shared_gate: rt.DevicePtr,
+                            norm: tuple[rt.DevicePtr, float, rt.DevicePtr], rows: int, chunk: int,
+                            stream) -> rt.DevicePtr:
+        """``normed_router_logits`` and ``route`` in one launch (``moe_router_route``); returns ``normed``."""
+        if rows > GEMV_MAX_ROWS:
+            raise ValueError(f"the MoE's routing router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
+        c = self.c
+        weight, eps, normed = norm
+        kernel = self.k["moe_router_route"]
+        kernel.launch((-(-c.num_experts // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                      (self.logits, x, router, weight, rows, c.num_experts, c.hidden_size, eps, normed, *self.plan(),
+                       self.topk_ids, self.topk_w, shared_gate, c.num_experts_per_tok, int(c.norm_topk_prob), chunk,
+                       self.ticket), stream)
+        return normed
 
     def router_logits(self, x: rt.DevicePtr, router: rt.DevicePtr, rows: int, stream) -> None:
         """``logits[:rows] = x @ router.T`` in fp32 (the tensor-core decode GEMM is fp32-faithful)."""
