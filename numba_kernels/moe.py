@@ -492,7 +492,12 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
     """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs.
 
     ``kind``: "gate_up", "down", or "router": one dense matrix (``w_shared``, n = ``n_shared``, k =
-    ``k_shared``) over rows ``[0, n_routed)`` in chunks of 8 P by block, no plan, no pair weights."""
+    ``k_shared``) over rows ``[0, n_routed)`` in chunks of 8 P by block, no plan, no pair weights;
+    or "down_combine": "down" with ``moe_combine_residual`` folded in (five more arguments
+    ``residual, row_pair, rows, top_k, tickets``): each block of a column tile takes a ticket
+    (``tickets[tile]``, zero between launches) once its outputs are out, and the tile's last block
+    adds every row's pairs, in slot order and then the shared pair, into ``residual`` there."""
+    COMBINE = kind == "down_combine"
     swiglu = kind == "gate_up"
     DENSE = kind == "router"
     THREADS = 32 * W
@@ -502,8 +507,10 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
     MATRICES = 2 if swiglu else 1  # gate_up holds 2n rows per expert
     load_weights = make_weight_fragments(T, load_u64x2)
 
-    def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                k_routed, k_shared, ldy, ldx):
+    @cuda.jit(device=True, inline=True)
+    def grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                      k_routed, k_shared, ldy, ldx):
+        """The block's (chunk, column tile); False if it has none (past the chunks or the columns)."""
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         ci = cuda.blockIdx.y
@@ -513,7 +520,7 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
             count = min(PAIRS, n_routed - start)
         else:
             if ci >= n_chunks[0]:
-                return
+                return False
             expert = chunks[3 * ci]
             start = chunks[3 * ci + 1]
             count = chunks[3 * ci + 2]
@@ -529,7 +536,7 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
             w_base = int64(0)
         col_base = cuda.blockIdx.x * T * COLS
         if col_base >= n:
-            return
+            return False
         red = cuda.shared.array((W, T, P, 16, 8), float32)
         tid = cuda.threadIdx.x
         lane = tid & 31
@@ -626,8 +633,46 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
                     y[at] = v
                 else:
                     y[at] = pair_weight[pair] * v
+        return True
 
-    return grouped
+    if not COMBINE:
+        def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                    k_routed, k_shared, ldy, ldx):
+            grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                          k_routed, k_shared, ldy, ldx)
+
+        return grouped
+
+    def grouped_combine(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                        k_routed, k_shared, ldy, ldx, residual, row_pair, rows, top_k, tickets):
+        if not grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                             k_routed, k_shared, ldy, ldx):
+            return  # no ticket: the tile counts the blocks of the step's chunks
+        last = cuda.shared.array(1, int32)
+        tile = cuda.blockIdx.x
+        cuda.threadfence()  # this block's outputs are out before its ticket
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            taken = atomic_add_i32(tickets, tile, 1)
+            last[0] = int32(taken == n_chunks[0] - 1)
+            if taken == n_chunks[0] - 1:
+                tickets[tile] = 0  # every block of the tile has had its ticket: ready for the next launch
+        cuda.syncthreads()
+        if last[0] == 0:
+            return
+        cuda.threadfence()
+        width = T * COLS
+        for idx in range(cuda.threadIdx.x, rows * width, THREADS):  # moe_combine_residual's sums, this tile
+            r = idx // width
+            h = tile * width + idx % width
+            if h < n_shared:
+                total = float32(0.0)
+                for slot in range(top_k):
+                    total += y[int64(row_pair[r * top_k + slot]) * ldy + h]
+                total += y[int64(rows * top_k + r) * ldy + h]
+                residual[int64(r) * ldy + h] += total
+
+    return grouped_combine
 
 
 def make_combine(residual: bool):
@@ -667,8 +712,10 @@ GROUPED_SHAPES = [
     ("gate_up", 2, 4, 1, 4, 2), ("gate_up", 4, 4, 1, 2, 2), ("gate_up", 8, 4, 1, 2, 2), ("gate_up", 4, 4, 1, 4, 2),
     ("down", 2, 4, 1, 4, 2), ("down", 4, 4, 1, 2, 2), ("down", 8, 4, 1, 2, 2), ("down", 4, 4, 1, 4, 2),
     ("router", 4, 4, 1, 2, 3),
+    ("down_combine", 1, 4, 2, 1, 3),  # the decode down shape with the combine folded in (CudaMoe.fold_combine)
 ]
 GROUPED_SIG = (F32P, F32P, U64P, U64P, I32P, I32P, I32P, F32P, int32, int32, int32, int32, int32, int32)
+COMBINE_SIG = (F32P, I32P, int32, int32, I32P)  # down_combine's more: residual, row_pair, rows, top_k, tickets
 
 KERNELS = {
     "moe_topk": (moe_topk, (I32P, F32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32),
@@ -689,5 +736,5 @@ KERNELS = {
 }
 for _kind, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms)] = (
-        make_grouped(_kind, _T, _W, _U, _P, _terms), GROUPED_SIG,
+        make_grouped(_kind, _T, _W, _U, _P, _terms), GROUPED_SIG + (COMBINE_SIG if _kind == "down_combine" else ()),
         {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms, "grid_wait": 1})

@@ -138,3 +138,24 @@ def test_folded_routing_replaces_the_route_launch():
                 assert grid == (config.num_experts // 16,) and args[4] == rows and args[8] is fwd.b.h
                 gate_up = fwd.k.log[i + 1]
                 assert gate_up[0].name == moe.DECODE_GEMMS[0] and gate_up[2][1] is fwd.b.h
+
+
+def test_folded_combine_replaces_the_combine_launch():
+    """With ``CudaMoe.fold_combine`` a decode MoE layer's down GEMM adds into the residual stream: one
+    DOWN_COMBINE_GEMM a layer over the down GEMM's grid, no ``moe_combine_residual``."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    fwd.moe.fold_combine = True
+    preloaded = set(fwd.kernel_names())
+    for rows in (1, 8):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        launched = [kernel.name for kernel, _, _ in fwd.k.log]
+        assert set(launched) <= preloaded
+        assert launched.count(moe.DOWN_COMBINE_GEMM) == config.num_layers
+        assert "moe_combine_residual" not in launched and moe.DECODE_GEMMS[1] not in launched
+        for kernel, grid, args in fwd.k.log:
+            if kernel.name == moe.DOWN_COMBINE_GEMM:
+                assert grid[0] * kernel.meta["cols"] == config.hidden_size  # a ticket per column tile
+                assert args[14] is fwd.b.x and args[16] == rows and args[18] is fwd.moe.combine_tickets
+                assert fwd.moe.combine_tickets.nbytes >= grid[0] * 4

@@ -3,7 +3,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
 
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--peer transformers|none]
-                                     [--overlap-ablation] [--fold-route-ablation]
+                                     [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -205,10 +205,11 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     if args.overlap_ablation:  # launches that do not overlap (Forward.overlap off)
         ablations.append(("decode_not_overlapped", "launches not overlapped",
                           lambda fwd: setattr(fwd, "overlap", False)))
-    if args.fold_route_ablation and runner.forward.moe is not None:  # CudaMoe.fold_route flipped
-        ablations.append(("decode_fold_route_flipped", "MoE routing folded into the router: "
-                          f"{not runner.forward.moe.fold_route}",
-                          lambda fwd: setattr(fwd.moe, "fold_route", not fwd.moe.fold_route)))
+    for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
+        if getattr(args, f"fold_{fold}_ablation") and runner.forward.moe is not None:
+            option = f"fold_{fold}"
+            ablations.append((f"decode_{option}_flipped", f"MoE {option} {not getattr(runner.forward.moe, option)}",
+                              lambda fwd, option=option: setattr(fwd.moe, option, not getattr(fwd.moe, option))))
     for key, label, change in ablations:  # the same steps again, from graphs captured after the change
         change(runner.forward)
         recapture(runner)
@@ -340,6 +341,8 @@ def main(argv=None) -> int:
                         help="decode again with launches that do not overlap their predecessor")
     parser.add_argument("--fold-route-ablation", action="store_true",
                         help="decode again with the MoE's routing folded into its router GEMM (or not, if it is)")
+    parser.add_argument("--fold-combine-ablation", action="store_true",
+                        help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
     args = parser.parse_args(argv)
     import torch
 

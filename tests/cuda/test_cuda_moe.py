@@ -165,10 +165,11 @@ def test_decode_replays_in_a_cuda_graph(gpu, case):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_folded_routing_is_the_route_launch_bit_for_bit(gpu, case, rows):
-    """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``).
-    The MoE added into the residual stream, the picks and the normalised rows are bit for bit those of
-    the router GEMM then ``moe_route``, and stay so launch after launch (the ticket resets itself)."""
+def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
+    """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``);
+    ``fold_combine``: the down GEMM's last block of each column tile adds the tile into the residual
+    stream. The MoE added into the residual stream, the picks and the normalised rows are bit for bit
+    those of the separate launches, and stay so launch after launch (the tickets reset themselves)."""
     from ninfer.backends.cuda import runtime as rt
     from ninfer.backends.reference.forward import rms_norm
 
@@ -178,11 +179,12 @@ def test_folded_routing_is_the_route_launch_bit_for_bit(gpu, case, rows):
     x = rng.standard_normal((rows, config.hidden_size), dtype=np.float32)
     weight = (1 + 0.1 * rng.standard_normal(config.hidden_size)).astype(np.float32)
     d_x, d_w, d_y, normed = gpu.put(x), gpu.put(weight), gpu.empty(rows_h * 4), gpu.empty(rows_h * 4)
-    rt.memset32(moe.ticket, 0, 1, gpu.stream)  # as HybridBuffers.init leaves it
+    for tickets in (moe.route_ticket, moe.combine_tickets):  # as HybridBuffers.init leaves them
+        rt.memset32(tickets, 0, tickets.nbytes // 4, gpu.stream)
     runs = []
     try:
-        for fold in (False, True, True, False):
-            moe.fold_route = fold
+        for folds in ((False, False), (True, False), (False, True), (True, True), (True, True)):
+            moe.fold_route, moe.fold_combine = folds
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
             runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
@@ -190,13 +192,14 @@ def test_folded_routing_is_the_route_launch_bit_for_bit(gpu, case, rows):
                          gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
                          gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
     finally:
-        del moe.fold_route  # the class's default again
+        del moe.fold_route, moe.fold_combine  # the class's defaults again
         for ptr in (d_x, d_w, d_y, normed):
             gpu.device.free(ptr)
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):
             np.testing.assert_array_equal(got, want)
-    assert gpu.get(moe.ticket, np.int32, (1,))[0] == 0
+    assert gpu.get(moe.route_ticket, np.int32, (1,))[0] == 0
+    assert not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()
     h = rms_norm(x, weight, 1e-6)
     assert rel_err(runs[0][1], h) < 1e-6
     assert rel_err(runs[0][0], _reference(config, block.reference, h)) < DECODE_TOL

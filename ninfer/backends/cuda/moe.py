@@ -17,7 +17,9 @@ Routing never leaves the device, so a decode step's MoE can be captured in a CUD
 4. ``moe_gate_up_*`` then ``moe_down_*``: one block per (chunk, output tile), so each distinct
    expert's weights are streamed once per chunk (once a step in decode, where a chunk holds all its
    rows); mma.sync with fp32-faithful split activations; the down epilogue scales by the pair weight;
-5. ``moe_combine``: each row sums its k routed pairs in slot order plus its shared pair.
+5. ``moe_combine``: each row sums its k routed pairs in slot order plus its shared pair (with
+   ``fold_combine`` a decode step's down GEMM does it, each column tile's last block:
+   ``DOWN_COMBINE_GEMM``).
 
 Weights are read under their canonical artifact names (``hybrid_weights.device_layout``: bf16
 ``router [E, H]``, ``experts.gate_up [E, 2I, H]``, ``experts.down [E, H, I]``, ``shared.gate_up
@@ -46,6 +48,7 @@ ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
 # the expert GEMMs), so a decode step's MoE layer needs no norm launch before it. 16 warps of 4 k-steps
 # read a row in one round of loads (this GEMM is all latency: 1 MB of weights).
 ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
+DOWN_COMBINE_GEMM = "moe_down_combine_t1w4u2p1s3"  # DECODE_GEMMS' down with moe_combine_residual folded in
 
 
 def check_supported(config: HybridConfig) -> None:
@@ -84,7 +87,9 @@ def _regions(config: HybridConfig, max_rows: int) -> dict[str, int]:
         "pair_row": pairs * 4, "pair_weight": pairs * 4,
         "chunks": 3 * chunks * 4, "n_chunks": 4,
         "act": pairs * _act_width(c) * 4, "out": pairs * c.hidden_size * 4,
-        "ticket": 4,  # moe_router_route's: zero between launches (the scratch is zeroed at start)
+        # moe_router_route's ticket and the folded combine's, one a column tile of the down GEMM: zero
+        # between launches (the scratch is zeroed at start)
+        "route_ticket": 4, "combine_tickets": 4 * -(-c.hidden_size // 16),
     }
 
 
@@ -105,6 +110,10 @@ class CudaMoe:
     # ``moe_route``. Off until it has run on the GPU (tests/cuda/test_cuda_moe.py, and
     # tools/gpu_bench_hybrid.py --fold-route-ablation for what it gains).
     fold_route = False
+    # A decode step's down GEMM adds the MoE into the residual stream itself (DOWN_COMBINE_GEMM: each
+    # column tile's last block sums the tile's pairs) instead of launching ``moe_combine_residual``.
+    # Off until it has run on the GPU, as ``fold_route``.
+    fold_combine = False
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -112,7 +121,7 @@ class CudaMoe:
         return ["moe_route", "moe_router_route", "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
                 ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, ROUTER_PREFILL_GEMM,
-                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2]]
+                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -157,12 +166,16 @@ class CudaMoe:
         self.grouped(gate_up, chunks, max(I, S), stream,
                      (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
                       self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H))
-        self.grouped(down, chunks, H, stream,
-                     (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
-                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width))
-        combine = k["moe_combine_residual" if residual else "moe_combine"]
-        threads = combine.meta["threads"]
-        combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
+        down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
+                     self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
+        if decode and residual and self.fold_combine:  # each column tile's last block adds the tile into y
+            self.grouped(DOWN_COMBINE_GEMM, chunks, H, stream,
+                         down_args + (y, self.row_pair, rows, top_k, self.combine_tickets))
+        else:
+            self.grouped(down, chunks, H, stream, down_args)
+            combine = k["moe_combine_residual" if residual else "moe_combine"]
+            threads = combine.meta["threads"]
+            combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
 
     def route(self, x: rt.DevicePtr, shared_gate: rt.DevicePtr, rows: int, chunk: int, stream) -> None:
         """Top-k picks and the expert-sorted plan from ``logits``; the shared expert's gate from x."""
@@ -195,7 +208,7 @@ class CudaMoe:
         kernel.launch((-(-c.num_experts // kernel.meta["cols"]),), (kernel.meta["threads"],),
                       (self.logits, x, router, weight, rows, c.num_experts, c.hidden_size, eps, normed, *self.plan(),
                        self.topk_ids, self.topk_w, shared_gate, c.num_experts_per_tok, int(c.norm_topk_prob), chunk,
-                       self.ticket), stream)
+                       self.route_ticket), stream)
         return normed
 
     def router_logits(self, x: rt.DevicePtr, router: rt.DevicePtr, rows: int, stream) -> None:
