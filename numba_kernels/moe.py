@@ -488,7 +488,7 @@ def make_router_route():
     return moe_router_route
 
 
-def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
+def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False):
     """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs.
 
     ``kind``: "gate_up", "down", or "router": one dense matrix (``w_shared``, n = ``n_shared``, k =
@@ -496,7 +496,11 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
     or "down_combine": "down" with ``moe_combine_residual`` folded in (five more arguments
     ``residual, row_pair, rows, top_k, tickets``): each block of a column tile takes a ticket
     (``tickets[tile]``, zero between launches) once its outputs are out, and the tile's last block
-    adds every row's pairs, in slot order and then the shared pair, into ``residual`` there."""
+    adds every row's pairs, in slot order and then the shared pair, into ``residual`` there.
+
+    ``hold`` (name suffix ``h``): each round's first MMA waits for every weight and activation word of
+    the round (``make_mma_gemv``'s waits for the weights): ptxas otherwise issues three of a round's
+    loads, MMAs on them, then the rest."""
     COMBINE = kind == "down_combine"
     swiglu = kind == "gate_up"
     DENSE = kind == "router"
@@ -582,6 +586,17 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int):
                     else:
                         for e in range(8):
                             xr[u, pp, e] = float32(0.0)
+            if hold:  # + 0.0 (n_routed >= 0) that depends on every weight and activation word of the round
+                dep = int32(0)
+                for u in range(U):
+                    for tt in range(T):
+                        for h in range(2):
+                            for e in range(4):
+                                dep ^= int32(wr[u, tt, h, e])
+                    for pp in range(P):
+                        for e in range(8):
+                            dep ^= libdevice.float_as_int(xr[u, pp, e])
+                acc[0, 0, 0] += libdevice.int_as_float(dep & (int32(n_routed) >> int32(31)))
             for u in range(U):
                 for half in range(2):  # k = 8t+0..3, then 8t+4..7
                     e = 4 * half
@@ -698,8 +713,8 @@ def make_combine(residual: bool):
     return moe_combine
 
 
-def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int) -> str:
-    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}"
+def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False) -> str:
+    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}{'h' if hold else ''}"
 
 
 # Candidates (kind, tiles, warps, steps in flight, pair groups of 8, activation terms): decode ones
@@ -734,7 +749,10 @@ KERNELS = {
     "moe_combine_residual": (make_combine(True), (F32P, F32P, I32P, int32, int32, int32),
                              {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
-for _kind, _T, _W, _U, _P, _terms in GROUPED_SHAPES:
-    KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms)] = (
-        make_grouped(_kind, _T, _W, _U, _P, _terms), GROUPED_SIG + (COMBINE_SIG if _kind == "down_combine" else ()),
+# The decode shapes holding each round's MMAs for all of its loads (``hold``), candidates for
+# CudaMoe.decode_gemms (tools/gpu_bench_hybrid.py --moe-gemms-ablation).
+HOLD_SHAPES = [("gate_up", 1, 8, 2, 1, 3), ("down", 1, 4, 2, 1, 3), ("down_combine", 1, 4, 2, 1, 3)]
+for (_kind, _T, _W, _U, _P, _terms), _hold in [(_s, False) for _s in GROUPED_SHAPES] + [(_s, True) for _s in HOLD_SHAPES]:
+    KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold)] = (
+        make_grouped(_kind, _T, _W, _U, _P, _terms, _hold), GROUPED_SIG + (COMBINE_SIG if _kind == "down_combine" else ()),
         {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms, "grid_wait": 1})

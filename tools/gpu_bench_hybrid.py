@@ -4,6 +4,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
+                                     [--moe-gemms-ablation GATE_UP,DOWN]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -34,6 +35,7 @@ from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
+from ninfer.backends.cuda.moe import combine_gemm  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
 
@@ -201,17 +203,9 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
               " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
               flush=True)
-    ablations = []  # (report key, label, how the runner's forward changes)
-    if args.overlap_ablation:  # launches that do not overlap (Forward.overlap off)
-        ablations.append(("decode_not_overlapped", "launches not overlapped",
-                          lambda fwd: setattr(fwd, "overlap", False)))
-    for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
-        if getattr(args, f"fold_{fold}_ablation") and runner.forward.moe is not None:
-            option = f"fold_{fold}"
-            ablations.append((f"decode_{option}_flipped", f"MoE {option} {not getattr(runner.forward.moe, option)}",
-                              lambda fwd, option=option: setattr(fwd.moe, option, not getattr(fwd.moe, option))))
-    for key, label, change in ablations:  # the same steps again, from graphs captured after the change
-        change(runner.forward)
+    for key, label, target, option, value in ablations(args, runner.forward):  # the same steps again
+        was = getattr(target, option)
+        setattr(target, option, value)
         recapture(runner)
         report[key] = []
         for batch in batches:
@@ -219,7 +213,7 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
             report[key].append(r)
             print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s, {pct_roofline:.1f}% of "
                   "roofline".format(**r), flush=True)
-        change(runner.forward)  # back as it was
+        setattr(target, option, was)
         recapture(runner)
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
@@ -232,6 +226,26 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     del tensors, ptrs
     torch.cuda.empty_cache()
     return report
+
+
+def ablations(args, forward) -> list[tuple]:
+    """The variants of the step asked for: (report key, label, object, attribute, value to set)."""
+    moe = forward.moe
+    chosen = []
+    if args.overlap_ablation:  # launches that do not overlap (Forward.overlap off)
+        chosen.append(("decode_not_overlapped", "launches not overlapped", forward, "overlap", False))
+    for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
+        option = f"fold_{fold}"
+        if getattr(args, f"{option}_ablation") and moe is not None:
+            value = not getattr(moe, option)
+            chosen.append((f"decode_{option}_{value}", f"MoE {option} {value}", moe, option, value))
+    if args.moe_gemms_ablation and moe is not None:  # other grouped decode GEMMs (gate_up,down)
+        gate_up, down = args.moe_gemms_ablation.split(",")
+        for name in (gate_up, down, combine_gemm(down)):
+            forward.k[name]  # loaded now: not during capture
+        chosen.append(("decode_moe_gemms", f"MoE GEMMs {gate_up} {down}", moe, "decode_gemms",
+                       (gate_up, down, moe.decode_gemms[2])))
+    return chosen
 
 
 def recapture(runner) -> None:
@@ -343,6 +357,8 @@ def main(argv=None) -> int:
                         help="decode again with the MoE's routing folded into its router GEMM (or not, if it is)")
     parser.add_argument("--fold-combine-ablation", action="store_true",
                         help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
+    parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN",
+                        help="decode again with these grouped MoE decode GEMMs (e.g. the 'h' builds)")
     args = parser.parse_args(argv)
     import torch
 

@@ -168,8 +168,9 @@ def test_decode_replays_in_a_cuda_graph(gpu, case):
 def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``);
     ``fold_combine``: the down GEMM's last block of each column tile adds the tile into the residual
-    stream. The MoE added into the residual stream, the picks and the normalised rows are bit for bit
-    those of the separate launches, and stay so launch after launch (the tickets reset themselves)."""
+    stream; the grouped GEMMs' ``hold`` builds (a +0.0 that waits for a round's loads). The MoE added
+    into the residual stream, the picks and the normalised rows are bit for bit those of the separate
+    launches, and stay so launch after launch (the tickets reset themselves)."""
     from ninfer.backends.cuda import runtime as rt
     from ninfer.backends.reference.forward import rms_norm
 
@@ -183,8 +184,11 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
         rt.memset32(tickets, 0, tickets.nbytes // 4, gpu.stream)
     runs = []
     try:
-        for folds in ((False, False), (True, False), (False, True), (True, True), (True, True)):
-            moe.fold_route, moe.fold_combine = folds
+        held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", moe.decode_gemms[2])  # numba_kernels/moe.py hold
+        plain = moe.decode_gemms
+        for setting in ((False, False, plain), (True, False, plain), (False, True, plain), (True, True, plain),
+                        (True, True, plain), (False, False, held), (True, True, held)):
+            moe.fold_route, moe.fold_combine, moe.decode_gemms = setting
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
             runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
@@ -192,7 +196,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
                          gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
                          gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
     finally:
-        del moe.fold_route, moe.fold_combine  # the class's defaults again
+        del moe.fold_route, moe.fold_combine, moe.decode_gemms  # the class's defaults again
         for ptr in (d_x, d_w, d_y, normed):
             gpu.device.free(ptr)
     for run in runs[1:]:

@@ -48,7 +48,14 @@ ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
 # the expert GEMMs), so a decode step's MoE layer needs no norm launch before it. 16 warps of 4 k-steps
 # read a row in one round of loads (this GEMM is all latency: 1 MB of weights).
 ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
-DOWN_COMBINE_GEMM = "moe_down_combine_t1w4u2p1s3"  # DECODE_GEMMS' down with moe_combine_residual folded in
+
+
+def combine_gemm(down: str) -> str:
+    """The grouped decode down GEMM ``down`` with ``moe_combine_residual`` folded in (its "down_combine" build)."""
+    return down.replace("moe_down_", "moe_down_combine_", 1)
+
+
+DOWN_COMBINE_GEMM = combine_gemm(DECODE_GEMMS[1])
 
 
 def check_supported(config: HybridConfig) -> None:
@@ -110,7 +117,7 @@ class CudaMoe:
     # ``moe_route``. Off until it has run on the GPU (tests/cuda/test_cuda_moe.py, and
     # tools/gpu_bench_hybrid.py --fold-route-ablation for what it gains).
     fold_route = False
-    # A decode step's down GEMM adds the MoE into the residual stream itself (DOWN_COMBINE_GEMM: each
+    # A decode step's down GEMM adds the MoE into the residual stream itself (``combine_gemm``: each
     # column tile's last block sums the tile's pairs) instead of launching ``moe_combine_residual``.
     # Off until it has run on the GPU, as ``fold_route``.
     fold_combine = False
@@ -169,7 +176,7 @@ class CudaMoe:
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
         if decode and residual and self.fold_combine:  # each column tile's last block adds the tile into y
-            self.grouped(DOWN_COMBINE_GEMM, chunks, H, stream,
+            self.grouped(combine_gemm(down), chunks, H, stream,
                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets))
         else:
             self.grouped(down, chunks, H, stream, down_args)
