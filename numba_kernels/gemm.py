@@ -531,31 +531,18 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         """``inv[r] = 1 / rms`` of each row from the producer's ``parts`` blocks of squares (one warp:
         lane l takes blocks l, l + 32, ..., two blocks' loads in flight; then a shuffle tree)."""
         total = cuda.local.array(8, float32)
+        sums = cuda.local.array((2, 8), float32)
         for r in range(8):
             total[r] = float32(0.0)
         for b0 in range(lane, parts, 64):
-            b1 = min(b0 + 32, parts - 1)  # past the end: a valid address, its sums unused
-            a0, a1, a2, a3 = load_f32x4(part, int64(b0) * 8)
-            a4, a5, a6, a7 = load_f32x4(part, int64(b0) * 8 + 4)
-            c0, c1, c2, c3 = load_f32x4(part, int64(b1) * 8)
-            c4, c5, c6, c7 = load_f32x4(part, int64(b1) * 8 + 4)
-            total[0] += a0
-            total[1] += a1
-            total[2] += a2
-            total[3] += a3
-            total[4] += a4
-            total[5] += a5
-            total[6] += a6
-            total[7] += a7
-            if b0 + 32 < parts:
-                total[0] += c0
-                total[1] += c1
-                total[2] += c2
-                total[3] += c3
-                total[4] += c4
-                total[5] += c5
-                total[6] += c6
-                total[7] += c7
+            for j in range(2):  # every load out before the first add
+                at = int64(min(b0 + 32 * j, parts - 1)) * 8  # past the end: a valid address, its sums unused
+                sums[j, 0], sums[j, 1], sums[j, 2], sums[j, 3] = load_f32x4(part, at)
+                sums[j, 4], sums[j, 5], sums[j, 6], sums[j, 7] = load_f32x4(part, at + 4)
+            for j in range(2):
+                if b0 + 32 * j < parts:
+                    for r in range(8):
+                        total[r] += sums[j, r]
         for r in range(8):
             total[r] = warp_sum(total[r])
         if lane < rows:
