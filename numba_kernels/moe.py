@@ -751,7 +751,12 @@ KERNELS = {
 }
 # The decode shapes holding each round's MMAs for all of its loads (``hold``), candidates for
 # CudaMoe.decode_gemms (tools/gpu_bench_hybrid.py --moe-gemms-ablation).
-HOLD_SHAPES = [("gate_up", 1, 8, 2, 1, 3), ("down", 1, 4, 2, 1, 3), ("down_combine", 1, 4, 2, 1, 3)]
+# A 2048-wide gate/up row is 64 k-steps: 8 warps of 2 take four rounds, 8 of 4 two, 16 of 4 one; a
+# 512-wide down row is 16: 4 warps of 2 take two rounds, the others one.
+HOLD_SHAPES = [(kind, 1, w, u, 1, 3) for kind, w, u in (
+    ("gate_up", 8, 2), ("gate_up", 8, 4), ("gate_up", 16, 4), ("gate_up", 4, 4),
+    ("down", 4, 2), ("down", 8, 2), ("down", 4, 4),
+    ("down_combine", 4, 2), ("down_combine", 8, 2), ("down_combine", 4, 4))]
 for (_kind, _T, _W, _U, _P, _terms), _hold in [(_s, False) for _s in GROUPED_SHAPES] + [(_s, True) for _s in HOLD_SHAPES]:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms, _hold), GROUPED_SIG + (COMBINE_SIG if _kind == "down_combine" else ()),

@@ -4,7 +4,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
-                                     [--moe-gemms-ablation GATE_UP,DOWN]
+                                     [--moe-gemms-ablation 'GATE_UP,DOWN;...']
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -239,11 +239,13 @@ def ablations(args, forward) -> list[tuple]:
         if getattr(args, f"{option}_ablation") and moe is not None:
             value = not getattr(moe, option)
             chosen.append((f"decode_{option}_{value}", f"MoE {option} {value}", moe, option, value))
-    if args.moe_gemms_ablation and moe is not None:  # other grouped decode GEMMs (gate_up,down)
-        gate_up, down = args.moe_gemms_ablation.split(",")
+    for pair in filter(None, args.moe_gemms_ablation.split(";")):  # other grouped decode GEMMs: gate_up,down
+        if moe is None:
+            break
+        gate_up, down = pair.split(",")
         for name in (gate_up, down, combine_gemm(down)):
             forward.k[name]  # loaded now: not during capture
-        chosen.append(("decode_moe_gemms", f"MoE GEMMs {gate_up} {down}", moe, "decode_gemms",
+        chosen.append((f"decode_moe_gemms_{gate_up}_{down}", f"MoE GEMMs {gate_up} {down}", moe, "decode_gemms",
                        (gate_up, down, moe.decode_gemms[2])))
     return chosen
 
@@ -357,8 +359,8 @@ def main(argv=None) -> int:
                         help="decode again with the MoE's routing folded into its router GEMM (or not, if it is)")
     parser.add_argument("--fold-combine-ablation", action="store_true",
                         help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
-    parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN",
-                        help="decode again with these grouped MoE decode GEMMs (e.g. the 'h' builds)")
+    parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
+                        help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
     args = parser.parse_args(argv)
     import torch
 

@@ -209,6 +209,38 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     assert rel_err(runs[0][0], _reference(config, block.reference, h)) < DECODE_TOL
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_hold_builds_match_reference(gpu, case, rows):
+    """Every ``hold`` build of the grouped decode GEMMs (numba_kernels/moe.py HOLD_SHAPES), as
+    ``CudaMoe.decode_gemms`` with the default other half, the down ones with the combine folded in
+    too (``fold_combine``: the tickets start at zero and every launch leaves them so)."""
+    from ninfer.backends.cuda import runtime as rt
+    from numba_kernels.moe import HOLD_SHAPES, grouped_name
+
+    name, config, layer, block, moe = case
+    x = np.random.default_rng(60 + rows).standard_normal((rows, config.hidden_size), dtype=np.float32)
+    want = _reference(config, block.reference, x)
+    gate_up, down, chunk = moe.decode_gemms
+    held = [grouped_name(*shape, hold=True) for shape in HOLD_SHAPES if shape[0] != "down_combine"]
+    rt.memset32(moe.combine_tickets, 0, moe.combine_tickets.nbytes // 4, gpu.stream)
+    d_x, d_y = gpu.put(x), gpu.empty(x.nbytes)
+    try:
+        for kernel in held:
+            moe.decode_gemms = (kernel, down, chunk) if "gate_up" in kernel else (gate_up, kernel, chunk)
+            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, kernel
+            if "down" in kernel:  # and its down_combine build, adding into a residual stream of zeros
+                moe.fold_combine = True
+                rt.memset32(d_y, 0, x.size, gpu.stream)
+                moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True)
+                moe.fold_combine = False
+                assert rel_err(gpu.get(d_y, np.float32, x.shape), want) < DECODE_TOL, kernel
+    finally:
+        for option in ("decode_gemms", "fold_combine"):
+            moe.__dict__.pop(option, None)  # the class's defaults again
+        for ptr in (d_x, d_y):
+            gpu.device.free(ptr)
+
+
 def test_rejects_unsupported_shapes():
     import attrs
 
