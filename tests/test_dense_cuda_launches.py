@@ -134,6 +134,7 @@ def test_tensor_core_steps_chain_their_norms():
                for name in (f"layers.{i}.mlp_norm", f"layers.{i + 1}.attn_norm" if i + 1 < L else "final_norm")]
     for rows in range(1, MAX_BATCH + 1):
         fwd.k.log.clear()
+        fwd.k.overlaps.clear()
         fwd.decode(rows, None)
         gemms = [(kernel.meta, args) for kernel, _, args in fwd.k.log if "epilogue" in kernel.meta]
         chains = [meta.get("chain") for meta, _ in gemms]
@@ -148,6 +149,7 @@ def test_tensor_core_steps_chain_their_norms():
         assert all(args[-2] is fwd.b.xn for args in producers)
         consumers = [args for meta, args in gemms if meta.get("chain") == "in"]
         assert all(args[1] is fwd.b.xn and args[-2] is fwd.b.norm_part for args in consumers)
+        assert all(fwd.k.overlaps[1:])  # a chained step overlaps every launch after count_tokens
     fwd.chain_norm = False  # the default: every step normalises in its GEMMs
     fwd.k.log.clear()
     fwd.decode(MAX_BATCH, None)
