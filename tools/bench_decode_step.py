@@ -1,16 +1,15 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
-                                       [--only 'splits of,no attention'] [--no-chain]
+                                       [--only 'splits of,no attention']
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
 back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp32 GEMV), ``fused``
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), per-matrix kernel choices
-at the case's row count (``--gemms``; variants must be built into ``ptx/``), where the step chains its norms
-(tensor-core rows: ``Forward.chain_norm``) the normed GEMMs instead (``--no-chain``: that for every
-variant), launches that do not overlap
+at the case's row count (``--gemms``; variants must be built into ``ptx/``), at tensor-core rows the
+norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
 (tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
 overlapping, the KV prefetch flipped
@@ -62,8 +61,6 @@ def main(argv=None) -> int:
                         "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3)")
     parser.add_argument("--attention", default="", help="the decode attention kernel of every variant (a "
                         "variant built into ptx/ under another name); the step with the default one is timed too")
-    parser.add_argument("--no-chain", action="store_true", help="every variant without the chained norm "
-                        "(``Forward.chain_norm``); by default the step with it off is one of the variants")
     parser.add_argument("--splits", default="32,64,128,256,512,1024,2048",
                         help="other attention split lengths to time (keys, multiples of 32)")
     args = parser.parse_args(argv)
@@ -86,7 +83,6 @@ def main(argv=None) -> int:
                             "decode_attention_")):
             runner.kernels[name]
     attention = runner.forward.decode_attention_name
-    runner.forward.chain_norm = not args.no_chain
     if args.attention:
         attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, args.attention
     default_gemms = {matrix: dict(table) for matrix, table in fw.DECODE_GEMMS.items()}
@@ -122,10 +118,11 @@ def main(argv=None) -> int:
             chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention
             measure(f"fused, {attention}")
             runner.forward.decode_attention_name = chosen_attention
-        if runner.forward.chains(batch):
-            runner.forward.chain_norm = False
-            measure("fused, norms not chained")
-            runner.forward.chain_norm = True
+        if fw.chains_norms(batch):  # Forward.chain_norm flipped (a chained step overlaps every launch)
+            chained = runner.forward.chain_norm
+            runner.forward.chain_norm = not chained
+            measure(f"fused, norms {'not ' if chained else ''}chained")
+            runner.forward.chain_norm = chained
         if not runner.forward.overlaps(batch):
             runner.forward.attention_overlap = False
             measure("fused, attention launch not overlapped")
