@@ -42,12 +42,18 @@ def test_the_measured_choices():
 
 def test_dense_decode_overlaps_launches_where_its_gemms_preload():
     """The dense step overlaps its launches where every decode GEMM is the fp32 GEMV (it issues its
-    first weight loads before waiting: one and two rows), not where a tensor-core GEMM runs (from
-    three rows), and never with the master switch off."""
+    first weight loads before waiting: one and two rows), not where a normed tensor-core GEMM runs
+    (from three rows) unless the step chains its norms, and never with the master switch off."""
     from types import SimpleNamespace
+
+    def forward(overlap, chain_norm):
+        fwd = SimpleNamespace(overlap=overlap, chain_norm=chain_norm)
+        fwd.chains = lambda rows: fw.Forward.chains(fwd, rows)
+        return fwd
 
     for rows in range(1, fw.GEMV_MAX_ROWS + 1):
         fp32_only = all(fw.DECODE_GEMMS[matrix][rows] == "fp32" for matrix in fw.DECODE_GEMMS)
-        assert fw.Forward.overlaps(SimpleNamespace(overlap=True), rows) == fp32_only
-        assert fp32_only == (rows <= 2)
-    assert not fw.Forward.overlaps(SimpleNamespace(overlap=False), 1)
+        assert fw.Forward.overlaps(forward(True, False), rows) == fp32_only
+        assert fw.Forward.overlaps(forward(True, True), rows)  # fp32 GEMVs, or chained norms
+        assert fp32_only == (rows <= 2) == (not fw.chains_norms(rows))
+    assert not fw.Forward.overlaps(forward(False, True), 1) and not fw.Forward.overlaps(forward(False, True), 8)
