@@ -164,6 +164,28 @@ def atomic_add_i32(typingctx, ptr, index, value):
     return sig, codegen
 
 
+@cuda.jit(device=True, inline=True)
+def last_to_finish(counters, index, arrivals):
+    """Whether this block is the last of ``arrivals`` blocks to finish, each taking a ticket from
+    ``counters[index]`` once its global writes are out (a fence first); the last one resets the
+    counter to zero for the next launch and, after another fence, may read what the others wrote.
+    Every thread of the block calls it (it has block barriers). decode_attention's split merge takes
+    its ticket the same way, written out (its trace marks sit between the steps)."""
+    flag = cuda.shared.array(1, int32)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        taken = atomic_add_i32(counters, index, 1)
+        flag[0] = int32(taken == arrivals - 1)
+        if taken == arrivals - 1:
+            counters[index] = 0  # every block has had its ticket
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return False
+    cuda.threadfence()
+    return True
+
+
 # -- programmatic dependent launch (PDL) ------------------------------------------------------------
 # A decode step is a chain of kernels, each reading what the one before wrote. Launched with the
 # driver's programmatic-stream-serialization attribute, a kernel's blocks may be scheduled while its

@@ -46,10 +46,9 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, atomic_add_i32, bf16_hi, bf16_lo, bf16_to_f32,
-                                  grid_dependency_wait,
-                                  launch_dependents, load_f32x4, load_u32x2, load_u64x2, warp_max, warp_max_i32,
-                                  warp_min_i32, warp_sum)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
+                                  last_to_finish, launch_dependents, load_f32x4, load_u32x2, load_u64x2, warp_max,
+                                  warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
@@ -470,20 +469,9 @@ def make_router_route():
                          pair_row, pair_weight, row_pair, topk_ids, topk_w, shared_gate, top_k, renormalise, chunk,
                          ticket):
         router(logits, x, router_w, norm_w, rows, n_experts, hidden, n_experts, eps, normed)
-        last = cuda.shared.array(1, int32)
-        cuda.threadfence()  # this block's logits and normalised columns are out before its ticket
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            taken = atomic_add_i32(ticket, 0, 1)
-            last[0] = int32(taken == cuda.gridDim.x - 1)
-            if taken == cuda.gridDim.x - 1:
-                ticket[0] = 0  # every block has had its ticket: ready for the next launch
-        cuda.syncthreads()
-        if last[0] == 0:
-            return
-        cuda.threadfence()
-        route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, normed, shared_gate,
-                    rows, n_experts, hidden, top_k, renormalise, chunk)
+        if last_to_finish(ticket, 0, cuda.gridDim.x):  # every block's logits and normalised columns are out
+            route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, normed, shared_gate,
+                        rows, n_experts, hidden, top_k, renormalise, chunk)
 
     return moe_router_route
 
@@ -663,19 +651,9 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
         if not grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                              k_routed, k_shared, ldy, ldx):
             return  # no ticket: the tile counts the blocks of the step's chunks
-        last = cuda.shared.array(1, int32)
         tile = cuda.blockIdx.x
-        cuda.threadfence()  # this block's outputs are out before its ticket
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            taken = atomic_add_i32(tickets, tile, 1)
-            last[0] = int32(taken == n_chunks[0] - 1)
-            if taken == n_chunks[0] - 1:
-                tickets[tile] = 0  # every block of the tile has had its ticket: ready for the next launch
-        cuda.syncthreads()
-        if last[0] == 0:
+        if not last_to_finish(tickets, tile, n_chunks[0]):  # the tile's pairs are all out after this
             return
-        cuda.threadfence()
         width = T * COLS
         for idx in range(cuda.threadIdx.x, rows * width, THREADS):  # moe_combine_residual's sums, this tile
             r = idx // width
