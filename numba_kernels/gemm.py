@@ -350,6 +350,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     NORM_OUT = chain == "out"
     SCALED = normed or NORM_IN  # the epilogue multiplies by each row's 1 / rms
     assert not RING or (U == 1 and 2 <= RING <= len(cp_async_wait))
+    assert not (hold and RING)  # hold orders the register loop's loads; a ring's copies need no such hold
     wait_slot = cp_async_wait[RING - 1] if RING else None
     SLOT = ring_slot_bytes(T, normed)
     X_AT = 16 * T * 128  # the slot's activations: 8 rows of 64 fp32 (256 bytes), after the weight rows
