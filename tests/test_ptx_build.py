@@ -1,12 +1,15 @@
-"""CPU checks of the committed PTX (no GPU needed; skipped where the toolchain is absent).
+"""CPU checks of the committed PTX (no GPU needed).
 
-The rebuild needs numba-cuda with NVVM 13.0 (the `cuda` extra); the assembly needs `ptxas`.
+The rebuild needs numba-cuda with NVVM 13.0 and the assembly needs ``ptxas``: both come with the
+``ptx`` extra that ``make test`` installs. Elsewhere the two tests skip, except under CI
+(``NINFER_CI`` set by ``.ci/run``), where a missing tool fails them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -26,6 +29,13 @@ def _have_numba_cuda() -> bool:
         return False
 
 
+def _missing(tool: str) -> None:
+    """Skip for want of ``tool``; in CI, fail instead: the checks are required there."""
+    if os.environ.get("NINFER_CI"):
+        pytest.fail(f"CI must check the PTX, but {tool} is not installed (the ptx extra)")
+    pytest.skip(f"{tool} not installed (the ptx extra)")
+
+
 def test_manifest_lists_every_ptx_module():
     manifest = json.loads((ROOT / "ptx" / "manifest.json").read_text())
     files = {entry["file"] for entry in manifest["kernels"].values()}
@@ -38,13 +48,12 @@ def test_manifest_lists_every_ptx_module():
         assert ".version 9.0" in text  # the H200 driver (CUDA 13.0) rejects newer PTX ISAs
 
 
-@pytest.mark.skipif(not _have_numba_cuda(), reason="needs numba-cuda + nvidia-nvvm 13.0 (cuda extra)")
-def test_ptx_is_reproducible_from_numba_kernels(tmp_path):
-    import os
-
+def test_ptx_is_reproducible_from_numba_kernels():
+    if not _have_numba_cuda():
+        _missing("numba-cuda with NVVM 13.0")
     from numba_kernels import build
 
-    assert build.check(build.build_all(jobs=os.cpu_count() or 1), ROOT / "ptx") == []
+    assert build.main(["--check"]) == 0  # the command docs/development.md gives
 
 
 def test_ptxas_assembles_every_module():
@@ -55,6 +64,6 @@ def test_ptxas_assembles_every_module():
 
     ptxas = ptx_check.find_ptxas()
     if ptxas is None:
-        pytest.skip("ptxas not installed (PATH or nvidia-cuda-nvcc wheel)")
+        _missing("ptxas")
     reports = ptx_check.assemble(ptxas, "sm_90a")
     assert len(reports) == len(json.loads((ROOT / "ptx" / "manifest.json").read_text())["kernels"])
