@@ -174,6 +174,8 @@ def check_capabilities(args: argparse.Namespace, *, cuda_available: bool = False
     if args.device is not None and not cuda_available:
         raise OptionError("--device: no CUDA GPU is usable here (needs the cuda extra and a driver); without "
                           "--device the server runs the reference (CPU) backend.")
+    if args.device is not None:
+        _check_cuda_sync()
     if args.kv_capacity == "auto" and args.device is None:
         raise OptionError("--kv-capacity auto sizes the KV pool from free GPU memory, so it needs --device; "
                           "the reference (CPU) backend takes a number.")
@@ -182,6 +184,18 @@ def check_capabilities(args: argparse.Namespace, *, cuda_available: bool = False
             raise OptionError("--random-weights makes its weights on the GPU, so it needs --device.")
         if getattr(args, "artifact", None) is not None:
             raise OptionError("--random-weights serves random weights instead of an artifact; give one or the other.")
+
+
+def _check_cuda_sync() -> None:
+    """The CUDA backend reads NINFER_CUDA_SYNC only when its device opens, after the model is loaded:
+    a bad value is refused here, before any work. Only called once a GPU is usable, so the cuda
+    extra (which the runtime imports) is installed."""
+    from ninfer.backends.cuda import runtime
+
+    try:
+        runtime.sync_policy()
+    except ValueError as e:
+        raise OptionError(f"{e} (how the host waits for the GPU; see docs/cli.md, Environment).") from None
 
 
 def markdown_table() -> str:

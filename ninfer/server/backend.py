@@ -66,22 +66,35 @@ def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> W
                  prefill_gemm=prefill_gemm())
 
     def build():
-        from ninfer.backends.cuda import CudaRunner
-
-        if isinstance(model, str):  # a hybrid artifact gets CudaHybridRunner with the checkpoint slots
-            from ninfer.backends.cuda.hybrid_runner import open_runner
-
-            return open_runner(model, device=args.device, state_slots=config.state_slots - config.max_concurrency,
-                               **shape)
         from ninfer.backends.cuda import runtime
-        from ninfer.backends.cuda.random_weights import random_device_weights
 
-        device = runtime.Device(args.device)
-        weights, report = random_device_weights(device, device.stream(), model.dense, model.seed,
-                                                visible_ids=model.visible_ids)
-        runner = CudaRunner.from_device_weights(model.dense, weights, device=device, **shape)
-        runner.startup["weights_bytes"] = report.nbytes
-        runner.startup["weights_random_fill_s"] = round(report.seconds, 3)
-        return runner
+        try:
+            return _build_cuda_runner(model, args, config, shape)
+        # A device that does not exist, memory the sizing cannot fit, a driver error: the operator's
+        # input or machine is wrong, so startup ends with one line naming the device, not a traceback.
+        except (runtime.CudaError, MemoryError, ValueError) as e:
+            from ninfer.server.main import StartupError  # main imports this module
+
+            raise StartupError(f"cannot start the CUDA backend on device {args.device}: {e}") from e
 
     return WorkerBuiltRunner(build)
+
+
+def _build_cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig, shape: dict[str, Any]) -> Any:
+    from ninfer.backends.cuda import CudaRunner
+
+    if isinstance(model, str):  # a hybrid artifact gets CudaHybridRunner with the checkpoint slots
+        from ninfer.backends.cuda.hybrid_runner import open_runner
+
+        return open_runner(model, device=args.device, state_slots=config.state_slots - config.max_concurrency,
+                           **shape)
+    from ninfer.backends.cuda import runtime
+    from ninfer.backends.cuda.random_weights import random_device_weights
+
+    device = runtime.Device(args.device)
+    weights, report = random_device_weights(device, device.stream(), model.dense, model.seed,
+                                            visible_ids=model.visible_ids)
+    runner = CudaRunner.from_device_weights(model.dense, weights, device=device, **shape)
+    runner.startup["weights_bytes"] = report.nbytes
+    runner.startup["weights_random_fill_s"] = round(report.seconds, 3)
+    return runner

@@ -188,7 +188,8 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
             config = await _resolve_auto_capacity(source, config)
     try:
         async with Engine.open(source, config, **extra) as engine:
-            _log_runner_startup(source)
+            facts = _startup_facts(source)
+            _log_runner_startup(facts)
             state = ServerState(engine, model_id, int(time.time()),
                                 PromptBuilder(tokenizer, formatter, serve_defaults(args)),
                                 Metrics(engine, model_id), request_log,
@@ -197,7 +198,7 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
                       keepalive_s=keepalive_s)
             routes.install(app)
             if request_log is not None:
-                _log_server_start(request_log, path, art, model_id, engine, args, argv or [])
+                _log_server_start(request_log, path, art, model_id, engine, args, argv or [], facts)
             async with trio.open_nursery() as nursery:
                 if args.log_stats_interval_ms:
                     nursery.start_soon(throughput_loop, engine, request_log, args.log_stats_interval_ms / 1000.0)
@@ -230,9 +231,16 @@ async def _resolve_auto_capacity(runner: Any, config: EngineConfig) -> EngineCon
     return attrs.evolve(config, kv_capacity=tokens)
 
 
-def _log_runner_startup(runner: Any) -> None:
+def _startup_facts(source: Any) -> dict[str, Any] | None:
+    """The CUDA runner's ``startup`` record (runner.py: weights, workspace, KV sizing, graphs), or None
+    on the reference backend, whose runner the Engine builds from the artifact path."""
+    if isinstance(source, str):
+        return None
+    return getattr(getattr(source, "runner", source), "startup", None) or None
+
+
+def _log_runner_startup(facts: dict[str, Any] | None) -> None:
     """The CUDA runner's startup facts: weights, workspace, graph capture time and memory."""
-    facts = getattr(getattr(runner, "runner", runner), "startup", None)
     if not facts:
         return
     parts = [f"{facts['device']}"]
@@ -250,21 +258,67 @@ def _log_runner_startup(runner: Any) -> None:
 
 
 def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine: Any,
-                      args: argparse.Namespace, argv: list[str]) -> None:
-    cfg = engine.config
+                      args: argparse.Namespace, argv: list[str], facts: dict[str, Any] | None = None) -> None:
+    cfg, stats = engine.config, engine.stats()
     rl.write(
-        "server_start", artifact=os.path.abspath(path) if os.path.isfile(path) else path, architecture=art.metadata["architecture"], model_id=model_id,
-        backend=engine.info.backend,
+        "server_start", artifact=os.path.abspath(path) if os.path.isfile(path) else path,
+        architecture=art.metadata["architecture"], model_id=model_id, backend=engine.info.backend,
         engine={"max_concurrency": cfg.max_concurrency, "max_pending_requests": cfg.max_pending_requests,
                 "pending_timeout_ms": cfg.pending_timeout_ms, "prefill_chunk": cfg.prefill_chunk,
                 "max_context": engine.max_context, "kv_capacity_tokens": cfg.kv_capacity_tokens,
                 "kv_pages": cfg.kv_pages, "page_size": cfg.page_size, "prefix_reuse": cfg.prefix_reuse},
+        # Capacities as the Engine built them (the Host default adds eight StateImages on hybrids).
+        context_cache={"device_state_capacity_slots": stats.device_state_capacity_slots,
+                       "device_state_used_slots": stats.device_state_used_slots,
+                       "host_context_capacity_bytes": stats.host_context_capacity_bytes,
+                       "host_context_used_bytes": stats.host_context_used_bytes,
+                       "host_context_peak_bytes": stats.host_context_peak_bytes},
+        context_cost_source=stats.context_cost_source,
+        kv_sizing=_kv_sizing(args, cfg, facts),
+        # Device-only records: null on the reference backend.
+        memory=_device_memory(facts), cuda_graph=_graph_allowance(args, facts), cuda=_cuda_environment(args, facts),
         sampling_overrides={flag: getattr(args, flag) for flag in SAMPLING_FLAGS},
         thinking={"default_enabled": not args.no_thinking, "preserve_thinking": args.preserve_thinking,
                   "default_thinking_budget": args.default_thinking_budget,
                   "default_max_tokens": args.default_max_tokens},
         argv=redact_argv(argv),
     )
+
+
+def _kv_sizing(args: argparse.Namespace, cfg: EngineConfig, facts: dict[str, Any] | None) -> dict[str, Any]:
+    """How the Main KV pool got its size; with auto, the runner's ledger (runner.auto_kv_pages)."""
+    mode = "auto" if args.kv_capacity == "auto" else "max_context" if args.kv_capacity is None else "tokens"
+    ledger = (facts or {}).get("kv_auto") if mode == "auto" else None
+    return {"mode": mode, "capacity_tokens": cfg.kv_capacity_tokens, "pages": cfg.kv_pages, "ledger": ledger}
+
+
+def _device_memory(facts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The device arenas: the weights allocation and the one workspace (KV pool, StateImages inside)."""
+    if facts is None:
+        return None
+    return {"weights_bytes": facts.get("weights_bytes"),
+            "workspace": {"capacity_bytes": facts["workspace_bytes"], "kv_pages": facts["kv_pages"],
+                          "kv_dtype": facts.get("kv_dtype"), "state_slots": facts.get("state_slots"),
+                          "state_bytes": facts.get("state_bytes")},
+            "vision_workspace": None,  # Vision is not built
+            "free_bytes_after_startup": facts.get("free_bytes_after_startup")}
+
+
+def _graph_allowance(args: argparse.Namespace, facts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the decode graphs were allowed (the estimate auto sizing reserved) and what they took."""
+    if facts is None:
+        return None
+    return {"enabled": not args.no_cuda_graph, "reserve_bytes": (facts.get("kv_auto") or {}).get("graph_reserve"),
+            "count": facts.get("graph_count"), "bytes": facts.get("graph_bytes"),
+            "nodes_per_graph": facts.get("graph_nodes"), "capture_seconds": facts.get("graph_capture_s")}
+
+
+def _cuda_environment(args: argparse.Namespace, facts: dict[str, Any] | None) -> dict[str, Any] | None:
+    if facts is None:
+        return None
+    return {"device": args.device, "name": facts["device"], "sync": facts.get("sync"),
+            "prefill_gemm": facts.get("prefill_gemm"), "weights_upload_gb_per_s": facts.get("weights_upload_gb_per_s"),
+            "weights_random_fill_s": facts.get("weights_random_fill_s")}
 
 
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -283,6 +337,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
         trio.run(run)
     except (StartupError, EngineError) as e:  # e.g. a malformed --context-cost-presets file
+        log.debug("startup failed", exc_info=e)  # the traceback, for --log-level debug only
         print(f"ninfer serve: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,4 +1,5 @@
-"""`--kv-capacity auto` and `--random-weights` at startup, on the CPU (the GPU side: test_serve_cuda.py)."""
+"""CUDA startup options on the CPU (the GPU side: test_serve_cuda.py): `--kv-capacity auto`,
+`--random-weights`, `--no-cuda-graph`, NINFER_CUDA_SYNC, and CUDA startup failures."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import logging
 
 import pytest
 
-from ninfer import options
+from ninfer import cli, options
 from ninfer.backends.reference import ReferenceRunner
 from ninfer.cli import build_parser
-from ninfer.server.main import run_server
+from ninfer.observability import logs
+from ninfer.server import backend
+from ninfer.server.main import engine_config, run_server
 from ninfer.server.random_weights import RandomWeightsModel
 from server.conftest import serve_args
 
@@ -52,3 +55,52 @@ async def test_auto_capacity_is_what_the_runner_sized(nursery, tiny_artifact, ca
     assert srv.state.engine.config.kv_capacity == 40 * 16
     assert any("--kv-capacity auto: 640 tokens (40 pages" in r.getMessage() for r in caplog.records)
     nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("flags, graphs", [((), True), (("--no-cuda-graph",), False)])
+def test_cuda_graph_flag_reaches_the_runner(monkeypatch, flags, graphs):
+    hybrid_runner = pytest.importorskip("ninfer.backends.cuda.hybrid_runner")
+    seen = {}
+    monkeypatch.setattr(hybrid_runner, "open_runner", lambda path, **kw: seen.update(kw, path=path) or "built")
+    args = build_parser().parse_args(["serve", "m.ninfer", "--device", "1", "--max-concurrency", "2", *flags])
+    runner = backend.cuda_runner("m.ninfer", args, engine_config(args))
+    assert not seen  # built on first use, by the engine worker
+    assert runner.runner == "built"
+    assert seen["cuda_graph"] is graphs and (seen["path"], seen["device"], seen["max_batch"]) == ("m.ninfer", 1, 2)
+
+
+def _serve_on_cuda(monkeypatch, *argv: str) -> int:
+    """The real `ninfer serve` entry, told a GPU is usable. logs.setup would take the process-wide
+    "ninfer" logger away from pytest (no propagation): the records are not what these tests check."""
+    monkeypatch.setattr(backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(logs, "setup", lambda level: None)
+    return cli.main(["serve", *argv, "--device", "0", "--port", "0", "--log-stats-interval-ms", "0"])
+
+
+@pytest.mark.parametrize("failure, extra", [
+    ("oom", ()), ("no_device", ()), ("auto_sizing", ("--kv-capacity", "auto")),  # auto builds before the Engine
+])
+def test_cuda_startup_failures_exit_1_with_one_line(monkeypatch, capsys, tiny_artifact, failure, extra):
+    hybrid_runner = pytest.importorskip("ninfer.backends.cuda.hybrid_runner")
+    rt = hybrid_runner.rt
+    error = {"oom": rt.CudaError("cuMemAlloc(workspace, 8 bytes)", rt.cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY),
+             "no_device": ValueError("device 0 does not exist (0 CUDA devices)"),
+             "auto_sizing": MemoryError("--kv-capacity auto: 5 bytes free leave no room for a KV pool")}[failure]
+
+    def fail(path, **kw):
+        raise error
+
+    monkeypatch.setattr(hybrid_runner, "open_runner", fail)
+    assert _serve_on_cuda(monkeypatch, tiny_artifact, *extra) == 1
+    assert capsys.readouterr().err == f"ninfer serve: cannot start the CUDA backend on device 0: {error}\n"
+
+
+def test_bad_cuda_sync_is_refused_before_loading(monkeypatch, capsys):
+    pytest.importorskip("ninfer.backends.cuda.runtime")
+    monkeypatch.setenv("NINFER_CUDA_SYNC", "bogus")
+    assert _serve_on_cuda(monkeypatch, "missing.ninfer") == 2  # refused before the artifact is even opened
+    assert capsys.readouterr().err == ("ninfer serve: NINFER_CUDA_SYNC must be one of spin, yield, blocking, got "
+                                       "'bogus' (how the host waits for the GPU; see docs/cli.md, Environment).\n")
+    options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer"]))  # read only with --device
+    monkeypatch.setenv("NINFER_CUDA_SYNC", " Blocking ")
+    options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer", "--device", "0"]), cuda_available=True)

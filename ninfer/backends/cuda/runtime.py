@@ -248,6 +248,7 @@ _PACK = {
     "f32": lambda v: np.uint64(np.float32(v).view(np.uint32)),
 }
 _RANGES = {"i32": (-(1 << 31), 1 << 31), "i64": (-(1 << 63), 1 << 63), "u64": (0, 1 << 64)}
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Overlap:
@@ -285,6 +286,10 @@ class Kernel:
             elif kind == "f32":
                 if not isinstance(value, (float, int, np.floating, np.integer)) or isinstance(value, bool):
                     raise TypeError(f"{self.name} argument {i} must be a float, got {type(value).__name__}")
+                # NaN, inf and magnitudes float32 rounds to inf are never a kernel's scale or epsilon:
+                # a bug upstream, caught here rather than as NaN logits.
+                if not abs(value) <= _F32_MAX:
+                    raise TypeError(f"{self.name} argument {i} = {value} does not fit f32")
                 self._slots[i] = _PACK[kind](value)
             else:
                 if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
