@@ -11,11 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
 from ninfer.artifact import ArtifactError, open_artifact
-from ninfer.artifact.bf16 import to_float32
+from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.convert import ConversionError
 from ninfer.convert.hf import convert_hf
 from ninfer.convert.hf_hybrid import hybrid_config_from_hf
@@ -141,6 +142,115 @@ def rewrite(directory: Path, change) -> None:
     del f
     change(tensors)
     write_safetensors(directory / "model.safetensors", tensors)
+
+
+def weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, tuple[str, np.ndarray]]:
+    """Random bf16 tensors, except that names ending ``norm.weight`` are f32 (values bf16 cannot hold)
+    and ``.bias`` f16: tensors kept as they are must keep their dtype."""
+    rng, out = np.random.default_rng(seed), {}
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        if name.endswith("norm.weight"):
+            out[name] = ("F32", x)
+        elif name.endswith(".bias"):
+            out[name] = ("F16", x.astype(np.float16))
+        else:
+            out[name] = ("BF16", from_float32(x))
+    return out
+
+
+def mtp_weights(fused: bool, seed: int) -> dict[str, tuple[str, np.ndarray]]:
+    """A one-layer MTP head of the tiny fixtures' shape (H 64, 4 experts of 32, shared 48), MoE MLP."""
+    h, e, i = 64, 4, 32
+    shapes = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,), "mtp.pre_fc_norm_embedding.weight": (h,),
+              "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.layers.0.input_layernorm.weight": (h,),
+              "mtp.layers.0.self_attn.q_proj.weight": (256, h), "mtp.layers.0.self_attn.o_proj.weight": (h, 128),
+              "mtp.layers.0.mlp.gate.weight": (e, h), "mtp.layers.0.mlp.shared_expert.down_proj.weight": (h, 48),
+              "mtp.layers.0.mlp.shared_expert_gate.weight": (1, h)}
+    if fused:
+        shapes |= {"mtp.layers.0.mlp.experts.gate_up_proj": (e, 2 * i, h),
+                   "mtp.layers.0.mlp.experts.down_proj": (e, h, i)}
+    else:
+        for x in range(e):
+            shapes |= {f"mtp.layers.0.mlp.experts.{x}.gate_proj.weight": (i, h),
+                       f"mtp.layers.0.mlp.experts.{x}.up_proj.weight": (i, h),
+                       f"mtp.layers.0.mlp.experts.{x}.down_proj.weight": (h, i)}
+    return weights(shapes, seed)
+
+
+VISION_SHAPES = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 16, 16),
+                 "model.visual.patch_embed.proj.bias": (16,), "model.visual.pos_embed.weight": (2304, 16),
+                 "model.visual.blocks.0.norm1.weight": (16,), "model.visual.blocks.0.attn.qkv.weight": (48, 16),
+                 "model.visual.merger.linear_fc2.weight": (64, 64)}
+
+
+def assert_kept(art, extra: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Every vision / mtp source tensor is in its component with its name, shape, dtype and bits."""
+    want = {("vision", "vision." + n[len("model.visual."):]) if n.startswith("model.visual.") else ("mtp", n): v
+            for n, v in extra.items()}
+    for component in ("vision", "mtp"):
+        assert sorted(art.tensor_names(component)) == sorted(n for c, n in want if c == component)
+    for (component, name), (dtype, array) in want.items():
+        info = art.tensor_info(name)
+        assert (info.component, info.dtype) == (component, dtype.lower())
+        got = art.tensor(name)
+        assert got.dtype == array.dtype
+        np.testing.assert_array_equal(got, array)
+
+
+def assert_same_text(art, base) -> None:
+    assert art.tensor_names("text") == base.tensor_names("text")
+    for name in base.tensor_names("text"):
+        np.testing.assert_array_equal(art.tensor(name), base.tensor(name), err_msg=name)
+
+
+def test_qwen3_5_moe_conditional_generation_checkpoint(tmp_path, converted):
+    """Qwen3.6-35B-A3B's layout: the wrapper class with ``text_config`` nested, the text weights under
+    ``model.language_model.*`` (``lm_head`` stays top level), a vision tower, and an MTP layer
+    whose MLP is MoE. The text converts to the bits of the text-class fixture."""
+    d = copy_fixture(tmp_path, "qwen3_5_moe")
+    text = {k: v for k, v in json.loads((d / "config.json").read_text()).items()
+            if k not in ("architectures", "dtype", "transformers_version")}
+    text |= dict(model_type="qwen3_5_moe_text", mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    (d / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", dtype="bfloat16",
+        text_config=text, tie_word_embeddings=False, image_token_id=248056, video_token_id=248057,
+        vision_start_token_id=248053, vision_end_token_id=248054,
+        vision_config=dict(model_type="qwen3_5_moe", depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=64, in_channels=3, patch_size=16, temporal_patch_size=2,
+                           spatial_merge_size=2, num_position_embeddings=2304))))
+    extra = weights(VISION_SHAPES, seed=1) | mtp_weights(fused=True, seed=2)
+
+    def wrap(t):
+        for name in [n for n in t if n.startswith("model.")]:
+            t["model.language_model." + name[len("model."):]] = t.pop(name)
+        t.update(extra)
+    rewrite(d, wrap)
+    convert_hf(d, tmp_path / "cg.ninfer")
+    base = converted["qwen3_5_moe"]
+    with open_artifact(tmp_path / "cg.ninfer", components=None) as art:
+        assert HybridConfig.from_json(art.config) == attrs.evolve(
+            HybridConfig.from_json(base.config), architecture="Qwen3_5MoeForConditionalGeneration", mtp_num_layers=1)
+        assert art.components == ("text", "mtp", "vision")
+        assert "lm_head" in art.tensor_names("text")  # untied: the wrapper's tie_word_embeddings=false
+        assert_same_text(art, base)
+        assert_kept(art, extra)
+
+
+def test_qwen3_next_mtp_layer_is_kept(tmp_path, converted):
+    """Qwen3-Next's MTP head (``num_nextn_predict_layers``, experts per expert) becomes the ``mtp``
+    component; the text is unchanged."""
+    d = copy_fixture(tmp_path, "qwen3_next")
+    cfg = json.loads((d / "config.json").read_text()) | dict(num_nextn_predict_layers=1)
+    (d / "config.json").write_text(json.dumps(cfg))
+    extra = mtp_weights(fused=False, seed=3)
+    rewrite(d, lambda t: t.update(extra))
+    convert_hf(d, tmp_path / "n.ninfer")
+    with open_artifact(tmp_path / "n.ninfer", components=None) as art:
+        assert HybridConfig.from_json(art.config).mtp_num_layers == 1
+        assert art.components == ("text", "mtp")
+        assert_same_text(art, converted["qwen3_next"])
+        assert_kept(art, extra)
 
 
 def test_unknown_and_missing_tensors_are_refused(tmp_path):

@@ -12,7 +12,7 @@ from ninfer.artifact import open_artifact
 from ninfer.artifact.bf16 import to_float32
 from ninfer.cli import main
 from ninfer.backends.reference import HybridRunner, ReferenceRunner
-from ninfer.backends.runner import PrefillChunk
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow
 from ninfer.convert.random_model import HYBRID_PRESETS, PRESETS, make_random_artifact
 from ninfer.models import DenseConfig, HybridConfig, RopeScaling, tensor_names
 from ninfer.models import hybrid
@@ -55,7 +55,8 @@ def test_cli_random_from_hybrid_config_file(tmp_path, capsys):
 
 def test_cli_random_rejects_unknown_config(tmp_path, capsys):
     assert main(["convert", "--random", "huge-llama", str(tmp_path / "r.ninfer")]) == 1
-    assert "neither a preset (tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5) nor a file" in capsys.readouterr().err
+    presets = "tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5, tiny-qwen3.5-moe"
+    assert f"neither a preset ({presets}) nor a file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"hidden_size": 3}')
     assert main(["convert", "--random", str(tmp_path / "bad.json"), str(tmp_path / "r.ninfer")]) == 1
     assert "is not a DenseConfig or HybridConfig JSON" in capsys.readouterr().err
@@ -109,3 +110,29 @@ def test_hybrid_preset_runs_with_finite_varied_logits(tmp_path, preset):
     assert logits.shape == (48, config.vocab_size) and np.isfinite(logits).all()
     assert 0.1 < logits.std(axis=-1).mean() < 10.0, logits.std(axis=-1).mean()
     assert len(set(logits.argmax(-1).tolist())) > 5
+
+
+@pytest.mark.parametrize("preset", sorted(HYBRID_PRESETS))
+def test_hybrid_preset_greedy_decode_matches_a_prefill(tmp_path, preset):
+    """Greedy decoding on the reference backend: each token is the argmax of its logits, and the
+    decode steps' logits (the recurrent delta rule from the lane's state) are those a one-shot
+    prefill of the same tokens in another lane gives (the chunked form)."""
+    make_random_artifact(tmp_path / "h.ninfer", preset, seed=3)
+    runner = ReferenceRunner(str(tmp_path / "h.ninfer"), page_size=16, num_pages=8, max_batch=2, max_context=64)
+    prompt, steps, greedy = (np.arange(20, dtype=np.int32) * 53) % 900 + 5, 8, SamplingRow(temperature=0.0)
+    first = runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=np.arange(4, dtype=np.int32),
+                                        sample=greedy, return_logits=True))
+    tokens, logits = [int(first.tokens[0])], [first.logits[-1]]
+    for step in range(steps):
+        result = runner.decode(DecodeBatch(lanes=np.array([0]), tokens=np.array([tokens[-1]]),
+                                           positions=np.array([len(prompt) + step]),
+                                           page_tables=np.arange(4, dtype=np.int32)[None],
+                                           sampling=[greedy], return_logits=True))
+        tokens.append(int(result.tokens[0]))
+        logits.append(result.logits[0])
+    logits = np.stack(logits)
+    assert tokens == logits.argmax(-1).tolist()
+    whole = np.concatenate([prompt, np.array(tokens[:-1], np.int32)])
+    again = runner.prefill(PrefillChunk(lane=1, tokens=whole, start=0, page_table=np.arange(4, 8, dtype=np.int32),
+                                        return_logits=True)).logits[len(prompt) - 1:]
+    np.testing.assert_allclose(logits, again, rtol=0, atol=1e-4 * np.abs(again).max())

@@ -11,7 +11,7 @@ The text backbone becomes the ``text`` component under the canonical names of
 
 Tensors the text model does not run are kept, not dropped: ``model.visual.*`` as the ``vision``
 component (named ``vision.<rest>``) and ``mtp.*`` as the ``mtp`` component (names unchanged), both
-with their source shapes, for the vision and speculative-decoding work that reads them.
+with their source shapes and dtypes, for the vision and speculative-decoding work that reads them.
 """
 
 from __future__ import annotations
@@ -275,8 +275,13 @@ def _global_loader(plan: _Plan, canonical: str, shape: tuple[int, ...]) -> Calla
     return _rows(plan, [plan.src(source, shape)])
 
 
+# Source dtype -> artifact dtype of the tensors kept as they are (the float dtypes ``src`` accepts).
+_KEPT_DTYPES = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
+
+
 def _extra_components(plan: _Plan) -> list[TensorSource]:
-    """``vision`` and ``mtp`` tensors, kept under their source layout (no text model reads them)."""
+    """``vision`` and ``mtp`` tensors, kept bit for bit in their source shape and dtype (no text
+    model reads them yet, so no runtime layout applies)."""
     out = []
     for name in plan.weights.names():
         if name.startswith("model.visual."):
@@ -286,7 +291,8 @@ def _extra_components(plan: _Plan) -> list[TensorSource]:
         else:
             continue
         info = plan.weights.info(plan.src(name))
-        out.append(TensorSource(canonical, component, "bf16", tuple(info.shape), _rows(plan, [name])))
+        out.append(TensorSource(canonical, component, _KEPT_DTYPES[info.dtype], tuple(info.shape),
+                                lambda name=name: plan.weights.get(name)))
     return out
 
 

@@ -61,6 +61,13 @@ HYBRID_PRESETS: dict[str, HybridConfig] = {
         num_kv_heads=2, head_dim=32, rotary_dim=8, rope_theta=10000000.0, max_position_embeddings=4096,
         linear_num_k_heads=2, linear_num_v_heads=4, linear_k_head_dim=16, linear_v_head_dim=16,
         intermediate_size=128, tie_word_embeddings=True),
+    # Every layer MoE, as Qwen3.6-35B-A3B; more experts and picks than tiny-qwen3-next, untied.
+    "tiny-qwen3.5-moe": HybridConfig(
+        architecture="Qwen3_5MoeForCausalLM", vocab_size=1024, hidden_size=64, num_layers=4,
+        layer_types=(_L, _L, _L, _F), mlp_types=(hybrid.MOE,) * 4, rms_norm_eps=1e-6, num_heads=4,
+        num_kv_heads=2, head_dim=32, rotary_dim=8, rope_theta=10000000.0, max_position_embeddings=4096,
+        linear_num_k_heads=2, linear_num_v_heads=4, linear_k_head_dim=16, linear_v_head_dim=16,
+        num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 
 AnyConfig = DenseConfig | HybridConfig
