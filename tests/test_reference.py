@@ -146,6 +146,7 @@ def test_read_and_write_pages_restore_a_sequence(model):
     _, tokens, _ = generate(runner, prompt, table, steps=2)
     snapshot = runner.read_pages(table)
     assert snapshot.shape == (2, model[0].num_layers, 3, 8, model[0].num_kv_heads, model[0].head_dim)
+    assert snapshot.nbytes == 3 * runner.page_bytes
     generate(runner, prompt_of(16, seed=5), table, steps=1)  # clobbers pages 5, 2, 7
     runner.write_pages(table, snapshot)
     runner.bind_lane(0, tokens[:-1])
@@ -221,6 +222,7 @@ def small_runner():
         (dict(start=8, page_table=[0]), "row 0 has 1 pages, position 10 needs 2"),
         (dict(page_table=[4]), r"page ids \[4\] outside \[0, 4\)"),
         (dict(start=22), "position 24 exceeds max_context 24"),
+        (dict(sample=SamplingRow(temperature=1.0, top_k=21)), r"prefill sample.top_k must be in 0..20, got 21"),
     ],
 )
 def test_prefill_rejects_bad_input(small_runner, chunk, message):
@@ -239,17 +241,22 @@ def test_prefill_rejects_bad_input(small_runner, chunk, message):
         (dict(page_tables=[[0, -1], [1, -1]], positions=[8, 2]), r"row 0 uses page ids \[0, -1\]"),
         (dict(lanes=[0, 1, 0], tokens=[1, 2, 3], positions=[0, 0, 0]), "3 rows exceed max_batch 2"),
         (dict(page_tables=[[0, 1], [0, 1]], positions=[5, 5]), "two rows write the same KV slot"),
+        (dict(sampling=[GREEDY, SamplingRow(temperature=1.0, top_k=-1)]), r"decode sampling\[1\].top_k must be in 0..20"),
+        (dict(sampling=[SamplingRow(temperature=float("nan"))] * 2), r"decode sampling\[0\].temperature must be finite"),
+        (dict(sampling=[SamplingRow(top_p=1.5)] * 2), r"decode sampling\[0\].top_p must be in \[0, 1\]"),
+        (dict(sampling=[SamplingRow(seed=1 << 63)] * 2), r"decode sampling\[0\]: seed must be a signed 64-bit"),
     ],
 )
 def test_decode_rejects_bad_input(small_runner, batch, message):
     fields = {**dict(lanes=[0, 1], tokens=[5, 6], positions=[3, 4], page_tables=[[0, 1], [2, 3]]), **batch}
     rows = len(fields["lanes"])
+    fields.setdefault("sampling", [GREEDY] * rows)
     with pytest.raises(ValueError, match=message):
         small_runner.decode(DecodeBatch(lanes=np.asarray(fields["lanes"], np.int32),
                                         tokens=np.asarray(fields["tokens"], np.int32),
                                         positions=np.asarray(fields["positions"], np.int32),
                                         page_tables=np.asarray(fields["page_tables"], np.int32),
-                                        sampling=[GREEDY] * rows))
+                                        sampling=fields["sampling"]))
 
 
 def test_page_operations_reject_bad_pages(small_runner):

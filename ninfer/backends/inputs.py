@@ -1,4 +1,4 @@
-"""Checks of what the engine hands a runner: lanes, token ids, positions and page tables.
+"""Checks of what the engine hands a runner: lanes, token ids, positions, page tables and sampling rows.
 
 Every backend (reference and CUDA) checks every request with these before any model math, and every
 failure is a ``ValueError`` naming the field: the reference backend is how the engine's own tests
@@ -16,7 +16,10 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, StepResult
+from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
+
+TOP_K_CAP = 20  # the most candidates a sampler keeps (``top_k`` 0 selects this many)
+_INT64 = (-(1 << 63), 1 << 63)
 
 
 def check_lane(info: RunnerInfo, lane: int, field: str) -> None:
@@ -66,6 +69,23 @@ def check_page_table(info: RunnerInfo, tables: np.ndarray, ends: Sequence[int] |
     return tables
 
 
+def check_sampling(row: SamplingRow, field: str) -> None:
+    """A sampling row within what every sampler implements (the Engine resolves requests to these;
+    a runner driven directly gets the same refusal instead of a silently clamped value)."""
+    if not 0 <= row.top_k <= TOP_K_CAP:
+        raise ValueError(f"{field}.top_k must be in 0..{TOP_K_CAP}, got {row.top_k}")
+    if not 0.0 <= row.temperature < float("inf"):
+        raise ValueError(f"{field}.temperature must be finite and >= 0, got {row.temperature}")
+    for name in ("top_p", "min_p"):
+        if not 0.0 <= getattr(row, name) <= 1.0:
+            raise ValueError(f"{field}.{name} must be in [0, 1], got {getattr(row, name)}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not abs(getattr(row, name)) < float("inf"):
+            raise ValueError(f"{field}.{name} must be finite, got {getattr(row, name)}")
+    if not (_INT64[0] <= row.seed < _INT64[1] and 0 <= row.step < _INT64[1]):
+        raise ValueError(f"{field}: seed must be a signed 64-bit integer and step >= 0, got {row.seed}, {row.step}")
+
+
 def prefill_inputs(info: RunnerInfo, chunk: PrefillChunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The checked chunk as (tokens [n], absolute positions [n], page table [1, pages])."""
     check_lane(info, chunk.lane, "prefill lane")
@@ -74,6 +94,8 @@ def prefill_inputs(info: RunnerInfo, chunk: PrefillChunk) -> tuple[np.ndarray, n
         raise ValueError("prefill tokens: the chunk is empty")
     if chunk.start < 0:
         raise ValueError(f"prefill start must be >= 0, got {chunk.start}")
+    if chunk.sample is not None:
+        check_sampling(chunk.sample, "prefill sample")
     positions = np.arange(chunk.start, chunk.start + tokens.size, dtype=np.int64)
     table = check_page_table(info, np.asarray(chunk.page_table).reshape(1, -1), [int(positions[-1]) + 1],
                              "prefill page_table")
@@ -103,6 +125,8 @@ def decode_inputs(info: RunnerInfo, batch: DecodeBatch) -> tuple[np.ndarray, np.
             f"decode: lanes ({rows}), tokens ({tokens.size}), positions ({positions.size}) and "
             f"sampling ({len(batch.sampling)}) must have one entry per row"
         )
+    for row, sampling in enumerate(batch.sampling):
+        check_sampling(sampling, f"decode sampling[{row}]")
     token_list, position_list = tokens.tolist(), positions.tolist()
     if min(token_list) < 0 or max(token_list) >= info.vocab_size or tokens.dtype.kind not in "iu":
         tokens = check_tokens(info, tokens, "decode tokens")

@@ -3,7 +3,7 @@
 For one row of fp32 logits:
 1. penalties: ``logit[t] -= presence * (count[t] > 0) + frequency * count[t]`` over generated tokens;
 2. ``temperature == 0``: argmax, lowest index on ties;
-3. otherwise keep the ``k`` largest logits (``k = top_k`` if 1..20 else 20), ordered by value
+3. otherwise keep the ``k`` largest logits (``k = top_k``, or 20 for ``top_k`` 0), ordered by value
    descending then index ascending; softmax of ``logit / temperature`` over them;
 4. top-p: keep the shortest head whose cumulative probability reaches ``top_p`` (at least one);
 5. min-p: drop candidates with ``p < min_p * p_max``; renormalise;
@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ninfer.backends.inputs import TOP_K_CAP
 from ninfer.backends.runner import SamplingRow
-
-TOP_K_CAP = 20
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -72,7 +71,7 @@ def sample_row(logits: np.ndarray, row: SamplingRow, counts: np.ndarray | None =
         logits = apply_penalties(logits, counts, row)
     if row.temperature <= 0.0:
         return int(np.argmax(logits))
-    k = row.top_k if 1 <= row.top_k <= TOP_K_CAP else TOP_K_CAP
+    k = row.top_k or TOP_K_CAP
     order = top_k_order(logits, k)
     scaled = logits[order] / np.float32(row.temperature)
     probs = np.exp(scaled - scaled[0])
