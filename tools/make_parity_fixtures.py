@@ -4,9 +4,13 @@ Run it in a scratch venv that has torch and transformers (they are not product d
 
     python3 -m venv .scratch/torchvenv
     .scratch/torchvenv/bin/pip install torch==2.13.0 transformers safetensors numpy
-    .scratch/torchvenv/bin/python tools/make_parity_fixtures.py [--out tests/fixtures/parity]
+    .scratch/torchvenv/bin/python tools/make_parity_fixtures.py [--set reference|cuda] [--out DIR]
 
-For each model below it writes ``<out>/<name>/``:
+There are two sets of models. ``reference`` (the default; ``MODELS``, into tests/fixtures/parity)
+covers the architectures' features at the smallest shapes; ``cuda`` (``CUDA_MODELS``, into
+tests/fixtures/parity_cuda) takes the shapes the CUDA backend's kernels are built for (head_dim 64
+and 128, ``ninfer.backends.cuda.forward.check_supported``), so that backend too is checked against
+transformers. For each model of the set it writes ``<out>/<name>/``:
 - ``config.json`` and ``model.safetensors`` (bf16) as ``save_pretrained`` writes them, with two
   edits: rope settings spelled the classic way (``rope_theta`` + ``rope_scaling``, as published
   checkpoints have them) and Llama's all-zero ``o_proj.bias`` removed (see ``build_model``);
@@ -106,6 +110,53 @@ MODELS = {
         ),
     ),
 }
+
+
+# The CUDA backend's set: head_dim 64 and 128, query heads per KV head in its GROUPS, hidden and
+# intermediate sizes divisible by 8. Hidden 128 and two layers keep both checkpoints and their
+# goldens under 2 MiB together (tests/test_parity.py checks it).
+CUDA_MODELS = {
+    # Classic Llama shape (heads x head_dim = hidden), GQA 2, q/k/v biases, untied head, Llama 3
+    # rope scaling (the original context is short so that all three frequency bands occur).
+    "llama_d64_bias_llama3": (
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=128,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_theta=10000.0,
+            rope_scaling=dict(
+                rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    # Qwen3: q/k RMSNorm, heads x head_dim (512) wider than hidden, GQA 4, tied embeddings, YaRN
+    # (whose attention factor the backends fold into the cos/sin tables).
+    "qwen3_d128_gqa4_yarn": (
+        "Qwen3ForCausalLM",
+        dict(
+            hidden_size=128,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=128,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,  # = factor x original, as YaRN configs state it
+            rope_theta=1000000.0,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+        ),
+    ),
+}
+ROOT = Path(__file__).resolve().parents[1]
+SETS = {"reference": (MODELS, ROOT / "tests/fixtures/parity"),
+        "cuda": (CUDA_MODELS, ROOT / "tests/fixtures/parity_cuda")}
 
 
 def build_model(architecture: str, fields: dict) -> torch.nn.Module:
@@ -233,12 +284,15 @@ def write_fixture(name: str, architecture: str, fields: dict, out_dir: Path, see
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/fixtures/parity")
+    parser.add_argument("--set", choices=sorted(SETS), default="reference", help="which models (module docstring)")
+    parser.add_argument("--out", type=Path, help="default: the set's folder under tests/fixtures")
     args = parser.parse_args()
+    models, default_out = SETS[args.set]
+    out = args.out or default_out
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    for name, (architecture, fields) in MODELS.items():
-        first_seed_without_tie(name, functools.partial(write_fixture, name, architecture, fields, args.out))
+    for name, (architecture, fields) in models.items():
+        first_seed_without_tie(name, functools.partial(write_fixture, name, architecture, fields, out))
 
 
 if __name__ == "__main__":
