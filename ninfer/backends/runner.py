@@ -105,8 +105,14 @@ class ModelRunner(Protocol):
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy whole KV pages (copy-on-write of a shared tail page)."""
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one KV page (every layer, K and V) occupies in the pool: what a page copy moves,
+        and what a pause snapshot holds on the Host per page."""
+
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
-        """KV of ``pages`` as one host array (pause snapshots); ``write_pages`` takes it back."""
+        """KV of ``pages`` as one host array in the pool's storage type (pause snapshots: bf16
+        stays bf16, as uint16 bit patterns); ``write_pages`` takes it back bit-exact."""
 
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None: ...
 

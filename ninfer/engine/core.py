@@ -56,9 +56,11 @@ class EngineCore:
         self.cache = (PrefixCache(self.pool, config.page_size, slots=self.slots if self.recurrent else None,
                                   host=self.host if self.recurrent else None, state_bytes=self.state_bytes)
                       if config.prefix_reuse else None)
-        # Bytes one KV page occupies on the Host: read one page once (its content is irrelevant).
-        # The core is built on the thread that owns the runner, so this call is allowed here.
-        self.page_bytes = int(runner.read_pages([0]).nbytes)
+        # Bytes of one KV page as the runner stores it (bf16 stays bf16): what page copies and
+        # snapshots move, and what a snapshot holds of the Host budget. A test double that does not
+        # say has one page read (the core is built on the thread that owns the runner).
+        page_bytes = getattr(runner, "page_bytes", None)
+        self.page_bytes = int(runner.read_pages([0]).nbytes if page_bytes is None else page_bytes)
         self.scheduler = Scheduler(config, self.pool, self.slots, self.host, self.cache, cost,
                                    self.page_bytes, clock, state_bytes=self.state_bytes)
         self.counters = Counters()
@@ -74,6 +76,7 @@ class EngineCore:
         # (``Scheduler.decode_ahead``), so the host's work between steps hides under the device's.
         self.pipelined = bool(info.pipelined_decode)
         self._ahead: list[Sequence] | None = None  # rows of the step launched ahead, in flight
+        self._planned: Plan | None = None  # planned, its runner calls not yet made (stats gauges)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -120,10 +123,14 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self._ahead_plan() if self._ahead is not None else self.scheduler.schedule()
         t1 = time.perf_counter()
+        self._planned = plan
         if before_run is not None:
             before_run()
         t1b = time.perf_counter()
-        device = self._execute(plan)
+        try:
+            device = self._execute(plan)
+        finally:
+            self._planned = None
         t2 = time.perf_counter()
         self._postprocess(plan)
         t3 = time.perf_counter()
@@ -143,7 +150,8 @@ class EngineCore:
         return not plan.empty
 
     def _execute(self, plan: Plan) -> float:
-        """Run the plan's mechanism on the runner; return seconds spent inside runner calls."""
+        """Run the plan's mechanism on the runner; return seconds spent inside runner calls. The
+        pause and restore boundaries are stamped here, when their copies have landed."""
         runner, device = self.runner, 0.0
         pc = time.perf_counter
         for pause in plan.pauses:
@@ -152,9 +160,10 @@ class EngineCore:
                 pages = runner.read_pages(pause.pages)
                 pause.seq.snapshot = pages if pause.lane is None else (pages, runner.read_state(pause.lane))
                 device += pc() - t
+            self._transition(pause.seq, "paused", pause.route)
         if plan.copies:
             t = pc()
-            runner.copy_pages([s for s, _ in plan.copies], [d for _, d in plan.copies])
+            runner.copy_pages([s for s, _, _ in plan.copies], [d for _, d, _ in plan.copies])
             device += pc() - t
         for src, lane in plan.state_copies:
             t = pc()
@@ -176,6 +185,9 @@ class EngineCore:
             t = pc()
             runner.bind_lane(lane, generated)
             device += pc() - t
+        for seq in [r.seq for r in plan.restores] + plan.replays:
+            self._transition(seq, "restored", seq.route)  # binding installed
+            self._rebuilt(seq)
         unit = plan.prompt
         if unit is not None:
             seq = unit.seq
@@ -252,31 +264,33 @@ class EngineCore:
         for pause in plan.pauses:
             c.preemptions += 1
             if pause.route == "snapshot":
-                nbytes = pause.seq.snapshot_bytes
-                pause.seq.transfer_bytes += nbytes
-                c.transfer_bytes[("main_kv", "device_to_host")] += nbytes - self.state_bytes
+                self._transfer(pause.seq, "main_kv", "device_to_host", len(pause.pages) * self.page_bytes)
                 if pause.lane is not None:
-                    c.transfer_bytes[("state", "device_to_host")] += self.state_bytes
+                    self._transfer(pause.seq, "state", "device_to_host", self.state_bytes)
                     c.state_ops["snapshot"] += 1
         for restore in plan.restores:
             c.snapshot_restores += 1
-            c.transfer_bytes[("main_kv", "host_to_device")] += int(restore.data.nbytes)
+            self._transfer(restore.seq, "main_kv", "host_to_device", len(restore.pages) * self.page_bytes)
             if restore.state is not None:
-                c.transfer_bytes[("state", "host_to_device")] += int(restore.state.nbytes)
+                self._transfer(restore.seq, "state", "host_to_device", self.state_bytes)
                 c.state_ops["restore"] += 1
-        if plan.copies:
-            c.cow_copies += len(plan.copies)
-            c.transfer_bytes[("main_kv", "device_to_device")] += len(plan.copies) * self.page_bytes
-        if plan.state_copies:
-            c.state_ops["reuse"] += len(plan.state_copies)
-            c.transfer_bytes[("state", "device_to_device")] += len(plan.state_copies) * self.state_bytes
-        if plan.state_writes:
-            c.state_ops["restore_from_host"] += len(plan.state_writes)
-            c.transfer_bytes[("state", "host_to_device")] += len(plan.state_writes) * self.state_bytes
+        for _, _, seq in plan.copies:
+            c.cow_copies += 1
+            self._transfer(seq, "main_kv", "device_to_device", self.page_bytes)
+        # Where a bound lane's StateImage came from: a checkpoint slot, or a spilled image on the Host.
+        state_from = {}
+        for _, lane in plan.state_copies:
+            c.state_ops["reuse"] += 1
+            self._transfer(self.scheduler.lanes[lane], "state", "device_to_device", self.state_bytes)
+            state_from[lane] = "device"
+        for lane, _, _ in plan.state_writes:
+            c.state_ops["restore_from_host"] += 1
+            self._transfer(self.scheduler.lanes[lane], "state", "host_to_device", self.state_bytes)
+            state_from[lane] = "host"
         c.replay_restores += len(plan.replays)
         for seq in plan.admitted:
             if not seq.cached_reported:
-                self._on_first_binding(seq, now)
+                self._on_first_binding(seq, state_from.get(seq.lane))
         unit = plan.prompt
         if unit is not None and unit.seq.phase is Phase.RESIDENT:
             self._post_prompt(unit, now)
@@ -289,13 +303,20 @@ class EngineCore:
                 c.decode_tokens += 1
                 self._commit(seq, token, now)
 
-    def _on_first_binding(self, seq: Sequence, now: float) -> None:
+    def _transfer(self, seq: Sequence, resource: str, direction: str, nbytes: int) -> None:
+        """A completed context copy ``seq`` owns: the global counter and the request's own."""
+        self.counters.transfer_bytes[(resource, direction)] += nbytes
+        seq.transfers[(resource, direction)] += nbytes
+
+    def _on_first_binding(self, seq: Sequence, state: str | None) -> None:
         c = self.counters
         seq.cached_reported = True
         c.prompt_tokens += seq.prompt_len
         c.prompt_tokens_cached += seq.cached
         if seq.cached:
             c.prefix_hits += 1
+        c.last_selection = {"path": "checkpoint" if seq.cached else "root", "prompt_tokens": seq.prompt_len,
+                            "reused_tokens": seq.cached, "state": state}
         c.queue.observe(seq.t_admit - seq.t_submit)
         seq.pending_captures = [b for b in seq.pending_captures if b > seq.cached]
         self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, 0.0))
@@ -303,6 +324,7 @@ class EngineCore:
     def _post_prompt(self, unit, now: float) -> None:
         c, seq = self.counters, unit.seq
         seq.computed = unit.end
+        fresh = False  # prompt positions computed for the first time
         if not unit.control:
             seq.prefill_units += 1
             c.prefill_units += 1
@@ -325,6 +347,10 @@ class EngineCore:
                 seq.prompt_high = unit.end
                 self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, unit.end,
                                                (now - seq.t_admit) * 1000.0))
+                fresh = True
+        self._rebuilt(seq)
+        if fresh:
+            self._recovered(seq)  # fresh prompt tokens: the first new committed unit
         named = False  # a named boundary was retained exactly here
         while seq.pending_captures and seq.pending_captures[0] <= seq.computed:
             boundary = seq.pending_captures.pop(0)
@@ -335,8 +361,6 @@ class EngineCore:
             # A long prefill keeps its chunk boundaries while spare slots last (never evicting a
             # checkpoint for them), so an interrupted or repeated long prompt resumes mid-way.
             self._capture(seq, seq.computed, spare=True)
-        if unit.replay and not seq.needs_prompt_work:
-            self._transition(seq, "replay_complete", "replay")
         if unit.sample:
             self._commit(seq, int(unit.result[0]), now)
         elif seq.n_output == 0 and seq.computed == seq.prompt_len and seq.request.max_tokens == 0:
@@ -347,6 +371,7 @@ class EngineCore:
         if seq.phase is not Phase.RESIDENT:
             return
         c = self.counters
+        self._recovered(seq)
         seq.append(token)
         c.generation_tokens += 1
         if seq.t_first is None:
@@ -446,6 +471,10 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, detail: str) -> None:
         now = self.clock()
+        if seq.preemptions:
+            if reason != "cancelled":
+                self._recovered(seq)  # normal terminal progress ends recovery too
+            self._transition(seq, "terminal", seq.route)
         if reason != "cancelled" and seq.request.capture_endpoint and seq.phase is Phase.RESIDENT:
             end = seq.computed if seq.accepted is None else min(seq.computed, seq.prompt_len + seq.accepted)
             if end > seq.cached:
@@ -473,7 +502,8 @@ class EngineCore:
             scheduling=SchedulingCounters(
                 preemptions=seq.preemptions, snapshot_restores=seq.snapshot_restores,
                 replay_restores=seq.replay_restores, replayed_tokens=seq.replayed_tokens,
-                paused_seconds=seq.paused_seconds, transfer_bytes=seq.transfer_bytes,
+                paused_seconds=seq.paused_seconds, transfer_bytes=sum(seq.transfers.values()),
+                context_transfers=_by_resource(seq.transfers),
                 thinking_budget_applied=seq.budget_applied, forced_tokens=seq.forced_total,
                 transitions=tuple(seq.transitions)),
             engine_timing=EngineTiming(
@@ -485,6 +515,18 @@ class EngineCore:
             seed=seq.row.seed,
             first_output=seq.first_output,
         )
+
+    def _rebuilt(self, seq: Sequence) -> None:
+        """replay_complete once a replay restore has rebuilt the frontier saved at its pause."""
+        if seq.rebuild_to is not None and seq.computed >= seq.rebuild_to:
+            seq.rebuild_to = None
+            self._transition(seq, "replay_complete", "replay")
+
+    def _recovered(self, seq: Sequence) -> None:
+        """recovery_complete at the first fresh committed unit (or normal finish) after a pause."""
+        if seq.recovering and seq.phase is Phase.RESIDENT:
+            seq.recovering = False
+            self._transition(seq, "recovery_complete", seq.route)
 
     def _transition(self, seq: Sequence, kind: str, route: str | None) -> None:
         c = self.counters
@@ -511,13 +553,16 @@ class EngineCore:
             requests_running=len(residents), requests_waiting=len(s.waiting),
             requests_paused=len(s.paused), requests_prefilling=prefilling,
             requests_decode_ready=len(residents) - prefilling - replaying,
-            requests_replaying=replaying, requests_materializing=0,
+            requests_replaying=replaying,
+            requests_materializing=self._planned.materializing if self._planned is not None else 0,
             device_kv_used_pages=self.pool.used_count, device_kv_capacity_pages=self.pool.capacity,
             device_state_used_slots=self.slots.occupied, device_state_capacity_slots=self.slots.capacity,
-            host_context_used_bytes=self.host.used, host_context_reserved_bytes=0,
+            host_context_used_bytes=self.host.used,
+            host_context_reserved_bytes=self._planned.host_reserved if self._planned is not None else 0,
             host_context_capacity_bytes=self.host.capacity, host_context_peak_bytes=self.host.peak,
             prefix_cache_nodes=self.cache.nodes if self.cache else 0,
             prefix_cache_evictions=self.cache.evictions if self.cache else 0,
+            last_selection=c.last_selection,
             prompt_tokens_total=c.prompt_tokens, prompt_tokens_cached_total=c.prompt_tokens_cached,
             prefill_tokens_total=c.prefill_tokens, replayed_tokens_total=c.replayed_tokens,
             generation_tokens_total=c.generation_tokens, decode_tokens_total=c.decode_tokens,
@@ -535,3 +580,11 @@ class EngineCore:
             request_duration_seconds=c.duration.freeze(), request_queue_seconds=c.queue.freeze(),
             monotonic=time.monotonic(),
         )
+
+
+def _by_resource(transfers: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """{(resource, direction): bytes} as the JSON-ready {resource: {direction: bytes}}."""
+    out: dict[str, dict[str, int]] = {}
+    for (resource, direction), nbytes in transfers.items():
+        out.setdefault(resource, {})[direction] = nbytes
+    return out

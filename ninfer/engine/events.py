@@ -42,7 +42,11 @@ class Timings:
 
 @attrs.frozen(kw_only=True)
 class Transition:
-    """One pause/restore boundary (spec request_scheduling): paused, restored, replay_complete.
+    """One pause/restore boundary (spec request_scheduling), in order within a pause cycle:
+    pause_started (route still None), paused (its snapshot read, or its pages dropped for replay),
+    restore_started, restored (binding installed: snapshot written back or replay prefix bound),
+    replay_complete (the replay rebuilt the saved frontier), recovery_complete (the first fresh
+    committed unit, or a normal finish, after restoring); terminal ends a preempted request.
 
     ``steady_ns`` is taken on the engine worker (compare it across requests, not delivery
     order); ``elapsed_ns`` starts at submission. Between two boundaries, the global counters minus
@@ -51,7 +55,7 @@ class Transition:
 
     kind: str
     preemption_index: int
-    route: str | None  # "snapshot" or "replay"
+    route: str | None  # "snapshot", "replay", or None before pause preparation chose one
     steady_ns: int
     elapsed_ns: int
     global_prefill_tokens: int
@@ -71,7 +75,11 @@ class SchedulingCounters:
     replay_restores: int = 0
     replayed_tokens: int = 0
     paused_seconds: float = 0.0
-    transfer_bytes: int = 0
+    transfer_bytes: int = 0  # every request-owned context copy: the sum of ``context_transfers``
+    # {resource: {direction: bytes}}: main_kv / state x device_to_host / host_to_device /
+    # device_to_device — its snapshot out and back, checkpoint reuse, Host checkpoint restore and
+    # the tail-page copy of its reused prefix (captures and spills are the prefix cache's own).
+    context_transfers: dict = attrs.Factory(dict)
     thinking_budget_applied: int = 0  # times the close suffix was forced (0 or 1)
     forced_tokens: int = 0
     transitions: tuple[Transition, ...] = ()

@@ -60,7 +60,7 @@ class PromptUnit:
 @attrs.define(slots=True)
 class Plan:
     pauses: list[Pause] = attrs.Factory(list)
-    copies: list[tuple[int, int]] = attrs.Factory(list)
+    copies: list[tuple[int, int, Sequence]] = attrs.Factory(list)  # (source page, copy, owner)
     state_copies: list[tuple[int, int]] = attrs.Factory(list)  # (checkpoint slot, lane): reuse
     # (lane, spilled checkpoint image, tokens it summarises): restore from the Host into the lane
     state_writes: list[tuple[int, np.ndarray, int]] = attrs.Factory(list)
@@ -79,6 +79,19 @@ class Plan:
     def empty(self) -> bool:
         return (self.prompt is None and not self.decode and not self.restores and not self.pauses
                 and self.launched is None)
+
+    @property
+    def host_reserved(self) -> int:
+        """Host bytes reserved for this plan's snapshot reads (already in the Host budget's use)."""
+        return sum(p.seq.snapshot_bytes for p in self.pauses if p.route == "snapshot")
+
+    @property
+    def materializing(self) -> int:
+        """Sequences whose context this plan copies into the device: a snapshot restore, a
+        checkpoint StateImage (from a slot or the Host) or the tail-page copy of a reused prefix."""
+        lanes = {lane for _, lane in self.state_copies} | {lane for lane, _, _ in self.state_writes}
+        return len({r.seq.rid for r in self.restores} | {seq.rid for _, _, seq in self.copies}
+                   | {s.rid for s in self.admitted if s.lane in lanes})
 
 
 class Scheduler:
@@ -267,6 +280,9 @@ class Scheduler:
     # -- pause and restore ----------------------------------------------------------------
 
     def _pause(self, seq: Sequence, plan: Plan) -> None:
+        seq.preemptions += 1
+        seq.recovering = True
+        self.on_transition(seq, "pause_started", None)
         # A snapshot keeps the pages and, for a recurrent model, the lane's StateImage (which
         # summarises exactly ``computed`` tokens).
         nbytes = len(seq.pages) * self.page_bytes + self.state_bytes
@@ -279,6 +295,9 @@ class Scheduler:
             plan.pauses.append(Pause(seq, route, list(seq.pages), seq.lane if self.recurrent else None))
         else:
             plan.pauses.append(Pause(seq, route, []))
+            # The frontier a replay must rebuild before fresh work: committed tokens, or the prompt
+            # positions computed so far.
+            seq.rebuild_to = seq.frontier if seq.n_output else seq.prompt_high
             seq.computed = 0
             seq.in_control = False  # everything past the prompt is now replay work
         seq.route = route
@@ -286,9 +305,7 @@ class Scheduler:
         self.pool.decref(seq.pages)
         seq.pages = []
         seq.phase = Phase.PAUSED
-        seq.preemptions += 1
         seq.paused_at = self.clock()
-        self.on_transition(seq, "paused", route)
         self._insert_paused(seq)
 
     def _host_room(self, nbytes: int) -> bool:
@@ -386,7 +403,7 @@ class Scheduler:
         if match.length % self.ps:
             # The match ends inside a retained page: write past it in a private copy.
             cow = self.pool.alloc(1)[0]
-            plan.copies.append((match.pages[shared], cow))
+            plan.copies.append((match.pages[shared], cow, seq))
             seq.pages.append(cow)
         seq.computed = match.length
         self._ensure_pages(seq, end)
@@ -420,7 +437,6 @@ class Scheduler:
         pages, state = seq.snapshot if self.recurrent else (seq.snapshot, None)
         plan.restores.append(Restore(seq, list(seq.pages), pages, state))
         self._ensure_pages(seq, end)
-        seq.transfer_bytes += seq.snapshot_bytes
         self._drop_snapshot(seq)
         self.paused.remove(seq)
         seq.snapshot_restores += 1
@@ -436,9 +452,8 @@ class Scheduler:
         seq.lane = lane
         self.slots.acquire()
         if seq.preemptions:
-            self.on_transition(seq, "restored", seq.route)
+            self.on_transition(seq, "restore_started", seq.route)  # the runner ends it: "restored"
         seq.phase = Phase.RESIDENT
-        seq.route = None
         # The last committed token is the next decode input, which the runner counts itself.
         plan.binds.append((lane, seq.output[:-1]))
         plan.admitted.append(seq)

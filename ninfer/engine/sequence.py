@@ -14,6 +14,7 @@ from typing import Any
 
 from ninfer.backends.runner import SamplingRow
 from ninfer.engine.request import GenerationRequest
+from ninfer.engine.stats import TRANSFERS
 
 
 class Phase(enum.Enum):
@@ -65,8 +66,10 @@ class Sequence:
         self.snapshot: Any = None  # host copy of pages (and StateImage) when paused by snapshot
         self.snapshot_bytes = 0  # Host bytes it holds
         self.snapshot_pages = 0
-        self.route: str | None = None
+        self.route: str | None = None  # "snapshot" or "replay": the latest pause cycle's
         self.paused_at = 0.0
+        self.recovering = False  # paused since the last fresh committed unit (recovery_complete due)
+        self.rebuild_to: int | None = None  # a replay restore rebuilds up to here (replay_complete due)
         # Captures still due: prompt boundaries (sorted) retained once computed reaches them.
         self.pending_captures: list[int] = []
         # Control from the request's task.
@@ -88,7 +91,7 @@ class Sequence:
         self.replay_restores = 0
         self.replayed_tokens = 0
         self.paused_seconds = 0.0
-        self.transfer_bytes = 0
+        self.transfers = dict.fromkeys(TRANSFERS, 0)  # request-owned context copies, bytes
         self.host_seconds = 0.0
         self.device_seconds = 0.0
         self.decode_rounds = 0

@@ -3,7 +3,8 @@
 Context-cost presets (``--context-cost-presets``) key their prefill entries by it, since prefill
 cost per token depends on the model's shapes, not on its weights. The signature is derived from
 what every runner already exposes: its parsed model config (``runner.config``, an attrs class
-or a dict) and the dtype of one KV page as ``read_pages`` returns it. Only the architecture
+or a dict) and the dtype of one KV page as ``read_pages`` returns it (uint16 pages are bf16 bit
+patterns, named ``bfloat16``). Only the architecture
 name and the integer and categorical shape fields count; floats (norm eps, RoPE theta), flags
 and ``max_position_embeddings`` do not change the cost of a token and are left out, so the same
 model converted twice, or with another context setting, keeps its signature.
@@ -20,6 +21,7 @@ import json
 from typing import Any
 
 import attrs
+import numpy as np
 
 # Integer fields that do not change the per-token cost of a model.
 _IGNORED = frozenset({"max_position_embeddings"})
@@ -35,7 +37,8 @@ def model_signature(runner: Any) -> str | None:
         config = attrs.asdict(config, recurse=True)
     if not isinstance(config, dict) or not isinstance(config.get("architecture"), str):
         return None
-    kv_dtype = str(runner.read_pages([0]).dtype)
+    dtype = runner.read_pages([0]).dtype
+    kv_dtype = "bfloat16" if dtype == np.uint16 else str(dtype)
     return signature_of(config, kv_dtype)
 
 

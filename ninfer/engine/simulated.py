@@ -21,11 +21,15 @@ from ninfer.backends.sampling import uniform
 
 class SimulatedRunner:
     def __init__(self, *, page_size: int = 16, num_pages: int = 64, max_batch: int = 8,
-                 max_context: int = 1024, vocab_size: int = 64, verify: bool = True) -> None:
+                 max_context: int = 1024, vocab_size: int = 64, verify: bool = True,
+                 page_bytes: int | None = None) -> None:
         self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                                vocab_size=vocab_size, max_context=max_context, backend="simulated")
         self.verify = verify
         self.kv = np.full((num_pages, page_size), -1, dtype=np.int64)
+        # The KV page size it reports; a real model's pages are bigger than these token ids, so a
+        # test can tell the reported size (which the Engine must count) from the Host array's.
+        self.page_bytes = self.kv[0].nbytes if page_bytes is None else page_bytes
         self.counts: list[collections.Counter] = [collections.Counter() for _ in range(max_batch)]
         self.calls = collections.Counter()
         self.closed = False

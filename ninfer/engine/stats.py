@@ -8,10 +8,13 @@ touching the worker (spec: Live metrics, throughput record).
 from __future__ import annotations
 
 import bisect
-from typing import Mapping
+from typing import Any, Mapping
 
 import attrs
 
+# Context copies by (resource, direction): Main KV pages and StateImages.
+TRANSFERS = tuple((resource, direction) for resource in ("main_kv", "state")
+                  for direction in ("device_to_host", "host_to_device", "device_to_device"))
 STATE_OPERATIONS = ("capture", "reuse", "snapshot", "restore", "spill", "restore_from_host")
 HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
 # Prometheus-style upper bounds in seconds (the +Inf bucket is implied by ``count``).
@@ -70,9 +73,8 @@ class Counters:
         self.prefix_captures = 0
         self.cow_copies = 0
         self.thinking_budget_applied = 0
-        self.transfer_bytes = {("main_kv", "device_to_host"): 0, ("main_kv", "host_to_device"): 0,
-                               ("main_kv", "device_to_device"): 0, ("state", "device_to_host"): 0,
-                               ("state", "host_to_device"): 0, ("state", "device_to_device"): 0}
+        self.last_selection: dict | None = None  # the latest initial binding's prefix selection
+        self.transfer_bytes = dict.fromkeys(TRANSFERS, 0)
         # StateImage operations of a recurrent model: checkpoint captures (lane -> slot), reuses
         # (slot -> lane), pause snapshots (lane -> Host), snapshot restores (Host -> lane),
         # spills of evicted checkpoints (slot -> Host) and their reuse (Host -> lane).
@@ -104,17 +106,21 @@ class StatsSnapshot:
     requests_prefilling: int
     requests_decode_ready: int
     requests_replaying: int
-    requests_materializing: int  # snapshot restores run synchronously on the worker: always 0
+    # The next two count the copies of a step planned but not run yet: copies are synchronous, so
+    # only a publication between planning and the runner calls (the worker's event delivery) sees
+    # them. Requests whose snapshot, checkpoint StateImage or tail page the plan copies in:
+    requests_materializing: int
     device_kv_used_pages: int
     device_kv_capacity_pages: int
     device_state_used_slots: int
     device_state_capacity_slots: int
     host_context_used_bytes: int
-    host_context_reserved_bytes: int
+    host_context_reserved_bytes: int  # of used: snapshot destinations whose device-to-host copy has not run
     host_context_capacity_bytes: int
     host_context_peak_bytes: int
     prefix_cache_nodes: int
     prefix_cache_evictions: int
+    last_selection: Mapping[str, Any] | None  # path, prompt_tokens, reused_tokens, state source
     # Counters.
     prompt_tokens_total: int
     prompt_tokens_cached_total: int
@@ -183,12 +189,14 @@ def throughput(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
         "waiting": cur.requests_waiting,
         "paused": cur.requests_paused,
         "replaying": cur.requests_replaying,
+        "materializing": cur.requests_materializing,
     }
 
 
 def context_cache(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
     """The throughput record's context-cache figures: interval deltas of selections (prefix hits),
-    captures, StateImage operations, transfers and tail-page copies; occupancy at the end."""
+    captures, StateImage operations, transfers and tail-page copies; occupancy and the last
+    selection at the end."""
     return {
         "selections": cur.prefix_hits_total - prev.prefix_hits_total,
         "captures": cur.prefix_captures_total - prev.prefix_captures_total,
@@ -198,5 +206,7 @@ def context_cache(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
                            for (resource, direction), v in cur.context_transfer_bytes_total.items()},
         "tail_page_cow": cur.cow_copies_total - prev.cow_copies_total,
         "occupancy": {"kv_pages": cur.device_kv_used_pages, "state_slots": cur.device_state_used_slots,
-                      "host_bytes": cur.host_context_used_bytes, "nodes": cur.prefix_cache_nodes},
+                      "host_bytes": cur.host_context_used_bytes,
+                      "host_reserved_bytes": cur.host_context_reserved_bytes, "nodes": cur.prefix_cache_nodes},
+        "last_selection": None if cur.last_selection is None else dict(cur.last_selection),
     }

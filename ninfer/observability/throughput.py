@@ -16,8 +16,11 @@ log = logging.getLogger("ninfer.stats")
 
 
 def _busy(t: dict) -> bool:
+    """Token work, queued or resident requests, or context materialization or retention activity."""
+    cache = t["context_cache"]
     return bool(t["prefill_tokens"] or t["generation_tokens"] or t["replayed_tokens"] or t["running"]
-                or t["waiting"] or t["paused"] or t["preemptions"])
+                or t["waiting"] or t["paused"] or t["preemptions"] or t["materializing"] or cache["captures"]
+                or any(cache["transfer_bytes"].values()))
 
 
 def pretty(t: dict) -> str:
@@ -27,7 +30,7 @@ def pretty(t: dict) -> str:
     if t["decode_tokens"]:
         parts.append(f"decode {t['decode_tokens_per_second']:.1f} tok/s ({t['decode_tokens']})")
     parts.append(f"running {t['running']} (prefill {t['prefilling']}, decode-ready {t['decode_ready']})")
-    for key in ("waiting", "paused", "replaying"):
+    for key in ("waiting", "paused", "replaying", "materializing"):
         if t[key]:
             parts.append(f"{key} {t[key]}")
     if t["average_batch"] is not None:
@@ -38,7 +41,8 @@ def pretty(t: dict) -> str:
 
 def record(t: dict) -> dict:
     """The JSONL throughput fields (docs/request-log.md)."""
-    scheduler = {k: t[k] for k in ("running", "prefilling", "decode_ready", "waiting", "paused", "replaying")}
+    scheduler = {k: t[k] for k in ("running", "prefilling", "decode_ready", "waiting", "paused", "replaying",
+                                   "materializing")}
     keep = ("interval_seconds", "prefill_tokens", "decode_tokens", "generation_tokens", "replayed_tokens",
             "decode_rounds", "average_batch", "preemptions", "snapshot_restores", "replay_restores")
     out = {k: t[k] for k in keep}

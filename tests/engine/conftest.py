@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -60,3 +61,34 @@ def end(seq: Sequence) -> Finished:
 @pytest.fixture
 def driver_factory():
     return CoreDriver
+
+
+# One pause cycle's boundaries (spec request_scheduling); a cycle may end early, paused again or
+# cancelled. replay_complete may also close a rebuild an earlier replay cycle left unfinished.
+CYCLE = re.compile(r"pause_started paused( restore_started restored( replay_complete)?( recovery_complete)?)?")
+
+
+def pause_cycles(f: Finished) -> list[list]:
+    """``f``'s transitions, one list per pause cycle, after checking their order and routes: a
+    preempted request ends with terminal, and a normal finish follows a finished recovery."""
+    ts, n = list(f.scheduling.transitions), f.scheduling.preemptions
+    if not n:
+        assert not ts
+        return []
+    assert ts[-1].kind == "terminal" and ts[-1].preemption_index == n
+    assert [t.steady_ns for t in ts] == sorted(t.steady_ns for t in ts)
+    cycles = [[t for t in ts[:-1] if t.preemption_index == k] for k in range(1, n + 1)]
+    assert [t for c in cycles for t in c] == ts[:-1]
+    for cycle in cycles:
+        kinds = [t.kind for t in cycle]
+        assert CYCLE.fullmatch(" ".join(kinds)), kinds
+        route = cycle[1].route
+        assert cycle[0].route is None and route in ("snapshot", "replay")
+        assert all(t.route == ("replay" if t.kind == "replay_complete" else route) for t in cycle[1:])
+        if kinds[-1] == "recovery_complete":  # at the first fresh unit: at most one decode round on
+            assert cycle[-1].request_decode_tokens - cycle[3].request_decode_tokens <= 1
+    last = [t.kind for t in cycles[-1]]
+    if f.reason != "cancelled":
+        assert last[-1] == "recovery_complete" and ("replay_complete" in last or cycles[-1][1].route == "snapshot")
+    assert ts[-1].route == cycles[-1][1].route
+    return cycles

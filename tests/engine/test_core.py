@@ -11,8 +11,9 @@ import pytest
 from ninfer.engine import EngineConfig, SamplingOverrides, ThinkingControl
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.sequence import Phase
+from ninfer.engine.stats import throughput
 
-from .conftest import CoreDriver
+from .conftest import CoreDriver, pause_cycles
 
 
 def cfg(**kw):
@@ -80,13 +81,69 @@ def test_pressure_pauses_the_youngest_and_restores_exactly(host_mib, route):
     else:
         assert sum(x.replay_restores for x in sched) > 0 and sum(x.replayed_tokens for x in sched) > 0
         assert d.core.counters.replayed_tokens == sum(x.replayed_tokens for x in sched)
-    transitions = [t for s in seqs for t in finished(s).scheduling.transitions]
-    kinds = [t.kind for t in transitions]
-    assert "paused" in kinds and "restored" in kinds
-    assert ("replay_complete" in kinds) == (route == "replay")
-    assert [t.steady_ns for t in finished(seqs[-1]).scheduling.transitions] == sorted(
-        t.steady_ns for t in finished(seqs[-1]).scheduling.transitions)
+    cycles = [c for s in seqs for c in pause_cycles(finished(s))]
+    assert cycles and all(c[1].route == route for c in cycles)
+    kinds = {t.kind for s in seqs for t in finished(s).scheduling.transitions}
+    expected = {"pause_started", "paused", "restore_started", "restored", "recovery_complete", "terminal"}
+    assert kinds == expected | ({"replay_complete"} if route == "replay" else set())
     assert_no_leaks(d)
+
+
+def test_transfers_and_the_host_budget_count_the_runners_page_size():
+    # The simulated runner's Host pages hold 16 token ids (128 bytes), but it reports 1 MiB pages as
+    # a model's KV pool would: counters, request tallies and the Host budget use the reported size.
+    mib = 1 << 20
+
+    def run(host_mib):
+        d = CoreDriver(cfg(max_concurrency=3, kv_capacity=192, max_context=192, host_context_mib=host_mib,
+                           prefix_reuse=False), page_bytes=mib)
+        seqs = [d.submit(prompt(i, 60), 40) for i in range(3)]
+        seen = []  # stats published between a step's planning and its runner calls, as the worker does
+        while d.core.has_work():
+            d.core.step(before_run=lambda: seen.append(d.core.snapshot(True)))
+            d.now += 0.001
+        for i, s in enumerate(seqs):
+            assert tokens(s) == alone(prompt(i, 60), 40)
+        return d, seqs, seen
+
+    d, seqs, seen = run(64)
+    moved = [finished(s).scheduling.context_transfers["main_kv"] for s in seqs]
+    out = sum(m["device_to_host"] for m in moved)
+    assert out > 0 and out % mib == 0 and out == sum(m["host_to_device"] for m in moved)
+    assert d.core.counters.transfer_bytes[("main_kv", "device_to_host")] == out
+    # A pause reserves its snapshot's Host bytes before the read runs; a restore is materializing.
+    reserved = [x.host_context_reserved_bytes for x in seen if x.host_context_reserved_bytes]
+    assert reserved and all(r % mib == 0 for r in reserved)
+    assert all(x.host_context_reserved_bytes <= x.host_context_used_bytes for x in seen)
+    assert max(x.requests_materializing for x in seen) >= 1
+    last = d.core.snapshot(True)
+    assert last.host_context_reserved_bytes == 0 and last.requests_materializing == 0
+    # Every snapshot holds at least two pages: 1 MiB of Host backing (enough for 128-byte pages)
+    # holds none, so every pause replays.
+    d, seqs, _ = run(1)
+    assert d.core.counters.preemptions and not d.core.counters.snapshot_restores
+    assert d.core.counters.transfer_bytes[("main_kv", "device_to_host")] == 0 == d.core.host.peak
+
+
+def test_a_tail_page_copy_is_the_requests_transfer_and_the_last_selection():
+    d = CoreDriver(cfg(max_concurrency=1), page_bytes=1000)
+    d.submit(prompt(1, 50), 10)
+    d.run()
+    start = d.core.snapshot(True)
+    assert start.last_selection == {"path": "root", "prompt_tokens": 50, "reused_tokens": 0, "state": None}
+    s = d.submit(prompt(1, 50)[:37] + [9, 9, 9, 9], 10)
+    seen = []
+    d.core.step(before_run=lambda: seen.append(d.core.snapshot(True)))
+    assert seen[0].requests_materializing == 1  # its tail-page copy is planned, not yet run
+    d.run()
+    f = finished(s)
+    assert f.usage.cached_tokens == 37 and f.scheduling.transfer_bytes == 1000
+    assert f.scheduling.context_transfers == {
+        "main_kv": {"device_to_host": 0, "host_to_device": 0, "device_to_device": 1000},
+        "state": {"device_to_host": 0, "host_to_device": 0, "device_to_device": 0}}
+    cache = throughput(start, d.core.snapshot(True))["context_cache"]
+    assert cache["tail_page_cow"] == 1 and cache["transfer_bytes"]["main_kv.device_to_device"] == 1000
+    assert cache["last_selection"] == {"path": "checkpoint", "prompt_tokens": 41, "reused_tokens": 37, "state": None}
 
 
 def test_replay_does_not_republish_tokens():
@@ -260,6 +317,9 @@ def test_cancellation_at_every_stage_frees_everything(stage):
     d.run()
     f = finished(target)
     assert f.reason == "cancelled"
+    pause_cycles(f)
+    if stage == "paused":  # cancellation ends the cycle without a restore or recovery
+        assert [t.kind for t in f.scheduling.transitions][-3:] == ["pause_started", "paused", "terminal"]
     for s in (a, b, c):
         assert sum(isinstance(e, Finished) for e in s.outbox) == 1
     assert_no_leaks(d)

@@ -16,7 +16,7 @@ from ninfer.engine.events import TokenDelta
 from ninfer.engine.stats import throughput
 from ninfer.models.hybrid import HybridConfig
 
-from .conftest import CoreDriver, end, out
+from .conftest import CoreDriver, end, out, pause_cycles
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hybrid" / "qwen3_next"
 
@@ -84,27 +84,32 @@ def test_batch_matches_alone_and_lanes_hold_state_slots(artifact, alone):
     no_leaks(d)
 
 
+@pytest.mark.parametrize("reuse", [False, True])
 @pytest.mark.parametrize("host_mib, route", [(16, "snapshot"), (0, "replay")])
-def test_pause_and_restore_match_alone(artifact, alone, host_mib, route):
-    # 6 pages of 16 tokens: two requests growing to 70 tokens cannot both stay resident.
+def test_pause_and_restore_match_alone(artifact, alone, host_mib, route, reuse):
+    # 6 pages of 16 tokens: two requests growing to 70 tokens cannot both stay resident. With
+    # reuse, each prompt keeps checkpoints at its chunk ends (16, 32: whole pages, which a bind
+    # attempt holds while it makes room), where a replay resumes.
     d = driver(artifact, max_concurrency=2, kv_capacity=96, max_context=96, host_context_mib=host_mib,
-               prefix_reuse=False)
+               prefix_reuse=reuse, **(dict(device_state_slots=4, prefill_chunk=16) if reuse else {}))
     seqs = [d.submit(prompt(i, 40), 30) for i in range(2)]
     d.run()
     for i, s in enumerate(seqs):
         assert out(s) == alone(prompt(i, 40), 30)
     young = end(seqs[1]).scheduling
     assert young.preemptions >= 1
+    assert {c[1].route for c in pause_cycles(end(seqs[1]))} == {route}
     snap = d.core.snapshot(True)
+    ops, moved = snap.state_image_operations_total, young.context_transfers["state"]
+    state_bytes = d.runner.state_floats * 4
     if route == "snapshot":
-        assert young.snapshot_restores >= 1
-        assert snap.state_image_operations_total["snapshot"] >= 1
-        assert snap.state_image_operations_total["restore"] >= 1
-        state_bytes = d.runner.state_floats * 4
+        assert young.snapshot_restores >= 1 and ops["snapshot"] >= 1 and ops["restore"] >= 1
+        assert moved["device_to_host"] == moved["host_to_device"] == young.snapshot_restores * state_bytes
         assert snap.context_transfer_bytes_total[("state", "device_to_host")] >= state_bytes
-        assert snap.context_transfer_bytes_total[("state", "host_to_device")] >= state_bytes
     else:
-        assert young.replay_restores >= 1 and snap.state_image_operations_total["snapshot"] == 0
+        assert young.replay_restores >= 1 and ops["snapshot"] == 0
+        # A replay lands on its own chunk checkpoint instead of the root.
+        assert (ops["reuse"] >= 1) == reuse and moved["device_to_device"] == ops["reuse"] * state_bytes
     no_leaks(d)
 
 
@@ -193,6 +198,7 @@ def test_a_multi_turn_chat_reuses_its_spilled_previous_turn(artifact, alone):
     assert snap.context_transfer_bytes_total[("state", "host_to_device")] == 4 * image
     assert snap.context_transfer_bytes_total[("state", "device_to_host")] == ops["spill"] * image
     assert snap.host_context_used_bytes == d.core.cache.spilled * image > 0
+    assert snap.last_selection["path"] == "checkpoint" and snap.last_selection["state"] == "host"
     no_leaks(d)
 
 
@@ -219,6 +225,8 @@ async def test_engine_opens_a_hybrid_artifact_with_checkpoint_slots(artifact, al
     assert stats.state_image_operations_total["reuse"] == 1
     cache = throughput(start, stats)["context_cache"]
     assert cache["state_image_operations"]["reuse"] == 1 and cache["selections"] == 1
+    assert cache["last_selection"] == {"path": "checkpoint", "prompt_tokens": len(turn2),
+                                       "reused_tokens": len(turn1) + len(answer) - 1, "state": "device"}
     assert cache["state_image_operations"]["capture"] >= 2  # both endpoints
     image = 4 * HybridConfig.from_json(open_artifact(artifact).config).state_floats
     ops = cache["state_image_operations"]
@@ -297,7 +305,13 @@ def test_a_pause_snapshot_takes_the_host_room_of_spilled_checkpoints():
     roomy, seqs = run()
     young = end(seqs[1]).scheduling
     assert young.snapshot_restores == young.preemptions == 1
-    tight, tight_seqs = run(tight=young.transfer_bytes // 2)  # counted out and back in
+    moved, image = young.context_transfers, roomy.core.state_bytes
+    snapshot = moved["main_kv"]["device_to_host"] + moved["state"]["device_to_host"]
+    # Its own copies: the snapshot out and back, and the spilled checkpoint it continued (whole pages).
+    assert moved["state"] == {"device_to_host": image, "host_to_device": 2 * image, "device_to_device": 0}
+    assert moved["main_kv"]["host_to_device"] == moved["main_kv"]["device_to_host"] > 0
+    assert young.transfer_bytes == 2 * snapshot + image
+    tight, tight_seqs = run(tight=snapshot)
     # Without dropping a spilled image the snapshot would not fit and the pause would replay.
     assert end(tight_seqs[1]).scheduling.snapshot_restores == 1
     assert tight.core.host.peak == tight.core.host.capacity

@@ -11,8 +11,9 @@ from ninfer.engine.events import Finished
 from ninfer.engine.scheduler import MAX_BYPASS
 from ninfer.engine.sequence import Phase
 from ninfer.engine.simulated import SimulatedHybridRunner
+from ninfer.engine.stats import TRANSFERS
 
-from .conftest import CoreDriver
+from .conftest import CoreDriver, pause_cycles
 from .conftest import out as outputs
 
 request_st = st.tuples(
@@ -118,15 +119,28 @@ def test_random_workloads_end_once_without_leaks(requests, lanes, context, extra
         step += 1
         d.now += 0.001
     assert len(seqs) == len(requests)
+    owned = dict.fromkeys(TRANSFERS, 0)
     for i, s in seqs.items():
         ends = [e for e in s.outbox if isinstance(e, Finished)]
         assert len(ends) == 1 and s.phase is Phase.DONE
         f = ends[0]
         assert list(f.generated_token_ids) == outputs(s)
+        pause_cycles(f)
+        for resource, moved in f.scheduling.context_transfers.items():
+            for direction, nbytes in moved.items():
+                owned[(resource, direction)] += nbytes
         if f.reason != "cancelled":
             # Whatever happened around it, greedy output equals the request run alone.
             expected = alone(tuple(s.request.prompt), s.request.max_tokens, budgets[i], context, recurrent)
             assert outputs(s) == expected
+    # Requests own every Main KV copy and every StateImage written into a lane; captures into
+    # checkpoint slots and spills to the Host are the prefix cache's.
+    total, ops = core.counters.transfer_bytes, core.counters.state_ops
+    assert all(owned[("main_kv", d)] == total[("main_kv", d)] for d in ("device_to_host", "host_to_device",
+                                                                         "device_to_device"))
+    assert owned[("state", "host_to_device")] == total[("state", "host_to_device")]
+    assert owned[("state", "device_to_device")] == ops["reuse"] * core.state_bytes
+    assert owned[("state", "device_to_host")] == ops["snapshot"] * core.state_bytes
     event(f"preemptions>0: {core.counters.preemptions > 0}")
     event(f"snapshot restores>0: {core.counters.snapshot_restores > 0}")
     event(f"prefix hits>0: {core.counters.prefix_hits > 0}")

@@ -22,7 +22,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.backends.cuda import hybrid_weights as hw
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.hybrid_forward import HybridBuffers, HybridForward, check_supported
@@ -137,17 +136,17 @@ class CudaHybridRunner(CudaRunner):
 
     @_on_device
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
-        """``[2, attention_layers, len(pages), page_size, kv_heads, head_dim]`` float32."""
+        """``[2, attention_layers, len(pages), page_size, kv_heads, head_dim]`` in the pool's storage
+        type, as ``CudaRunner.read_pages``."""
         idx = self._pages(pages)
         raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
         for i, page in enumerate(idx):
             rt.copy_d2h(self._page_staging, self._page(int(page)), self.stream)
             rt.synchronize(self.stream)
             raw[i] = self._page_staging.view(self._pool_dtype())
-        values = to_float32(raw) if self.kv_dtype == "bf16" else raw
         c = self.config
-        values = values.reshape(len(idx), self.buffers.kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
-        return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
+        raw = raw.reshape(len(idx), self.buffers.kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
+        return np.ascontiguousarray(raw.transpose(2, 1, 0, 4, 3, 5))
 
     @_on_device
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
@@ -156,9 +155,7 @@ class CudaHybridRunner(CudaRunner):
         expected = (2, self.buffers.kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
         if data.shape != expected:
             raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
-        pool = np.ascontiguousarray(np.asarray(data, np.float32).transpose(2, 1, 0, 4, 3, 5))
-        pool = from_float32(pool) if self.kv_dtype == "bf16" else pool
-        pool = pool.reshape(len(idx), -1)
+        pool = np.ascontiguousarray(self._as_pool(data).transpose(2, 1, 0, 4, 3, 5)).reshape(len(idx), -1)
         for i, page in enumerate(idx):
             self._page_staging.view(self._pool_dtype())[:] = pool[i]
             rt.copy_h2d(self._page(int(page)), self._page_staging, self.stream)

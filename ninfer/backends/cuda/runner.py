@@ -29,29 +29,31 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ninfer.artifact.bf16 import from_float32, to_float32
+from ninfer.artifact.bf16 import from_float32
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS, PREFILL_SPLIT, Forward,
                                           StepBuffers, check_supported)
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
-from ninfer.backends.sampling import TOP_K_CAP
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
 
 _MASK64 = (1 << 64) - 1
 log = logging.getLogger("ninfer.cuda")
 AUTO = "auto"  # num_pages: size the KV pool from the free device memory (``auto_kv_pages``)
 KV_HEADROOM_BYTES = 1 << 30  # what --kv-capacity auto leaves free (the spec's sizing headroom)
-# Device memory a decode graph takes once instantiated: 4 MiB for eight of the Qwen3-8B shape on the
-# H200 (0.5 MiB each), taken 8x for safety. The startup record shows the real figure (graph_bytes,
+# Device memory a decode graph takes once instantiated, taken 2x for safety: the Qwen3-8B shape on the
+# H200 measured 4 MiB for 8 graphs and 128 MB for 240 (a graph per batch size, side and attention
+# depth: about 0.53 MiB each). The startup record shows the real figure (graph_bytes,
 # free_bytes_after_startup).
-GRAPH_BYTES_ESTIMATE = 4 << 20
+GRAPH_BYTES_ESTIMATE = 1 << 20
 
 
 def auto_kv_pages(device: rt.Device, probe: StepBuffers, graphs: int) -> tuple[int, dict[str, int]]:
-    """KV pages for ``--kv-capacity auto``: the free memory once weights, kernels and the workspace
-    without its KV pool are placed, less the graphs still to be captured and the 1 GiB headroom.
+    """KV pages for ``--kv-capacity auto``: the free memory once the weights and the workspace without
+    its KV pool are placed, less the graphs still to be captured and the 1 GiB headroom. The kernel
+    modules load afterwards, out of the headroom (a few MiB: 1.03 GiB stayed free in docs/benchmarks.md's
+    serving run).
 
     ``probe`` is a workspace with a one-page pool: its size gives the fixed part; it is freed here."""
     page_bytes = probe.page_elems * probe.kv_itemsize
@@ -359,29 +361,29 @@ class CudaRunner:
 
     @_on_device
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
-        """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]`` float32, the reference layout."""
+        """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]``, the reference layout, in the
+        pool's storage type (bf16 bit patterns as uint16, or float32): a pause snapshot holds
+        ``page_bytes`` a page on the Host, not a widened copy, and ``write_pages`` restores it bit-exact."""
         idx = self._pages(pages)
         raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
         for i, page in enumerate(idx):
             rt.copy_d2h(self._page_staging, self._page(int(page)), self.stream)
             rt.synchronize(self.stream)
             raw[i] = self._page_staging.view(self._pool_dtype())
-        values = to_float32(raw) if self.kv_dtype == "bf16" else raw
         # Pool order [page][layer][K|V][kv_head][slot][dim] -> [K|V][layer][page][slot][kv_head][dim].
         c = self.config
-        values = values.reshape(len(idx), c.num_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
-        return np.ascontiguousarray(values.transpose(2, 1, 0, 4, 3, 5))
+        raw = raw.reshape(len(idx), c.num_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
+        return np.ascontiguousarray(raw.transpose(2, 1, 0, 4, 3, 5))
 
     @_on_device
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
+        """``read_pages``' array back as is; float values (the reference's KV) are narrowed to bf16."""
         idx = self._pages(pages)
         c = self.config
         expected = (2, c.num_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
         if data.shape != expected:
             raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
-        pool = np.ascontiguousarray(np.asarray(data, np.float32).transpose(2, 1, 0, 4, 3, 5))
-        pool = from_float32(pool) if self.kv_dtype == "bf16" else pool
-        pool = pool.reshape(len(idx), -1)
+        pool = np.ascontiguousarray(self._as_pool(data).transpose(2, 1, 0, 4, 3, 5)).reshape(len(idx), -1)
         for i, page in enumerate(idx):
             self._page_staging.view(self._pool_dtype())[:] = pool[i]
             rt.copy_h2d(self._page(int(page)), self._page_staging, self.stream)
@@ -406,6 +408,18 @@ class CudaRunner:
     def _pool_dtype(self):
         return np.uint16 if self.kv_dtype == "bf16" else np.float32
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page in the pool (every layer, K and V, at ``kv_dtype``)."""
+        return self.buffers.page_elems * self.buffers.kv_itemsize
+
+    def _as_pool(self, data: np.ndarray) -> np.ndarray:
+        """KV values in the pool's storage type: its own bit patterns pass unchanged."""
+        data = np.asarray(data)
+        if data.dtype == self._pool_dtype():
+            return data
+        return from_float32(data) if self.kv_dtype == "bf16" else data.astype(np.float32)
+
     def _page(self, page: int) -> rt.DevicePtr:
         size = self.buffers.page_elems * self.buffers.kv_itemsize
         return self.buffers.kv.at(page * size, size)
@@ -420,13 +434,13 @@ class CudaRunner:
         inp.fparams[:5 * n] = [v for s in rows for v in (s.temperature, s.top_p, s.min_p, s.presence_penalty,
                                                          s.frequency_penalty)]
         inp.iparams[:2 * n] = [v for s, lane in zip(rows, lanes.tolist())
-                               for v in (s.top_k if 1 <= s.top_k <= TOP_K_CAP else 0, lane)]
+                               for v in (s.top_k, lane)]  # checked: 0..20, 0 = the cap
         inp.keys[:2 * n] = [v for s in rows for v in (s.seed & _MASK64, s.step & _MASK64)]
 
     def _fill_sampling(self, row: int, lane: int, s: SamplingRow) -> None:
         inp = self.buffers.inputs
         inp.fparams[5 * row:5 * row + 5] = (s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty)
-        inp.iparams[2 * row:2 * row + 2] = (s.top_k if 1 <= s.top_k <= TOP_K_CAP else 0, lane)
+        inp.iparams[2 * row:2 * row + 2] = (s.top_k, lane)
         inp.keys[2 * row:2 * row + 2] = (s.seed & _MASK64, s.step & _MASK64)
 
     def _check_lane(self, lane: int, field: str) -> None:

@@ -67,6 +67,11 @@ class PagedKVCache:
         self.k[:, dst_i] = self.k[:, src_i]
         self.v[:, dst_i] = self.v[:, src_i]
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of every layer."""
+        return 2 * self.k[:, 0].nbytes
+
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
         """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]`` float32: K then V."""
         idx = self._pages(pages, "read_pages")

@@ -206,6 +206,11 @@ class ReferenceRunner:
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self._cache.copy_pages(src, dst)
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page (float32 K and V of every KV layer): what ``read_pages`` returns a page."""
+        return self._cache.page_bytes
+
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
         """``[2, kv_layers, len(pages), page_size, kv_heads, head_dim]`` float32: K then V."""
         return self._cache.read_pages(pages)
