@@ -19,7 +19,6 @@ whatever the pool holds (zeros at start): our kernels' time does not depend on t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -31,149 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.random_weights import random_device_weights  # noqa: E402
-from ninfer.backends.cuda.weights import device_layout  # noqa: E402
-from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
+from ninfer.backends.runner import DecodeBatch, SamplingRow  # noqa: E402
+# The measurements `ninfer bench backend` shares (torch-free); the other tools import them from here too.
+from ninfer.commands.runner_timing import (ENGINE_STEPS, PAGE, bench_decode, bench_engine,  # noqa: E402,F401
+                                           bench_prefill, bench_ttft, copy_bandwidth, replay_ms,
+                                           weight_bytes_per_step)
 from ninfer.convert.random_model import LARGE_PRESETS  # noqa: E402
 from ninfer.models.dense import DenseConfig  # noqa: E402
 
 QWEN3_8B = LARGE_PRESETS["qwen3-8b"]
-PAGE = 16
-
-
-def replay_ms(graph: rt.Graph, device: rt.Device, stream, reps: int, warmup: int = 1) -> float:
-    """Milliseconds a replay of ``graph``, replayed ``reps`` times back to back (after ``warmup``
-    replays), timed by events on ``stream``."""
-    start, stop = device.event(timing=True), device.event(timing=True)
-    for _ in range(warmup):
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-    for _ in range(reps):
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-    rt.synchronize(stream)
-    return rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / reps
-
-
-def copy_bandwidth(device: rt.Device, stream, nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """bytes read + written per second of a device-to-device copy (median of ``reps``)."""
-    a, b = device.alloc(nbytes, "bw_a"), device.alloc(nbytes, "bw_b")
-    rt.memset32(a, 0x3F800000, nbytes // 4, stream)
-    start, stop = device.event(timing=True), device.event(timing=True)
-    times = []
-    for i in range(reps + 2):
-        rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-        rt.copy_d2d(b, a, nbytes, stream)
-        rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-        rt.synchronize(stream)
-        ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime")
-        if i >= 2:
-            times.append(ms / 1e3)
-    device.free(a)
-    device.free(b)
-    return 2 * nbytes / float(np.median(times))
-
-
-def weight_bytes_per_step(config: DenseConfig) -> int:
-    """Bytes of weights a decode step reads: every matrix but the embedding table (B rows of it)."""
-    total = 0
-    for name, (shape, kind) in device_layout(config).items():
-        if name != "embed" or config.tie_word_embeddings:
-            total += int(np.prod(shape)) * (2 if kind == "bf16" else 4)
-    return total
-
-
-def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float,
-                 sampling: SamplingRow = SamplingRow()) -> dict:
-    """Decode steps as the engine drives them: one at a time (``decode``: inputs, launch, wait, tokens)
-    and pipelined (the next step launched before this one's tokens are read, as the engine does
-    while the batch stays the same), then the graph replayed back to back: device time alone."""
-    max_pages = runner.buffers.max_pages
-    tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
-    lanes = np.arange(batch, dtype=np.int32)
-    rows = [sampling] * batch
-
-    def inputs(step, tokens):
-        return DecodeBatch(lanes=lanes, tokens=tokens, positions=np.full(batch, context + step, np.int32),
-                           page_tables=tables, sampling=rows)
-
-    tokens = np.full(batch, 7, np.int32)
-    times = []
-    cpu0 = wall0 = 0.0
-    for step in range(steps + 3):
-        if step == 3:
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-        t0 = time.perf_counter()
-        tokens = runner.decode(inputs(step, tokens)).tokens
-        times.append(time.perf_counter() - t0)
-    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    step_s = float(np.median(times[3:]))
-    runner.launch_decode(inputs(0, tokens))
-    for step in range(1, steps + 5):  # each round launches ``step`` and collects ``step - 1``
-        runner.launch_decode(inputs(step, tokens), follow=True)
-        runner.finish_decode()
-        if step == 4:
-            pipe0, pipe_cpu0 = time.perf_counter(), time.process_time()
-    pipelined_s = (time.perf_counter() - pipe0) / steps  # from step 3 collected to step steps + 3
-    pipelined_cpu = (time.process_time() - pipe_cpu0) / steps
-    runner.finish_decode()
-    # Device time alone: replay the graph back to back (inputs unchanged: same positions).
-    gpu_s = replay_ms(runner.replay_graph(batch), runner.device, runner.stream, steps, warmup=0) / 1e3
-    kv_bytes = batch * (context + steps // 2) * config.kv_bytes_per_token
-    step_bytes = weight_bytes_per_step(config) + kv_bytes
-    roofline_step = step_bytes / copy_bw
-    return {"batch": batch, "context": context, "temperature": sampling.temperature, "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3,
-            "host_ms": (step_s - gpu_s) * 1e3, "tok_s": batch / step_s,
-            "achieved_gb_s": step_bytes / gpu_s / 1e9, "roofline_tok_s": batch / roofline_step,
-            "pct_roofline": 100 * roofline_step / step_s, "cpu_cores_busy": cpu_share,
-            "pipelined_step_ms": pipelined_s * 1e3, "pipelined_tok_s": batch / pipelined_s,
-            "pipelined_pct_roofline": 100 * roofline_step / pipelined_s,
-            "pipelined_host_cpu_ms": pipelined_cpu * 1e3}
-
-
-ENGINE_STEPS = 128  # tokens each request of bench_engine generates
-
-
-def bench_engine(runner, batch: int, context: int, steps: int, pipelined: bool = True) -> dict:
-    """Decode driven by the engine core (scheduling, page tables, sampling rows, commits and events;
-    with ``pipelined`` the next step launched ahead as the worker does): ``batch`` greedy requests of
-    ``context`` prompt tokens. The figure is the stretch where every request decodes, up to the
-    first that ends: wall time per step, and the host's own time per step (time outside runner
-    calls, the engine's host time as the spec counts it)."""
-    from ninfer.engine import EngineConfig, GenerationRequest
-    from ninfer.engine.context_cost import load
-    from ninfer.engine.core import EngineCore
-    from ninfer.engine.sequence import Sequence
-
-    info = runner.info
-    config = EngineConfig(max_concurrency=batch, max_context=info.max_context, page_size=info.page_size,
-                          kv_capacity=info.num_pages * info.page_size, prefill_chunk=512, prefix_reuse=False)
-    core = EngineCore(runner, config, load(None, "cuda", None))
-    gc.collect()  # as the engine's worker does once its core is built (a full pass mid-run costs 100+ ms here)
-    gc.freeze()
-    core.pipelined = pipelined and info.pipelined_decode
-    rng = np.random.default_rng(batch)
-    for rid in range(batch):
-        prompt = rng.integers(0, info.vocab_size, context).tolist()
-        core.add(Sequence(rid, GenerationRequest(prompt=prompt, max_tokens=steps), SamplingRow(), frozenset(),
-                          core.limit, float("inf"), time.monotonic()))
-    marks = []  # after each step: (wall clock, decode rows so far, engine host seconds so far)
-    work = core.counters.host_work
-    while core.has_work():
-        core.step()
-        marks.append((time.perf_counter(), core.counters.decode_row_rounds,
-                      work["engine_boundary"] + work["program_submit"] + work["program_post"],
-                      core.last_runner_seconds))
-    # The steady stretch: consecutive steps that each decoded all ``batch`` rows, less two at each end.
-    full = [i for i in range(1, len(marks)) if marks[i][1] - marks[i - 1][1] == batch]
-    first, last = full[2], full[-3]
-    (t0, r0, h0, _), (t1, r1, h1, _) = marks[first], marks[last]
-    rounds = (r1 - r0) // batch
-    step_s, host_s = (t1 - t0) / rounds, (h1 - h0) / rounds
-    runner_s = float(np.median([m[3] for m in marks[first + 1:last + 1]]))
-    longest_s = max(b[0] - a[0] for a, b in zip(marks[first:last], marks[first + 1:last + 1]))
-    return {"batch": batch, "context": context, "pipelined": core.pipelined, "step_ms": step_s * 1e3,
-            "tok_s": batch / step_s, "engine_host_us": host_s * 1e6, "runner_ms": runner_s * 1e3,
-            "longest_step_ms": longest_s * 1e3}
 
 
 def host_phases(runner, batch: int, context: int, steps: int = 64) -> dict[str, float]:
@@ -298,28 +163,6 @@ def bench_gemv(runner, weight: rt.DevicePtr, n: int, k: int, reps: int = 20) -> 
             seconds = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / reps
             out[f"gemv_m{rows}{variant}"] = round(n * k * 2 / seconds / 1e9)
     return out
-
-
-def bench_prefill(runner, tokens: int) -> dict:
-    prompt = (np.arange(tokens) * 7919 % 151936).astype(np.int32)
-    table = np.arange(runner.buffers.max_pages, dtype=np.int32)
-    t0 = time.perf_counter()
-    runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=table, sample=SamplingRow()))
-    seconds = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
-
-
-def bench_ttft(runner, tokens: int, reps: int = 3) -> dict:
-    """Time to the first sampled token through the runner: prefill of a ``tokens`` prompt from an empty
-    context plus the sample, host to host (median of ``reps``; the prompt's pages start at page 0)."""
-    prompt = (np.arange(tokens) * 7919 % 151936).astype(np.int32)
-    table = np.arange(runner.buffers.max_pages, dtype=np.int32)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=table, sample=SamplingRow()))
-        times.append(time.perf_counter() - t0)
-    return {"prompt": tokens, "ttft_ms": float(np.median(times)) * 1e3}
 
 
 def hf_model(torch, config: DenseConfig):

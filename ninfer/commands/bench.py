@@ -6,6 +6,11 @@ with model math excluded (time inside runner calls is measured separately and su
 default it runs 8 lanes on the zero-cost simulated runner; ``--runner reference`` uses the NumPy
 backend on a tiny random model instead (its model math is then reported beside the host time).
 
+``backend [ARTIFACT]``: a ModelRunner timed directly (ninfer/commands/bench_backend.py): the reference
+runner on the CPU, or the CUDA runner with ``--device N`` (``--random-weights`` for a shape without a
+file): decode tok/s per batch and context with achieved GB/s and % of the roofline, engine host time a
+step, prefill tok/s and time to first token.
+
 ``http URL``: N concurrent streaming Chat Completions clients against a running server
 (ninfer/server/load.py): requests/s, TTFT and inter-token p50/p99, and a check of every answer.
 """
@@ -32,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--artifact", type=Path, help="reference runner: a .ninfer file (default: random tiny-qwen3)")
     engine.add_argument("--repeat", type=int, default=5, help="runs; the median is the figure (default 5)")
     engine.set_defaults(_mode=bench_engine)
+
+    from ninfer.commands import bench_backend
+
+    backend = modes.add_parser("backend", help="time a ModelRunner directly: decode, roofline, prefill, TTFT",
+                               description=bench_backend.DESCRIPTION)
+    bench_backend.add_arguments(backend)
+    backend.set_defaults(_mode=bench_backend.run)
 
     http = modes.add_parser("http", help="load a running server with concurrent streaming clients")
     http.add_argument("url", help="base URL of a running `ninfer serve`, e.g. http://127.0.0.1:8080")
