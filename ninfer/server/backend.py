@@ -14,6 +14,10 @@ from typing import Any, Callable
 
 from ninfer.engine import EngineConfig
 
+# The spec's default Host budget adds eight StateImages to --host-context-mib's default
+# (engine/config.py DEFAULT_HOST_CONTEXT_MIB; the Engine core adds them, engine/core.py).
+DEFAULT_HOST_STATE_IMAGES = 8
+
 
 class WorkerBuiltRunner:
     def __init__(self, build: Callable[[], Any]):
@@ -57,13 +61,21 @@ def prefill_gemm() -> str:
     return "cublaslt" if importlib.util.find_spec("nvmath") is not None else "fp32"
 
 
+def host_arena(config: EngineConfig) -> dict[str, int]:
+    """The runner's pinned Host backing: exactly the Engine's Host budget (``--host-context-mib``; by
+    default 8 GiB plus eight StateImages, whose size the runner knows; 0: no Host backing, no arena)."""
+    images = DEFAULT_HOST_STATE_IMAGES if config.host_context_mib is None else 0
+    return {"host_arena_bytes": config.host_context_bytes, "host_arena_state_images": images}
+
+
 def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> WorkerBuiltRunner:
     """``model``: an artifact path, or a ``RandomWeightsModel`` whose weights are made on the GPU.
-    With ``--kv-capacity auto`` the runner sizes its KV pool itself (``runner.info.num_pages``)."""
+    With ``--kv-capacity auto`` the runner sizes its KV pool itself (``runner.info.num_pages``). The
+    runner pins the Host budget once, at startup (``host_arena``)."""
     num_pages = "auto" if args.kv_capacity == "auto" else config.kv_pages
     shape = dict(page_size=config.page_size, num_pages=num_pages, max_batch=config.max_concurrency,
                  max_context=config.max_context, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph,
-                 prefill_gemm=prefill_gemm())
+                 prefill_gemm=prefill_gemm(), **host_arena(config))
 
     def build():
         from ninfer.backends.cuda import runtime

@@ -301,6 +301,7 @@ def _device_memory(facts: dict[str, Any] | None) -> dict[str, Any] | None:
                           "kv_dtype": facts.get("kv_dtype"), "state_slots": facts.get("state_slots"),
                           "state_bytes": facts.get("state_bytes")},
             "vision_workspace": None,  # Vision is not built
+            "host_arena_bytes": facts.get("host_arena_bytes"),  # the pinned Host backing (--host-context-mib)
             "free_bytes_after_startup": facts.get("free_bytes_after_startup")}
 
 

@@ -265,6 +265,44 @@ def test_state_images_read_write_copy_are_exact(next_artifact):
         cuda.close()
 
 
+def test_state_images_and_pages_round_trip_through_the_pinned_host_arena(next_artifact):
+    """host_arena_state_images adds whole StateImages to the arena; read_state / read_pages land in it
+    and write_state / write_pages copy from it, bit-exact against the staging path."""
+    import gc
+
+    from ninfer.backends.cuda.hybrid_runner import CudaHybridRunner
+
+    kw = dict(page_size=PAGE, num_pages=BATCH * PAGES_PER_LANE + 4, max_batch=BATCH, max_context=MAX_CTX,
+              state_slots=EXTRA_SLOTS)
+    cuda = CudaHybridRunner(next_artifact, cuda_graph=False, max_prefill_rows=64, host_arena_bytes=1 << 20,
+                            host_arena_state_images=2, **kw)
+    try:
+        arena = cuda.host_arena
+        assert cuda.startup["host_arena_bytes"] == (1 << 20) + 2 * cuda.state_bytes == arena.nbytes
+        prompt = _prompt(0, 40, cuda.info.vocab_size)
+        cuda.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=_table(0)))
+        image, pages = cuda.read_state(0), cuda.read_pages(_table(0)[:3].tolist())
+        assert arena.contains(image) and arena.contains(pages.transpose(2, 1, 0, 4, 3, 5))
+        arena_copy, cuda.host_arena = cuda.host_arena, None
+        staged_image, staged_pages = cuda.read_state(0), cuda.read_pages(_table(0)[:3].tolist())
+        cuda.host_arena = arena_copy
+        np.testing.assert_array_equal(image, staged_image)
+        np.testing.assert_array_equal(pages, staged_pages)
+        cuda.write_state(BATCH + 1, image, length=40)
+        cuda.write_pages(_table(3)[:3].tolist(), pages)
+        np.testing.assert_array_equal(cuda.read_state(BATCH + 1), staged_image)
+        np.testing.assert_array_equal(cuda.read_pages(_table(3)[:3].tolist()), staged_pages)
+        assert cuda.state_length(BATCH + 1) == 40 and cuda.host_arena_fallbacks == 0
+        # Lane 3 restored from the arena continues exactly as lane 0.
+        cuda.copy_state(BATCH + 1, 3)
+        assert _decode_some(cuda, 3, prompt, 6) == _decode_some(cuda, 0, prompt, 6)
+        del image, pages
+        gc.collect()
+        assert arena.used == 0
+    finally:
+        cuda.close()
+
+
 def _decode_some(runner, lane, prompt, steps):
     token, out = int(prompt[-1]), []
     for step in range(steps):

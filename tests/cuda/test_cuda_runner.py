@@ -225,6 +225,46 @@ def test_pages_copy_and_round_trip(artifact):
         gpu.close()
 
 
+def test_pages_round_trip_through_the_pinned_host_arena(artifact):
+    """With a Host arena, snapshots are carved from one pinned allocation: the device copies land in it
+    and leave from it, bit-exact against the staging path; a full arena falls back to pageable."""
+    import gc
+
+    from ninfer.backends.cuda import CudaRunner
+
+    kw = dict(page_size=PAGE, num_pages=BATCH * PAGES_PER_LANE + 4, max_batch=BATCH, max_context=MAX_CTX)
+    gpu = CudaRunner(artifact, kv_dtype="bf16", cuda_graph=False, max_prefill_rows=64, **kw)
+    try:
+        gpu.attach_host_arena(4 * gpu.page_bytes)
+        arena = gpu.host_arena
+        assert gpu.startup["host_arena_bytes"] == 4 * gpu.page_bytes and arena.capacity >= 3 * gpu.page_bytes
+        prompt = np.arange(40, dtype=np.int32) % gpu.info.vocab_size
+        gpu.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=_table(0)))
+        pages = _table(0)[:3].tolist()
+
+        def staged(pages):  # no arena: through staging, contiguous
+            gpu.host_arena = None
+            try:
+                return gpu.read_pages(pages)
+            finally:
+                gpu.host_arena = arena
+
+        data = gpu.read_pages(pages)
+        assert data.dtype == np.uint16 and arena.contains(data.transpose(2, 1, 0, 4, 3, 5))
+        want = staged(pages)
+        assert want.flags.c_contiguous and np.array_equal(data, want)
+        gpu.write_pages([200, 201, 202], data)  # straight from the arena
+        assert np.array_equal(staged([200, 201, 202]), want)
+        assert gpu.host_arena_fallbacks == 0
+        more = gpu.read_pages(pages)  # three pages more than the arena holds beside `data`
+        assert gpu.host_arena_fallbacks == 1 and not arena.contains(more) and np.array_equal(more, want)
+        del data, more
+        gc.collect()
+        assert arena.used == 0
+    finally:
+        gpu.close()
+
+
 def test_bad_requests_are_rejected_by_field(artifact):
     _, gpu = _runners(artifact, cuda_graph=False)
     try:

@@ -23,7 +23,8 @@ FACTS = {"device": "NVIDIA H200", "sync": "blocking", "kv_dtype": "bf16", "prefi
          "kv_auto": {"free_bytes": 100 * GIB, "workspace_without_kv": GIB, "graph_reserve": 64 << 20,
                      "headroom": GIB, "page_bytes": 1 << 20, "pages": 40},
          "graph_capture_s": 1.234, "graph_bytes": 12 << 20, "graph_nodes": 321, "graph_count": 16,
-         "free_bytes_after_startup": 5 * GIB, "weights_bytes": 16 * GIB, "weights_upload_gb_per_s": 21.5}
+         "free_bytes_after_startup": 5 * GIB, "weights_bytes": 16 * GIB, "weights_upload_gb_per_s": 21.5,
+         "host_arena_bytes": 8 * GIB}
 
 
 def _cuda_like(facts):
@@ -61,6 +62,7 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
     assert rec["backend"] == "cuda"
     assert rec["kv_sizing"] == {"mode": "auto", "capacity_tokens": 640, "pages": 40, "ledger": FACTS["kv_auto"]}
     assert rec["memory"] == {"weights_bytes": 16 * GIB, "free_bytes_after_startup": 5 * GIB, "vision_workspace": None,
+                             "host_arena_bytes": 8 * GIB,
                              "workspace": {"capacity_bytes": 3 * GIB, "kv_pages": 40, "kv_dtype": "bf16",
                                            "state_slots": None, "state_bytes": None}}
     assert rec["cuda_graph"] == {"enabled": True, "reserve_bytes": 64 << 20, "count": 16, "bytes": 12 << 20,

@@ -5,8 +5,9 @@ KV page operations) with the hybrid forward pass of ``hybrid_forward.py``, a KV 
 full-attention layers only (``read_pages`` gives ``[2, attention_layers, pages, page_size,
 kv_heads, head_dim]``, as the reference does) and ``max_batch + state_slots`` StateImage slots in
 device memory (``hybrid_state.py``): slot ``i < max_batch`` is lane ``i``'s live state, the rest
-hold checkpoints. ``copy_state`` is a device copy; ``read_state`` / ``write_state`` go through
-pinned staging.
+hold checkpoints. ``copy_state`` is a device copy; ``read_state`` / ``write_state`` are one copy,
+straight into (out of) an array of the Host arena when the runner has one (``host_arena_bytes``:
+spilled checkpoints and pause snapshots live there), else through pinned staging.
 
 The rules the Engine relies on are the reference's: a prefill chunk with ``start == 0`` starts from
 the zero state, one with ``start > 0`` and a decode row at position ``p`` need the lane's state to
@@ -18,7 +19,7 @@ summarise exactly that many tokens (a state written without a length is trusted)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -50,8 +51,10 @@ class CudaHybridRunner(CudaRunner):
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int, max_context: int,
                  device: int | rt.Device = 0, kv_dtype: str = "bf16", cuda_graph: bool = True,
-                 max_prefill_rows: int = 512, prefill_gemm: str = "fp32", state_slots: int = 0):
-        """``artifact``: an opened artifact or a path; ``state_slots``: extra StateImage slots."""
+                 max_prefill_rows: int = 512, prefill_gemm: str = "fp32", state_slots: int = 0,
+                 host_arena_bytes: int = 0, host_arena_state_images: int = 0):
+        """``artifact``: an opened artifact or a path; ``state_slots``: extra StateImage slots; the Host
+        arena as ``CudaRunner``'s."""
         if isinstance(artifact, (str, Path)):
             from ninfer.artifact import open_artifact
 
@@ -63,7 +66,8 @@ class CudaHybridRunner(CudaRunner):
         weights, report = hw.upload(dev, stream, config, artifact.tensor)
         self._setup(config, dev, stream, weights, page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                     max_context=max_context, kv_dtype=kv_dtype, cuda_graph=cuda_graph,
-                    max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots)
+                    max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots,
+                    host_arena_bytes=host_arena_bytes, host_arena_state_images=host_arena_state_images)
         self.startup["weights_bytes"] = report.nbytes
         self.startup["weights_upload_gb_per_s"] = round(report.gb_per_s, 2)
 
@@ -72,7 +76,8 @@ class CudaHybridRunner(CudaRunner):
                             device: rt.Device, page_size: int = 16, num_pages: int | str, max_batch: int,
                             max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
                             max_prefill_rows: int = 512, prefill_gemm: str = "fp32",
-                            state_slots: int = 0) -> CudaHybridRunner:
+                            state_slots: int = 0, host_arena_bytes: int = 0,
+                            host_arena_state_images: int = 0) -> CudaHybridRunner:
         """A runner over weights already on ``device`` in the layout of ``hybrid_weights.device_layout``
         (zero-centred norm weights stored as ``1 + w``)."""
         check_supported(config, kv_dtype)
@@ -80,7 +85,8 @@ class CudaHybridRunner(CudaRunner):
         runner = cls.__new__(cls)
         runner._setup(config, device, device.stream(), dict(weights), page_size=page_size, num_pages=num_pages,
                       max_batch=max_batch, max_context=max_context, kv_dtype=kv_dtype, cuda_graph=cuda_graph,
-                      max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots)
+                      max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm, state_slots=state_slots,
+                      host_arena_bytes=host_arena_bytes, host_arena_state_images=host_arena_state_images)
         return runner
 
     def _setup(self, config, device, stream, weights, *, state_slots=0, **options):
@@ -102,7 +108,17 @@ class CudaHybridRunner(CudaRunner):
         return self.buffers.state_slots
 
     def _startup_details(self) -> dict[str, Any]:
-        return {"state_slots": self.states.slots, "state_bytes": 4 * self.config.state_floats}
+        return {"state_slots": self.states.slots, "state_bytes": self.state_bytes}
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one StateImage (float32)."""
+        return 4 * self.config.state_floats
+
+    @property
+    def _kv_layers(self) -> int:
+        """The full-attention layers: the only ones with a KV cache (``read_pages``' second axis)."""
+        return self.buffers.kv_layers
 
     # -- the protocol: CudaRunner's, with the lanes' recurrent state kept in step ----------------
 
@@ -134,33 +150,6 @@ class CudaHybridRunner(CudaRunner):
             raise ValueError(f"{field} {position}: lane {lane}'s recurrent state summarises {have} tokens; "
                              f"restore the state at {position} first (copy_state / write_state)")
 
-    @_on_device
-    def read_pages(self, pages: Sequence[int]) -> np.ndarray:
-        """``[2, attention_layers, len(pages), page_size, kv_heads, head_dim]`` in the pool's storage
-        type, as ``CudaRunner.read_pages``."""
-        idx = self._pages(pages)
-        raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
-        for i, page in enumerate(idx):
-            rt.copy_d2h(self._page_staging, self._page(int(page)), self.stream)
-            rt.synchronize(self.stream)
-            raw[i] = self._page_staging.view(self._pool_dtype())
-        c = self.config
-        raw = raw.reshape(len(idx), self.buffers.kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
-        return np.ascontiguousarray(raw.transpose(2, 1, 0, 4, 3, 5))
-
-    @_on_device
-    def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
-        idx = self._pages(pages)
-        c = self.config
-        expected = (2, self.buffers.kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
-        if data.shape != expected:
-            raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
-        pool = np.ascontiguousarray(self._as_pool(data).transpose(2, 1, 0, 4, 3, 5)).reshape(len(idx), -1)
-        for i, page in enumerate(idx):
-            self._page_staging.view(self._pool_dtype())[:] = pool[i]
-            rt.copy_h2d(self._page(int(page)), self._page_staging, self.stream)
-            rt.synchronize(self.stream)
-
     # -- StateImages ----------------------------------------------------------------------------
 
     @property
@@ -175,12 +164,28 @@ class CudaHybridRunner(CudaRunner):
 
     @_on_device
     def read_state(self, slot: int) -> np.ndarray:
-        """A copy of the StateImage in ``slot`` as float32 [state_floats]."""
+        """A copy of the StateImage in ``slot`` as float32 [state_floats]: with a Host arena, an array
+        of it filled by one DMA; else (no arena, or no room) a pageable copy through staging."""
+        if self.host_arena is not None:
+            slot = self.states.check_slot(slot, "read_state slot")
+            image = self._host_empty((self.states.floats,), np.float32)
+            if self._in_arena(image):
+                rt.copy_d2h(image, self.states.image(slot), self.stream)
+                rt.synchronize(self.stream)
+                return image
         return self.states.read(slot, self.stream)
 
     @_on_device
     def write_state(self, slot: int, data: np.ndarray, length: int | None = None) -> None:
-        """Replace the StateImage in ``slot``; ``length``: tokens it summarises (None: unknown)."""
+        """Replace the StateImage in ``slot``; ``length``: tokens it summarises (None: unknown). An
+        image in the Host arena is copied up directly; any other goes through staging."""
+        data = np.asarray(data)
+        if data.dtype == np.float32 and data.shape == (self.states.floats,) and self._in_arena(data):
+            slot = self.states.check_slot(slot, "write_state slot")
+            rt.copy_h2d(self.states.image(slot), data, self.stream)
+            rt.synchronize(self.stream)  # the caller may drop the image (and its block) on return
+            self.states.length[slot] = -1 if length is None else int(length)
+            return
         self.states.write(slot, data, length, self.stream)
 
     @_on_device

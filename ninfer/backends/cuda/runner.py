@@ -16,6 +16,11 @@ nothing waits on a dead context.
 
 ``num_pages="auto"`` (``--kv-capacity auto``) sizes the KV pool from the device memory left once the
 weights are placed: see ``auto_kv_pages``; ``startup["kv_auto"]`` records the arithmetic.
+
+``host_arena_bytes`` (the Engine's Host budget, ``--host-context-mib``) pins the Host backing once, at
+startup (``host_arena.HostArena``): ``read_pages`` (and the hybrid runner's ``read_state``) return
+arrays carved from it, filled by DMA straight from the device, and ``write_pages`` / ``write_state``
+copy such arrays back directly. 0 (the default) keeps pageable arrays through a small staging buffer.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS, PREFILL_SPLIT, Forward,
                                           StepBuffers, check_supported)
+from ninfer.backends.cuda.host_arena import HostArena
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
 from ninfer.models.dense import ARCHITECTURES, DenseConfig
@@ -95,8 +101,11 @@ class CudaRunner:
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int,
                  max_context: int, device: int | rt.Device = 0, kv_dtype: str = "bf16",
-                 cuda_graph: bool = True, max_prefill_rows: int = 512, prefill_gemm: str = "fp32"):
-        """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one."""
+                 cuda_graph: bool = True, max_prefill_rows: int = 512, prefill_gemm: str = "fp32",
+                 host_arena_bytes: int = 0, host_arena_state_images: int = 0):
+        """``artifact``: an opened artifact (``.config``, ``.tensor(name)``) or a path to one.
+        ``host_arena_bytes``: the pinned Host backing (0: none); ``host_arena_state_images``: StateImages
+        it holds on top (the spec's default budget adds eight; a dense model's images are empty)."""
         if isinstance(artifact, (str, Path)):
             from ninfer.artifact import open_artifact
 
@@ -108,7 +117,8 @@ class CudaRunner:
         weights, report = wt.upload(dev, stream, config, artifact.tensor)
         self._setup(config, dev, stream, weights, page_size=page_size, num_pages=num_pages,
                     max_batch=max_batch, max_context=max_context, kv_dtype=kv_dtype,
-                    cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm)
+                    cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows, prefill_gemm=prefill_gemm,
+                    host_arena_bytes=host_arena_bytes, host_arena_state_images=host_arena_state_images)
         self.startup["weights_bytes"] = report.nbytes
         self.startup["weights_upload_gb_per_s"] = round(report.gb_per_s, 2)
 
@@ -116,7 +126,8 @@ class CudaRunner:
     def from_device_weights(cls, config: DenseConfig, weights: Mapping[str, rt.DevicePtr], *,
                             device: rt.Device, page_size: int = 16, num_pages: int | str, max_batch: int,
                             max_context: int, kv_dtype: str = "bf16", cuda_graph: bool = True,
-                            max_prefill_rows: int = 512, prefill_gemm: str = "fp32") -> CudaRunner:
+                            max_prefill_rows: int = 512, prefill_gemm: str = "fp32", host_arena_bytes: int = 0,
+                            host_arena_state_images: int = 0) -> CudaRunner:
         """A runner over weights already on ``device`` in the layout of ``weights.device_layout``."""
         check_supported(config, kv_dtype)
         wt.check_device_weights(config, weights)
@@ -124,11 +135,12 @@ class CudaRunner:
         runner._setup(config, device, device.stream(), dict(weights), page_size=page_size,
                       num_pages=num_pages, max_batch=max_batch, max_context=max_context,
                       kv_dtype=kv_dtype, cuda_graph=cuda_graph, max_prefill_rows=max_prefill_rows,
-                      prefill_gemm=prefill_gemm)
+                      prefill_gemm=prefill_gemm, host_arena_bytes=host_arena_bytes,
+                      host_arena_state_images=host_arena_state_images)
         return runner
 
     def _setup(self, config, device, stream, weights, *, page_size, num_pages, max_batch, max_context,
-               kv_dtype, cuda_graph, max_prefill_rows, prefill_gemm):
+               kv_dtype, cuda_graph, max_prefill_rows, prefill_gemm, host_arena_bytes=0, host_arena_state_images=0):
         if prefill_gemm not in PREFILL_GEMMS:
             raise ValueError(f"prefill_gemm must be one of {', '.join(PREFILL_GEMMS)}, got {prefill_gemm!r}")
         if page_size < 1 or page_size & (page_size - 1):
@@ -141,10 +153,14 @@ class CudaRunner:
                 raise ValueError(f"{name} must be positive, got {value}")
         if max_batch > GEMV_MAX_ROWS:
             raise ValueError(f"max_batch {max_batch}: the CUDA backend's decode GEMVs take at most {GEMV_MAX_ROWS} rows")
+        if host_arena_bytes < 0 or host_arena_state_images < 0:
+            raise ValueError(f"host_arena_bytes and host_arena_state_images must be >= 0, got "
+                             f"{host_arena_bytes} and {host_arena_state_images}")
         self.config = config
         self.device = device
         self.stream = stream
         self.fault: rt.CudaError | None = None  # the sticky error that ended this runner, if any
+        self.host_arena: HostArena | None = None  # the pinned Host backing (attach_host_arena)
         self.kv_dtype = kv_dtype
         self.kernels = rt.Kernels(device)
 
@@ -196,6 +212,9 @@ class CudaRunner:
             self.startup["graph_bytes"] = free_before - device.free_memory()
             self.startup["graph_nodes"] = next(iter(self.graphs[1].values()))[0].nodes
             self.startup["graph_count"] = sum(2 * len(by_depth) for by_depth in self.graphs.values())
+        self.startup["host_arena_bytes"] = 0
+        if host_arena_bytes:  # 0: --host-context-mib 0, no Host backing at all
+            self.attach_host_arena(host_arena_bytes + host_arena_state_images * self.state_bytes)
         self.startup["free_bytes_after_startup"] = device.free_memory()
 
     # -- what a model family changes: its buffers, its forward pass, its start-up figures --------
@@ -361,33 +380,96 @@ class CudaRunner:
 
     @_on_device
     def read_pages(self, pages: Sequence[int]) -> np.ndarray:
-        """``[2, num_layers, len(pages), page_size, kv_heads, head_dim]``, the reference layout, in the
+        """``[2, kv_layers, len(pages), page_size, kv_heads, head_dim]``, the reference layout, in the
         pool's storage type (bf16 bit patterns as uint16, or float32): a pause snapshot holds
-        ``page_bytes`` a page on the Host, not a widened copy, and ``write_pages`` restores it bit-exact."""
+        ``page_bytes`` a page on the Host, not a widened copy, and ``write_pages`` restores it bit-exact.
+
+        With a Host arena the array lies in it: each page is one DMA straight from the pool, and the
+        memory keeps the pool's page order, so the array is the reference-layout *view* of it (not
+        C-contiguous; ``write_pages`` copies it back page by page, again without a host copy). Without
+        an arena, or when it is full, a contiguous pageable array filled through staging."""
         idx = self._pages(pages)
-        raw = np.empty((len(idx), self.buffers.page_elems), self._pool_dtype())
+        raw = self._host_empty((len(idx), self.buffers.page_elems), self._pool_dtype())
+        if self._in_arena(raw):
+            for i, page in enumerate(idx):
+                rt.copy_d2h(raw[i], self._page(int(page)), self.stream)
+            rt.synchronize(self.stream)  # the pages have landed before the Engine may drop or reuse them
+            return self._reference_order(raw)
         for i, page in enumerate(idx):
             rt.copy_d2h(self._page_staging, self._page(int(page)), self.stream)
             rt.synchronize(self.stream)
             raw[i] = self._page_staging.view(self._pool_dtype())
-        # Pool order [page][layer][K|V][kv_head][slot][dim] -> [K|V][layer][page][slot][kv_head][dim].
-        c = self.config
-        raw = raw.reshape(len(idx), c.num_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
-        return np.ascontiguousarray(raw.transpose(2, 1, 0, 4, 3, 5))
+        return np.ascontiguousarray(self._reference_order(raw))
 
     @_on_device
     def write_pages(self, pages: Sequence[int], data: np.ndarray) -> None:
-        """``read_pages``' array back as is; float values (the reference's KV) are narrowed to bf16."""
+        """``read_pages``' array back as is; float values (the reference's KV) are narrowed to bf16.
+        An array of the Host arena in pool order (as ``read_pages`` returns) is copied up directly."""
         idx = self._pages(pages)
         c = self.config
-        expected = (2, c.num_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
+        expected = (2, self._kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
         if data.shape != expected:
             raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
+        pool = np.asarray(data).transpose(2, 1, 0, 4, 3, 5)  # pool order: a view, no copy
+        if pool.dtype == self._pool_dtype() and self._in_arena(pool):
+            pool = pool.reshape(len(idx), -1)  # C-contiguous in the arena: still a view
+            for i, page in enumerate(idx):
+                rt.copy_h2d(self._page(int(page)), pool[i], self.stream)
+            rt.synchronize(self.stream)  # the caller may drop the array (and its block) on return
+            return
         pool = np.ascontiguousarray(self._as_pool(data).transpose(2, 1, 0, 4, 3, 5)).reshape(len(idx), -1)
         for i, page in enumerate(idx):
             self._page_staging.view(self._pool_dtype())[:] = pool[i]
             rt.copy_h2d(self._page(int(page)), self._page_staging, self.stream)
             rt.synchronize(self.stream)
+
+    # -- the Host backing -----------------------------------------------------------------------
+
+    @_on_device
+    def attach_host_arena(self, nbytes: int) -> None:
+        """Pin ``nbytes`` of host memory as the Host backing (``host_arena.HostArena``); 0 detaches
+        (pageable arrays again). Pinning is paid once, here: about a second per 8 GiB."""
+        if nbytes < 0:
+            raise ValueError(f"host arena size must be >= 0, got {nbytes}")
+        self.host_arena = None  # a previous arena's memory stays pinned until the device closes
+        self.startup["host_arena_bytes"] = 0
+        if nbytes == 0:
+            return
+        start = time.perf_counter()
+        try:
+            self.host_arena = HostArena(self.device, nbytes)
+        except rt.CudaError as e:
+            raise MemoryError(f"cannot pin {nbytes} bytes of Host backing (--host-context-mib): {e}") from e
+        seconds = time.perf_counter() - start
+        self.startup["host_arena_bytes"] = nbytes
+        self.startup["host_arena_pin_s"] = round(seconds, 3)
+        log.info("Host backing: %.2f GiB pinned in %.2f s", nbytes / 2**30, seconds)
+
+    @property
+    def host_arena_fallbacks(self) -> int:
+        """Host arrays the arena had no room for (made pageable instead); 0 without an arena."""
+        return self.host_arena.fallbacks if self.host_arena is not None else 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one StateImage (none for a dense model)."""
+        return 0
+
+    def _host_empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised host array: from the Host arena when there is one and it has room."""
+        arena = self.host_arena
+        if arena is None:
+            return np.empty(shape, dtype)
+        fallbacks = arena.fallbacks
+        array = arena.array(shape, dtype)
+        if arena.fallbacks != fallbacks:
+            level = logging.WARNING if fallbacks == 0 else logging.DEBUG  # once, then quietly
+            log.log(level, "Host arena full (%d of %d bytes in use): %d bytes pageable instead "
+                    "(%d fallbacks so far)", arena.used, arena.capacity, array.nbytes, arena.fallbacks)
+        return array
+
+    def _in_arena(self, array: np.ndarray) -> bool:
+        return self.host_arena is not None and self.host_arena.contains(array)
 
     def close(self) -> None:
         if self.fault is not None:  # the context is unusable: even a synchronize would fail again
@@ -401,12 +483,27 @@ class CudaRunner:
                 for graph in pair:
                     graph.destroy()
         self.graphs = {}
+        # The arena's pinned memory goes with the device: arrays still holding blocks (snapshots the
+        # Engine drops with the runner) must not be read after this.
+        self.host_arena = None
         self.device.close()
 
     # -- helpers --------------------------------------------------------------------------------
 
     def _pool_dtype(self):
         return np.uint16 if self.kv_dtype == "bf16" else np.float32
+
+    @property
+    def _kv_layers(self) -> int:
+        """Layers with a KV cache (every layer of a dense model)."""
+        return self.config.num_layers
+
+    def _reference_order(self, raw: np.ndarray) -> np.ndarray:
+        """Pages ``[page][layer][K|V][kv_head][slot][dim]`` (the pool's order, one page a row) as the
+        reference layout ``[K|V][layer][page][slot][kv_head][dim]``: a view."""
+        c = self.config
+        raw = raw.reshape(raw.shape[0], self._kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
+        return raw.transpose(2, 1, 0, 4, 3, 5)
 
     @property
     def page_bytes(self) -> int:
