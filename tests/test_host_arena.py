@@ -300,3 +300,20 @@ def test_the_server_pins_the_engine_host_budget():
     assert host_arena(EngineConfig(host_context_mib=16)) == {"host_arena_bytes": 16 << 20,
                                                              "host_arena_state_images": 0}
     assert host_arena(EngineConfig(host_context_mib=0))["host_arena_bytes"] == 0  # no Host backing, no arena
+
+
+def test_a_host_backing_that_cannot_be_pinned_stays_pageable(cuda_runner, monkeypatch, caplog):
+    from ninfer.backends.cuda import runtime as rt
+
+    runner = cuda_runner(False, arena_bytes=0)
+
+    def refuse(nbytes):
+        raise rt.CudaError("cuMemHostAlloc", 2)  # CUDA_ERROR_OUT_OF_MEMORY: not sticky
+
+    monkeypatch.setattr(runner.device, "pinned", refuse)
+    with caplog.at_level("WARNING", logger="ninfer.cuda"):
+        runner.attach_host_arena(1 << 20)
+    assert runner.host_arena is None and runner.startup["host_arena_bytes"] == 0
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in runner.startup["host_arena_error"]
+    assert any("pageable memory" in r.getMessage() for r in caplog.records)
+    assert runner.read_pages([1]).flags.c_contiguous  # snapshots still work, through staging
