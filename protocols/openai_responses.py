@@ -162,7 +162,7 @@ def parse_request(body: Any, public_model_id: str, *, count_only: bool = False) 
     echo = {
         "instructions": instructions, "max_output_tokens": gen.max_tokens, "temperature": gen.temperature,
         "top_p": gen.top_p, "tool_choice": _echo_choice(body.get("tool_choice")), "tools": body.get("tools") or [],
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,  # null: unspecified, the default true
         "max_tool_calls": body.get("max_tool_calls"), "prompt_cache_key": body.get("prompt_cache_key"),
         "safety_identifier": body.get("safety_identifier"), "user": body.get("user"),
         "reasoning": {"effort": options.reasoning_effort, "summary": None},

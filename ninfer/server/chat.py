@@ -14,16 +14,21 @@ from protocols import openai_chat as oc
 
 
 def _finish_reason(done: Done, saw_tool_call: bool) -> str:
-    if done.finish_reason == "length":
+    # A matched stop string ends the output even when the engine also reached max_tokens (in the same
+    # step, or in the steps decoded before its stop took effect): that is a stop, not a truncation.
+    if done.finish_reason == "length" and done.stop_string is None:
         return "length"
     return "tool_calls" if saw_tool_call else "stop"
 
 
 async def chat_completions(ex: Exchange) -> None:
     state = ex.state
-    req = oc.parse_request(await ex.json_body(), state.model_id)
+    body = await ex.json_body()
+    req = oc.parse_request(body, state.model_id)
     session = GenerationSession(state, ex.request_id, protocol="openai_chat", stream=req.stream)
-    await session.start(req.conversation, req.generation)
+    # An output-capacity rejection names the spelling the client sent.
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    await session.start(req.conversation, req.generation, params=("messages", limit))
     cid = oc.completion_id()
     created = int(time.time())
     if req.stream:

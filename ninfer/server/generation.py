@@ -95,7 +95,11 @@ class GenerationSession:
     # -- start ------------------------------------------------------------------------------------
 
     async def start(self, conv: Conversation, gen: GenerationOptions, *, shape: dict | None = None,
-                    session_key: str | None = None, capture_endpoint: bool = True) -> None:
+                    session_key: str | None = None, capture_endpoint: bool = True,
+                    params: tuple[str, str] = ("messages", "max_tokens")) -> None:
+        """``params``: the family's names of the prompt and of the output limit, which a rejection
+        for the context or the output capacity names (Responses: ``input``, ``max_output_tokens``)."""
+        self._params = params
         # The request's shape for the JSONL records: the conversation's counts, then family members.
         self._shape = {"messages": len(conv.messages), "tools": len(conv.tools),
                        "callable_tools": len(conv.callable_tools), "stream": self.stream, **(shape or {})}
@@ -140,9 +144,9 @@ class GenerationSession:
             self._reject(ProtocolError(
                 "context_length_exceeded",
                 f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens.",
-                "messages", prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit), conv)
+                self._params[0], prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit), conv)
         except engine_errors.ThinkingBudgetCapacityInsufficient as e:
-            self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), "max_tokens"), conv)
+            self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), self._params[1]), conv)
         except engine_errors.EngineUnavailable:
             self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
         except ValueError as e:

@@ -80,7 +80,7 @@ async def create(ex: Exchange) -> None:
     plan = _plan(ex, req, rid)
     session = GenerationSession(state, ex.request_id, protocol="openai_responses", stream=req.stream)
     await session.start(plan.conv, req.generation, shape=_shape(plan), session_key=plan.session_key,
-                        capture_endpoint=plan.capture_endpoint)
+                        capture_endpoint=plan.capture_endpoint, params=("input", "max_output_tokens"))
     created = time.time()
     if req.stream:
         await session.respond(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))

@@ -131,6 +131,28 @@ async def test_reasoning_content_and_stop_via_scripted_runner(start_server):
         assert frames[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_stop_string_at_the_token_limit_is_a_stop(start_server):
+    """A stop string that ends the output as max_tokens is reached (or while the engine's stop is still
+    taking effect) finishes with "stop": the answer ended at the stop, it was not truncated."""
+    srv = await start_server(scripted=True)
+    tok = srv.state.prompts.tokenizer
+    want = script(tok, ("</think>",), "\n\nThe answer is Paris. STOP here and more words follow", ("<|im_end|>",))
+    upto = len(script(tok, ("</think>",), "\n\nThe answer is Paris. STOP"))
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        for extra in (0, 1, 2):
+            body = {"model": MODEL, "messages": HI, "max_tokens": upto + extra, "stop": [" STOP"]}
+            start_server.runner.scripts.append(want)
+            choice = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]
+            assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "The answer is Paris."), extra
+            start_server.runner.scripts.append(want)
+            frames = sse_json((await c.post("/v1/chat/completions", json={**body, "stream": True})).text)
+            assert frames[-2]["choices"][0]["finish_reason"] == "stop", extra
+        # Without a stop string the same budget is a truncation.
+        start_server.runner.scripts.append(want)
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": upto})
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
 
@@ -205,6 +227,15 @@ async def test_zero_max_tokens_is_prompt_processing_only(start_server):
     t = r["timings"]
     assert t["predicted_n"] == 0 and t["predicted_per_second"] == 0.0 and t["predicted_per_token_ms"] == 0.0
     check_timings(t, r["usage"])
+
+
+async def test_capacity_rejection_names_the_max_tokens_spelling_sent(start_server):
+    srv = await start_server("--default-thinking-budget", "4")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, field: 6})
+            err = r.json()["error"]
+            assert (r.status_code, err["code"], err["param"]) == (400, "thinking_budget_capacity_insufficient", field)
 
 
 async def test_cache_hints_become_exact_token_boundaries(start_server, tmp_path):

@@ -101,8 +101,8 @@ async def test_store_rules_and_endpoints(start_server):
             body = {"model": MODEL, "input": "Hello there", "max_output_tokens": 1, **kw}
             return await c.post("/v1/responses", json=body)
 
-        unstored = (await create(store=False)).json()
-        assert unstored["store"] is False
+        unstored = (await create(store=False, parallel_tool_calls=None)).json()
+        assert unstored["store"] is False and unstored["parallel_tool_calls"] is True  # null is the default
         r = await c.get(f"/v1/responses/{unstored['id']}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
         r = await create(previous_response_id=unstored["id"])
@@ -299,3 +299,17 @@ async def test_stream_cancelled_by_the_engine_ends_failed_and_is_not_stored(star
     assert resp["output"][-1]["content"][0]["text"] == text  # what was streamed is what it reports
     async with httpx.AsyncClient(base_url=srv.url) as c:
         assert (await c.get(f"/v1/responses/{resp['id']}")).status_code == 404
+
+
+async def test_preparation_errors_name_responses_fields(start_server):
+    """Context and output-capacity rejections name the Responses fields, not Chat's messages/max_tokens."""
+    srv = await start_server("--default-thinking-budget", "4")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "word " * 400})
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", "input")
+        assert err["max_context_tokens"] == 256 and err["prompt_tokens"] > 256
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 6})
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["param"]) == (400, "thinking_budget_capacity_insufficient",
+                                                              "max_output_tokens")
