@@ -237,7 +237,8 @@ def _assistant(m: dict, parts: tuple[Part, ...], where: str, legacy_ids: dict[st
     if fc is not None:
         if not isinstance(fc, dict):
             raise invalid_type(f"{where}.function_call", "an object")
-        call_id = f"call_legacy_{len(legacy_ids)}"
+        # One function_call a message, so its index makes the id unique (A, A, B must not share one).
+        call_id = f"call_legacy_{where.removeprefix('messages[').removesuffix(']')}"
         name, args = _function_body(fc, f"{where}.function_call")
         legacy_ids[name] = call_id
         calls.append(ToolCall(call_id, name, args))

@@ -222,3 +222,18 @@ def test_cache_marks_explicit_first_latest_four():
     assert c.cache_marks()[-1] == CacheMark(2, 0, False)
     c = parse_request(body(messages=msgs, prompt_cache_options={"mode": "explicit"}), MODEL).conversation
     assert all(m.explicit for m in c.cache_marks()) and len(c.cache_marks()) == 3
+
+
+def test_legacy_function_calls_get_distinct_ids_and_their_results_follow_the_latest():
+    def call(name):
+        return {"role": "assistant", "content": None, "function_call": {"name": name, "arguments": "{}"}}
+
+    def result(name):
+        return {"role": "function", "name": name, "content": "ok"}
+
+    messages = [{"role": "user", "content": "go"}, call("a"), result("a"), call("a"), result("a"), call("b"),
+                result("b")]
+    conv = parse_request(body(messages=messages), MODEL).conversation
+    calls = [m.tool_calls[0].id for m in conv.messages if m.role == "assistant"]
+    results = [m.tool_call_id for m in conv.messages if m.role == "tool"]
+    assert len(set(calls)) == 3 and results == calls
