@@ -42,7 +42,7 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 CACHE_TTLS = ("5m", "1h")
 MAX_BREAKPOINTS = 4
 MIN_THINKING_BUDGET = 1024
-EFFORTS = ("low", "medium", "high", "max")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")  # the Anthropic protocol's output_config.effort values
 TOOL_ERROR_MARK = "[tool error]\n"  # is_error:true made explicit in the prompt, before the result
 # Blocks that need an executor, a document pipeline or a cloud service NInfer does not have.
 _UNSUPPORTED_BLOCKS = {
@@ -127,7 +127,9 @@ def _parse_generation(body: dict, count_only: bool, budget: int | None) -> Gener
         raise invalid_value("max_tokens", "must be positive: a zero-output cache prewarm is not supported.")
     if max_tokens is not None:
         check_thinking_budget(budget, max_tokens)
-    stops = f.stop_strings(body, "stop_sequences", limit=4) if body.get("stop_sequences") is not None else ()
+    if body.get("stop_sequences") is not None and not isinstance(body["stop_sequences"], list):
+        raise invalid_type("stop_sequences", "an array of strings")  # unlike OpenAI `stop`, never a bare string
+    stops = f.stop_strings(body, "stop_sequences", limit=4)
     return GenerationOptions(
         max_tokens=max_tokens,
         temperature=f.opt_number(body, "temperature", 0.0, 1.0),

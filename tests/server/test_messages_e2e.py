@@ -140,6 +140,9 @@ async def test_errors_count_tokens_and_prefill(start_server):
         assert r.status_code == 400 and body["type"] == "error"
         assert body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
         assert body["request_id"] == r.headers["request-id"]
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI, "stop_sequences": "END"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "stop_sequences" in r.json()["error"]["message"]
         r = await c.post("/v1/messages", content=b"{oops")
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = await c.post("/v1/messages", json={"model": "m", "messages": [
@@ -286,3 +289,15 @@ async def test_thinking_budget_checked_against_the_default_max_tokens(start_serv
         r = await c.post("/v1/messages", json={"model": "m", "messages": HI,
                                                "thinking": {"type": "enabled", "budget_tokens": 1024}})
         assert r.status_code == 200 and r.json()["content"][0]["type"] == "thinking"
+
+
+async def test_every_sdk_effort_value_is_accepted(start_server):
+    """output_config.effort takes the protocol's whole value set, xhigh included."""
+    srv = await start_server("--max-context", "1024")
+    client = anthropic.AsyncAnthropic(base_url=srv.url, api_key="x")
+    for effort in ("low", "medium", "high", "xhigh", "max"):
+        m = await client.messages.create(model="m", max_tokens=2, messages=HI, output_config={"effort": effort})
+        assert m.usage.output_tokens > 0
+        n = await client.messages.count_tokens(model="m", messages=HI, output_config={"effort": effort})
+        assert n.input_tokens > 0
+    await client.close()

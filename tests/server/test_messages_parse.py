@@ -156,6 +156,7 @@ def test_max_tokens_and_sampling():
     fails("invalid_value", "temperature", temperature=1.5)
     fails("invalid_type", "top_k", top_k="3")
     fails("invalid_value", "stop_sequences", stop_sequences=[""])
+    fails("invalid_type", "stop_sequences", stop_sequences="END")  # an array, never a bare string
 
 
 def test_thinking_modes_budget_and_effort():
@@ -172,7 +173,8 @@ def test_thinking_modes_budget_and_effort():
     fails("missing_required_parameter", "thinking.budget_tokens", thinking={"type": "enabled"})
     fails("unsupported_parameter", "thinking.display", thinking={"type": "adaptive", "display": "omitted"})
     fails("invalid_value", "thinking.type", thinking={"type": "auto"})
-    assert parse(output_config={"effort": "high"}).conversation.options.reasoning_effort == "high"
+    for effort in ("low", "medium", "high", "xhigh", "max"):  # the protocol's values reach the template
+        assert parse(output_config={"effort": effort}).conversation.options.reasoning_effort == effort
     fails("invalid_value", "output_config.effort", output_config={"effort": "extreme"})
     fails("unsupported_parameter", "output_config.format", output_config={"format": {"type": "json_schema"}})
     fails("conflicting_template_option", "thinking", thinking={"type": "disabled"},
