@@ -23,7 +23,8 @@ Handler = Callable[["Exchange"], Awaitable[None]]
 CORS_HEADERS = [(b"access-control-allow-origin", b"*"), (b"access-control-expose-headers", b"*")]
 PREFLIGHT_HEADERS = [
     (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-    (b"access-control-allow-headers", b"*"),
+    # The Fetch standard's wildcard never covers Authorization: a browser's Bearer client needs it named.
+    (b"access-control-allow-headers", b"authorization, *"),
     (b"access-control-max-age", b"600"),
 ]
 
@@ -149,9 +150,12 @@ class App:
             return
         auth = request.headers.get("authorization", "")
         bearer = auth[7:] if auth[:7].lower() == "bearer " else None
-        given = bearer if bearer is not None else request.headers.get("x-api-key")
-        if given is None or not secrets.compare_digest(given.encode(), self.api_key.encode()):
-            raise ProtocolError("invalid_api_key", "Missing or invalid API key (Authorization: Bearer or x-api-key).")
+        # Either header may carry the key (SDKs of both families send their own, some clients both):
+        # one that matches is enough, whatever the other says.
+        for given in (bearer, request.headers.get("x-api-key")):
+            if given is not None and secrets.compare_digest(given.encode(), self.api_key.encode()):
+                return
+        raise ProtocolError("invalid_api_key", "Missing or invalid API key (Authorization: Bearer or x-api-key).")
 
     async def _preflight(self, send: Send) -> None:
         # Preflight is never authenticated; without --cors it advertises nothing.

@@ -74,6 +74,11 @@ async def test_api_key(start_server):
         assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})).status_code == 200
         assert (await c.get("/v1/models", headers={"x-api-key": "sekret"})).status_code == 200
         assert (await c.get("/metrics", headers={"x-api-key": "sekret"})).status_code == 200
+        for both in ({"Authorization": "Bearer wrong", "x-api-key": "sekret"},
+                     {"Authorization": "Bearer sekret", "x-api-key": "wrong"}):  # one match is enough
+            assert (await c.get("/v1/models", headers=both)).status_code == 200
+        both_wrong = {"Authorization": "Bearer wrong", "x-api-key": "nope"}
+        assert (await c.get("/v1/models", headers=both_wrong)).status_code == 401
 
 
 @pytest.mark.parametrize("cors", [True, False])
@@ -88,6 +93,8 @@ async def test_cors(start_server, cors):
         assert pre.status_code == 204  # preflight needs no key
         assert pre.headers["access-control-allow-origin"] == "*"
         assert "POST" in pre.headers["access-control-allow-methods"]
+        # A browser's Bearer client: the wildcard alone would not admit Authorization.
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower().split(", ")
         assert r.headers["access-control-allow-origin"] == "*"
     else:
         assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
