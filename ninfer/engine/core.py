@@ -482,7 +482,12 @@ class EngineCore:
         self.scheduler.release(seq)
         seq.finish = (reason, detail)
         self.counters.outcome(reason)
-        self.counters.duration.observe(now - seq.t_submit)
+        # Every settled request, cancelled ones included, lands in both histograms: one that never
+        # left the queue (admission observes the others) queued until now. The duration starts where
+        # the TTFT does, at preparation, so a request's TTFT never exceeds its duration.
+        if seq.t_admit is None:
+            self.counters.queue.observe(now - seq.t_submit)
+        self.counters.duration.observe(now - seq.t_reserve)
         self._emit(seq, self._finished_event(seq, reason, detail, now))
 
     def _finished_event(self, seq: Sequence, reason: str, detail: str, now: float) -> Finished:

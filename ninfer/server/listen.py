@@ -31,12 +31,19 @@ def configure_socket(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
+class ListenError(Exception):
+    """The listen address cannot be bound (in use, not local, unresolvable)."""
+
+
 class _Config(Config):
+    bound: Sockets | None = None  # the sockets ``bind`` made; hypercorn serves these
+
     def create_sockets(self) -> Sockets:
-        sockets = super().create_sockets()
-        for sock in sockets.insecure_sockets:
-            configure_socket(sock)
-        return sockets
+        if self.bound is None:
+            self.bound = super().create_sockets()
+            for sock in self.bound.insecure_sockets:
+                configure_socket(sock)
+        return self.bound
 
 
 def hypercorn_config(host: str, port: int) -> Config:
@@ -49,9 +56,20 @@ def hypercorn_config(host: str, port: int) -> Config:
     return config
 
 
-async def serve(app: Any, host: str, port: int, *,
+def bind(host: str, port: int) -> Config:
+    """Bind the listening sockets now, so that an address in use or not local fails startup with
+    one clear ``ListenError`` instead of a traceback from inside the server's task group."""
+    config = hypercorn_config(host, port)
+    try:
+        config.create_sockets()
+    except OSError as e:
+        raise ListenError(f"cannot listen on {config.bind[0]}: {e.strerror or e}") from None
+    return config
+
+
+async def serve(app: Any, config: Config, *,
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` until ``shutdown_trigger`` returns; ``task_status`` gets the bound URLs."""
-    await hypercorn_serve(app, hypercorn_config(host, port), shutdown_trigger=shutdown_trigger,
-                          task_status=task_status)
+    """Serve ``app`` on the sockets ``bind`` made until ``shutdown_trigger`` returns; ``task_status``
+    gets the bound URLs."""
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -197,6 +197,10 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
             app = App(state, api_key=args.api_key, cors=args.cors, max_request_mib=args.max_request_mib,
                       keepalive_s=keepalive_s)
             routes.install(app)
+            try:
+                bound = listen.bind(args.host, args.port)
+            except listen.ListenError as e:
+                raise StartupError(str(e)) from None
             if request_log is not None:
                 _log_server_start(request_log, path, art, model_id, engine, args, argv or [], facts)
             async with trio.open_nursery() as nursery:
@@ -204,8 +208,7 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
                     nursery.start_soon(throughput_loop, engine, request_log, args.log_stats_interval_ms / 1000.0)
 
                 async def serve_then_stop(task_status: trio.TaskStatus[list[str]]) -> None:
-                    await listen.serve(app, args.host, args.port, shutdown_trigger=shutdown_trigger,
-                                       task_status=task_status)
+                    await listen.serve(app, bound, shutdown_trigger=shutdown_trigger, task_status=task_status)
                     nursery.cancel_scope.cancel()  # the server is down: stop the stats loop too
 
                 binds = await nursery.start(serve_then_stop)
@@ -333,11 +336,13 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
             await run_server(args, argv, shutdown_trigger=on_signal)
 
+    from ninfer.artifact.errors import ArtifactError
     from ninfer.engine.errors import EngineError
 
     try:
         trio.run(run)
-    except (StartupError, EngineError) as e:  # e.g. a malformed --context-cost-presets file
+    # e.g. a malformed --context-cost-presets file, or an artifact that is truncated or not one
+    except (StartupError, EngineError, ArtifactError) as e:
         log.debug("startup failed", exc_info=e)  # the traceback, for --log-level debug only
         print(f"ninfer serve: {e}", file=sys.stderr)
         return 1

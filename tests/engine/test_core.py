@@ -322,6 +322,8 @@ def test_cancellation_at_every_stage_frees_everything(stage):
         assert [t.kind for t in f.scheduling.transitions][-3:] == ["pause_started", "paused", "terminal"]
     for s in (a, b, c):
         assert sum(isinstance(e, Finished) for e in s.outbox) == 1
+    # Every settled request is in both histograms, the one cancelled in the queue too.
+    assert d.core.counters.queue.count == d.core.counters.duration.count == 3
     assert_no_leaks(d)
 
 

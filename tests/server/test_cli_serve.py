@@ -47,6 +47,12 @@ def test_startup_failures_are_clear(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(tmp_path / "missing.ninfer")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "does not exist" in r.stderr
+    bad = tmp_path / "bad.ninfer"
+    bad.write_bytes(b"not an artifact at all, but long enough to hold a preamble")
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(bad), "--port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"ninfer serve: {bad}: not a .ninfer artifact")
 
 
 def test_malformed_context_cost_presets_abort_startup(tiny_artifact, tmp_path):
@@ -62,6 +68,20 @@ def test_request_log_path_checks(tiny_artifact, tmp_path):
         r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
                             "--request-log-jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr
+
+
+def test_listen_address_in_use_is_one_clear_line(tiny_artifact):
+    """A port another process holds (or a host that is not local) ends startup with one line, status 1."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", port,
+                            "--log-level", "warning"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == [f"ninfer serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
 def test_cuda_bindings_without_a_driver_mean_no_gpu(monkeypatch, capsys):
