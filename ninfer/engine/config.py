@@ -1,7 +1,7 @@
-"""Engine options: the one definition of their names, defaults and valid ranges.
+"""Engine options: their names, defaults and valid ranges as the Engine enforces them.
 
-The CLI builds its ``ninfer serve`` flags from :data:`OPTION_HELP` and these defaults, so a default
-lives here only (spec: "Server options").
+``ninfer serve``'s flags, their help and the defaults a user sees are ``ninfer/options.py``'s (spec:
+"Server options"); an Engine built without the CLI (tests, ``ninfer bench engine``) takes these.
 """
 
 from __future__ import annotations
@@ -111,26 +111,3 @@ class EngineConfig:
     def sequence_limit(self) -> int:
         """Longest sequence one request may hold: the context ceiling, bounded by the KV pool."""
         return min(self.max_context, self.kv_pages * self.page_size)
-
-
-OPTION_HELP = {
-    "max_concurrency": "resident execution lanes; valid range 1..8",
-    "max_pending_requests": "additional requests allowed to wait for admission",
-    "pending_timeout_ms": "maximum preparation-plus-admission wait",
-    "prefill_chunk": "text-prefill chunk",
-    "max_context": "logical context ceiling of each sequence",
-    "kv_capacity": "shared Main KV capacity in tokens (omitted: follows --max-context)",
-    "page_size": "tokens per KV page (power of two)",
-    "prefix_reuse": "compatible-prefix caching",
-    "host_context_mib": "shared Host budget for pause snapshots (0 disables)",
-    "device_state_slots": "extra Device StateImages beyond max-concurrency",
-    "context_cost_presets": "optional runtime context-cost preset registry (JSON file)",
-    "temperature": "process-level temperature override",
-    "top_p": "process-level top-p override",
-    "top_k": "process-level top-k override (0..20; zero selects the top-20 cap)",
-    "min_p": "process-level min-p override",
-    "presence_penalty": "process-level presence-penalty override",
-    "frequency_penalty": "process-level frequency-penalty override",
-    "seed": "fixed seed when a request omits one",
-    "greedy": "force exact argmax for all requests",
-}
