@@ -27,8 +27,23 @@ key_dim]`` and beta | decay ``[rows, 2 v_heads]``; ``deltanet_scan_k{DK}_v{DV}``
 SCAN_SPLITS, n_seqs)``, each block half the state columns, four lanes a column, q/k of the next
 token staged in shared memory while this one computes: one barrier a token) writes the ungated
 output; ``deltanet_gated_norm_v{DV}`` (grid ``(rows, v_heads)``) applies ``norm(o) * w * silu(z)``.
-This is still the per-token (recurrent) form, on CUDA cores; the chunked tensor-core form is not
-built yet.
+That scan is the per-token (recurrent) form.
+
+The chunked form (the reference's ``chunked``, CHUNK = 64 tokens; off by default,
+``HybridForward.chunked_rule``) replaces the scan with two launches, fp32 on CUDA cores (no tensor
+cores yet). ``deltanet_chunk_prep_k{DK}_v{DV}`` (grid ``(v_heads, ceil(seq_rows / 64), n_seqs)``,
+128 threads) works on every chunk at once: g recomputed from the projection (``gates`` holds e^g),
+its cumulative sum, ``A = (beta k) k^T`` and ``P = q k^T`` (times ``e^(cum_i - cum_j)``, A strictly
+and P inclusively lower) over key dims staged 16 at a time, then the forward substitution ``(I + A)
+x = [v beta | k beta e^cum]`` a column a thread with x in shared memory (the reference's
+``_unit_lower_solve``), giving U and W. It writes, per (sequence, value head, chunk), ``cum [64] | W
+[64, DK] | U [64, DV] | P [64, 64]`` (``chunk_floats``; rows past a partial chunk's end are left
+unwritten and never read). ``deltanet_chunk_scan_k{DK}_v{DV}`` (grid ``(v_heads, DV / 16,
+n_seqs)``, 128 threads) walks the chunks in order, each block owning 16 columns of one head's state
+(eight adjacent lanes a column, rows ``g, g + 8, ...`` in registers; partial dot products meet by
+three shuffles): ``V' = U - W S``, ``o = (q e^cum) S + P V'`` into ``o_raw`` as the scan writes it,
+``S = e^cum_end S + (k e^(cum_end - cum))^T V'``, the staged matrix (W, q, P, k in turn) sharing
+one shared buffer; the state is read from and written back to the StateImage as the scan does.
 """
 
 from __future__ import annotations
@@ -280,6 +295,247 @@ def make_gated_norm(DV):
     return gated_norm
 
 
+CHUNK = 64  # tokens per chunk of the chunked form (the reference's CHUNK)
+CHUNK_THREADS = 128  # both chunked kernels
+CHUNK_COLS = 16  # state columns a chunk_scan block owns
+CHUNK_LANES = 8  # adjacent lanes sharing one state column in chunk_scan (rows g, g + 8, ...)
+CHUNK_SLICE = 16  # key dims staged per step of chunk_prep's q k^T
+
+
+def chunk_floats(DK, DV):
+    """Scratch floats per (sequence, value head, chunk): cum [C] | W [C, DK] | U [C, DV] | P [C, C]."""
+    return CHUNK + CHUNK * DK + CHUNK * DV + CHUNK * CHUNK
+
+
+def make_chunk_prep(DK, DV):
+    """Per (value head, chunk, sequence) what the sequential pass needs (the reference's ``chunked``):
+    ``cum`` (cumulative log decay), ``W`` and ``U`` (forward substitution of ``(I + A) x = [k beta
+    e^cum | v beta]``, the U columns first as the reference's rhs) and ``P`` (q k^T times the decay
+    ratios, causal with the diagonal). Rows past the end of a partial chunk are not written."""
+    FLOATS = chunk_floats(DK, DV)
+    SOLVE = min(CHUNK_THREADS, DK + DV)  # columns solved per pass, one a thread
+    PASSES = (DK + DV) // SOLVE
+    SLICE = min(CHUNK_SLICE, DK)
+    HALF = CHUNK // 2  # P / A columns per thread: thread tid owns row tid % C, columns of half tid // C
+    PACKED = CHUNK * (CHUNK - 1) // 2  # A strictly lower, row i at i (i - 1) / 2
+    REGION = max(CHUNK * SOLVE, 2 * CHUNK * (SLICE + 1))  # the solve's x tile, or the staged k | q slices
+    STAGE = CHUNK * (SLICE + 1)  # k slice [C][SLICE + 1] then q slice: padded rows, no bank conflicts
+
+    def chunk_prep(scratch, qk, gates, mixed, proj, in_stride, dt_bias, a_log, seq_rows, n_k, n_v):
+        sh_cum = cuda.shared.array(CHUNK, float32)
+        sh_beta = cuda.shared.array(CHUNK, float32)
+        sh_a = cuda.shared.array(PACKED, float32)
+        sh = cuda.shared.array(REGION, float32)
+        head = cuda.blockIdx.x
+        chunk = cuda.blockIdx.y
+        seq = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        n_chunks = (seq_rows + CHUNK - 1) // CHUNK
+        n = min(CHUNK, seq_rows - chunk * CHUNK)  # tokens in this chunk
+        key_dim = n_k * DK
+        value_dim = n_v * DV
+        conv_dim = 2 * key_dim + value_dim
+        q_col = (head // (n_v // n_k)) * DK  # value head h reads key head h // (n_v / n_k)
+        v_col = 2 * key_dim + head * DV
+        row0 = int64(seq) * seq_rows + chunk * CHUNK
+        out = (int64(seq * n_v + head) * n_chunks + chunk) * FLOATS
+        w_at = out + CHUNK
+        u_at = w_at + CHUNK * DK
+        p_at = u_at + CHUNK * DV
+        # g from the projection as the reference computes it (gates hold e^g, whose log loses
+        # the small decays), beta from gates; the cumulative sum in token order, as np.cumsum.
+        if tid < n:
+            r = row0 + tid
+            a = proj[r * in_stride + conv_dim + value_dim + n_v + head]
+            sh_cum[tid] = -math.exp(a_log[head]) * softplus(a + dt_bias[head])
+            sh_beta[tid] = gates[r * 2 * n_v + head]
+        cuda.syncthreads()
+        if tid == 0:
+            total = float32(0.0)
+            for t in range(n):
+                total += sh_cum[t]
+                sh_cum[t] = total
+        cuda.syncthreads()
+        if tid < n:
+            scratch[out + tid] = sh_cum[tid]
+        # A[i, j] = (beta_i k_i) . k_j e^(cum_i - cum_j) (j < i) and P[i, j] = q_i . k_j e^(cum_i - cum_j)
+        # (j <= i): thread tid owns row i, columns half * HALF .., over DK in slices staged in shared.
+        i = tid % CHUNK
+        half = tid // CHUNK
+        acc_k = cuda.local.array(HALF, float32)
+        acc_q = cuda.local.array(HALF, float32)
+        for jj in range(HALF):
+            acc_k[jj] = float32(0.0)
+            acc_q[jj] = float32(0.0)
+        beta_i = sh_beta[i] if i < n else float32(0.0)
+        for d0 in range(0, DK, SLICE):
+            for e in range(tid, CHUNK * SLICE, CHUNK_THREADS):
+                t = e // SLICE
+                d = e % SLICE
+                k_e = q_e = float32(0.0)
+                if t < n:
+                    r = row0 + t
+                    q_e = qk[r * 2 * key_dim + q_col + d0 + d]
+                    k_e = qk[r * 2 * key_dim + key_dim + q_col + d0 + d]
+                sh[t * (SLICE + 1) + d] = k_e
+                sh[STAGE + t * (SLICE + 1) + d] = q_e
+            cuda.syncthreads()
+            for d in range(SLICE):
+                kb = sh[i * (SLICE + 1) + d] * beta_i  # k_beta = k * beta, as the reference
+                q_i = sh[STAGE + i * (SLICE + 1) + d]
+                for jj in range(HALF):
+                    k_j = sh[(half * HALF + jj) * (SLICE + 1) + d]
+                    acc_k[jj] += kb * k_j
+                    acc_q[jj] += q_i * k_j
+            cuda.syncthreads()
+        if i < n:
+            cum_i = sh_cum[i]
+            for jj in range(HALF):
+                j = half * HALF + jj
+                p = float32(0.0)
+                if j <= i:
+                    ratio = math.exp(cum_i - sh_cum[j])
+                    p = acc_q[jj] * ratio
+                    if j < i:
+                        sh_a[i * (i - 1) // 2 + j] = acc_k[jj] * ratio
+                scratch[p_at + i * CHUNK + j] = p
+        cuda.syncthreads()
+        # (I + A) x = rhs by forward substitution, a column a thread, x in shared: the reference's
+        # x_i = rhs_i - sum_{j < i} A[i, j] x_j with the sum in token order. Columns 0 .. DV are U.
+        if tid < SOLVE:
+            for part in range(PASSES):
+                col = part * SOLVE + tid
+                for t in range(n):
+                    r = row0 + t
+                    if col < DV:
+                        rhs = mixed[r * conv_dim + v_col + col] * sh_beta[t]
+                    else:
+                        rhs = (qk[r * 2 * key_dim + key_dim + q_col + col - DV] * sh_beta[t]) * math.exp(sh_cum[t])
+                    acc = float32(0.0)
+                    row = t * (t - 1) // 2
+                    for j in range(t):
+                        acc += sh_a[row + j] * sh[j * SOLVE + tid]
+                    x = rhs - acc
+                    sh[t * SOLVE + tid] = x
+                    if col < DV:
+                        scratch[u_at + t * DV + col] = x
+                    else:
+                        scratch[w_at + t * DK + col - DV] = x
+
+    return chunk_prep
+
+
+def make_chunk_scan(DK, DV):
+    """Sequential over the chunks of one sequence, a block per (value head, CHUNK_COLS columns of its
+    state): ``V' = U - W S``, ``o = (q e^cum) S + P V'``, ``S = e^cum_end S + (k e^(cum_end - cum))^T V'``
+    (the reference's ``chunked`` loop). Lanes ``8c .. 8c + 7`` hold column ``c``, lane ``g`` its rows
+    ``g, g + 8, ...`` in registers; their partial dot products meet by three shuffles."""
+    FLOATS = chunk_floats(DK, DV)
+    G = CHUNK_LANES
+    ROWS = DK // G
+    COLS = CHUNK_COLS
+    STRIDE = COLS + 4  # padded rows of the [C][COLS] tiles: lanes g, columns c hit distinct banks
+    WIDE = max(DK, CHUNK)  # the staged matrix: W, q e^cum, P, then k e^(cum_end - cum)
+    PSTEPS = CHUNK // G
+    M_SIZE = CHUNK * WIDE
+    TILE = CHUNK * STRIDE
+
+    def chunk_scan(scratch, qk, o_out, states, slot_stride, lanes, seq_rows, n_k, n_v):
+        sh_cum = cuda.shared.array(CHUNK, float32)
+        sh_m = cuda.shared.array(M_SIZE, float32)
+        sh_v = cuda.shared.array(TILE, float32)  # V'
+        sh_o = cuda.shared.array(TILE, float32)  # (q e^cum) S
+        head = cuda.blockIdx.x
+        seq = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        c = tid // G
+        g = tid % G
+        j = cuda.blockIdx.y * COLS + c  # the state column (value dim) this lane works on
+        n_chunks = (seq_rows + CHUNK - 1) // CHUNK
+        key_dim = n_k * DK
+        value_dim = n_v * DV
+        q_col = (head // (n_v // n_k)) * DK
+        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + g * DV + j
+        s = cuda.local.array(ROWS, float32)
+        upd = cuda.local.array(ROWS, float32)
+        for r in range(ROWS):
+            s[r] = states[base + r * G * DV]
+        for chunk in range(n_chunks):
+            n = min(CHUNK, seq_rows - chunk * CHUNK)
+            row0 = int64(seq) * seq_rows + chunk * CHUNK
+            at = (int64(seq * n_v + head) * n_chunks + chunk) * FLOATS
+            w_at = at + CHUNK
+            u_at = w_at + CHUNK * DK
+            p_at = u_at + CHUNK * DV
+            if tid < n:
+                sh_cum[tid] = scratch[at + tid]
+            for e in range(tid, n * DK, CHUNK_THREADS):
+                sh_m[e] = scratch[w_at + e]
+            cuda.syncthreads()
+            # V' = U - W S
+            for t in range(n):
+                part = float32(0.0)
+                for r in range(ROWS):
+                    part += sh_m[t * DK + g + r * G] * s[r]
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 4)
+                if g == 0:
+                    sh_v[t * STRIDE + c] = scratch[u_at + t * DV + j] - part
+            cuda.syncthreads()
+            for e in range(tid, n * DK, CHUNK_THREADS):
+                t = e // DK
+                sh_m[e] = qk[(row0 + t) * 2 * key_dim + q_col + e % DK] * math.exp(sh_cum[t])
+            cuda.syncthreads()
+            # (q e^cum) S
+            for t in range(n):
+                part = float32(0.0)
+                for r in range(ROWS):
+                    part += sh_m[t * DK + g + r * G] * s[r]
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 4)
+                if g == 0:
+                    sh_o[t * STRIDE + c] = part
+            cuda.syncthreads()
+            for e in range(tid, n * CHUNK, CHUNK_THREADS):
+                sh_m[e] = scratch[p_at + e]
+            cuda.syncthreads()
+            # o = (q e^cum) S + P V': lane g takes tokens g, g + 8, ... of each row's causal sum
+            for t in range(n):
+                part = float32(0.0)
+                for m in range(PSTEPS):
+                    jt = g + m * G
+                    if jt <= t:
+                        part += sh_m[t * CHUNK + jt] * sh_v[jt * STRIDE + c]
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 4)
+                if g == 0:
+                    o_out[(row0 + t) * value_dim + head * DV + j] = sh_o[t * STRIDE + c] + part
+            cuda.syncthreads()
+            end = sh_cum[n - 1]  # a partial chunk ends at its last token (the reference pads with g = 0)
+            for e in range(tid, n * DK, CHUNK_THREADS):
+                t = e // DK
+                sh_m[e] = qk[(row0 + t) * 2 * key_dim + key_dim + q_col + e % DK] * math.exp(end - sh_cum[t])
+            cuda.syncthreads()
+            # S = e^end S + (k e^(end - cum))^T V'
+            for r in range(ROWS):
+                upd[r] = float32(0.0)
+            for t in range(n):
+                v = sh_v[t * STRIDE + c]
+                for r in range(ROWS):
+                    upd[r] += sh_m[t * DK + g + r * G] * v
+            chunk_decay = math.exp(end)
+            for r in range(ROWS):
+                s[r] = s[r] * chunk_decay + upd[r]
+            cuda.syncthreads()  # sh_m, sh_v and sh_cum are rewritten by the next chunk
+        for r in range(ROWS):
+            states[base + r * G * DV] = s[r]
+
+    return chunk_scan
+
+
 KERNELS = {
     "deltanet_conv": (deltanet_conv, (F32P, F32P, int32, F32P, int64, I32P, int32, int32, F32P),
                       {"threads": CONV_THREADS, "kernel": CONV_KERNEL, "grid_wait": 1}),
@@ -294,5 +550,11 @@ for _d in HEAD_DIMS:
     KERNELS[f"deltanet_scan_k{_d}_v{_d}"] = (
         make_scan(_d, _d), (F32P, F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32),
         {"threads": 4 * _d // SCAN_SPLITS, "splits": SCAN_SPLITS})
+    KERNELS[f"deltanet_chunk_prep_k{_d}_v{_d}"] = (
+        make_chunk_prep(_d, _d), (F32P, F32P, F32P, F32P, F32P, int32, F32P, F32P, int32, int32, int32),
+        {"threads": CHUNK_THREADS, "chunk": CHUNK, "chunk_floats": chunk_floats(_d, _d)})
+    KERNELS[f"deltanet_chunk_scan_k{_d}_v{_d}"] = (
+        make_chunk_scan(_d, _d), (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32),
+        {"threads": CHUNK_THREADS, "splits": _d // CHUNK_COLS, "chunk": CHUNK, "chunk_floats": chunk_floats(_d, _d)})
     KERNELS[f"deltanet_gated_norm_v{_d}"] = (make_gated_norm(_d), (F32P, F32P, F32P, int32, int32, int32, F32P, float32),
                                              {"threads": max(32, _d)})

@@ -4,7 +4,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
-                                     [--moe-gemms-ablation 'GATE_UP,DOWN;...']
+                                     [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -179,6 +179,7 @@ def bench_ttft(runner, conversation_tokens: int = CONVERSATION) -> dict:
 
 
 def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
+    from ninfer.backends.cuda.hybrid_forward import HybridForward
     from ninfer.backends.cuda.hybrid_runner import CudaHybridRunner
 
     device = rt.Device(0)
@@ -189,10 +190,13 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     max_context = max(args.context + args.steps + 8, args.prefill, CONVERSATION + TURN)
     pages = -(-max_context // PAGE)
+    chunked_default = HybridForward.chunked_rule
+    HybridForward.chunked_rule = chunked_default or args.chunked_rule_ablation  # the buffers carve its scratch
     runner = CudaHybridRunner.from_device_weights(
         config, ptrs, device=device, page_size=PAGE, num_pages=max(max(batches), 2) * pages,
         max_batch=max(max(batches), 2), max_context=max_context, max_prefill_rows=512, prefill_gemm="cublaslt",
         state_slots=1)
+    HybridForward.chunked_rule = runner.forward.chunked_rule = chunked_default
     report = {"weights_gb": sum(p.nbytes for p in ptrs.values()) / 1e9, "weights_made_s": made_s,
               "startup": runner.startup, "decode": []}
     print(f"ours: {report['weights_gb']:.1f} GB of weights made in {made_s:.1f} s; startup",
@@ -222,6 +226,16 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     report["ttft"] = r = bench_ttft(runner)
     print(f"ours TTFT of a {TURN}-token turn after {CONVERSATION} tokens: cold {r['cold_ms']:.0f} ms, "
           f"reused {r['reused_ms']:.1f} ms ({r['speedup']:.0f}x)", flush=True)
+    if args.chunked_rule_ablation:  # prefill again with the delta rule's other form
+        runner.forward.chunked_rule = not chunked_default
+        label = f"chunked_rule {runner.forward.chunked_rule}"
+        if args.prefill:
+            report["prefill_chunked_rule"] = r = bench_prefill(runner, args.prefill)
+            print(f"ours prefill, {label}, {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s",
+                  flush=True)
+        report["ttft_chunked_rule"] = r = bench_ttft(runner)
+        print(f"ours TTFT, {label}: cold {r['cold_ms']:.0f} ms, reused {r['reused_ms']:.1f} ms", flush=True)
+        runner.forward.chunked_rule = chunked_default
     runner.close()
     del tensors, ptrs
     torch.cuda.empty_cache()
@@ -361,6 +375,9 @@ def main(argv=None) -> int:
                         help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
                         help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
+    parser.add_argument("--chunked-rule-ablation", action="store_true",
+                        help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
+                             "flipped)")
     args = parser.parse_args(argv)
     import torch
 

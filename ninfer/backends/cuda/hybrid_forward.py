@@ -45,7 +45,14 @@ from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
 # The variants numba_kernels/deltanet.py and gated_attention.py build (PTX in ptx/).
 CONV_KERNEL = 4
 DELTANET_HEAD_DIMS = (16, 32, 64, 128)
+DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def deltanet_chunk_floats(config: HybridConfig) -> int:
+    """Floats of ``deltanet_chunk_prep``'s scratch per (value head, chunk): cum | W | U | P."""
+    c, dk, dv = DELTANET_CHUNK, config.linear_k_head_dim, config.linear_v_head_dim
+    return c + c * dk + c * dv + c * c
 
 
 def check_supported(config: HybridConfig, kv_dtype: str) -> None:
@@ -75,7 +82,10 @@ def check_supported(config: HybridConfig, kv_dtype: str) -> None:
 class HybridBuffers:
     def __init__(self, device: rt.Device, config: HybridConfig, *, page_size: int, num_pages: int, max_batch: int,
                  max_context: int, max_rows: int, kv_dtype: str, state_slots: int,
-                 tensor_core_prefill: bool = False):
+                 tensor_core_prefill: bool = False, chunked_rule: bool | None = None):
+        """``chunked_rule`` (default ``HybridForward.chunked_rule``): carve the chunked delta rule's
+        scratch, ``ceil(rows / 64)`` chunks x value heads x ``deltanet_chunk_floats`` (about 1.3 KB a
+        row a value head at head dim 128), so a forward can switch to that form."""
         c = config
         self.rows = R = max(max_rows, max_batch)
         self.max_pages = -(-max_context // page_size)
@@ -102,6 +112,11 @@ class HybridBuffers:
             "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
             "states": max(1, (max_batch + state_slots) * c.state_floats * f32),
         }
+        if chunked_rule is None:
+            chunked_rule = HybridForward.chunked_rule
+        if chunked_rule:
+            chunks = -(-R // DELTANET_CHUNK)
+            plan["chunks"] = chunks * c.linear_num_v_heads * deltanet_chunk_floats(c) * f32
         if MOE in c.mlp_types:
             plan["moe"] = moe.CudaMoe.scratch_bytes(c, R)
         if tensor_core_prefill:  # bf16 copies of prefill activations and cuBLASLt's workspace
@@ -131,6 +146,12 @@ class HybridBuffers:
 class HybridForward(Forward):
     """Enqueues the launches of one step; reads inputs and weights only from static addresses."""
 
+    # Prefill's delta rule in the chunked form (deltanet_chunk_prep + deltanet_chunk_scan) instead of
+    # the per-token scan. Off until timed on the GPU (tools/bench_deltanet_gpu.py, docs/hybrid.md);
+    # set it before the HybridBuffers are built (they carve its scratch then), or per instance after
+    # building buffers with ``chunked_rule=True``.
+    chunked_rule = False
+
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
         super().__init__(kernels, config, weights, buffers, page_size=page_size, kv_dtype=kv_dtype, lt=lt)
@@ -138,6 +159,7 @@ class HybridForward(Forward):
         dk, dv = c.linear_k_head_dim, c.linear_v_head_dim
         self.rule_name = f"deltanet_rule_k{dk}_v{dv}"
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
+        self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
         # Prefill attention on the tensor cores where a variant exists (bf16 pool; forward.PREFILL_ATTENTION).
@@ -153,8 +175,8 @@ class HybridForward(Forward):
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
-        names += ["deltanet_conv", self.rule_name, *self.prefill_rule_names, self.qk_name, self.gated_attention_name,
-                  "gated_combine"]
+        names += ["deltanet_conv", self.rule_name, *self.prefill_rule_names, *self.chunked_rule_names, self.qk_name,
+                  self.gated_attention_name, "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
@@ -216,14 +238,28 @@ class HybridForward(Forward):
 
     def prefill_rule(self, p: str, state: rt.DevicePtr, rows: int, stream) -> None:
         """The delta rule over one sequence of ``rows`` tokens: the row-parallel parts (q/k norms,
-        gates; the gated norm) in their own launches, so the sequential scan does only the recurrence."""
+        gates; the gated norm) in their own launches, so the sequential scan does only the recurrence.
+        With ``chunked_rule`` the scan is two launches of the chunked form: every chunk's W, U and P
+        at once, then the walk over the chunks (numba_kernels/deltanet.py)."""
         c, b, w, k = self.c, self.b, self.w, self.k
         nk, nv = c.linear_num_k_heads, c.linear_num_v_heads
         prep, scan, norm = (k[name] for name in self.prefill_rule_names)
         prep.launch((rows, nk + 1), (prep.meta["threads"],),
                     (b.qk, b.gates, b.mixed, b.proj, nk, nv, c.in_proj_size, w[p + "dt_bias"], w[p + "A_log"]), stream)
-        scan.launch((nv, scan.meta["splits"], 1), (scan.meta["threads"],),
-                    (b.qk, b.gates, b.mixed, b.o_raw, state, c.state_floats, b.inputs.d_lanes, rows, nk, nv), stream)
+        if self.chunked_rule:
+            if not hasattr(b, "chunks"):
+                raise RuntimeError("chunked_rule needs HybridBuffers built with chunked_rule=True (its scratch)")
+            chunk_prep, chunk_scan = (k[name] for name in self.chunked_rule_names)
+            chunk_prep.launch((nv, -(-rows // chunk_prep.meta["chunk"]), 1), (chunk_prep.meta["threads"],),
+                              (b.chunks, b.qk, b.gates, b.mixed, b.proj, c.in_proj_size, w[p + "dt_bias"],
+                               w[p + "A_log"], rows, nk, nv), stream)
+            chunk_scan.launch((nv, chunk_scan.meta["splits"], 1), (chunk_scan.meta["threads"],),
+                              (b.chunks, b.qk, b.o_raw, state, c.state_floats, b.inputs.d_lanes, rows, nk, nv),
+                              stream)
+        else:
+            scan.launch((nv, scan.meta["splits"], 1), (scan.meta["threads"],),
+                        (b.qk, b.gates, b.mixed, b.o_raw, state, c.state_floats, b.inputs.d_lanes, rows, nk, nv),
+                        stream)
         norm.launch((rows, nv), (norm.meta["threads"],),
                     (b.core, b.o_raw, b.proj, c.in_proj_size, nk, nv, w[p + "linear_norm"], float(c.rms_norm_eps)),
                     stream)
