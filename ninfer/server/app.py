@@ -83,6 +83,12 @@ class App:
         self.cors = cors
         self.max_request_bytes = max_request_mib * 1024 * 1024
         self.keepalive_s = keepalive_s
+        # Request bodies in memory at once (spec: input memory is bounded by the outstanding-request
+        # count and --max-request-mib). Twice the Engine's lifetime capacity: its own reservation (a
+        # 429 with its JSONL record) stays the limit a client normally meets, while a flood of uploads
+        # that would all be refused anyway cannot hold more than this many bodies.
+        self.body_slots = 2 * state.engine.config.lifetime_capacity
+        self.bodies = 0  # handlers of body-carrying requests running now (one trio thread: no lock)
         self._routes: list[tuple[str, re.Pattern[str], Handler, str, bool]] = []
 
     def route(self, method: str, path: str, handler: Handler, *, family: str = "openai",
@@ -112,7 +118,10 @@ class App:
                 raise ProtocolError("not_found", f"No route for {request.method} {request.path}.")
             if not public:
                 self._authenticate(request)
-            await handler(ex)
+            if request.method == "POST":
+                await self._with_body_slot(handler, ex)
+            else:
+                await handler(ex)
         except ProtocolError as err:
             if ex.started:
                 self._response_failed()
@@ -127,6 +136,17 @@ class App:
                 self._response_failed()
             else:
                 await ex.send_error(ProtocolError("internal_error", "The server failed to process the request."))
+
+    async def _with_body_slot(self, handler: Handler, ex: Exchange) -> None:
+        """Run a POST handler holding one of ``body_slots``; none free: 429 before the body is read."""
+        if self.bodies >= self.body_slots:
+            raise ProtocolError("server_overloaded", f"The server is at capacity ({self.body_slots} requests "
+                                "in flight); retry later.")
+        self.bodies += 1
+        try:
+            await handler(ex)
+        finally:
+            self.bodies -= 1
 
     def _response_failed(self) -> None:
         """A failure after the response began (ninfer_response_failures_total)."""

@@ -72,6 +72,36 @@ async def test_overload_is_429_and_queue_timeout_is_503(start_server):
         await busy.aclose()
 
 
+async def test_request_bodies_in_memory_are_bounded(start_server):
+    # Lifetime capacity 1: at most two bodies in flight; a third upload is refused before it is read.
+    srv = await start_server("--max-concurrency", "1", "--max-pending-requests", "0")
+    release = trio.Event()
+    body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": 2}).encode()
+
+    async def slow_body():
+        yield body[:10]
+        await release.wait()
+        yield body[10:]
+
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        results = []
+
+        async def upload():
+            results.append(await c.post("/v1/chat/completions", content=slow_body(),
+                                        headers={"content-type": "application/json"}))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(upload)
+            n.start_soon(upload)
+            await wait_for(lambda: srv.app.bodies == 2)
+            third = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+            assert third.status_code == 429 and third.json()["error"]["code"] == "server_overloaded"
+            release.set()
+        # Once their bodies arrived, the Engine's own capacity decides: one runs, one is refused.
+        assert sorted(r.status_code for r in results) == [200, 429]
+        await wait_for(lambda: srv.app.bodies == 0)  # a handler may finish just after its response
+
+
 async def test_context_and_thinking_budget_rejections(start_server):
     srv = await start_server("--default-thinking-budget", "4")
     async with httpx.AsyncClient(base_url=srv.url) as c:
