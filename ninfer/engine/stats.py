@@ -173,6 +173,7 @@ def throughput(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
         "prefill_tokens_per_second": prefill / seconds,
         "decode_tokens_per_second": decode / seconds,
         "decode_rounds": rounds,
+        "decode_row_rounds": rows,
         "average_batch": rows / rounds if rounds else None,
         "preemptions": cur.preemptions_total - prev.preemptions_total,
         "snapshot_restores": cur.snapshot_restores_total - prev.snapshot_restores_total,

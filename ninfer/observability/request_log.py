@@ -21,19 +21,22 @@ SCHEMA_VERSION = 1
 COMMON_FIELDS = ("schema", "schema_version", "event", "timestamp_unix_ms", "server_instance_id")
 
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
-    "server_start": ("artifact", "architecture", "model_id", "backend", "engine", "sampling_overrides",
-                     "thinking", "argv"),
+    "server_start": ("artifact", "architecture", "model_id", "backend", "engine", "sampling_defaults",
+                     "sampling_overrides", "thinking", "argv"),
     "request_start": ("request_id", "request_seq", "protocol", "stream", "shape", "sampling", "max_tokens",
                       "requested_reasoning_effort", "enable_thinking", "preserve_thinking", "thinking_budget",
                       "prompt_tokens"),
     "request_rejected": ("request_id", "request_seq", "protocol", "phase", "shape", "requested_reasoning_effort",
                          "media_items", "status", "type", "code", "param", "message"),
     "request_done": ("request_id", "request_seq", "protocol", "result", "timings_seconds", "engine_timing",
-                     "generation"),
-    "request_error": ("request_id", "request_seq", "protocol", "phase", "message"),
+                     "first_output_timing", "generation"),
+    # The resolved configuration request_start logged, then the terminal message.
+    "request_error": ("request_id", "request_seq", "protocol", "stream", "shape", "sampling", "max_tokens",
+                      "requested_reasoning_effort", "enable_thinking", "preserve_thinking", "thinking_budget",
+                      "prompt_tokens", "phase", "message"),
     "request_scheduling": ("request_id", "request_seq", "transition"),
     "throughput": ("interval_seconds", "prefill_tokens", "decode_tokens", "generation_tokens", "scheduler",
-                   "decode_rounds", "average_batch", "context_cache"),
+                   "decode_rounds", "decode_row_rounds", "average_size", "context_cache", "host_work"),
 }
 
 

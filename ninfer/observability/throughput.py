@@ -43,14 +43,22 @@ def record(t: dict) -> dict:
     """The JSONL throughput fields (docs/request-log.md)."""
     scheduler = {k: t[k] for k in ("running", "prefilling", "decode_ready", "waiting", "paused", "replaying",
                                    "materializing")}
+    # Not tracked by this Engine: checkpoint captures run synchronously inside the step that plans
+    # them, and a terminal is delivered in the step that decides it, so neither has a pending count.
+    scheduler["capture_pending"] = None
+    scheduler["terminal_pending"] = None
     keep = ("interval_seconds", "prefill_tokens", "decode_tokens", "generation_tokens", "replayed_tokens",
-            "decode_rounds", "average_batch", "preemptions", "snapshot_restores", "replay_restores")
+            "decode_rounds", "decode_row_rounds", "preemptions", "snapshot_restores", "replay_restores")
     out = {k: t[k] for k in keep}
+    out["average_size"] = t["average_batch"]  # the spec's name: decode row-rounds / decode rounds
+    out["average_batch"] = t["average_batch"]  # the same value under its earlier name
     out["scheduler"] = scheduler
     out["context_cache"] = t["context_cache"]
     out["host_work"] = {"elapsed_seconds": t["host_work_seconds"], "device_wait_seconds": t["device_wait_seconds"],
                         "per_round_seconds": t["host_seconds_per_round"],
-                        "per_row_round_seconds": t["host_seconds_per_row_round"]}
+                        "per_row_round_seconds": t["host_seconds_per_row_round"],
+                        # The Engine counts Host phases, not work classes or stats-publication detail.
+                        "work_class_seconds": None, "detail_subset_seconds": None, "detail_invocations": None}
     return out
 
 

@@ -91,6 +91,7 @@ class GenerationSession:
         self._shape: dict = {}
         self._session: tuple[str | None, bool] = (None, True)
         self.prepare_seconds: float | None = None
+        self._config: dict = {}  # the resolved request configuration request_start logged
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -174,12 +175,15 @@ class GenerationSession:
         rl = self.state.request_log
         if rl is None:
             return
+        # request_error repeats this configuration: a request without an outcome still says what it asked for.
+        self._config = dict(
+            stream=self.stream, shape=self._shape, sampling=_resolved_sampling(self.handle.sampling),
+            max_tokens=request.max_tokens, requested_reasoning_effort=conv.options.reasoning_effort,
+            enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=conv.options.preserve_thinking,
+            thinking_budget=request.thinking.budget, prompt_tokens=len(request.prompt),
+            stop_strings=len(gen.stops), cache_boundaries=list(request.cache_boundaries))
         rl.write("request_start", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
-                 stream=self.stream, shape=self._shape, sampling=_resolved_sampling(self.handle.sampling),
-                 max_tokens=request.max_tokens, requested_reasoning_effort=conv.options.reasoning_effort,
-                 enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=conv.options.preserve_thinking,
-                 thinking_budget=request.thinking.budget, prompt_tokens=len(request.prompt),
-                 stop_strings=len(gen.stops), cache_boundaries=list(request.cache_boundaries))
+                 **self._config)
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -221,10 +225,13 @@ class GenerationSession:
         if finished is None:
             self._error("generation", "the engine ended the request without an outcome")
             raise RuntimeError("engine handle ended without a Finished event")
-        for out in self.decoder.finish():
-            if not isinstance(out, StopMatched):
-                yield out
-        yield self._done(finished)
+        # The outcome exists: flush the decoder and write request_done now, before the trailing
+        # output reaches the consumer, so a client leaving during that output cannot drop the terminal.
+        tail = [out for out in self.decoder.finish() if not isinstance(out, StopMatched)]
+        done = self._done(finished)
+        for out in tail:
+            yield out
+        yield done
 
     async def aclose(self) -> None:
         """Cancel the engine request if it is still running and give its capacity back (idempotent)."""
@@ -314,9 +321,11 @@ class GenerationSession:
                     "reasoning_tokens": u["reasoning_tokens"], "prefix_reuse_path": fin.prefix_reuse_path,
                     "tool_call_parse": stats.tool_call_parse, "generated_token_ids": list(fin.generated_token_ids),
                     "seed": fin.seed},
-            timings_seconds={"prepare": self.prepare_seconds, "queue": t.queue, "ttft": t.ttft, "vision": 0.0, "prefill": t.prompt,
-                             "decode": t.generation, "total": t.total},
-            engine_timing=attrs.asdict(fin.engine_timing),
+            # speculative: null, this build has no speculative backend (no MTP / DFlash rounds to count).
+            timings_seconds={"prepare": self.prepare_seconds, "queue": t.queue, "ttft": t.ttft, "vision": 0.0,
+                             "prefill": t.prompt, "decode": t.generation, "total": t.total, "speculative": None},
+            engine_timing=_engine_timing(fin.engine_timing),
+            first_output_timing=None if fin.first_output is None else attrs.asdict(fin.first_output),
             generation={"scheduling": attrs.asdict(fin.scheduling)},
         )
 
@@ -325,11 +334,21 @@ class GenerationSession:
         rl = self.state.request_log
         if rl is not None:
             rl.write("request_error", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
-                     phase=phase, message=message)
+                     **self._config, phase=phase, message=message)
 
 
 def _is_cancel(e: BaseException) -> bool:
     return isinstance(e, (trio.Cancelled, GeneratorExit))
+
+
+def _engine_timing(et: Any) -> dict[str, Any]:
+    """request_done.engine_timing: the Engine's flat figures plus the spec's ``decode`` and ``units``
+    objects. The Engine keeps one Host and one Device-wait total per request, not a decode-class
+    split, so the decode object's seconds are null (docs/request-log.md)."""
+    out = attrs.asdict(et)
+    out["decode"] = {"rounds": et.decode_rounds, "host_exposed_seconds": None, "device_wait_exposed_seconds": None}
+    out["units"] = {"prefill": et.prefill_units, "control": et.control_units}
+    return out
 
 
 def _resolved_sampling(row: Any) -> dict[str, Any]:

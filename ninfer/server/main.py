@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from ninfer.engine import EngineConfig, SamplingOverrides
+from ninfer.engine.sampling import preset_for
 from ninfer.observability import logs
 from ninfer.observability.metrics import Metrics
 from ninfer.observability.request_log import RequestLog, redact_argv
@@ -280,6 +281,10 @@ def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine
         kv_sizing=_kv_sizing(args, cfg, facts),
         # Device-only records: null on the reference backend.
         memory=_device_memory(facts), cuda_graph=_graph_allowance(args, facts), cuda=_cuda_environment(args, facts),
+        # The architecture presets a request starts from, by its initial thinking mode (the same
+        # artifact generation block the Engine resolves), before process flags and request fields.
+        sampling_defaults={"thinking": preset_for(art.generation, True),
+                           "non_thinking": preset_for(art.generation, False)},
         sampling_overrides={flag: getattr(args, flag) for flag in SAMPLING_FLAGS},
         thinking={"default_enabled": not args.no_thinking, "preserve_thinking": args.preserve_thinking,
                   "default_thinking_budget": args.default_thinking_budget,

@@ -1,0 +1,175 @@
+"""The JSONL request log against the spec's event contents (Structured request log), on the live server."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import httpx
+import trio
+
+from ninfer.engine.events import EngineTiming, Finished, SchedulingCounters, Timings, TokenDelta, Usage
+from ninfer.observability.request_log import COMMON_FIELDS, EVENT_FIELDS, RequestLog
+from ninfer.server.generation import GenerationSession
+from ninfer.text.output import OutputStats
+
+MODEL = "random-tiny-qwen3"
+HI = [{"role": "user", "content": "Hello there"}]
+
+
+def read_log(path) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in records:
+        missing = [k for k in COMMON_FIELDS + EVENT_FIELDS[rec["event"]] if k not in rec]
+        assert not missing, (rec["event"], missing)
+    return records
+
+
+def only(records: list[dict], event: str) -> dict:
+    found = [r for r in records if r["event"] == event]
+    assert len(found) == 1, (event, len(found))
+    return found[0]
+
+
+async def test_request_done_has_first_output_timing_and_speculative(start_server, tmp_path):
+    """Spec: request_done.first_output_timing (null only without output) and the speculative
+    object of timings_seconds; engine_timing's nested decode and units objects."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path))
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 4})
+    assert r.status_code == 200
+    done = only(read_log(path), "request_done")
+    first, timings = done["first_output_timing"], done["timings_seconds"]
+    assert first is not None
+    assert set(first) >= {"elapsed_seconds", "queue_seconds", "paused_seconds", "resident_seconds",
+                          "host_exposed_seconds", "device_wait_exposed_seconds", "prefill_tokens", "replayed_tokens"}
+    assert first["queue_seconds"] == timings["queue"] and first["elapsed_seconds"] == timings["ttft"]
+    assert first["prefill_tokens"] == done["result"]["computed_prefill_tokens"]
+    assert "speculative" in timings and timings["speculative"] is None  # no speculative backend in this build
+    et = done["engine_timing"]
+    assert et["units"] == {"prefill": et["prefill_units"], "control": et["control_units"]}
+    assert et["decode"]["rounds"] == et["decode_rounds"] == 3  # four outputs: the first comes from prefill
+
+
+async def test_request_error_carries_the_resolved_configuration(start_server, tmp_path):
+    """Spec: request_error contains the resolved request configuration and the terminal message."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path), scripted=True)
+    runner = start_server.runner
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        runner.gate.clear()  # hold the worker so the client leaves before the outcome
+        req = c.build_request("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": HI, "max_tokens": 50, "stream": True, "temperature": 0.5, "seed": 7})
+        resp = await c.send(req, stream=True)
+        lines = resp.aiter_lines()
+        await anext(lines)
+        await resp.aclose()
+        runner.gate.set()
+        with trio.fail_after(10):
+            while srv.state.engine.stats().requests_total.get("cancelled", 0) == 0:
+                await trio.sleep(0.01)
+    await trio.sleep(0.1)
+    records = read_log(path)
+    start, error = only(records, "request_start"), only(records, "request_error")
+    assert error["phase"] == "cancelled"
+    for key in ("stream", "shape", "sampling", "max_tokens", "requested_reasoning_effort", "enable_thinking",
+                "preserve_thinking", "thinking_budget", "prompt_tokens", "stop_strings", "cache_boundaries"):
+        assert error[key] == start[key], key
+    assert error["sampling"]["temperature"] == 0.5 and error["sampling"]["seed"] == 7 and error["max_tokens"] == 50
+
+
+async def test_server_start_records_the_sampler_defaults(start_server, tmp_path):
+    """Spec: server_start has the thinking/non-thinking sampler defaults plus the process overrides;
+    a request that sets nothing is sampled with its mode's default and the process flags."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path), "--top-k", "5")
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 1})
+    assert r.status_code == 200
+    records = read_log(path)
+    server, start = only(records, "server_start"), only(records, "request_start")
+    defaults = server["sampling_defaults"]
+    assert set(defaults) == {"thinking", "non_thinking"}
+    assert server["sampling_overrides"]["top_k"] == 5
+    mode = "thinking" if start["enable_thinking"] else "non_thinking"
+    expected = {**defaults[mode], "top_k": 5}
+    assert {k: v for k, v in start["sampling"].items() if k != "seed"} == expected
+
+
+async def test_throughput_uses_the_spec_names(start_server, tmp_path):
+    """Spec: JSONL average_size = decode row-rounds / decode rounds; the scheduler snapshot names
+    capture_pending and terminal_pending; host_work names its work-class and detail members."""
+    path = tmp_path / "tp.jsonl"
+    srv = await start_server("--log-stats-interval-ms", "50", "--request-log-jsonl", str(path), scripted=True)
+    start_server.runner.delay = 0.01
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 30})
+    assert r.status_code == 200
+    await trio.sleep(0.2)
+    tp = [rec for rec in read_log(path) if rec["event"] == "throughput"]
+    assert tp and sum(t["decode_rounds"] for t in tp) == 29
+    for t in tp:
+        rounds, rows = t["decode_rounds"], t["decode_row_rounds"]
+        assert t["average_size"] == (rows / rounds if rounds else None)
+        assert {"capture_pending", "terminal_pending"} <= set(t["scheduler"])
+        assert {"work_class_seconds", "detail_subset_seconds", "detail_invocations"} <= set(t["host_work"])
+
+
+class _Handle:
+    """An engine handle that has already returned its outcome."""
+
+    def __init__(self, events):
+        self._events = events
+
+    async def _iterate(self):
+        for ev in self._events:
+            yield ev
+
+    def __aiter__(self):
+        return self._iterate()
+
+    def stop(self):
+        pass
+
+    async def aclose(self):
+        pass
+
+
+class _Decoder:
+    """An output decoder holding back text until finish (a partial stop-string prefix, say)."""
+
+    stopped = None
+
+    def push(self, token_ids):
+        return []
+
+    def finish(self):
+        return ["held-back text"]
+
+    @property
+    def stats(self):
+        return OutputStats(0, 1, {"fallback_reason": "none"})
+
+
+async def test_request_done_is_written_when_the_outcome_arrives(tmp_path):
+    """Spec: request_done is written when the Engine returns its outcome. A client that leaves while
+    the decoder's trailing output is being sent must not leave the started request without a terminal."""
+    path = tmp_path / "log.jsonl"
+    log = RequestLog(str(path))
+    finished = Finished(
+        reason="stop", detail="eos", usage=Usage(prompt_tokens=4, cached_tokens=0, completion_tokens=1),
+        timings=Timings(queue=0.0, prompt=0.1, generation=0.0, total=0.1, ttft=0.1),
+        scheduling=SchedulingCounters(),
+        engine_timing=EngineTiming(queue_wait_seconds=0.0, host_exposed_seconds=0.0, device_wait_exposed_seconds=0.0,
+                                   decode_rounds=0, prefill_units=1, control_units=0),
+        prefix_reuse_path="root", generated_token_ids=(5,), seed=1)
+    session = GenerationSession(SimpleNamespace(request_log=log), "req-1", protocol="openai_chat", stream=True)
+    session.handle, session.decoder = _Handle([TokenDelta((5,)), finished]), _Decoder()
+    events = session.events()
+    assert await anext(events) == "held-back text"
+    await events.aclose()  # the client is gone: the family stops consuming
+    log.close()
+    records = read_log(path)
+    assert [r["event"] for r in records] == ["request_done"]
+    assert records[0]["first_output_timing"] is None  # no first output was frozen
