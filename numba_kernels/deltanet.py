@@ -440,6 +440,18 @@ def make_chunk_scan(DK, DV):
     M_SIZE = CHUNK * WIDE
     TILE = CHUNK * STRIDE
 
+    @cuda.jit(device=True, inline=True)
+    def row_times_column(m, t, s, g):
+        """Row ``t`` of the staged ``[n, DK]`` matrix ``m`` times this lane group's state column: each
+        lane its rows ``g, g + 8, ...``, the eight partial sums met by three shuffles."""
+        part = float32(0.0)
+        for r in range(ROWS):
+            part += m[t * DK + g + r * G] * s[r]
+        part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
+        part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
+        part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 4)
+        return part
+
     def chunk_scan(scratch, qk, o_out, states, slot_stride, lanes, seq_rows, n_k, n_v):
         sh_cum = cuda.shared.array(CHUNK, float32)
         sh_m = cuda.shared.array(M_SIZE, float32)
@@ -474,12 +486,7 @@ def make_chunk_scan(DK, DV):
             cuda.syncthreads()
             # V' = U - W S
             for t in range(n):
-                part = float32(0.0)
-                for r in range(ROWS):
-                    part += sh_m[t * DK + g + r * G] * s[r]
-                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
-                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
-                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 4)
+                part = row_times_column(sh_m, t, s, g)
                 if g == 0:
                     sh_v[t * STRIDE + c] = scratch[u_at + t * DV + j] - part
             cuda.syncthreads()
@@ -489,12 +496,7 @@ def make_chunk_scan(DK, DV):
             cuda.syncthreads()
             # (q e^cum) S
             for t in range(n):
-                part = float32(0.0)
-                for r in range(ROWS):
-                    part += sh_m[t * DK + g + r * G] * s[r]
-                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 1)
-                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 2)
-                part += cuda.shfl_xor_sync(0xFFFFFFFF, part, 4)
+                part = row_times_column(sh_m, t, s, g)
                 if g == 0:
                     sh_o[t * STRIDE + c] = part
             cuda.syncthreads()
