@@ -54,11 +54,17 @@ def answer_calls(calls: Sequence[str], results: Sequence[Result], *, id_field: s
     """Tool messages for the calls of the preceding assistant turn, in call order.
 
     Each result must answer one of ``calls`` (its ``id_field`` names the error), once, and every call
-    needs a result. Results with no calls before them and nothing else before (``opens_history``) are
-    a truncated or imported history: they are kept, in client order.
+    needs a result. A call id the turn declares twice cannot be answered: one result would have to
+    stand for both calls. Results with no calls before them and nothing else before
+    (``opens_history``) are a truncated or imported history: they are kept, in client order.
     """
     if not calls and opens_history:
         return [Message("tool", r.parts, tool_call_id=r.call_id) for r in results]
+    repeated = next((c for i, c in enumerate(calls) if c in calls[:i]), None)
+    if repeated is not None:
+        where = next((f"{r.where}.{id_field}" for r in results if r.call_id == repeated), missing_where)
+        raise ProtocolError("invalid_tool_history", f"the preceding assistant turn declares call id {repeated!r} "
+                            "twice, so no result can identify one of its calls.", where)
     by_id: dict[str, Result] = {}
     for r in results:
         if r.call_id not in calls:

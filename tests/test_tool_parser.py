@@ -141,6 +141,9 @@ FALLBACKS = [
     ("undeclared_tool", call("delete_everything", ("city", "A"))),
     ("trailing_content", call("get_weather", ("city", "A")) + "\nDone!"),
     ("trailing_content", call("get_weather", ("city", "A")) + "\n" + call("get_weather") + " thanks"),
+    # The output ends on text that could still have started another call: it is text all the same.
+    ("trailing_content", call("get_weather", ("city", "A")) + "\n<"),
+    ("trailing_content", call("get_weather", ("city", "A")) + "\n<tool_call"),
 ]
 
 
@@ -271,6 +274,8 @@ def test_content_is_the_input_byte_for_byte_up_to_the_calls(text, cuts):
     events, _ = run(_chunks(text, cuts))
     if calls(events):
         assert text.startswith(content(events))  # the calls are the end of the output
+        region = text[len(content(events)):].rstrip()
+        assert region.startswith("<tool_call>") and region.endswith("</tool_call>")  # no byte is lost
     else:
         assert content(events) == text
 

@@ -99,3 +99,17 @@ def test_parser_applies_the_schema_and_counts_omitted_and_mismatched_arguments()
 def test_all_parameters_omitted_gives_an_empty_object():
     arguments, diag = _arguments([("n", ""), ("b", "\n")])
     assert arguments == "{}" and diag["empty_non_string_omitted"] == 2
+
+
+DEEP = "[" * 5000 + "]" * 5000  # valid JSON nested past what Python's json module can build or write
+
+
+@pytest.mark.parametrize("types, outcome", [(None, KEPT), ({"array"}, MISMATCH), ({"object"}, MISMATCH)])
+def test_json_too_deep_to_represent_stays_text(types, outcome):
+    assert convert_parameter(DEEP, None if types is None else frozenset(types)) == (outcome, DEEP)
+
+
+def test_a_too_deep_value_still_gives_a_structured_call():
+    arguments, diag = _arguments([("o", DEEP), ("n", "1")])
+    assert json.loads(arguments) == {"o": DEEP, "n": 1}
+    assert diag["schema_mismatch_preserved"] == 1 and diag["fallback_reason"] == "none"

@@ -170,8 +170,11 @@ class ToolCallParser:
         self._finished = True
         if self._state is _State.TEXT:
             self._text(self._buf)
-        elif self._state is _State.CALL_CLOSED:
+        elif self._state is _State.CALL_CLOSED and not self._buf.strip():
             self._confirm_region()
+        elif self._state is _State.CALL_CLOSED:
+            # A held "<", "<tool_" ...: the output ended on text after the calls, not on another call.
+            self._fall_back(FallbackReason.TRAILING_CONTENT, rest=self._buf)
         else:
             self._fall_back(FallbackReason.MALFORMED_STRUCTURE, rest=self._buf)
         self._buf = ""

@@ -79,11 +79,15 @@ def convert_parameter(text: str, types: frozenset[str] | None) -> tuple[Outcome,
 
 
 def _parse_json(text: str) -> tuple[bool, Any]:
-    """Strict JSON (no NaN/Infinity, no overflowing numbers); (False, None) when it is not JSON."""
+    """Strict JSON (no NaN/Infinity, no overflowing numbers); (False, None) when it is not JSON.
+
+    JSON nested deeper than Python's recursion limit cannot be built or written back either: it is
+    text too, so the call stays structured instead of failing the request.
+    """
     try:
         value = json.loads(text, parse_constant=_reject_constant)
         json.dumps(value, allow_nan=False)  # 1e999 parses to inf, which is not representable
-    except ValueError:
+    except (ValueError, RecursionError):
         return False, None
     return True, value
 
