@@ -134,20 +134,30 @@ class EngineCore:
         t2 = time.perf_counter()
         self._postprocess(plan)
         t3 = time.perf_counter()
-        c.host_work["engine_boundary"] += t1 - t0
-        c.host_work["program_submit"] += (t2 - t1b) - device
-        c.host_work["program_post"] += t3 - t2
+        # The step's Host time by phase (before_run is the worker's event delivery, which it counts
+        # under engine_commit_output itself); every request of the step is exposed to all of it.
+        phases = {"engine_boundary": t1 - t0, "engine_commit_output": t1b - t1,
+                  "program_submit": (t2 - t1b) - device, "program_post": t3 - t2}
+        for phase in ("engine_boundary", "program_submit", "program_post"):
+            c.host_work[phase] += phases[phase]
         c.device_wait += device
         self.last_step_seconds = t3 - t0
         self.last_runner_seconds = device
-        host = (t3 - t0) - device
         for seq in plan.decode:
-            seq.host_seconds += host
-            seq.device_seconds += device
+            self._expose(seq, phases, device)
+            seq.decode_host_seconds += (t3 - t0) - device
+            seq.decode_device_seconds += device
         if plan.prompt is not None:
-            plan.prompt.seq.host_seconds += host
-            plan.prompt.seq.device_seconds += device
+            self._expose(plan.prompt.seq, phases, device)
         return not plan.empty
+
+    @staticmethod
+    def _expose(seq: Sequence, phases: dict[str, float], device: float) -> None:
+        """A step ``seq`` took part in: its Host phases and Device wait delayed the request."""
+        for phase, seconds in phases.items():
+            seq.host_phases[phase] += seconds
+        seq.host_seconds += sum(phases.values())
+        seq.device_seconds += device
 
     def _execute(self, plan: Plan) -> float:
         """Run the plan's mechanism on the runner; return seconds spent inside runner calls. The
@@ -514,7 +524,9 @@ class EngineCore:
             engine_timing=EngineTiming(
                 queue_wait_seconds=admit - seq.t_submit, host_exposed_seconds=seq.host_seconds,
                 device_wait_exposed_seconds=seq.device_seconds, decode_rounds=seq.decode_rounds,
-                prefill_units=seq.prefill_units, control_units=seq.control_units),
+                prefill_units=seq.prefill_units, control_units=seq.control_units,
+                host_phases=dict(seq.host_phases), decode_host_seconds=seq.decode_host_seconds,
+                decode_device_wait_seconds=seq.decode_device_seconds),
             prefix_reuse_path="checkpoint" if seq.cached else "root",
             generated_token_ids=tuple(output),
             seed=seq.row.seed,

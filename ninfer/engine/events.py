@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import attrs
 
 
@@ -94,11 +96,17 @@ class EngineTiming:
     """
 
     queue_wait_seconds: float
-    host_exposed_seconds: float
+    host_exposed_seconds: float  # the sum of ``host_phases``
     device_wait_exposed_seconds: float
     decode_rounds: int
     prefill_units: int
     control_units: int
+    # The Host time above by worker phase (stats.HOST_PHASES; engine_maintenance runs between steps
+    # and is nobody's, so it stays 0 here), and the share of Host and Device-wait time spent in
+    # decode rounds (the rest is prefill and control units).
+    host_phases: Mapping[str, float] = attrs.Factory(dict)
+    decode_host_seconds: float = 0.0
+    decode_device_wait_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

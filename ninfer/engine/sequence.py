@@ -14,7 +14,7 @@ from typing import Any
 
 from ninfer.backends.runner import SamplingRow
 from ninfer.engine.request import GenerationRequest
-from ninfer.engine.stats import TRANSFERS
+from ninfer.engine.stats import HOST_PHASES, TRANSFERS
 
 
 class Phase(enum.Enum):
@@ -93,6 +93,9 @@ class Sequence:
         self.paused_seconds = 0.0
         self.transfers = dict.fromkeys(TRANSFERS, 0)  # request-owned context copies, bytes
         self.host_seconds = 0.0
+        self.host_phases = dict.fromkeys(HOST_PHASES, 0.0)  # host_seconds by worker phase
+        self.decode_host_seconds = 0.0  # of host_seconds / device_seconds: the decode rounds'
+        self.decode_device_seconds = 0.0
         self.device_seconds = 0.0
         self.decode_rounds = 0
         self.prefill_units = 0

@@ -28,6 +28,7 @@ import trio
 from ninfer.engine import GenerationRequest, SamplingOverrides
 from ninfer.engine import errors as engine_errors
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
+from ninfer.engine.stats import HOST_PHASES
 from ninfer.server.http import Request, run_until_disconnect
 from ninfer.server.prompt import PreparedPrompt, PromptBuilder
 from ninfer.text.output import OutputDecoder, StopMatched
@@ -342,13 +343,17 @@ def _is_cancel(e: BaseException) -> bool:
 
 
 def _engine_timing(et: Any) -> dict[str, Any]:
-    """request_done.engine_timing: the Engine's flat figures plus the spec's ``decode`` and ``units``
-    objects. The Engine keeps one Host and one Device-wait total per request, not a decode-class
-    split, so the decode object's seconds are null (docs/request-log.md)."""
-    out = attrs.asdict(et)
-    out["decode"] = {"rounds": et.decode_rounds, "host_exposed_seconds": None, "device_wait_exposed_seconds": None}
-    out["units"] = {"prefill": et.prefill_units, "control": et.control_units}
-    return out
+    """request_done.engine_timing in the spec's shape: the queue wait, the Host exposure by worker
+    phase with its total, the Device wait, the decode rounds' share of both, and the unit counts."""
+    phases = {phase: et.host_phases.get(phase, 0.0) for phase in HOST_PHASES}
+    return {"queue_wait_seconds": et.queue_wait_seconds,
+            "host_exposed_seconds": {**phases, "total": sum(phases.values())},  # exactly their sum
+            "device_wait_exposed_seconds": et.device_wait_exposed_seconds,
+            "decode": {"rounds": et.decode_rounds, "host_exposed_seconds": et.decode_host_seconds,
+                       "device_wait_exposed_seconds": et.decode_device_wait_seconds},
+            "units": {"prefill": et.prefill_units, "control": et.control_units},
+            # The flat counts of earlier records, kept for readers of schema version 1.
+            "decode_rounds": et.decode_rounds, "prefill_units": et.prefill_units, "control_units": et.control_units}
 
 
 def _resolved_sampling(row: Any) -> dict[str, Any]:

@@ -50,6 +50,15 @@ async def test_request_done_has_first_output_timing_and_speculative(start_server
     et = done["engine_timing"]
     assert et["units"] == {"prefill": et["prefill_units"], "control": et["control_units"]}
     assert et["decode"]["rounds"] == et["decode_rounds"] == 3  # four outputs: the first comes from prefill
+    # Host exposure: the five worker phases (maintenance runs between steps: nobody's) and their sum.
+    host = et["host_exposed_seconds"]
+    assert set(host) == {"engine_boundary", "program_submit", "program_post", "engine_commit_output",
+                         "engine_maintenance", "total"}
+    assert host["engine_maintenance"] == 0.0 and host["engine_boundary"] > 0 and host["program_post"] > 0
+    assert host["total"] == sum(v for k, v in host.items() if k != "total")
+    decode = et["decode"]
+    assert 0 < decode["host_exposed_seconds"] < host["total"]  # the prefill unit's step is not decode
+    assert 0 < decode["device_wait_exposed_seconds"] < et["device_wait_exposed_seconds"]
 
 
 async def test_request_error_carries_the_resolved_configuration(start_server, tmp_path):
