@@ -307,12 +307,27 @@ def chunk_floats(DK, DV):
     return CHUNK + CHUNK * DK + CHUNK * DV + CHUNK * CHUNK
 
 
+def make_chunk_offsets(DK, DV):
+    """``offsets(seq, head, n_v, n_chunks, chunk)``: where a (sequence, value head, chunk)'s scratch
+    and its W, U and P parts start (``chunk_floats``' layout; cum comes first)."""
+    FLOATS = chunk_floats(DK, DV)
+
+    @cuda.jit(device=True, inline=True)
+    def offsets(seq, head, n_v, n_chunks, chunk):
+        at = (int64(seq * n_v + head) * n_chunks + chunk) * FLOATS
+        w_at = at + CHUNK
+        u_at = w_at + CHUNK * DK
+        return at, w_at, u_at, u_at + CHUNK * DV
+
+    return offsets
+
+
 def make_chunk_prep(DK, DV):
     """Per (value head, chunk, sequence) what the sequential pass needs (the reference's ``chunked``):
     ``cum`` (cumulative log decay), ``W`` and ``U`` (forward substitution of ``(I + A) x = [k beta
     e^cum | v beta]``, the U columns first as the reference's rhs) and ``P`` (q k^T times the decay
     ratios, causal with the diagonal). Rows past the end of a partial chunk are not written."""
-    FLOATS = chunk_floats(DK, DV)
+    offsets = make_chunk_offsets(DK, DV)
     SOLVE = min(CHUNK_THREADS, DK + DV)  # columns solved per pass, one a thread
     PASSES = (DK + DV) // SOLVE
     SLICE = min(CHUNK_SLICE, DK)
@@ -338,10 +353,7 @@ def make_chunk_prep(DK, DV):
         q_col = (head // (n_v // n_k)) * DK  # value head h reads key head h // (n_v / n_k)
         v_col = 2 * key_dim + head * DV
         row0 = int64(seq) * seq_rows + chunk * CHUNK
-        out = (int64(seq * n_v + head) * n_chunks + chunk) * FLOATS
-        w_at = out + CHUNK
-        u_at = w_at + CHUNK * DK
-        p_at = u_at + CHUNK * DV
+        out, w_at, u_at, p_at = offsets(seq, head, n_v, n_chunks, chunk)
         # g from the projection as the reference computes it (gates hold e^g, whose log loses
         # the small decays), beta from gates; the cumulative sum in token order, as np.cumsum.
         if tid < n:
@@ -430,7 +442,7 @@ def make_chunk_scan(DK, DV):
     state): ``V' = U - W S``, ``o = (q e^cum) S + P V'``, ``S = e^cum_end S + (k e^(cum_end - cum))^T V'``
     (the reference's ``chunked`` loop). Lanes ``8c .. 8c + 7`` hold column ``c``, lane ``g`` its rows
     ``g, g + 8, ...`` in registers; their partial dot products meet by three shuffles."""
-    FLOATS = chunk_floats(DK, DV)
+    offsets = make_chunk_offsets(DK, DV)
     G = CHUNK_LANES
     ROWS = DK // G
     COLS = CHUNK_COLS
@@ -475,10 +487,7 @@ def make_chunk_scan(DK, DV):
         for chunk in range(n_chunks):
             n = min(CHUNK, seq_rows - chunk * CHUNK)
             row0 = int64(seq) * seq_rows + chunk * CHUNK
-            at = (int64(seq * n_v + head) * n_chunks + chunk) * FLOATS
-            w_at = at + CHUNK
-            u_at = w_at + CHUNK * DK
-            p_at = u_at + CHUNK * DV
+            at, w_at, u_at, p_at = offsets(seq, head, n_v, n_chunks, chunk)
             if tid < n:
                 sh_cum[tid] = scratch[at + tid]
             for e in range(tid, n * DK, CHUNK_THREADS):
