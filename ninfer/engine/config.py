@@ -12,6 +12,7 @@ MAX_LANES = 8
 # Spec default for --host-context-mib: 8192 MiB plus eight model StateImages. The StateImage size
 # depends on the model, so the Engine core adds the eight images (none for a dense model).
 DEFAULT_HOST_CONTEXT_MIB = 8192
+DEFAULT_HOST_STATE_IMAGES = 8
 
 
 def _positive(instance, attribute, value) -> None:
@@ -99,8 +100,14 @@ class EngineConfig:
 
     @property
     def host_context_bytes(self) -> int:
+        """The Host budget's bytes before StateImages: ``host_state_images`` of them come on top."""
         mib = DEFAULT_HOST_CONTEXT_MIB if self.host_context_mib is None else self.host_context_mib
         return mib * 1024 * 1024
+
+    @property
+    def host_state_images(self) -> int:
+        """StateImages the Host budget holds beyond ``host_context_bytes``: the default's eight."""
+        return DEFAULT_HOST_STATE_IMAGES if self.host_context_mib is None else 0
 
     @property
     def lifetime_capacity(self) -> int:

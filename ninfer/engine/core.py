@@ -49,10 +49,8 @@ class EngineCore:
         self.pool = KVPool(config.kv_pages)
         self.slots = StateSlots(config.state_slots, lanes=config.max_concurrency, first_checkpoint=info.max_batch,
                                 checkpoints=self.recurrent)
-        host_bytes = config.host_context_bytes
-        if config.host_context_mib is None:
-            host_bytes += 8 * self.state_bytes  # the spec default: 8192 MiB plus eight StateImages
-        self.host = HostBudget(host_bytes)
+        # The spec default: 8192 MiB plus eight StateImages (none for a dense model).
+        self.host = HostBudget(config.host_context_bytes + config.host_state_images * self.state_bytes)
         self.cache = (PrefixCache(self.pool, config.page_size, slots=self.slots if self.recurrent else None,
                                   host=self.host if self.recurrent else None, state_bytes=self.state_bytes)
                       if config.prefix_reuse else None)

@@ -14,10 +14,6 @@ from typing import Any, Callable
 
 from ninfer.engine import EngineConfig
 
-# The spec's default Host budget adds eight StateImages to --host-context-mib's default
-# (engine/config.py DEFAULT_HOST_CONTEXT_MIB; the Engine core adds them, engine/core.py).
-DEFAULT_HOST_STATE_IMAGES = 8
-
 
 class WorkerBuiltRunner:
     def __init__(self, build: Callable[[], Any]):
@@ -64,8 +60,7 @@ def prefill_gemm() -> str:
 def host_arena(config: EngineConfig) -> dict[str, int]:
     """The runner's pinned Host backing: exactly the Engine's Host budget (``--host-context-mib``; by
     default 8 GiB plus eight StateImages, whose size the runner knows; 0: no Host backing, no arena)."""
-    images = DEFAULT_HOST_STATE_IMAGES if config.host_context_mib is None else 0
-    return {"host_arena_bytes": config.host_context_bytes, "host_arena_state_images": images}
+    return {"host_arena_bytes": config.host_context_bytes, "host_arena_state_images": config.host_state_images}
 
 
 def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> WorkerBuiltRunner:
