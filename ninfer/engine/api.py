@@ -58,6 +58,9 @@ class Engine:
         self._closed = False
         self._generation: Mapping[str, Any] | None = None
         self._eos: frozenset[int] = frozenset()
+        # The runner's model signature (ninfer.engine.signature), taken in build() on the worker
+        # thread, which owns the runner; None for a runner without a model config (a test double).
+        self.signature: str | None = None
 
     @classmethod
     @asynccontextmanager
@@ -83,7 +86,8 @@ class Engine:
             engine._eos = frozenset(int(t) for t in (eos if eos_token_ids is None else eos_token_ids))
             engine._generation = gen if generation is None else generation
             try:
-                cost = load_context_cost(config.context_cost_presets, runner.info.backend, model_signature(runner))
+                engine.signature = model_signature(runner)
+                cost = load_context_cost(config.context_cost_presets, runner.info.backend, engine.signature)
                 log.info("context cost: %s", cost.source)
                 return EngineCore(runner, config, cost)
             except BaseException:

@@ -21,11 +21,11 @@ SCHEMA_VERSION = 1
 COMMON_FIELDS = ("schema", "schema_version", "event", "timestamp_unix_ms", "server_instance_id")
 
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
-    "server_start": ("artifact", "architecture", "model_id", "backend", "engine", "sampling_defaults",
-                     "sampling_overrides", "thinking", "argv"),
+    "server_start": ("artifact", "architecture", "model_id", "backend", "formats", "model_signature", "engine",
+                     "sampling_defaults", "sampling_overrides", "thinking", "argv"),
     "request_start": ("request_id", "request_seq", "protocol", "stream", "shape", "sampling", "max_tokens",
                       "requested_reasoning_effort", "enable_thinking", "preserve_thinking", "thinking_budget",
-                      "prompt_tokens"),
+                      "prompt_tokens", "payload_bytes", "acquisition_seconds", "tokenizer", "media"),
     "request_rejected": ("request_id", "request_seq", "protocol", "phase", "shape", "requested_reasoning_effort",
                          "media_items", "status", "type", "code", "param", "message"),
     "request_done": ("request_id", "request_seq", "protocol", "result", "timings_seconds", "engine_timing",

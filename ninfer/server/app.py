@@ -41,6 +41,7 @@ class Exchange:
         self.request_id = _new_request_id(family)
         self._send = send
         self.started = False
+        self.payload_bytes: int | None = None  # the raw JSON body's size once json_body has read it
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         name = b"request-id" if self.family == "anthropic" else b"x-request-id"
@@ -50,7 +51,9 @@ class Exchange:
         return out
 
     async def json_body(self) -> Any:
-        return await self.request.json(self.app.max_request_bytes)
+        body = await self.request.json(self.app.max_request_bytes)
+        self.payload_bytes = self.request.json_bytes
+        return body
 
     async def send_json(self, status: int, obj: Any) -> None:
         self.started = True

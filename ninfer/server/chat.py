@@ -25,7 +25,8 @@ async def chat_completions(ex: Exchange) -> None:
     state = ex.state
     body = await ex.json_body()
     req = oc.parse_request(body, state.model_id)
-    session = GenerationSession(state, ex.request_id, protocol="openai_chat", stream=req.stream)
+    session = GenerationSession(state, ex.request_id, protocol="openai_chat", stream=req.stream,
+                                payload_bytes=ex.payload_bytes)
     # An output-capacity rejection names the spelling the client sent.
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     await session.start(req.conversation, req.generation, params=("messages", limit))

@@ -73,7 +73,8 @@ def llama_timings(cache_n: int, prompt_n: int, prompt_s: float, predicted_n: int
 
 
 class GenerationSession:
-    def __init__(self, state: Any, request_id: str, *, protocol: str, stream: bool):
+    def __init__(self, state: Any, request_id: str, *, protocol: str, stream: bool,
+                 payload_bytes: int | None = None):
         self.state = state
         self.request_id = request_id
         self.protocol = protocol
@@ -92,6 +93,8 @@ class GenerationSession:
         self._shape: dict = {}
         self._session: tuple[str | None, bool] = (None, True)
         self.prepare_seconds: float | None = None
+        self.payload_bytes = payload_bytes  # the raw JSON body the request came from
+        self.acquisition_seconds: float | None = None  # preparation entry → capacity ticket held
         self._config: dict = {}  # the resolved request configuration request_start logged
 
     # -- start ------------------------------------------------------------------------------------
@@ -114,6 +117,9 @@ class GenerationSession:
                                        "retry later."), conv)
         except engine_errors.EngineUnavailable:
             self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
+        # reserve() never waits (a full Engine answers 429 above): Engine FIFO waiting comes after
+        # submission, in timings_seconds.queue.
+        self.acquisition_seconds = time.monotonic() - self.t0
         try:
             try:
                 prepared = await state.prompts.prepare_async(conv)
@@ -183,8 +189,14 @@ class GenerationSession:
             enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=conv.options.preserve_thinking,
             thinking_budget=request.thinking.budget, prompt_tokens=len(request.prompt),
             stop_strings=len(gen.stops), cache_boundaries=list(request.cache_boundaries))
+        prepared = self.prepared
         rl.write("request_start", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
-                 **self._config)
+                 **self._config, payload_bytes=self.payload_bytes, acquisition_seconds=self.acquisition_seconds,
+                 # cache: null, the builder keeps no cache of rendered or tokenized prompts.
+                 tokenizer={"seconds": prepared.tokenizer_seconds, "tokens": len(prepared.token_ids),
+                            "cache_hint_seconds": prepared.cache_hint_seconds, "cache": None},
+                 # No Vision in this build: a media request is refused before preparation (vision_disabled).
+                 media={"items": 0, "wall_seconds": None, "work_seconds": None, "cache": None})
 
     # -- events -----------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class Request:
         self.headers: dict[str, str] = {}
         for k, v in scope.get("headers", []):
             self.headers[k.decode("latin-1").lower()] = v.decode("latin-1")
+        self.json_bytes: int | None = None  # size of the raw body ``json`` parsed (the request log's payload_bytes)
 
     async def body(self, limit_bytes: int) -> bytes:
         """Read the whole body, failing with 413 as soon as it passes ``limit_bytes`` (before parsing)."""
@@ -68,6 +69,7 @@ class Request:
 
     async def json(self, limit_bytes: int) -> Any:
         raw = await self.body(limit_bytes)
+        self.json_bytes = len(raw)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

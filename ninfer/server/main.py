@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import signal
@@ -267,6 +268,9 @@ def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine
     rl.write(
         "server_start", artifact=os.path.abspath(path) if os.path.isfile(path) else path,
         architecture=art.metadata["architecture"], model_id=model_id, backend=engine.info.backend,
+        formats=_formats(art, engine.info.backend, facts),
+        # The context-cost model signature (prefill cost presets key by it), as the Engine computed it.
+        model_signature=engine.signature,
         engine={"max_concurrency": cfg.max_concurrency, "max_pending_requests": cfg.max_pending_requests,
                 "pending_timeout_ms": cfg.pending_timeout_ms, "prefill_chunk": cfg.prefill_chunk,
                 "max_context": engine.max_context, "kv_capacity_tokens": cfg.kv_capacity_tokens,
@@ -291,6 +295,18 @@ def _log_server_start(rl: RequestLog, path: str, art: Any, model_id: str, engine
                   "default_max_tokens": args.default_max_tokens},
         argv=redact_argv(argv),
     )
+
+
+def _formats(art: Any, backend: str, facts: dict[str, Any] | None) -> dict[str, Any]:
+    """The artifact's tensor dtypes and the formats the runner holds: the reference upcasts every
+    weight to f32 and keeps an f32 KV pool; CUDA keeps matrices bf16 (norms and vectors f32) and its
+    KV pool in the dtype its startup record names."""
+    artifact = collections.Counter(art.tensor_info(name).dtype for name in art.tensor_names())
+    if backend == "reference":
+        weights, kv = "f32", "f32"
+    else:
+        weights, kv = "bf16", (facts or {}).get("kv_dtype")
+    return {"artifact": dict(sorted(artifact.items())), "weights": weights, "kv": kv}
 
 
 def _kv_sizing(args: argparse.Namespace, cfg: EngineConfig, facts: dict[str, Any] | None) -> dict[str, Any]:

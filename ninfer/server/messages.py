@@ -21,7 +21,8 @@ async def create(ex: Exchange) -> None:
     req = am.parse_request(await ex.json_body())
     if req.generation.max_tokens is None:  # the server default applies: the budget must fit it too
         am.check_thinking_budget(req.generation.thinking_budget, ex.state.prompts.defaults.max_tokens, default=True)
-    session = GenerationSession(ex.state, ex.request_id, protocol="anthropic_messages", stream=req.stream)
+    session = GenerationSession(ex.state, ex.request_id, protocol="anthropic_messages", stream=req.stream,
+                                payload_bytes=ex.payload_bytes)
     await session.start(req.conversation, req.generation,
                         shape={"thinking": req.thinking_mode, "prefill": req.conversation.prefill is not None})
     mid = am.message_id()

@@ -9,6 +9,7 @@ counting endpoints use it without generating.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import attrs
@@ -38,6 +39,12 @@ class PreparedPrompt:
     starts_in_thinking: bool
     cache_boundaries: tuple[int, ...]
     input_checkpoint: int | None
+    # Time ``prepare`` spent on this prompt, builder lock held (waits for the lock or the thread
+    # excluded): the template rendering and its encoding (ChatFormatter.render interleaves the two,
+    # so they are not timed apart), the cache-hint frontier search and the prefill's encoding.
+    # Measurements, not part of the prompt: two preparations of one conversation still compare equal.
+    tokenizer_seconds: float = attrs.field(default=0.0, eq=False)
+    cache_hint_seconds: float = attrs.field(default=0.0, eq=False)  # the frontier search's share
 
 
 class PromptBuilder:
@@ -61,6 +68,7 @@ class PromptBuilder:
             return self._prepare(conv)
 
     def _prepare(self, conv: Conversation) -> PreparedPrompt:
+        t0 = time.perf_counter()
         kwargs = conv.template_kwargs(thinking_default=self.defaults.thinking,
                                       preserve_default=self.defaults.preserve_thinking)
         messages = conv.template_messages()
@@ -71,11 +79,14 @@ class PromptBuilder:
             raise ProtocolError("invalid_value", str(e), f"chat_template_kwargs.{e.name}") from None
         except TemplateError as e:
             raise ProtocolError("invalid_prompt", f"The conversation cannot be rendered: {e}") from None
+        t_hints = time.perf_counter()
         boundaries = self._cache_boundaries(conv, messages, kwargs, prompt)
+        hint_seconds = time.perf_counter() - t_hints
         ids = prompt.token_ids
         if conv.prefill:  # Anthropic assistant prefill: generation continues this client text
             ids = ids + tuple(self.tokenizer.encode(conv.prefill))
-        return PreparedPrompt(ids, prompt.thinking and not conv.prefill, boundaries, prompt.prefix_before_generation)
+        return PreparedPrompt(ids, prompt.thinking and not conv.prefill, boundaries, prompt.prefix_before_generation,
+                              tokenizer_seconds=time.perf_counter() - t0, cache_hint_seconds=hint_seconds)
 
     def _cache_boundaries(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> tuple[int, ...]:
         """Token frontiers of the cache hints; a hint that is no exact token frontier is ignored."""

@@ -78,7 +78,8 @@ async def create(ex: Exchange) -> None:
     req = orp.parse_request(await ex.json_body(), state.model_id)
     rid = out.response_id()
     plan = _plan(ex, req, rid)
-    session = GenerationSession(state, ex.request_id, protocol="openai_responses", stream=req.stream)
+    session = GenerationSession(state, ex.request_id, protocol="openai_responses", stream=req.stream,
+                                payload_bytes=ex.payload_bytes)
     await session.start(plan.conv, req.generation, shape=_shape(plan), session_key=plan.session_key,
                         capture_endpoint=plan.capture_endpoint, params=("input", "max_output_tokens"))
     created = time.time()

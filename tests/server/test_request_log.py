@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import httpx
 import trio
 
+from ninfer.artifact import open_artifact
+from ninfer.backends.reference import ReferenceRunner
 from ninfer.engine.events import EngineTiming, Finished, SchedulingCounters, Timings, TokenDelta, Usage
+from ninfer.engine.signature import model_signature
 from ninfer.observability.request_log import COMMON_FIELDS, EVENT_FIELDS, RequestLog
 from ninfer.server.generation import GenerationSession
 from ninfer.text.output import OutputStats
@@ -123,6 +126,64 @@ async def test_throughput_uses_the_spec_names(start_server, tmp_path):
         assert t["average_size"] == (rows / rounds if rounds else None)
         assert {"capture_pending", "terminal_pending"} <= set(t["scheduler"])
         assert {"work_class_seconds", "detail_subset_seconds", "detail_invocations"} <= set(t["host_work"])
+
+
+async def test_request_start_records_payload_acquisition_tokenizer_and_media(start_server, tmp_path):
+    """Spec: request_start carries request-scoped acquisition, media-preprocessing wall/work,
+    tokenizer, cache and payload-size fields — here for each API family, from its own request."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path))
+    bodies = {  # the exact bytes sent: payload_bytes must be their length
+        "/v1/chat/completions": {"model": MODEL, "messages": HI, "max_tokens": 2},
+        "/v1/responses": {"model": MODEL, "input": "Hello there, a longer input", "max_output_tokens": 2},
+        "/v1/messages": {"model": MODEL, "messages": HI, "max_tokens": 2, "system": "Be brief."},
+    }
+    sent = {}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        for route, obj in bodies.items():
+            raw = json.dumps(obj, indent=1).encode()  # whitespace a re-serialization would not keep
+            r = await c.post(route, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+            sent[route] = len(raw)
+    records = read_log(path)
+    starts = [r for r in records if r["event"] == "request_start"]
+    done = {r["request_seq"]: r for r in records if r["event"] == "request_done"}
+    assert [s["payload_bytes"] for s in starts] == list(sent.values())
+    assert [s["protocol"] for s in starts] == ["openai_chat", "openai_responses", "anthropic_messages"]
+    for start in starts:
+        prepare = done[start["request_seq"]]["timings_seconds"]["prepare"]
+        assert isinstance(start["acquisition_seconds"], float) and 0 <= start["acquisition_seconds"] <= prepare
+        tok = start["tokenizer"]
+        assert set(tok) == {"seconds", "tokens", "cache_hint_seconds", "cache"}
+        assert tok["tokens"] == start["prompt_tokens"] == done[start["request_seq"]]["result"]["prompt_tokens"]
+        assert 0 < tok["seconds"] <= prepare and 0 <= tok["cache_hint_seconds"] <= tok["seconds"]
+        assert tok["cache"] is None  # the prompt builder keeps no prompt cache
+        # No Vision in this build: media requests are refused before preparation.
+        assert start["media"] == {"items": 0, "wall_seconds": None, "work_seconds": None, "cache": None}
+    error_fields = EVENT_FIELDS["request_error"]
+    assert not {"payload_bytes", "acquisition_seconds", "tokenizer", "media"} & set(error_fields)
+
+
+async def test_server_start_records_formats_and_model_signature(start_server, tiny_artifact, tmp_path):
+    """Spec: server_start has the actual formats and the prefill signature: the Engine's model
+    signature equals ``model_signature`` of a reference runner over the same artifact."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path))
+    server = only(read_log(path), "server_start")
+    assert server["model_signature"] == srv.state.engine.signature
+    with open_artifact(tiny_artifact) as art:
+        runner = ReferenceRunner(art, page_size=16, num_pages=2, max_batch=1, max_context=32)
+        try:
+            expected = model_signature(runner)
+        finally:
+            runner.close()
+        dtypes = sorted(art.tensor_info(name).dtype for name in art.tensor_names())
+    assert expected is not None and expected.startswith(server["architecture"]) and "-float32-" in expected
+    assert server["model_signature"] == expected
+    formats = server["formats"]
+    assert formats["weights"] == "f32" and formats["kv"] == "f32"  # the reference backend upcasts
+    assert formats["artifact"] == {d: dtypes.count(d) for d in sorted(set(dtypes))}
+    assert sum(formats["artifact"].values()) > 0
 
 
 class _Handle:
