@@ -243,8 +243,11 @@ class Scheduler:
             seq.pages.extend(self.pool.alloc(n))
 
     def _make_room(self, need: int) -> bool:
-        if need > self.pool.free_count and self.cache is not None:
-            self.cache.reclaim(need - self.pool.free_count)
+        short = need - self.pool.free_count
+        # Each retained node holds one page, so with fewer nodes than pages short no eviction can
+        # make room: keep them (a refused admission must not empty the prefix cache).
+        if short > 0 and self.cache is not None and short <= self.cache.nodes:
+            self.cache.reclaim(short)
         return need <= self.pool.free_count
 
     def _reserve_residents(self, plan: Plan) -> None:

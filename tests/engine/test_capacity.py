@@ -108,3 +108,23 @@ def test_edges_of_the_ceiling_finish_with_a_clear_outcome():
     assert (finished(full).detail, tokens(full)) == ("max_tokens", [])
     assert finished(cut).detail == "context" and tokens(cut)[2:] == [61, 62, 63]
     assert_no_leaks(d)
+
+
+def test_an_admission_that_cannot_fit_keeps_the_retained_prefixes():
+    # 7 pages: a finished request's retained prefix (2 pages) and a resident (4) leave 1 free; a
+    # 60-token newcomer needs 4, more than evicting every retained node could free, so it waits for
+    # the resident instead of flushing the cache on every refused attempt.
+    d = CoreDriver(cfg(max_concurrency=2, kv_capacity=7 * 16))
+    first = d.submit(prompt(20, salt=1), 1)
+    d.run()
+    retained = d.core.cache.nodes
+    assert retained == 2 and finished(first).reason == "length"
+    resident = d.submit(prompt(50, salt=2), 10)
+    newcomer = d.submit(prompt(60, salt=3), 2)
+    for _ in range(5):
+        d.core.step()
+    assert resident.lane is not None and newcomer.lane is None  # the newcomer is still waiting
+    assert d.core.cache.nodes == retained
+    d.run()
+    assert finished(resident).reason == finished(newcomer).reason == "length"
+    assert_no_leaks(d)
