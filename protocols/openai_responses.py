@@ -511,16 +511,19 @@ def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
     group: _Group | None = None
     pending: list[Result] = []  # function_call_output Items waiting for the group's calls
 
-    def close() -> None:
+    def close(next_where: str | None = None) -> None:
+        """End the assistant group; ``next_where``: the Item that follows it (None at the end)."""
         nonlocal group, pending
         if group is not None:
             out.append(Message("assistant", tuple(group.parts),
                                reasoning="".join(group.reasoning) if group.reasoning else None,
                                tool_calls=tuple(group.calls)))
-        if pending:  # validated by call_id and reordered to the calls' declaration order
-            calls = [c.id for c in group.calls] if group is not None else []
+        calls = [c.id for c in group.calls] if group is not None else []
+        # Results are validated by call_id and reordered to the calls' declaration order; calls that
+        # another Item follows without a single result are an empty, so partial, result set.
+        if pending or (calls and next_where is not None):
             out.extend(answer_calls(calls, pending, id_field="call_id", opens_history=not out,
-                                    missing_where=pending[0].where))
+                                    missing_where=pending[0].where if pending else next_where))
         group, pending = None, []
 
     for i, item in enumerate(items):
@@ -532,7 +535,7 @@ def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
             continue
         assistant_side = kind in ("reasoning", "function_call") or (kind == "message" and item["role"] == "assistant")
         if pending or not assistant_side:
-            close()
+            close(where)
         if not assistant_side:
             out.append(Message(item["role"], _parts(item["content"])))
             continue

@@ -199,6 +199,8 @@ def test_assistant_grouping_and_result_reordering():
     ([_fc("c1", namespace="mcp__weather"), dict(_out("c1"), name="get_weather")], "invalid_tool_history",
      "input[2].name"),
     ([_fc("c1"), _out("c1", [])], "invalid_value", "input[2].output"),
+    # Calls that another Item follows with no result at all: an empty, so partial, result set.
+    ([_fc("c1"), {"role": "user", "content": "never mind"}], "invalid_tool_history", "input[2]"),
 ])
 def test_history_rejections(items, code, param):
     fails(code, param, input=[{"role": "user", "content": "q"}, *items])
