@@ -235,17 +235,13 @@ def _open_runner(args: argparse.Namespace, config, model: Any, plan: dict) -> tu
     report.update(backend="cuda", device=device.name, sync=device.sync, copy="device to device",
                   copy_gb_s=copy_bandwidth(device, device.stream()) / 1e9)
     t0 = time.perf_counter()
-    options = dict(shape, device=device, max_prefill_rows=512, prefill_gemm=prefill_gemm())
+    options = dict(shape, max_prefill_rows=512, prefill_gemm=prefill_gemm())
     if isinstance(model, str):
-        runner = CudaRunner(model, **options)
+        runner = CudaRunner(model, device=device, **options)
     else:
-        from ninfer.backends.cuda.random_weights import random_device_weights
+        from ninfer.backends.cuda.random_weights import random_weights_runner
 
-        weights, fill = random_device_weights(device, device.stream(), config, model.seed,
-                                              visible_ids=model.visible_ids)
-        runner = CudaRunner.from_device_weights(config, weights, **options)
-        runner.startup["weights_bytes"] = fill.nbytes
-        runner.startup["weights_random_fill_s"] = round(fill.seconds, 3)
+        runner = random_weights_runner(device, config, model.seed, model.visible_ids, **options)
     report["setup_s"] = time.perf_counter() - t0
     report["startup"] = runner.startup
     return runner, report

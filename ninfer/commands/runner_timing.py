@@ -211,27 +211,22 @@ def bench_engine(runner, batch: int, context: int, steps: int, pipelined: bool =
             "longest_step_ms": longest_s * 1e3}
 
 
-def _prompt(runner, tokens: int) -> np.ndarray:
-    return (np.arange(tokens) * 7919 % runner.info.vocab_size).astype(np.int32)
-
-
-def bench_prefill(runner, tokens: int) -> dict:
-    prompt = _prompt(runner, tokens)
+def _prefill_seconds(runner, tokens: int) -> float:
+    """Host-to-host seconds of one prefill of a ``tokens`` prompt from an empty context, first token
+    sampled (the prompt's pages start at page 0)."""
+    prompt = (np.arange(tokens) * 7919 % runner.info.vocab_size).astype(np.int32)
     table = np.arange(_max_pages(runner.info), dtype=np.int32)
     t0 = time.perf_counter()
     runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=table, sample=SamplingRow()))
-    seconds = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def bench_prefill(runner, tokens: int) -> dict:
+    seconds = _prefill_seconds(runner, tokens)
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
 def bench_ttft(runner, tokens: int, reps: int = 3) -> dict:
-    """Time to the first sampled token through the runner: prefill of a ``tokens`` prompt from an empty
-    context plus the sample, host to host (median of ``reps``; the prompt's pages start at page 0)."""
-    prompt = _prompt(runner, tokens)
-    table = np.arange(_max_pages(runner.info), dtype=np.int32)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        runner.prefill(PrefillChunk(lane=0, tokens=prompt, start=0, page_table=table, sample=SamplingRow()))
-        times.append(time.perf_counter() - t0)
+    """Time to the first sampled token through the runner (median of ``reps`` prefills)."""
+    times = [_prefill_seconds(runner, tokens) for _ in range(reps)]
     return {"prompt": tokens, "ttft_ms": float(np.median(times)) * 1e3}

@@ -88,20 +88,12 @@ def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> W
 
 
 def _build_cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig, shape: dict[str, Any]) -> Any:
-    from ninfer.backends.cuda import CudaRunner
-
     if isinstance(model, str):  # a hybrid artifact gets CudaHybridRunner with the checkpoint slots
         from ninfer.backends.cuda.hybrid_runner import open_runner
 
         return open_runner(model, device=args.device, state_slots=config.state_slots - config.max_concurrency,
                            **shape)
     from ninfer.backends.cuda import runtime
-    from ninfer.backends.cuda.random_weights import random_device_weights
+    from ninfer.backends.cuda.random_weights import random_weights_runner
 
-    device = runtime.Device(args.device)
-    weights, report = random_device_weights(device, device.stream(), model.dense, model.seed,
-                                            visible_ids=model.visible_ids)
-    runner = CudaRunner.from_device_weights(model.dense, weights, device=device, **shape)
-    runner.startup["weights_bytes"] = report.nbytes
-    runner.startup["weights_random_fill_s"] = round(report.seconds, 3)
-    return runner
+    return random_weights_runner(runtime.Device(args.device), model.dense, model.seed, model.visible_ids, **shape)

@@ -70,3 +70,16 @@ def random_device_weights(device: rt.Device, stream, config: DenseConfig, seed: 
                                      VISIBLE_BOOST), stream)
     rt.synchronize(stream)
     return tensors, UploadReport(arena.used, time.perf_counter() - start)
+
+
+def random_weights_runner(device: rt.Device, config: DenseConfig, seed: int = 0, visible_ids: int = 0,
+                          **options):
+    """A ``CudaRunner`` over ``random_device_weights`` (``options``: its shape and settings), the fill
+    recorded in its startup facts as an artifact's upload would be."""
+    from ninfer.backends.cuda.runner import CudaRunner  # the runner module does not need this one
+
+    weights, report = random_device_weights(device, device.stream(), config, seed, visible_ids=visible_ids)
+    runner = CudaRunner.from_device_weights(config, weights, device=device, **options)
+    runner.startup["weights_bytes"] = report.nbytes
+    runner.startup["weights_random_fill_s"] = round(report.seconds, 3)
+    return runner
