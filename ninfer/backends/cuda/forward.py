@@ -245,8 +245,9 @@ class StepBuffers:
         self.splits = attention_splits(max_context)
         self.kv_itemsize = KV_DTYPES[kv_dtype]
         self.flash_prefill = flash_prefill(kv_dtype)
-        self.page_elems = c.num_layers * 2 * c.num_kv_heads * page_size * c.head_dim
+        self.kv_layers = c.num_layers  # layers with a KV cache (every one of a dense model)
         self.layer_elems = 2 * c.num_kv_heads * page_size * c.head_dim
+        self.page_elems = self.kv_layers * self.layer_elems
         self.logit_rows = max_batch
         f32 = 4
         R = self.rows

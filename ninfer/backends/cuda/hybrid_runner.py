@@ -115,11 +115,6 @@ class CudaHybridRunner(CudaRunner):
         """Bytes of one StateImage (float32)."""
         return 4 * self.config.state_floats
 
-    @property
-    def _kv_layers(self) -> int:
-        """The full-attention layers: the only ones with a KV cache (``read_pages``' second axis)."""
-        return self.buffers.kv_layers
-
     # -- the protocol: CudaRunner's, with the lanes' recurrent state kept in step ----------------
 
     @_on_device

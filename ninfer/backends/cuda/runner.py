@@ -407,7 +407,7 @@ class CudaRunner:
         An array of the Host arena in pool order (as ``read_pages`` returns) is copied up directly."""
         idx = self._pages(pages)
         c = self.config
-        expected = (2, self._kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
+        expected = (2, self.buffers.kv_layers, len(idx), self.info.page_size, c.num_kv_heads, c.head_dim)
         if data.shape != expected:
             raise ValueError(f"write_pages: data shape {data.shape}, expected {expected}")
         pool = np.asarray(data).transpose(2, 1, 0, 4, 3, 5)  # pool order: a view, no copy
@@ -500,16 +500,11 @@ class CudaRunner:
     def _pool_dtype(self):
         return np.uint16 if self.kv_dtype == "bf16" else np.float32
 
-    @property
-    def _kv_layers(self) -> int:
-        """Layers with a KV cache (every layer of a dense model)."""
-        return self.config.num_layers
-
     def _reference_order(self, raw: np.ndarray) -> np.ndarray:
         """Pages ``[page][layer][K|V][kv_head][slot][dim]`` (the pool's order, one page a row) as the
         reference layout ``[K|V][layer][page][slot][kv_head][dim]``: a view."""
         c = self.config
-        raw = raw.reshape(raw.shape[0], self._kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
+        raw = raw.reshape(raw.shape[0], self.buffers.kv_layers, 2, c.num_kv_heads, self.info.page_size, c.head_dim)
         return raw.transpose(2, 1, 0, 4, 3, 5)
 
     @property
