@@ -57,6 +57,11 @@ def prefill_gemm() -> str:
     return "cublaslt" if importlib.util.find_spec("nvmath") is not None else "fp32"
 
 
+class BackendStartError(Exception):
+    """The backend cannot start on this machine (bad device, memory, driver); ``ninfer serve`` ends with
+    this one line."""
+
+
 def host_arena(config: EngineConfig) -> dict[str, int]:
     """The runner's pinned Host backing: exactly the Engine's Host budget (``--host-context-mib``; by
     default 8 GiB plus eight StateImages, whose size the runner knows; 0: no Host backing, no arena)."""
@@ -80,9 +85,7 @@ def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> W
         # A device that does not exist, memory the sizing cannot fit, a driver error: the operator's
         # input or machine is wrong, so startup ends with one line naming the device, not a traceback.
         except (runtime.CudaError, MemoryError, ValueError) as e:
-            from ninfer.server.main import StartupError  # main imports this module
-
-            raise StartupError(f"cannot start the CUDA backend on device {args.device}: {e}") from e
+            raise BackendStartError(f"cannot start the CUDA backend on device {args.device}: {e}") from e
 
     return WorkerBuiltRunner(build)
 

@@ -26,7 +26,7 @@ from ninfer.observability.request_log import RequestLog, redact_argv
 from ninfer.observability.throughput import throughput_loop
 from ninfer.server import listen, routes
 from ninfer.server.app import App
-from ninfer.server.backend import cuda_runner
+from ninfer.server.backend import BackendStartError, cuda_runner
 from ninfer.server.prompt import PromptBuilder, ServeDefaults
 from ninfer.server.response_store import ResponseStore
 from ninfer.server.sse import KEEPALIVE_SECONDS
@@ -363,7 +363,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
         trio.run(run)
     # e.g. a malformed --context-cost-presets file, or an artifact that is truncated or not one
-    except (StartupError, EngineError, ArtifactError) as e:
+    except (StartupError, BackendStartError, EngineError, ArtifactError) as e:
         log.debug("startup failed", exc_info=e)  # the traceback, for --log-level debug only
         print(f"ninfer serve: {e}", file=sys.stderr)
         return 1
