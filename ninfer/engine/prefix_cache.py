@@ -266,25 +266,45 @@ class PrefixCache:
 
     # -- reclamation ----------------------------------------------------------------------
 
-    def reclaim(self, pages_needed: int, force: bool = False) -> int:
+    def reclaim(self, pages_needed: int, force: bool = False, all_or_none: bool = False) -> int:
         """Evict unlocked leaves, least recently used first (session endpoints last), until
         ``pages_needed`` pages became free or nothing is evictable; return pages freed.
 
-        ``force`` (the last resort of a lone resident) evicts locked leaves too, unlocked ones
-        first: locks only keep in-use prefixes retained, page references keep them correct, so
+        ``all_or_none``: evict nothing unless ``pages_needed`` pages can be freed (an admission that
+        cannot fit anyway keeps the cache; a node whose page a resident or another node shares frees
+        nothing). ``force`` (the last resort of a lone resident) evicts locked leaves too, unlocked
+        ones first: locks only keep in-use prefixes retained, page references keep them correct, so
         a sequence that still locks an evicted node merely stops pinning it."""
         if pages_needed <= 0:
             return 0
+        victims, freed = self._eviction_plan(pages_needed, force)
+        if all_or_none and freed < pages_needed:
+            return 0
+        for node in victims:
+            self._evict(node)
+        return freed
+
+    def _eviction_plan(self, pages_needed: int, force: bool) -> tuple[list[Node], int]:
+        """The nodes ``reclaim`` evicts, in order (leaves before their parents), and the pages that
+        frees, counted from the pool's references without changing anything yet."""
         heap = [(_priority(n), id(n), n) for n in self._leaves() if force or n.locks == 0]
         heapq.heapify(heap)
-        freed = 0
+        children_left: dict[int, int] = {}  # id(node) -> children not yet planned for eviction
+        refs_left: dict[int, int] = {}  # page -> references left once the planned nodes are gone
+        victims, freed = [], 0
         while heap and freed < pages_needed:
             _, _, node = heapq.heappop(heap)
+            victims.append(node)
+            refs = refs_left.get(node.page, self.pool.refcount(node.page)) - 1
+            refs_left[node.page] = refs
+            freed += refs == 0
             parent = node.parent
-            freed += self._evict(node)
-            if parent is not self.root and not parent.children and (force or parent.locks == 0):
-                heapq.heappush(heap, (_priority(parent), id(parent), parent))
-        return freed
+            if parent is not self.root:
+                left = children_left.get(id(parent), len(parent.children)) - 1
+                children_left[id(parent)] = left
+                if left == 0 and (force or parent.locks == 0):
+                    heapq.heappush(heap, (_priority(parent), id(parent), parent))
+        return victims, freed
 
     def clear(self) -> None:
         self.reclaim(self.pool.capacity + 1)

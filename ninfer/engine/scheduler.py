@@ -244,10 +244,9 @@ class Scheduler:
 
     def _make_room(self, need: int) -> bool:
         short = need - self.pool.free_count
-        # Each retained node holds one page, so with fewer nodes than pages short no eviction can
-        # make room: keep them (a refused admission must not empty the prefix cache).
-        if short > 0 and self.cache is not None and short <= self.cache.nodes:
-            self.cache.reclaim(short)
+        # Evict only when that makes room: a refused admission must not empty the prefix cache.
+        if short > 0 and self.cache is not None:
+            self.cache.reclaim(short, all_or_none=True)
         return need <= self.pool.free_count
 
     def _reserve_residents(self, plan: Plan) -> None:

@@ -159,3 +159,22 @@ def test_a_spill_never_drops_a_more_recently_used_image():
     host.release(8)
     cache.clear()
     assert host.used == 0 and cache.spilled == 0
+
+
+def test_reclaim_counts_only_pages_nobody_else_holds():
+    pool = KVPool(8)
+    cache = PrefixCache(pool, page_size=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    pages = pool.alloc(2)  # a resident's pages; it produced three nodes and locks none of them
+    cache.insert(tokens, pages, 5)  # a full node and a 1-token tail on pages[1]
+    cache.insert(tokens, pages, 6)  # a 2-token tail on the same page
+    assert (cache.nodes, pool.free_count) == (3, 6)
+    # The resident holds both pages, so evicting every node would free none: all-or-none keeps them.
+    assert cache.reclaim(1, all_or_none=True) == 0 and cache.nodes == 3
+    pool.decref(pages)  # the resident is gone
+    # Both tails share pages[1]: one page takes both of them, and the full node stays.
+    assert cache.reclaim(1, all_or_none=True) == 1
+    assert (cache.nodes, pool.free_count) == (1, 7)
+    assert cache.match(tokens, 6).length == 4
+    assert cache.reclaim(3, all_or_none=True) == 0 and cache.nodes == 1  # one page is all there is
+    assert cache.reclaim(3) == 1 and (cache.nodes, pool.free_count) == (0, 8)  # without it: what it can
