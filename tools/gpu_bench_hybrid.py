@@ -2,7 +2,8 @@
 weights made on the GPU, side by side with transformers on the same shapes in the same run.
 
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
-                                     [--batches 1,4,8] [--context 512] [--peer transformers|none]
+                                     [--batches 1,4,8] [--context 512] [--prefill-rows 512]
+                                     [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
@@ -194,7 +195,7 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     HybridForward.chunked_rule = chunked_default or args.chunked_rule_ablation  # the buffers carve its scratch
     runner = CudaHybridRunner.from_device_weights(
         config, ptrs, device=device, page_size=PAGE, num_pages=max(max(batches), 2) * pages,
-        max_batch=max(max(batches), 2), max_context=max_context, max_prefill_rows=512, prefill_gemm="cublaslt",
+        max_batch=max(max(batches), 2), max_context=max_context, max_prefill_rows=args.prefill_rows, prefill_gemm="cublaslt",
         state_slots=1)
     HybridForward.chunked_rule = runner.forward.chunked_rule = chunked_default
     report = {"weights_gb": sum(p.nbytes for p in ptrs.values()) / 1e9, "weights_made_s": made_s,
@@ -363,6 +364,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prefill", type=int, default=8192)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefill-rows", type=int, default=512,
+                        help="the runner's prefill sub-chunk (max_prefill_rows): a larger one gives each MoE "
+                             "expert more rows per read of its weights")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     parser.add_argument("--peer-tokens", type=int, default=8, help="tokens each peer decode generates")
