@@ -8,6 +8,7 @@ stays plain text.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import TextIO
@@ -21,13 +22,25 @@ LEVELS = {
 }
 
 
+# C0 controls but tab and newline, DEL and C1 controls: ESC and CSI (U+009B) start terminal control
+# sequences, CR and backspace redraw the line. A message may carry text a client chose (a request
+# path), so the format itself guarantees that none of them reaches stderr raw.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _escape(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 class PrettyFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         t = time.localtime(record.created)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", t) + f".{int(record.msecs):03d}"
-        text = f"{stamp} {record.levelname} {record.getMessage()}"
+        # A record is one line: a newline inside the message cannot start a line that looks like a record.
+        message = _escape(record.getMessage()).replace("\n", "\\n")
+        text = f"{stamp} {record.levelname} {message}"
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+            text += "\n" + _escape(self.formatException(record.exc_info))
         return text
 
 

@@ -1,13 +1,15 @@
 """The periodic throughput record (``--log-stats-interval-ms``): stderr line + JSONL event.
 
-Each interval compares two published engine snapshots; fully idle intervals are omitted.
+Each interval compares the engine snapshots read at its two ticks; fully idle intervals are omitted.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+import attrs
 import trio
 
 from ninfer.engine.stats import throughput
@@ -62,17 +64,31 @@ def record(t: dict) -> dict:
     return out
 
 
+class ThroughputReporter:
+    """Reports the interval between two ticks. The interval is timed by the ticks, not by snapshot
+    publications: an idle worker publishes nothing, so the latest snapshot may be minutes old, and
+    rates over the span since it would spread an interval's work over all the idle time before it."""
+
+    def __init__(self, engine: Any, request_log: Any, now: float) -> None:
+        self.engine = engine
+        self.request_log = request_log
+        self.prev, self.prev_at = engine.stats(), now
+
+    def tick(self, now: float) -> dict | None:
+        """Log (and write) the interval ending ``now``; its figures, or None when it was fully idle."""
+        cur = self.engine.stats()
+        t = throughput(attrs.evolve(self.prev, monotonic=self.prev_at), attrs.evolve(cur, monotonic=now))
+        self.prev, self.prev_at = cur, now
+        if not _busy(t):
+            return None
+        log.info("%s", pretty(t))
+        if self.request_log is not None:
+            self.request_log.write("throughput", **record(t))
+        return t
+
+
 async def throughput_loop(engine: Any, request_log: Any, interval_s: float) -> None:
-    prev = engine.stats()
+    reporter = ThroughputReporter(engine, request_log, time.monotonic())
     while True:
         await trio.sleep(interval_s)
-        cur = engine.stats()
-        if cur is prev or cur.monotonic <= prev.monotonic:
-            continue
-        t = throughput(prev, cur)
-        prev = cur
-        if not _busy(t):
-            continue
-        log.info("%s", pretty(t))
-        if request_log is not None:
-            request_log.write("throughput", **record(t))
+        reporter.tick(time.monotonic())
