@@ -340,6 +340,8 @@ def _add_block(turn: _Turn, block: Any, where: str, slots: _Breakpoints) -> None
     if not isinstance(block, dict):
         raise invalid_type(where, "an object")
     kind = block.get("type")
+    if not isinstance(kind, str):  # a list or object type would not even hash
+        raise invalid_type(f"{where}.type", "a string")
     if kind in _UNSUPPORTED_BLOCKS:
         raise unsupported(where, _UNSUPPORTED_BLOCKS[kind])
     role = turn.role
@@ -409,6 +411,8 @@ def _tool_result(block: dict, where: str, slots: _Breakpoints) -> Result:
             iw = f"{where}.content[{k}]"
             if not isinstance(inner, dict):
                 raise invalid_type(iw, "an object")
+            if not isinstance(inner.get("type"), str):
+                raise invalid_type(f"{iw}.type", "a string")
             if inner.get("type") == "image":
                 raise vision_disabled(iw, "image")
             if inner.get("type") != "text":

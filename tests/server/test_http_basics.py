@@ -43,6 +43,14 @@ async def test_errors_before_and_after_parsing(start_server):
         r = await c.post("/v1/chat/completions", content=b"{not json")
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         assert r.headers["x-request-id"]
+        # An unpaired surrogate escape parses in Python but is no text: refused as the body, not a 500.
+        for body in (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+                     b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "\\uDC00": 1}'):
+            r = await c.post("/v1/chat/completions", content=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'  # a pair: one character
+        r = await c.post("/v1/chat/completions", content=body)
+        assert r.json()["error"]["code"] == "model_not_found"  # parsed, then judged on its fields
         # 413 comes from the byte count alone: the body is not even valid JSON.
         r = await c.post("/v1/chat/completions", content=b"x" * (1024 * 1024 + 1))
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -72,6 +72,12 @@ def test_images_documents_and_server_blocks():
     fails("unsupported_parameter", messages=[{"role": "assistant", "content": [{"type": "redacted_thinking"}]},
                                              *HI])
     fails("invalid_value", "messages[0].content[0].type", messages=[{"role": "user", "content": [{"type": "nope"}]}])
+    # a type that is not a string (would not even hash) is a field error, not an internal one
+    fails("invalid_type", "messages[0].content[0].type", messages=[{"role": "user", "content": [{"type": ["text"]}]}])
+    result = {"type": "tool_result", "tool_use_id": "c1", "content": [{"type": {"t": 1}}]}
+    fails("invalid_type", "messages[2].content[0].content[0].type",
+          messages=[*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {}}]},
+                    {"role": "user", "content": [result]}], tools=[TOOL])
 
 
 def test_thinking_history_and_assistant_order():
