@@ -100,18 +100,28 @@ class PromptBuilder:
 
     def _part_offsets(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any) -> list[int]:
         """Text offsets where the marked parts end."""
-        marks = conv.cache_marks()
+        marks = {(m.message, m.part) for m in conv.cache_marks()}
         if not marks:
             return []
-        # Render once more with a sentinel after each marked part to find the marks' text offsets.
-        at = {(m.message, m.part) for m in marks}
+        offsets = self._sentinel_offsets(conv, messages, kwargs, prompt, marks)
+        if offsets is not None or len(marks) == 1:
+            return offsets or []
+        # The template moved or rewrote some marked text: each mark on its own, so only the marks
+        # that are no exact frontier are ignored (a sentinel can, e.g., make an empty part non-empty).
+        found = (self._sentinel_offsets(conv, messages, kwargs, prompt, {mark}) for mark in sorted(marks))
+        return [o for offsets in found if offsets for o in offsets]
+
+    def _sentinel_offsets(self, conv: Conversation, messages: list[dict], kwargs: dict, prompt: Any,
+                          marks: set[tuple[int, int]]) -> list[int] | None:
+        """Render once more with a sentinel after each part in ``marks`` (message, part); the sentinels'
+        offsets in the prompt, or None when the template did not reproduce the prompt around them."""
         marked = [dict(m) for m in messages]
-        for mi in {m.message for m in marks}:
+        for mi in {mi for mi, _ in marks}:
             parts = conv.messages[mi].parts
-            marked[mi]["content"] = "".join(p.text + (SENTINEL if (mi, i) in at else "") for i, p in enumerate(parts))
+            marked[mi]["content"] = "".join(p.text + (SENTINEL if (mi, i) in marks else "") for i, p in enumerate(parts))
         text = self._render_text(marked, conv.template_tools(), True, kwargs)
         if text is None or text.replace(SENTINEL, "") != prompt.text:
-            return []  # the template moved or rewrote marked text: no exact frontiers to offer
+            return None
         offsets, removed = [], 0
         for i, ch in enumerate(text):
             if ch == SENTINEL:

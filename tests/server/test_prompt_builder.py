@@ -43,3 +43,18 @@ def test_a_boundary_inside_a_token_is_dropped(builder):
     # The implicit candidate (end of the latest part) still maps.
     p = prepare(builder, [("Hel", True), ("lo", False)])
     assert len(p.cache_boundaries) == 1 and tok.decode(p.token_ids[:p.cache_boundaries[0]]).endswith("Hello")
+
+
+def test_a_mark_the_template_cannot_reproduce_drops_only_itself(builder):
+    # The empty assistant text beside tool calls renders differently once it holds the sentinel (the
+    # template tests whether it is empty): that mark is no frontier, the user's mark still is.
+    bp = {"prompt_cache_breakpoint": {"mode": "explicit"}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"model": "m", "prompt_cache_options": {"mode": "explicit"},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Paris is big.", **bp}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "", **bp}], "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    p = builder.prepare(parse_request(body, "m").conversation)
+    assert len(p.cache_boundaries) == 1
+    assert builder.tokenizer.decode(p.token_ids[:p.cache_boundaries[0]]).endswith("Paris is big.")
