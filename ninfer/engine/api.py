@@ -30,8 +30,8 @@ from ninfer.engine import sampling
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.context_cost import load as load_context_cost
 from ninfer.engine.core import EngineCore
-from ninfer.engine.errors import (ContextLengthExceeded, EngineUnavailable, Overloaded, QueueTimeout,
-                                  ThinkingBudgetCapacityInsufficient)
+from ninfer.engine.errors import (ContextLengthExceeded, EngineUnavailable, InvalidPrompt, Overloaded,
+                                  QueueTimeout, ThinkingBudgetCapacityInsufficient)
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.request import MAX_CACHE_HINTS, GenerationRequest
 from ninfer.engine.sequence import Sequence
@@ -184,18 +184,16 @@ class Ticket:
         self.handle: Handle | None = None
 
     def submit(self, request: GenerationRequest) -> "Handle":
-        """Validate and queue ``request``. Raises ValueError (bad field), ContextLengthExceeded or
-        ThinkingBudgetCapacityInsufficient at preparation; admission errors come from the handle."""
+        """Validate and queue ``request``. Raises InvalidPrompt, ValueError (another bad field),
+        ContextLengthExceeded or ThinkingBudgetCapacityInsufficient at preparation; admission errors
+        come from the handle. A rejection is the caller's to count (the server counts its own in
+        ninfer_requests_total{outcome="rejected"})."""
         if self._released or self.handle is not None:
             raise RuntimeError("a ticket submits exactly one request while it is held")
         engine = self._engine
         if not engine.ready:
             raise EngineUnavailable("the engine is not available")
-        try:
-            seq = engine._prepare(request, self.deadline)
-        except (ValueError, ContextLengthExceeded, ThinkingBudgetCapacityInsufficient):
-            engine._worker.post("count", "rejected")
-            raise
+        seq = engine._prepare(request, self.deadline)
         self.handle = Handle(self, seq)
         seq.handle = self.handle
         engine._worker.post("submit", seq)
@@ -330,9 +328,9 @@ class Handle:
 def _validate(request: GenerationRequest, vocab: int, limit: int) -> None:
     n = len(request.prompt)
     if n == 0:
-        raise ValueError("prompt must contain at least one token")
+        raise InvalidPrompt("prompt must contain at least one token")
     if min(request.prompt) < 0 or max(request.prompt) >= vocab:
-        raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        raise InvalidPrompt(f"prompt token ids must be in 0..{vocab - 1}")
     if request.max_tokens < 0:
         raise ValueError(f"max_tokens must be non-negative, got {request.max_tokens}")
     if n + (1 if request.max_tokens > 0 else 0) > limit:

@@ -27,6 +27,11 @@ class EngineUnavailable(EngineError):
     """The Engine failed or is closed; /health reports unavailable."""
 
 
+class InvalidPrompt(EngineError, ValueError):
+    """The prompt itself cannot run: no tokens, or ids outside the model's vocabulary (400
+    invalid_prompt). Other ValueErrors of ``submit`` are a caller's bug, not the client's."""
+
+
 class ContextLengthExceeded(EngineError):
     """The prompt does not fit the context ceiling (400 context_length_exceeded)."""
 

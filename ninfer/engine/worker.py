@@ -134,8 +134,6 @@ class Worker:
         elif command == "expire":
             if arg.phase is Phase.WAITING:
                 self.core.fail(arg, QueueTimeout(self.core.config.pending_timeout_ms), "queue_timeout")
-        elif command == "count":
-            core.counters.outcome(arg)
 
     def _expire(self, now: float) -> None:
         for seq in [s for s in self.core.scheduler.waiting if s.expired or s.deadline <= now]:

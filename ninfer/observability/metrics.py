@@ -60,10 +60,12 @@ _HISTOGRAMS = (
 
 
 class EngineCollector:
-    def __init__(self, engine: Any, model_id: str, response_failures: Callable[[], int]):
+    def __init__(self, engine: Any, model_id: str, response_failures: Callable[[], int],
+                 rejected: Callable[[], int]):
         self.engine = engine
         self.model_id = model_id
         self.response_failures = response_failures
+        self.rejected = rejected
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
@@ -82,8 +84,10 @@ class EngineCollector:
                        ["operation"], sorted(s.state_image_operations_total.items()))
         yield _labeled("ninfer_host_work_seconds", "Instrumented worker Host wall time by phase.", ["phase"],
                        s.host_work_seconds_total.items())
-        yield _labeled("ninfer_requests", "Generation attempts by outcome.", ["outcome"],
-                       sorted(s.requests_total.items()))
+        outcomes = dict(s.requests_total)
+        if self.rejected():  # rejected in preparation: the server sees these, the Engine's outcomes follow
+            outcomes["rejected"] = outcomes.get("rejected", 0) + self.rejected()
+        yield _labeled("ninfer_requests", "Generation attempts by outcome.", ["outcome"], sorted(outcomes.items()))
         yield CounterMetricFamily("ninfer_response_failures", "Failures after a response started.",
                                   value=self.response_failures())
         for name, doc in _HISTOGRAMS:
@@ -109,8 +113,10 @@ class Metrics:
 
     def __init__(self, engine: Any, model_id: str):
         self.response_failures = 0
+        self.rejected = 0  # generation requests rejected during preparation (429, 400 context length, ...)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine, model_id, lambda: self.response_failures))
+        self.registry.register(EngineCollector(engine, model_id, lambda: self.response_failures,
+                                               lambda: self.rejected))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

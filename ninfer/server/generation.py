@@ -157,7 +157,7 @@ class GenerationSession:
             self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), self._params[1]), conv)
         except engine_errors.EngineUnavailable:
             self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
-        except ValueError as e:
+        except engine_errors.InvalidPrompt as e:  # any other ValueError is ours: a 500 with its log record
             self._reject(ProtocolError("invalid_prompt", f"The prepared request is invalid: {e}"), conv)
         self.prepared = prepared
         self.prepare_seconds = time.monotonic() - self.t0
@@ -174,6 +174,7 @@ class GenerationSession:
                      media_items=0, status=err.status, type=err.kind.openai_type, code=err.code, param=err.param,
                      message=err.message)
         log.info("request %s rejected: %d %s", self.request_id, err.status, err.code)
+        self.state.metrics.rejected += 1  # a generation attempt that entered preparation
         raise err
 
     def _log_start(self, conv: Conversation, gen: GenerationOptions, request: GenerationRequest) -> None:

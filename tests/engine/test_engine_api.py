@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from ninfer.engine import Engine, EngineConfig, GenerationRequest, SamplingOverrides, ThinkingControl
-from ninfer.engine.errors import (ContextCostPresetsError, ContextLengthExceeded, EngineUnavailable, Overloaded,
-                                  QueueTimeout, ThinkingBudgetCapacityInsufficient)
+from ninfer.engine.errors import (ContextCostPresetsError, ContextLengthExceeded, EngineUnavailable, InvalidPrompt,
+                                  Overloaded, QueueTimeout, ThinkingBudgetCapacityInsufficient)
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.simulated import SimulatedRunner
 
@@ -170,10 +170,13 @@ async def test_preparation_rejections_are_typed():
             # Capacity that ends at the cap, or fits suffix + 1, is fine.
             ticket.submit(GenerationRequest(prompt=[1] * 4, max_tokens=10, thinking=think)).stop()
         with engine.reserve() as ticket:
-            with pytest.raises(ValueError, match="top_k"):
+            with pytest.raises(ValueError, match="top_k") as exc:
                 ticket.submit(GenerationRequest(prompt=[1], max_tokens=1, sampling=SamplingOverrides(top_k=21)))
-            with pytest.raises(ValueError, match="prompt token ids"):
+            assert not isinstance(exc.value, InvalidPrompt)  # the caller's bug, not the prompt's
+            with pytest.raises(InvalidPrompt, match="prompt token ids"):
                 ticket.submit(GenerationRequest(prompt=[9999], max_tokens=1))
+            with pytest.raises(InvalidPrompt, match="at least one token"):
+                ticket.submit(GenerationRequest(prompt=[], max_tokens=1))
 
 
 class ExplodingRunner(SimulatedRunner):

@@ -69,6 +69,8 @@ async def test_overload_is_429_and_queue_timeout_is_503(start_server):
         assert "data: [DONE]" not in lines
         metrics = (await c.get("/metrics")).text
         assert "ninfer_response_failures_total 1.0" in metrics
+        # The 429 entered preparation: a rejected generation attempt (the timeouts are queue_timeout).
+        assert 'ninfer_requests_total{outcome="rejected"} 1.0' in metrics
         await busy.aclose()
 
 
