@@ -113,15 +113,19 @@ def test_stop_in_reasoning_ends_the_output():
     assert events == [ReasoningDelta("plan A. "), StopMatched("STOP")]
     assert decoder.stopped == "STOP"
     assert decoder.finish() == []
-    assert decoder.stats.completion_tokens == len(ids)
+    # The output ends with the token that completed the match: tokens after it are not counted.
+    n = decoder.stop_tokens
+    assert decoder.stats.completion_tokens == n < len(ids)
+    assert "STOP" in TOK.decode(ids[:n]) and "STOP" not in TOK.decode(ids[:n - 1])
 
 
-def test_stop_in_content_and_tokens_after_it_still_count():
+def test_stop_in_content_and_tokens_after_it_are_not_output():
     ids = model_ids("</think>\n\nOne. Two. Three.")
     decoder = OutputDecoder(TOK, starts_in_thinking=True, stops=[" Two", "Three"])
     events = merge(decoder.push(ids) + decoder.push(model_ids(" more")) + decoder.finish())
     assert events == [ContentDelta("One."), StopMatched(" Two")]
-    assert decoder.stats.completion_tokens == len(ids) + len(model_ids(" more"))
+    upto = model_ids("</think>\n\nOne. Two")
+    assert ids[:len(upto)] == upto and decoder.stop_tokens == decoder.stats.completion_tokens == len(upto)
     assert decoder.stats.reasoning_tokens == 1
 
 
@@ -210,8 +214,8 @@ def test_any_grouping_of_pushes_gives_the_same_events_and_stats(text, thinking, 
     one_by_one, first = decode_all(ids, **options)
     grouped, second = decode_all(ids, _groups(ids, cuts), **options)
     assert grouped == one_by_one
-    assert second.stats == first.stats
-    assert first.stats.completion_tokens == len(ids)
+    assert second.stats == first.stats and second.stop_tokens == first.stop_tokens
+    assert first.stats.completion_tokens == (len(ids) if first.stopped is None else first.stop_tokens)
 
 
 def _reference_channels(full: str, thinking: bool) -> tuple[str, str]:

@@ -296,13 +296,14 @@ class Handle:
             self._done = True
         return item
 
-    def stop(self) -> None:
+    def stop(self, accepted: int | None = None) -> None:
         """A stop string matched in the text layer within the tokens received so far: finish
         "stop" at the next boundary. Output (usage, generated ids, the retained endpoint) ends
-        at the tokens this handle has yielded; later deltas are dropped."""
+        after ``accepted`` output tokens (default: all this handle has yielded; a delta may carry
+        tokens past the one that completed the match); later deltas are dropped."""
         if not self._done and self._stopped_at is None:
-            self._stopped_at = self._received
-            self._ticket._engine._worker.post("stop", (self._seq, self._received))
+            self._stopped_at = self._received if accepted is None else max(0, min(accepted, self._received))
+            self._ticket._engine._worker.post("stop", (self._seq, self._stopped_at))
 
     async def aclose(self) -> None:
         self._cancel()

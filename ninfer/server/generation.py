@@ -217,8 +217,8 @@ class GenerationSession:
                     self._last_token_at = now
                     self.committed += len(ev.token_ids)
                     for out in self.decoder.push(ev.token_ids):
-                        if isinstance(out, StopMatched):
-                            self.handle.stop()
+                        if isinstance(out, StopMatched):  # the output ends at the matching token
+                            self.handle.stop(self.decoder.stop_tokens)
                         else:
                             yield out
                 elif isinstance(ev, Finished):

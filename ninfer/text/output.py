@@ -68,6 +68,7 @@ class OutputDecoder:
         self._completion_tokens = 0
         self._finished = False
         self.stopped: str | None = None  # the matched stop string, once one matched
+        self.stop_tokens: int | None = None  # tokens pushed up to the one that completed the match
 
     @property
     def stats(self) -> OutputStats:
@@ -79,11 +80,11 @@ class OutputDecoder:
             raise RuntimeError("push() after finish()")
         out: list[OutputEvent] = []
         for token_id in token_ids:
-            self._completion_tokens += 1
             if self.stopped is not None:
-                # Tokens committed after a stop still count; their text is never shown.
-                self._reasoning_tokens += self._splitter.in_reasoning
-                continue
+                # Tokens committed before the Engine saw the stop are not output (nor counted): the
+                # request's output ends with the token that completed the match (``stop_tokens``).
+                break
+            self._completion_tokens += 1
             pieces = self._splitter.feed(self._detok.push((token_id,)))
             self._reasoning_tokens += self._splitter.touched_reasoning
             self._route(pieces, out)
@@ -113,6 +114,7 @@ class OutputDecoder:
             self._emit(channel, released, out)
             if stop is not None:
                 self.stopped = stop
+                self.stop_tokens = self._completion_tokens
                 self._close_content(out)
                 out.append(StopMatched(stop))
                 return

@@ -156,6 +156,28 @@ async def test_stop_finishes_with_stop_string():
     assert engine.stats().generation_tokens_total == 2
 
 
+async def test_stop_keeps_the_tokens_up_to_the_match():
+    # The text layer may match a stop inside a delta: the output ends where it says, not at the delta's end.
+    cfg = config(max_concurrency=1)
+    runner = GatedRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=1, max_context=256, vocab_size=256)
+    runner.gate.set()
+    async with Engine.open(runner, cfg) as engine:
+        with engine.reserve() as ticket:
+            handle = ticket.submit(GenerationRequest(prompt=[5] * 8, max_tokens=200, sampling=GREEDY))
+            received, finished, stopped = [], None, False
+            async for event in handle:
+                if isinstance(event, TokenDelta):
+                    received += event.token_ids
+                    if len(received) >= 3 and not stopped:
+                        handle.stop(len(received) - 1)
+                        stopped = True
+                elif isinstance(event, Finished):
+                    finished = event
+    assert (finished.reason, finished.detail) == ("stop", "stop_string")
+    assert finished.usage.completion_tokens == len(received) - 1
+    assert finished.generated_token_ids == tuple(received[:-1])
+
+
 async def test_preparation_rejections_are_typed():
     cfg = config(max_context=64)
     async with Engine.open(runner_for(cfg), cfg) as engine:
