@@ -138,7 +138,7 @@ def parse_request(body: Any, public_model_id: str, *, count_only: bool = False) 
     items = normalize_input(body.get("input"))
     instructions = f.opt_str(body, "instructions")
     prev = f.opt_str(body, "previous_response_id")
-    if not items and prev is None:
+    if prev is None and body.get("input") in (None, "", []):  # an empty string is empty input too
         raise invalid_value("input", "must not be empty unless previous_response_id supplies the conversation.")
     options = _options(body)
     metadata = _metadata(body)
@@ -306,11 +306,14 @@ def _tool_choice(choice: Any, defs: list[ToolDef]) -> tuple[str, ...]:
     def declared(t: Any, where: str) -> str:
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             raise unsupported(where, "allowed_tools may list only function tools.")
-        identity = qualified(t.get("namespace"), t.get("name") or "")
-        if identity not in ids:
+        # Matched as a namespace/name pair, not by the joined identity: a namespaced function is selected
+        # only by both fields, and a different split of the same joined string selects nothing.
+        pair = (t.get("namespace"), t.get("name"))
+        d = next((d for d in defs if (d.namespace, d.name) == pair), None)
+        if d is None:
             raise invalid_value(where, f"{t.get('name')!r} is not a declared function"
                                 + (f" in namespace {t.get('namespace')!r}." if t.get("namespace") else "."))
-        return identity
+        return d.identity
 
     return allowed_tools(choice, "tool_choice", ids, declared)
 
@@ -495,6 +498,7 @@ class _Group:
 def build_conversation(history: tuple[dict, ...], req: ResponsesRequest,
                        inherited_preserve: bool | None = None) -> Conversation:
     """Stored history + this request's Items → Conversation (instructions lead, for this request only)."""
+    _check_new_ids(history, req.items)
     messages: list[Message] = []
     if req.instructions:
         messages.append(Message("developer", (Part(req.instructions),)))
@@ -504,6 +508,16 @@ def build_conversation(history: tuple[dict, ...], req: ResponsesRequest,
         options = attrs.evolve(options, preserve_thinking=inherited_preserve)
     tools = tuple(Tool(d.identity, d.description, d.parameters) for d in req.tools.defs)
     return Conversation(tuple(messages), tools, req.tools.callable, options, req.implicit_cache)
+
+
+def _check_new_ids(history: tuple[dict, ...], items: tuple[dict, ...]) -> None:
+    """An input Item may not repeat one the previous_response_id chain already holds: it would enter the
+    prompt twice (OpenAI refuses such input the same way)."""
+    held = {it["id"] for it in history}
+    for i, it in enumerate(items):
+        if it["id"] in held:
+            raise invalid_value(f"input[{i}].id", f"Item {it['id']!r} is already in the previous_response_id "
+                                "history; send only the new Items.")
 
 
 def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:

@@ -39,9 +39,19 @@ class _Plan:
     capture_endpoint: bool
 
 
-def _query(ex: Exchange) -> dict[str, str]:
+def _pairs(ex: Exchange) -> list[tuple[str, str]]:
     raw = ex.request.scope.get("query_string", b"").decode("latin-1")
-    return {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
+    return urllib.parse.parse_qsl(raw, keep_blank_values=True)
+
+
+def _query(ex: Exchange) -> dict[str, str]:
+    return dict(_pairs(ex))  # a repeated key keeps its last value
+
+
+def _asks_include(ex: Exchange) -> bool:
+    """Whether any ``include`` value is non-empty: the SDK repeats the key per value, and ``_query``
+    keeps only the last, which an empty trailing value would hide."""
+    return any(v for k, v in _pairs(ex) if k in ("include", "include[]"))
 
 
 def _store(ex: Exchange) -> ResponseStore:
@@ -166,7 +176,7 @@ async def retrieve(ex: Exchange) -> None:
         raise unsupported("stream", "stream recovery of a finished Response is not supported.")
     if "starting_after" in query:
         raise unsupported("starting_after", "stream recovery of a finished Response is not supported.")
-    if query.get("include") or query.get("include[]"):
+    if _asks_include(ex):
         raise unsupported("include", "no optional output data is available from this server.")
     await ex.send_json(200, _store(ex).get(ex.params["response_id"]).response)
 
@@ -187,7 +197,7 @@ async def input_items(ex: Exchange) -> None:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid_value("order", "must be 'asc' or 'desc'.")
-    if query.get("include") or query.get("include[]"):
+    if _asks_include(ex):
         raise unsupported("include", "no optional Item data is available from this server.")
     await ex.send_json(200, page(rec.input_items, after=query.get("after"), limit=lim, order=order))
 
