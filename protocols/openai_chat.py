@@ -39,6 +39,7 @@ from protocols.errors import (
 from protocols.openai_shared import (
     allowed_tools,
     cache_breakpoint,
+    check_advisory,
     check_model,
     check_text_format,
     check_verbosity,
@@ -67,6 +68,7 @@ def parse_request(body: Any, public_model_id: str) -> ChatRequest:
         raise ProtocolError("invalid_json", "The request body must be a JSON object.")
     model = check_model(body, public_model_id)
     _reject_unsupported(body)
+    check_advisory(body)
     tools, callable_names = _parse_tools(body)
     messages = _parse_messages(body)
     kwargs = f.opt_object(body, "chat_template_kwargs") or {}

@@ -42,6 +42,7 @@ from protocols.errors import (
 from protocols.openai_shared import (
     allowed_tools,
     cache_breakpoint,
+    check_advisory,
     check_model,
     check_text_format,
     check_verbosity,
@@ -143,11 +144,7 @@ def parse_request(body: Any, public_model_id: str, *, count_only: bool = False) 
     options = _options(body)
     metadata = _metadata(body)
     f.opt_object(body, "client_metadata")  # Codex tracing extension: opaque, no generation effect
-    for key in ("prompt_cache_key", "safety_identifier", "user"):
-        f.opt_str(body, key)
-    retention = body.get("prompt_cache_retention")
-    if retention not in (None, "in-memory", "in_memory", "24h"):
-        raise invalid_value("prompt_cache_retention", "must be 'in-memory' or '24h'.")
+    check_advisory(body)
     gen = GenerationOptions(
         max_tokens=f.opt_int(body, "max_output_tokens", 0),
         temperature=f.opt_number(body, "temperature", 0.0, 2.0),

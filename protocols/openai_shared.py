@@ -26,6 +26,15 @@ def check_model(body: dict, public_model_id: str) -> str:
     return model
 
 
+def check_advisory(body: dict) -> None:
+    """Fields that only label a request (caching and abuse keys): no generation effect, but a wrong
+    type or an unknown retention is still a field error."""
+    for key in ("prompt_cache_key", "safety_identifier", "user"):
+        f.opt_str(body, key)
+    if body.get("prompt_cache_retention") not in (None, "in-memory", "in_memory", "24h"):
+        raise invalid_value("prompt_cache_retention", "must be 'in-memory' or '24h'.")
+
+
 def implicit_cache(body: dict) -> bool:
     """Whether the automatic prompt-cache candidate is on (``prompt_cache_options.mode``)."""
     opts = f.opt_object(body, "prompt_cache_options")

@@ -7,6 +7,7 @@ import pytest
 from protocols.conversation import CacheMark
 from protocols.errors import CODES, ProtocolError
 from protocols.openai_chat import parse_request
+from server.expect import protocol_error
 
 MODEL = "tiny-test"
 
@@ -127,6 +128,14 @@ def test_neutral_values_and_unknown_fields_accepted():
     ), MODEL)
     assert r.generation.max_tokens is None
     assert not r.include_usage  # stream options only matter on a stream
+
+
+@pytest.mark.parametrize("field, value, code", [
+    ("user", 7, "invalid_type"), ("safety_identifier", ["s"], "invalid_type"), ("prompt_cache_key", {}, "invalid_type"),
+    ("prompt_cache_retention", "forever", "invalid_value"),
+])
+def test_advisory_fields_are_still_typed(field, value, code):
+    protocol_error(lambda: parse_request(body(**{field: value}), MODEL), code, field)
 
 
 def test_generation_fields():
