@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ninfer.server.http import dumps
 from ninfer.server.response_store import ResponseStore, page
 from protocols.errors import ProtocolError
 
@@ -66,3 +67,28 @@ def test_input_items_pages():
     with pytest.raises(ProtocolError) as e:
         page(its, after="zz", limit=5, order="asc")
     assert e.value.param == "after"
+
+
+def test_history_a_child_keeps_alive_is_charged_once():
+    store = ResponseStore(max_records=2, max_mib=1)
+    page_kb = "q" * (60 * 1024)
+    rec = store.put(resp("r0", page_kb), (), (), None, None)
+    for n in range(1, 8):  # a chain: each child holds every ancestor's Items, evicted or not
+        rec = store.put(resp(f"r{n}", page_kb), (), rec.context, None, None)
+    held = {id(it): it for r in (store.get("r6"), store.get("r7")) for it in r.context}
+    items_bytes = sum(len(dumps(it)) for it in held.values())
+    assert len(store) == 2 and items_bytes <= store.nbytes <= 1024 * 1024  # shared Items once, none missed
+    stored = ["r6", "r7"]
+    for n in range(8, 20):  # until the chain's own context no longer fits the budget
+        try:
+            rec = store.put(resp(f"r{n}", page_kb), (), rec.context, None, None)
+        except ProtocolError as e:
+            assert e.code == "response_store_capacity_exceeded"
+            break
+        stored.append(f"r{n}")
+    else:
+        raise AssertionError("a chain of 1.2 MB fit a 1 MiB store")
+    assert store.nbytes <= 1024 * 1024
+    for rid in stored[-2:]:
+        store.delete(rid)
+    assert store.nbytes == 0 and len(store) == 0
