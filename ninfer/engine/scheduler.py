@@ -391,7 +391,10 @@ class Scheduler:
         held = match.nodes[:shared]
         if self.cache is not None:
             self.cache.lock(held)
-        end = self._chunk_end(seq, match.length) if fresh else seq.frontier + 1
+        # A replay rebuilds its saved frontier, then one new unit: with output, the decode of the
+        # next position; without, the prompt's last chunk (its sample's KV is the next decode's,
+        # reserved then), so a max_tokens=0 prompt that fills the ceiling still fits the pool.
+        end = self._chunk_end(seq, match.length) if fresh else seq.frontier + (1 if seq.n_output else 0)
         need = -(-end // self.ps) - shared
         if not self._make_room(need):
             if self.cache is not None:
