@@ -348,9 +348,14 @@ class Scheduler:
         # this plan's execution, and re-admitting it now would undo the room just made.
         just_paused = {p.seq.rid for p in plan.pauses}
         candidates = sorted([*self.paused, *self.waiting], key=_rid)
-        passed: list[Sequence] = []
+        passed: list[Sequence] = []  # waiting requests a later one went past
+        restores_held = False  # an older paused request could not restore: restoration keeps request order
         for seq in candidates:
+            paused = seq.phase is Phase.PAUSED
             if seq.rid in just_paused:
+                restores_held = True
+                continue
+            if paused and restores_held:
                 continue
             if None not in self.lanes:
                 return
@@ -360,9 +365,12 @@ class Scheduler:
                 if any(earlier.bypassed >= MAX_BYPASS for earlier in passed):
                     return  # its allowance is spent: nobody else passes it, in this step either
                 continue
-            if seq.bypassed >= MAX_BYPASS:
+            if paused:  # it does not hold back fresh requests that fit (spec: Execution behavior)
+                restores_held = True
+            elif seq.bypassed >= MAX_BYPASS:
                 return  # nobody may pass it any more
-            passed.append(seq)
+            else:
+                passed.append(seq)
 
     def _try_bind(self, seq: Sequence, plan: Plan) -> bool:
         if seq.phase is Phase.PAUSED and seq.route == "snapshot" and seq.snapshot is not None:
