@@ -4,14 +4,15 @@ A family handler parses its wire JSON into a ``Conversation`` and ``GenerationOp
 
     session = GenerationSession(state, request_id, protocol="openai_chat", stream=...)
     await session.start(conversation, options)     # raises ProtocolError (HTTP error response)
-    async for ev in session.events():              # Progress | OutputEvent | Done
-        ...
+    await session.respond(request, work)           # work: async for ev in session.events(): ...
+                                                   # (Progress | OutputEvent | Done), then the reply
 
 ``start`` reserves engine capacity first (so preparation counts against it), renders and tokenizes
 the prompt (``ninfer.server.prompt.PromptBuilder``, on a worker thread), and submits. ``events`` feeds committed tokens through the ``OutputDecoder`` (reasoning,
 content, tool calls, stop strings) on the request's own task and ends with one ``Done`` carrying
 usage, llama.cpp timings and the engine's ``Finished``. Leaving ``events`` early (client gone)
-cancels the engine request. The session also writes the request's metrics-independent records:
+cancels the engine request; the capacity slot is held until ``respond`` has written the reply. The
+session also writes the request's metrics-independent records:
 the JSONL request_start / request_rejected / request_done / request_error events and stderr lines.
 """
 
@@ -81,6 +82,7 @@ class GenerationSession:
         self.stream = stream
         self.seq = state.request_log.next_seq() if state.request_log else None
         self.handle: Any = None
+        self._ticket: Any = None  # the Engine capacity slot, from start() to the end of respond()
         self.decoder: OutputDecoder | None = None
         self.prepared: PreparedPrompt | None = None
         self.t0 = time.monotonic()
@@ -120,6 +122,9 @@ class GenerationSession:
         # reserve() never waits (a full Engine answers 429 above): Engine FIFO waiting comes after
         # submission, in timings_seconds.queue.
         self.acquisition_seconds = time.monotonic() - self.t0
+        # Held until respond() ends, not only until the Engine's outcome: a finished result whose
+        # response is still being written counts against the lifetime capacity (spec).
+        self._ticket = ticket.__enter__()
         try:
             try:
                 prepared = await state.prompts.prepare_async(conv)
@@ -248,7 +253,8 @@ class GenerationSession:
         yield done
 
     async def aclose(self) -> None:
-        """Cancel the engine request if it is still running and give its capacity back (idempotent)."""
+        """Cancel the engine request if it is still running (idempotent); ``respond`` gives the
+        capacity slot back once the response is written."""
         if self.handle is not None:
             await self.handle.aclose()
 
@@ -262,6 +268,8 @@ class GenerationSession:
             await run_until_disconnect(request, work)
         finally:
             await self.aclose()
+            if self._ticket is not None:
+                self._ticket.release()  # the response is written (or abandoned): the capacity slot is free
 
     async def collect(self, feed: Callable[[Any], object]) -> "Done":
         """Run to the end for an aggregate response: output events go to ``feed``; returns the ``Done``."""

@@ -311,3 +311,36 @@ async def test_throughput_records_only_for_busy_intervals(start_server, tmp_path
     n = len(tp)
     await trio.sleep(0.3)
     assert len([line for line in path.read_text().splitlines() if '"throughput"' in line]) == n
+
+
+async def test_a_finished_result_holds_its_slot_until_the_reply_is_written(start_server, monkeypatch):
+    # Lifetime capacity 1: while the first reply is still being written (its send held open here),
+    # the Engine has finished it, but the slot stays taken, so a newcomer is refused.
+    from ninfer.server.app import Exchange
+
+    srv = await start_server("--max-concurrency", "1", "--max-pending-requests", "0")
+    writing, release = trio.Event(), trio.Event()
+    send_json = Exchange.send_json
+
+    async def held_send(self, status, obj):
+        if status == 200 and not release.is_set():
+            writing.set()
+            await release.wait()
+        await send_json(self, status, obj)
+
+    monkeypatch.setattr(Exchange, "send_json", held_send)
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        first = []
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: _append(first, c.post("/v1/chat/completions", json=body)))
+            await writing.wait()
+            refused = await c.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "server_overloaded"
+            release.set()
+        assert first[0].status_code == 200
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200  # the slot came back
+
+
+async def _append(out: list, request) -> None:
+    out.append(await request)
