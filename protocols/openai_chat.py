@@ -109,7 +109,7 @@ def _reject_unsupported(body: dict) -> None:
     for alias in CONSTRAINED_ALIASES:
         if body.get(alias) is not None:
             raise unsupported(alias, NO_CONSTRAINED_OUTPUT)
-    n = f.opt_int(body, "n")
+    n = f.opt_int(body, "n", 1)  # n < 1 asks for no choice at all: invalid, not unsupported
     if n is not None and n != 1:
         raise unsupported("n", "only one choice (n: 1) is generated per request.")
     modalities = body.get("modalities")
@@ -334,6 +334,8 @@ def _parse_tools(body: dict) -> tuple[tuple[Tool, ...], tuple[str, ...]]:
 def _parse_tool(t: Any, where: str) -> Tool:
     if not isinstance(t, dict):
         raise invalid_type(where, "an object")
+    if not isinstance(t.get("type"), str):
+        raise invalid_type(f"{where}.type", "a string")
     if t.get("type") != "function":
         raise unsupported(f"{where}.type", f"tool type {t.get('type')!r} cannot be executed; only client "
                           "function tools are supported.")
@@ -343,7 +345,7 @@ def _parse_tool(t: Any, where: str) -> Tool:
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise invalid_type(f"{where}.function.name", "a non-empty string")
-    if fn.get("strict") is True:
+    if f.opt_bool(fn, "strict", f"{where}.function.strict"):
         raise unsupported(f"{where}.function.strict", NO_STRICT_TOOLS)
     desc = f.opt_str(fn, "description", f"{where}.function.description")
     params = f.opt_object(fn, "parameters", f"{where}.function.parameters")
