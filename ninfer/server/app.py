@@ -115,12 +115,12 @@ class App:
         handler, family, public, params, allowed = self._match(request)
         ex = Exchange(self, request, send, family, params)
         try:
+            if not public:  # before 404 / 405 too: without the key, the route table is not disclosed
+                self._authenticate(request)
             if handler is None:
                 if allowed:
                     raise ProtocolError("method_not_allowed", f"{request.method} is not allowed on {request.path}.")
                 raise ProtocolError("not_found", f"No route for {request.method} {request.path}.")
-            if not public:
-                self._authenticate(request)
             if request.method == "POST":
                 await self._with_body_slot(handler, ex)
             else:
@@ -156,17 +156,20 @@ class App:
         self.state.metrics.response_failures += 1
 
     def _match(self, request: Request):
-        allowed = False
+        """(handler or None, family, public, path params, whether another method serves the path).
+        A path no route serves is not public; one a public route serves under another method is."""
+        allowed = path_public = False
         for method, pattern, handler, family, public in self._routes:
             m = pattern.match(request.path)
             if m is None:
                 continue
             if method != request.method:
                 allowed = True
+                path_public = path_public or public
                 continue
             return handler, family, public, m.groupdict(), True
         family = "anthropic" if request.path.startswith("/v1/messages") else "openai"
-        return None, family, True, {}, allowed
+        return None, family, path_public, {}, allowed
 
     def _authenticate(self, request: Request) -> None:
         if self.api_key is None:

@@ -87,6 +87,13 @@ async def test_api_key(start_server):
             assert (await c.get("/v1/models", headers=both)).status_code == 200
         both_wrong = {"Authorization": "Bearer wrong", "x-api-key": "nope"}
         assert (await c.get("/v1/models", headers=both_wrong)).status_code == 401
+        # Without the key the route table is not disclosed: unknown paths and wrong methods are 401 too,
+        # except on the open /health.
+        assert (await c.get("/v1/nothing")).status_code == 401
+        assert (await c.get("/v1/chat/completions")).status_code == 401
+        assert (await c.get("/v1/nothing", headers={"x-api-key": "sekret"})).status_code == 404
+        assert (await c.get("/v1/chat/completions", headers={"x-api-key": "sekret"})).status_code == 405
+        assert (await c.post("/health")).status_code == 405
 
 
 @pytest.mark.parametrize("cors", [True, False])
