@@ -85,8 +85,8 @@ class EngineCollector:
         yield _labeled("ninfer_host_work_seconds", "Instrumented worker Host wall time by phase.", ["phase"],
                        s.host_work_seconds_total.items())
         outcomes = dict(s.requests_total)
-        if self.rejected():  # rejected in preparation: the server sees these, the Engine's outcomes follow
-            outcomes["rejected"] = outcomes.get("rejected", 0) + self.rejected()
+        if self.rejected():  # refused while being prepared: only the server sees these
+            outcomes["rejected"] = self.rejected()
         yield _labeled("ninfer_requests", "Generation attempts by outcome.", ["outcome"], sorted(outcomes.items()))
         yield CounterMetricFamily("ninfer_response_failures", "Failures after a response started.",
                                   value=self.response_failures())
