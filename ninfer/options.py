@@ -49,6 +49,15 @@ def _float_range(lo: float, hi: float) -> Callable[[str], float]:
     return parse
 
 
+def _text(text: str) -> str:
+    # An empty value is a mistake (an unset shell variable), never a choice: as --host "" listens on
+    # every interface, as --api-key "" an empty header authenticates, and --model-id "" or
+    # --request-log-jsonl "" would be silently dropped.
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _kv_capacity(text: str) -> int | str:
     return "auto" if text == "auto" else _int_range(1, None)(text)
 
@@ -58,7 +67,7 @@ class Option:
     flag: str
     help: str
     default: Any = None
-    parse: Callable[[str], Any] | None = str  # None: a boolean switch
+    parse: Callable[[str], Any] | None = _text  # None: a boolean switch
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     default_text: str | None = None  # how the docs state a default that is derived or unset
@@ -66,6 +75,11 @@ class Option:
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def shown_metavar(self) -> str | None:
+        # --help and the doc table spell out a closed set of values, not a placeholder.
+        return "|".join(self.choices) if self.choices else self.metavar
 
     @property
     def shown_default(self) -> str:
@@ -94,7 +108,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--prefill-chunk", "text-prefill chunk in tokens", 1024, _int_range(1, None), "N"),
     Option("--log-stats-interval-ms", "aggregate throughput report interval; 0 disables it", 5000,
            _int_range(0, None), "N"),
-    Option("--log-level", "pretty stderr verbosity", "info", str, "LEVEL", tuple(LEVELS)),
+    Option("--log-level", "pretty stderr verbosity", "info", str, choices=tuple(LEVELS)),
     Option("--device", "serve on this CUDA device (the CUDA backend); omitted: the reference CPU backend", None, _int_range(0, None), "N",
            default_text="reference backend"),
     Option("--random-weights", "serve random bf16 weights made on the GPU for a dense preset (e.g. qwen3-8b) or "
@@ -113,8 +127,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--response-store-max-records", "maximum locally retained Responses objects", 1024,
            _int_range(0, None), "N"),
     Option("--response-store-max-mib", "total local Response store budget", 256, _int_range(0, None), "N"),
-    Option("--kv-dtype", "KV-cache storage", "bf16", str, "DTYPE", ("bf16", "int8", "fp8", "nvfp4", "k8v4")),
-    Option("--spec", "speculative backend", None, str, "KIND", ("mtp", "dflash", "dflash2"), default_text="off"),
+    Option("--kv-dtype", "KV-cache storage", "bf16", str, choices=("bf16", "int8", "fp8", "nvfp4", "k8v4")),
+    Option("--spec", "speculative backend", None, str, choices=("mtp", "dflash", "dflash2"), default_text="off"),
     Option("--draft-tokens", "draft tokens per round: MTP 1..5; DFlash/DFlash2 1..15", None,
            _int_range(1, 15), "N"),
     Option("--lm-head-draft", "load the optimized proposal head", False, None),
@@ -151,8 +165,8 @@ def add_to_parser(parser: argparse.ArgumentParser) -> None:
         if o.parse is None:
             parser.add_argument(o.flag, action="store_true", help=f"{o.help} (default: {o.shown_default})")
         else:
-            parser.add_argument(o.flag, type=o.parse, default=o.default, metavar=o.metavar, choices=o.choices,
-                                help=f"{o.help} (default: {o.shown_default})")
+            parser.add_argument(o.flag, type=o.parse, default=o.default, metavar=o.shown_metavar,
+                                choices=o.choices, help=f"{o.help} (default: {o.shown_default})")
 
 
 # Capabilities not built in this tree: setting the option is a startup error, not a no-op.
@@ -201,9 +215,7 @@ def _check_cuda_sync() -> None:
 def markdown_table() -> str:
     rows = ["| Option | Meaning | Default |", "| --- | --- | --- |"]
     for o in SERVE_OPTIONS:
-        name = o.flag if o.metavar is None else f"{o.flag} {o.metavar}"
-        if o.choices:
-            name = f"{o.flag} {'|'.join(o.choices)}"
+        name = o.flag if o.shown_metavar is None else f"{o.flag} {o.shown_metavar}"
         name = name.replace("|", "\\|")  # a bare pipe would split the table cell
         rows.append(f"| `{name}` | {o.help} | {o.shown_default} |")
     return "\n".join(rows)

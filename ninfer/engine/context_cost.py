@@ -56,7 +56,8 @@ def load(path: str | None, hardware: str, model: str | None) -> ContextCost:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError) as exc:
+    # RecursionError: JSON nested deeper than the parser's stack is malformed for this purpose too.
+    except (OSError, ValueError, RecursionError) as exc:
         raise ContextCostPresetsError(f"--context-cost-presets {path}: {exc}") from exc
     if not isinstance(data, dict) or set(data) - {"transfer", "prefill"}:
         raise ContextCostPresetsError(
@@ -81,8 +82,8 @@ def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: st
         where = f"--context-cost-presets {path}: {kind}[{i}]"
         if not isinstance(entry, dict) or set(entry) - {"hardware", "model", key}:
             raise ContextCostPresetsError(f"{where}: expected an object with hardware, model, {key}")
-        value = entry.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        value = _coefficient(entry.get(key))
+        if value is None:
             raise ContextCostPresetsError(f"{where}: {key} must be a positive finite number")
         hw, md = entry.get("hardware", "*"), entry.get("model", "*")
         if not isinstance(hw, str) or not isinstance(md, str) or not hw or not md:
@@ -91,5 +92,17 @@ def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: st
             continue
         score = (hw != "*") * 2 + (md != "*")
         if best is None or score > best[2]:
-            best = (float(value), i, score)
+            best = (value, i, score)
     return None if best is None else best[:2]
+
+
+def _coefficient(value: Any) -> float | None:
+    """``value`` as a positive finite float, else None. A JSON integer too large for a float is
+    out of range like an infinity (float() would raise OverflowError, past the startup error path)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None

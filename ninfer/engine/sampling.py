@@ -18,7 +18,8 @@ from ninfer.engine.config import EngineConfig
 from ninfer.engine.request import SamplingOverrides
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
-# Used when the artifact carries no generation defaults: plain softmax sampling.
+# Used when the artifact carries no generation defaults: softmax over the top-20 cap (top_k 0
+# selects the cap, spec --top-k), no other truncation or penalty.
 GENERIC_PRESET = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
