@@ -58,7 +58,14 @@ def test_configs_follow_the_checkpoints(converted):
         assert HybridConfig.from_json(config.to_json()) == config
         assert art.metadata["architecture"] == config.architecture
         assert {n: tuple(art.tensor_info(n).shape) for n in tensor_names(config)} == tensor_names(config)
-        assert art.generation["presets"]["thinking"]["temperature"] == 0.6
+    # The registered sampler presets (spec: Server options): Qwen3.6 27B / 35B-A3B, Qwen3-Next's card.
+    presets = {name: art.generation["presets"] for name, art in converted.items()}
+    assert presets["qwen3_5"]["thinking"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                                              "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert presets["qwen3_5"]["non_thinking"]["temperature"] == 0.7
+    assert presets["qwen3_5"]["non_thinking"]["presence_penalty"] == 1.5
+    assert presets["qwen3_5_moe"]["thinking"]["presence_penalty"] == 1.5
+    assert presets["qwen3_next"]["thinking"]["temperature"] == 0.6
 
 
 def test_qwen3_next_grouped_projections_are_ungrouped(converted):

@@ -31,10 +31,21 @@ from ninfer.models.hybrid import (
     ARCHITECTURES, DENSE, FULL, LINEAR, MOE, HybridConfig, tensor_dtype, tensor_names,
 )
 
-# Sampler presets from the Qwen3.5 / 3.6 model cards (thinking and instruct modes).
+def _preset(temperature: float, top_p: float, presence_penalty: float) -> dict[str, float]:
+    return {"temperature": temperature, "top_p": top_p, "top_k": 20, "min_p": 0.0,
+            "presence_penalty": presence_penalty, "frequency_penalty": 0.0}
+
+
+# Sampler presets by architecture and thinking mode: the spec's registered values for the Qwen3.6
+# models (the dense 27B; the 35B-A3B MoE also penalises presence when thinking), the Qwen3-Next
+# model card's for Qwen3-Next.
+_QWEN3_NEXT = {"thinking": _preset(0.6, 0.95, 0.0), "non_thinking": _preset(0.7, 0.8, 0.0)}
+_QWEN3_6 = {"thinking": _preset(1.0, 0.95, 0.0), "non_thinking": _preset(0.7, 0.8, 1.5)}
+_QWEN3_6_MOE = {"thinking": _preset(1.0, 0.95, 1.5), "non_thinking": _preset(0.7, 0.8, 1.5)}
 PRESETS = {
-    "thinking": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
-    "non_thinking": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
+    "Qwen3NextForCausalLM": _QWEN3_NEXT,
+    "Qwen3_5ForConditionalGeneration": _QWEN3_6, "Qwen3_5ForCausalLM": _QWEN3_6,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_6_MOE, "Qwen3_5MoeForCausalLM": _QWEN3_6_MOE,
 }
 
 
@@ -322,5 +333,5 @@ def convert_hf_hybrid(directory: Path, cfg: dict[str, Any], out: str | os.PathLi
     fields = header_fields(directory, merged, config, weights)
     fields["components"] = ["text"] + sorted({s.component for s in sources} - {"text"})
     if not fields["generation"]["presets"]:
-        fields["generation"]["presets"] = PRESETS
+        fields["generation"]["presets"] = PRESETS[config.architecture]
     return write_artifact(out, fields, sources, progress=progress)
