@@ -27,18 +27,25 @@ GOAL_HOST_SECONDS_PER_STEP = 100e-6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ninfer.commands import bench_backend
+    from ninfer.engine.config import MAX_LANES
+
+    # Bad counts stop at parsing with a usage error (exit status 2), as `bench backend`'s do.
+    count = bench_backend._count
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
     engine = modes.add_parser("engine", help="engine host time per decode step, model math excluded")
-    engine.add_argument("--lanes", type=int, default=8, help="concurrent requests = lanes (default 8)")
-    engine.add_argument("--steps", type=int, default=2000, help="output tokens per request (default 2000)")
-    engine.add_argument("--prompt-tokens", type=int, default=32, help="prompt length per request (default 32)")
+    engine.add_argument("--lanes", type=int, choices=range(1, MAX_LANES + 1), default=8, metavar="N",
+                        help=f"concurrent requests = lanes, 1..{MAX_LANES} (default 8)")
+    engine.add_argument("--steps", type=count(1, "--steps", skip=False), default=2000,
+                        help="output tokens per request (default 2000)")
+    engine.add_argument("--prompt-tokens", type=count(1, "--prompt-tokens", skip=False), default=32,
+                        help="prompt length per request (default 32)")
     engine.add_argument("--runner", choices=("simulated", "reference"), default="simulated",
                         help="zero-cost simulated runner (default) or the reference backend")
     engine.add_argument("--artifact", type=Path, help="reference runner: a .ninfer file (default: random tiny-qwen3)")
-    engine.add_argument("--repeat", type=int, default=5, help="runs; the median is the figure (default 5)")
+    engine.add_argument("--repeat", type=count(1, "--repeat", skip=False), default=5,
+                        help="runs; the median is the figure (default 5)")
     engine.set_defaults(_mode=bench_engine)
-
-    from ninfer.commands import bench_backend
 
     backend = modes.add_parser("backend", help="time a ModelRunner directly: decode, roofline, prefill, TTFT",
                                description=bench_backend.DESCRIPTION)
@@ -47,10 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     http = modes.add_parser("http", help="load a running server with concurrent streaming clients")
     http.add_argument("url", help="base URL of a running `ninfer serve`, e.g. http://127.0.0.1:8080")
-    http.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (default 4)")
-    http.add_argument("--requests", type=int, default=16, help="requests in all (default 16)")
-    http.add_argument("--prompt-words", type=_ints, default=(8, 64, 200), help="comma-separated prompt mix")
-    http.add_argument("--max-tokens", type=_ints, default=(8, 32, 64), help="comma-separated output mix")
+    http.add_argument("--clients", type=count(1, "--clients", skip=False), default=4,
+                      help="concurrent streaming clients (default 4)")
+    http.add_argument("--requests", type=count(1, "--requests", skip=False), default=16,
+                      help="requests in all (default 16)")
+    http.add_argument("--prompt-words", type=_mix("prompt length"), default=(8, 64, 200),
+                      help="comma-separated prompt mix")
+    http.add_argument("--max-tokens", type=_mix("output length"), default=(8, 32, 64),
+                      help="comma-separated output mix")
     http.add_argument("--api-key")
     http.add_argument("--model", help="default: the server's advertised model id")
     http.add_argument("--seed", type=int, default=0)
@@ -58,11 +69,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return args._mode(args)
+    from ninfer.artifact import ArtifactError
+
+    try:
+        return args._mode(args)
+    except BrokenPipeError:
+        raise  # the reader of stdout left; ninfer.cli ends quietly
+    # A truncated or foreign artifact, a missing file, an unwritable --json or $NINFER_CACHE.
+    except (ArtifactError, OSError) as exc:
+        print(f"ninfer bench {args.mode}: {exc}", file=sys.stderr)
+        return 1
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+def _mix(what: str):
+    """A comma-separated mix of integers >= 1 to draw from; it cannot be empty."""
+    from ninfer.commands.bench_backend import _sizes
+
+    parse = _sizes(1, None, what)
+
+    def mix(text: str) -> tuple[int, ...]:
+        values = parse(text)
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one {what}, got {text!r}")
+        return values
+
+    return mix
 
 
 def bench_http(args: argparse.Namespace) -> int:
@@ -73,11 +104,29 @@ def bench_http(args: argparse.Namespace) -> int:
 
     from ninfer.server.load import run_load
 
-    report = trio.run(lambda: run_load(args.url, model=args.model, clients=args.clients,
-                                       requests=args.requests, prompt_words=args.prompt_words,
-                                       max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+    try:
+        report = trio.run(lambda: run_load(args.url, model=args.model, clients=args.clients,
+                                           requests=args.requests, prompt_words=args.prompt_words,
+                                           max_tokens=args.max_tokens, api_key=args.api_key, seed=args.seed))
+    except Exception as exc:
+        failure = _http_failure(exc)
+        if failure is None:
+            raise
+        print(f"ninfer bench http: {args.url}: {failure}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2))
     return 1 if report["incorrect"] else 0
+
+
+def _http_failure(exc: Exception) -> Exception | None:
+    """The connection or URL failure behind ``exc`` (no server there, not a usable URL), or None
+    when something else went wrong. The clients' nursery wraps their failures in a group."""
+    import httpx
+
+    if isinstance(exc, ExceptionGroup):
+        match, rest = exc.split((httpx.HTTPError, httpx.InvalidURL))
+        return None if match is None or rest is not None else _http_failure(match.exceptions[0])
+    return exc if isinstance(exc, (httpx.HTTPError, httpx.InvalidURL)) else None
 
 
 def bench_engine(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,8 +15,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SRC (Hugging Face checkpoint directory or .gguf file) and OUT.ninfer")
     parser.add_argument("--random", metavar="CONFIG",
                         help="write random weights for a DenseConfig or HybridConfig JSON file or a preset "
-                             "(tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5) instead of converting SRC")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (with --random)")
+                             "(tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5, tiny-qwen3.5-moe) "
+                             "instead of converting SRC")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of the random weights (with --random)")
+
+
+def _seed(text: str) -> int:
+    """NumPy seeds the random weights and takes only non-negative integers."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _check_output(out: Path) -> None:
+    """Refuse an OUT that is not an earlier artifact. The writer renames its finished file over
+    OUT: right for an old artifact, but it would destroy anything else found there (the GGUF
+    being converted, a checkpoint's weights, a directory, a device)."""
+    from ninfer.artifact.format import MAGIC
+    from ninfer.convert import ConversionError
+
+    if not os.path.lexists(out):
+        return
+    if out.is_dir():
+        raise ConversionError(f"{out} is a directory; name the .ninfer file to write")
+    if not out.is_file():
+        raise ConversionError(f"{out} exists and is not a regular file")
+    with open(out, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ConversionError(f"{out} exists and is not a .ninfer artifact; not replacing it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.paths[-1]
     progress = Progress(f"convert → {out}")
     try:
+        _check_output(Path(out))
         if args.random:
             make_random_artifact(out, args.random, seed=args.seed, progress=progress)
         else:

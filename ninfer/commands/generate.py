@@ -9,6 +9,7 @@ prefill, and generated tokens per second of the decode steps.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -88,10 +89,15 @@ def _resolve_artifact(path: Path | None) -> Path:
         converted = True
         progress(done, total, name)
 
+    from ninfer.artifact import ArtifactError
+    from ninfer.convert import ConversionError
+
     try:
         artifact = demo.default_artifact(progress=report)
     except demo.DemoModelMissing as exc:
         raise SystemExit(f"ninfer generate: {exc}") from None
+    except (ConversionError, ArtifactError, OSError) as exc:  # e.g. $NINFER_CACHE is a file or read-only
+        raise SystemExit(f"ninfer generate: cannot prepare the demo model in {demo.cache_dir()}: {exc}") from None
     if converted:
         progress.finish()
     return artifact
@@ -137,15 +143,22 @@ def _bandwidth(config, tokens: int, seconds: float) -> str:
     return f", {weight_bytes_per_token(config) * tokens / seconds / 1e9:.1f} GB/s of fp32 weights"
 
 
-def run(args: argparse.Namespace, out: Callable[[str], None] | None = None) -> int:
+def _check_options(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise SystemExit(f"ninfer generate: --max-tokens must be >= 1, got {args.max_tokens}")
     if args.temperature < 0:
         raise SystemExit(f"ninfer generate: --temperature must be >= 0, got {args.temperature}")
+    if not math.isfinite(args.temperature):  # nan and inf pass the test above
+        raise SystemExit(f"ninfer generate: --temperature must be finite, got {args.temperature}")
+    if not -2**63 <= args.seed < 2**63:  # the samplers' seed is a signed 64-bit integer
+        raise SystemExit(f"ninfer generate: --seed must fit a signed 64-bit integer, got {args.seed}")
+
+
+def _load(args: argparse.Namespace):
+    """(tokenizer, prompt ids, runner) for the artifact and the prompt."""
     from ninfer.artifact import open_artifact
     from ninfer.backends.reference import ReferenceRunner
     from ninfer.text import Tokenizer
-    from ninfer.text.detokenizer import IncrementalDetokenizer
 
     with open_artifact(_resolve_artifact(args.artifact), components=("text",)) as art:
         tokenizer = Tokenizer.from_artifact(art)
@@ -155,6 +168,20 @@ def run(args: argparse.Namespace, out: Callable[[str], None] | None = None) -> i
             raise SystemExit(f"ninfer generate: the prompt has {len(prompt)} tokens, the model's context is {context}")
         runner = ReferenceRunner(art, page_size=PAGE_SIZE, num_pages=-(-context // PAGE_SIZE), max_batch=1,
                                  max_context=context)
+    return tokenizer, prompt, runner
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] | None = None) -> int:
+    _check_options(args)
+    from ninfer.artifact import ArtifactError
+    from ninfer.text import TemplateError
+    from ninfer.text.detokenizer import IncrementalDetokenizer
+
+    try:
+        tokenizer, prompt, runner = _load(args)
+    # A truncated or foreign file, a broken tokenizer or chat template, a model the backend does not run.
+    except (ArtifactError, ValueError, TemplateError, OSError) as exc:
+        raise SystemExit(f"ninfer generate: {exc}") from None
     write = out or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     detokenizer = IncrementalDetokenizer(tokenizer.decode)
     timing = Timing()
