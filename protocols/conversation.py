@@ -20,8 +20,10 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_CACHE_WRITES = 4  # one request carries at most four prefix-capture writes
 
 # Template kwargs that a client cannot override: the conversation itself and generation mode.
+# ``boundary_messages`` is a keyword of the render call itself: passed through, it would break that
+# call instead of failing by field.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "boundary_messages",
      "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"}
 )
 

@@ -15,7 +15,8 @@ def is_int(v: Any) -> bool:
 
 
 def is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    # JSON integers are unbounded and always finite; math.isfinite would overflow converting a huge one.
+    return is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 def opt_bool(body: dict, key: str, param: str | None = None) -> bool | None:

@@ -365,7 +365,10 @@ def _tool_choice(choice: Any, names: list[str]) -> tuple[str, ...]:
         raise invalid_type("tool_choice.allowed_tools", "an object")
 
     def declared(t: Any, where: str) -> str:
-        name = (t.get("function") or {}).get("name") if isinstance(t, dict) else None
+        fn = t.get("function") if isinstance(t, dict) else None
+        if fn is not None and not isinstance(fn, dict):
+            raise invalid_type(f"{where}.function", "an object")
+        name = (fn or {}).get("name")
         if name is None and isinstance(t, dict):
             name = t.get("name")
         if name not in names:

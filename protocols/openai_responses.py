@@ -351,6 +351,8 @@ def _item(item: Any, where: str) -> dict:
     kind = item.get("type")
     if kind is None and "role" in item:
         kind = "message"  # EasyInputMessage: {"role", "content"} without a type
+    if kind is not None and not isinstance(kind, str):  # a list or object type would not even hash
+        raise invalid_type(f"{where}.type", "a string")
     if kind not in _ID_PREFIX:
         if kind == "item_reference":
             raise unsupported(where, "item references need server-side Item storage; replay the Item instead.")
