@@ -13,19 +13,15 @@ from typing import Any
 
 import attrs
 
+# The template kwargs a client cannot override (the conversation, the generation mode, what the
+# tokenizer and the render call provide): defined once, where the template is rendered.
+from ninfer.text.chat_template import RESERVED_TEMPLATE_KWARGS
 from protocols.errors import ProtocolError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_CACHE_WRITES = 4  # one request carries at most four prefix-capture writes
 
-# Template kwargs that a client cannot override: the conversation itself and generation mode.
-# ``boundary_messages`` is a keyword of the render call itself: passed through, it would break that
-# call instead of failing by field.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "boundary_messages",
-     "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"}
-)
 
 
 @attrs.frozen

@@ -73,8 +73,11 @@ class Request:
         self.json_bytes = len(raw)
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        # ValueError: not JSON, not UTF-8, or an integer past Python's digit limit.
+        except ValueError as e:
             raise ProtocolError("invalid_json", f"The request body is not valid JSON: {e}.") from None
+        except RecursionError:
+            raise ProtocolError("invalid_json", "The request body nests too deeply to decode.") from None
         if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
             raise ProtocolError("invalid_json", "The request body is not valid JSON: a string holds an unpaired "
                                 "UTF-16 surrogate escape (\\ud800-\\udfff), which is no Unicode text.")

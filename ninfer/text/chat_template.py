@@ -178,6 +178,8 @@ class ChatFormatter:
         except client_text.UnbalancedMarks as exc:
             raise TemplateError(f"chat template cuts through client text ({exc}); cannot tell "
                                 "client text from template markup") from exc
+        except RecursionError as exc:  # marking walks client data, which may nest past the stack
+            raise TemplateError("client data nests too deeply to track its text") from exc
         finally:
             client_text.CURRENT_MARKS.reset(token)
         if "".join(s for s, _ in spans) != plain:

@@ -48,6 +48,9 @@ async def test_errors_before_and_after_parsing(start_server):
                      b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "\\uDC00": 1}'):
             r = await c.post("/v1/chat/completions", content=body)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        for body in (b"[" * 100_000 + b"]" * 100_000, b'{"n": ' + b"9" * 5000 + b"}"):  # too deep, too many digits
+            r = await c.post("/v1/chat/completions", content=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
         body = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'  # a pair: one character
         r = await c.post("/v1/chat/completions", content=body)
         assert r.json()["error"]["code"] == "model_not_found"  # parsed, then judged on its fields

@@ -58,3 +58,15 @@ def test_a_mark_the_template_cannot_reproduce_drops_only_itself(builder):
     p = builder.prepare(parse_request(body, "m").conversation)
     assert len(p.cache_boundaries) == 1
     assert builder.tokenizer.decode(p.token_ids[:p.cache_boundaries[0]]).endswith("Paris is big.")
+
+
+def test_client_data_nested_past_the_stack_is_a_prompt_error(builder):
+    from protocols.errors import ProtocolError
+
+    deep: list = []
+    for _ in range(5000):  # the template ignores the kwarg; tracking its client text would recurse
+        deep = [deep]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": deep}}
+    with pytest.raises(ProtocolError) as e:
+        builder.prepare(parse_request(body, "m").conversation)
+    assert e.value.code == "invalid_prompt"
