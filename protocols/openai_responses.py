@@ -130,7 +130,8 @@ def parse_request(body: Any, public_model_id: str, *, count_only: bool = False) 
     for key in body:
         if key not in allowed:
             raise ProtocolError("unknown_parameter", f"Unknown parameter: '{key}'.", key)
-    check_model(body, public_model_id)
+    if not (count_only and body.get("model") is None):  # counting takes the served model when none is named
+        check_model(body, public_model_id)
     for key, why in _RECOGNIZED_UNSUPPORTED.items():
         if body.get(key) is not None:
             raise unsupported(key, why)

@@ -172,6 +172,11 @@ async def test_input_tokens_matches_create(start_server):
         assert r2["usage"]["input_tokens"] == n2 > alone["input_tokens"]  # the parent's Items are included
         r = await c.post("/v1/responses/input_tokens", json={**body, "stream": True})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+        # model is optional when counting (the served one); a wrong one is still refused
+        no_model = {k: v for k, v in body.items() if k != "model"}
+        assert (await c.post("/v1/responses/input_tokens", json=no_model)).json()["input_tokens"] == n["input_tokens"]
+        r = await c.post("/v1/responses/input_tokens", json={**body, "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 async def test_sdk_input_tokens_count(start_server):
