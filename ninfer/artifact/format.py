@@ -89,9 +89,10 @@ def parse_tensor_entry(where: str, index: int, entry: Any) -> TensorInfo:
     name, comp, dtype, shape = entry["name"], entry["component"], entry["dtype"], entry["shape"]
     if not isinstance(name, str) or not name:
         raise _fail(where, f"{label}: name must be a non-empty string")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _fail(where, f"{label}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
         raise _fail(where, f"{label}: shape must be a list of non-negative integers, got {shape!r}")
     for key in ("offset", "nbytes"):
         if not isinstance(entry[key], int) or isinstance(entry[key], bool) or entry[key] < 0:
@@ -124,9 +125,12 @@ def validate_header(where: str, header: Any) -> list[TensorInfo]:
         raise _fail(where, "header JSON invalid: metadata.architecture must be a string")
     if not isinstance(header["config"], dict):
         raise _fail(where, "header JSON invalid: config must be an object")
+    if meta.get("name") is not None and not isinstance(meta["name"], str):
+        raise _fail(where, f"header JSON invalid: metadata.name must be a string or null, got {meta['name']!r}")
     tok = header["tokenizer"]
     if not isinstance(tok, dict) or not isinstance(tok.get("json"), str):
         raise _fail(where, "header JSON invalid: tokenizer.json must be a string")
+    _check_text_side(where, header)
     components = header["components"]
     if not isinstance(components, list) or not components:
         raise _fail(where, "header JSON invalid: components must be a non-empty list")
@@ -142,6 +146,61 @@ def validate_header(where: str, header: Any) -> list[TensorInfo]:
     return infos
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _object(where: str, parent: dict[str, Any], key: str, label: str) -> dict[str, Any]:
+    """``parent[key]`` as an object; absent and null read as empty, as the reader's properties do."""
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(where, f"header JSON invalid: {label} must be an object, got {value!r}")
+    return value
+
+
+def _check_text_side(where: str, header: dict[str, Any]) -> None:
+    """The fields the text side reads (tokenizer, chat formatter, sampler presets) have the types
+    docs/artifact.md gives them: a wrong one would only crash `inspect`, `generate` or `serve` later."""
+    template = header.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise _fail(where, f"header JSON invalid: chat_template must be a string or null, got {template!r}")
+    special = _object(where, header, "special_tokens", "special_tokens")
+    for key in ("bos_token_id", "pad_token_id"):
+        if special.get(key) is not None and not _is_token_id(special[key]):
+            raise _fail(where, f"header JSON invalid: special_tokens.{key} must be a token id (an integer >= 0) "
+                               f"or null, got {special[key]!r}")
+    eos = special.get("eos_token_ids")
+    if eos is not None and not (isinstance(eos, list) and all(_is_token_id(i) for i in eos)):
+        raise _fail(where, f"header JSON invalid: special_tokens.eos_token_ids must be a list of token ids, "
+                           f"got {eos!r}")
+    tokens = _object(where, special, "tokens", "special_tokens.tokens")
+    for spelling, token in tokens.items():
+        if not _is_token_id(token):
+            raise _fail(where, f"header JSON invalid: special_tokens.tokens[{spelling!r}] must be a token id, "
+                               f"got {token!r}")
+    _check_generation(where, _object(where, header, "generation", "generation"))
+
+
+def _check_generation(where: str, generation: dict[str, Any]) -> None:
+    """Sampler values are numbers (``do_sample`` a boolean) or null: the engine computes with them."""
+    blocks = {"defaults": _object(where, generation, "defaults", "generation.defaults")}
+    presets = _object(where, generation, "presets", "generation.presets")
+    for mode in presets:
+        blocks[f"presets.{mode}"] = _object(where, presets, mode, f"generation.presets.{mode}")
+    for label, block in blocks.items():
+        for key, value in block.items():
+            flag = key == "do_sample"
+            if not (value is None or (isinstance(value, bool) if flag else _is_number(value))):
+                wanted = "true, false or null" if flag else "a number or null"
+                raise _fail(where, f"header JSON invalid: generation.{label}.{key} must be {wanted}, got {value!r}")
+
+
 def _check_names_and_components(where: str, infos: list[TensorInfo], components: list[str]) -> None:
     seen: set[str] = set()
     for info in infos:
@@ -154,7 +213,7 @@ def _check_names_and_components(where: str, infos: list[TensorInfo], components:
 
 
 def _check_placement(where: str, infos: list[TensorInfo], data_size: Any) -> None:
-    if not isinstance(data_size, int) or data_size < 0:
+    if not isinstance(data_size, int) or isinstance(data_size, bool) or data_size < 0:
         raise _fail(where, "header JSON invalid: data_size must be a non-negative integer")
     previous: TensorInfo | None = None
     for info in sorted(infos, key=lambda t: t.offset):

@@ -107,7 +107,11 @@ def write_artifact(path: str | os.PathLike[str], header_fields: dict[str, Any],
     data_start = align_up(PREAMBLE.size + len(raw))
     tmp = f"{path}.partial-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        out = open(tmp, "wb")
+    except OSError as exc:  # name OUT, not the temporary file the user never asked for
+        raise ArtifactError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    try:
+        with out as f:
             f.write(PREAMBLE.pack(MAGIC, VERSION, 0, len(raw)))
             f.write(raw)
             done, total = 0, sum(info.nbytes for info in infos)  # payload, without alignment gaps

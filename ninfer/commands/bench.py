@@ -119,14 +119,18 @@ def bench_http(args: argparse.Namespace) -> int:
 
 
 def _http_failure(exc: Exception) -> Exception | None:
-    """The connection or URL failure behind ``exc`` (no server there, not a usable URL), or None
+    """The connection or URL failure behind ``exc`` (no server there, not a usable URL, not a NInfer
+    server's base URL), or None
     when something else went wrong. The clients' nursery wraps their failures in a group."""
     import httpx
 
+    from ninfer.server.load import LoadError
+
+    failures = (httpx.HTTPError, httpx.InvalidURL, LoadError)
     if isinstance(exc, ExceptionGroup):
-        match, rest = exc.split((httpx.HTTPError, httpx.InvalidURL))
+        match, rest = exc.split(failures)
         return None if match is None or rest is not None else _http_failure(match.exceptions[0])
-    return exc if isinstance(exc, (httpx.HTTPError, httpx.InvalidURL)) else None
+    return exc if isinstance(exc, failures) else None
 
 
 def bench_engine(args: argparse.Namespace) -> int:

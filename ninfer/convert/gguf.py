@@ -19,6 +19,7 @@ import numpy as np
 
 from ninfer.artifact import TensorSource, write_artifact
 from ninfer.artifact.bf16 import from_float32
+from ninfer.convert.fields import Fields
 from ninfer.convert.gguf_reader import DEQUANTIZERS, GGUFError, GGUFFile, unsupported
 from ninfer.convert.gguf_tokenizer import build_tokenizer
 from ninfer.convert.special_tokens import special_tokens_record
@@ -37,24 +38,15 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _meta(metadata: dict[str, Any], key: str, default: Any = ...) -> Any:
-    full = f"{ARCH}.{key}"
-    if full in metadata:
-        return metadata[full]
-    if default is ...:
-        raise GGUFError(f"GGUF metadata lacks {full!r}, needed for the model config")
-    return default
-
-
-def _f32(value: Any) -> float:
+def _f32(value: float) -> float:
     """A GGUF float32 as the shortest decimal that round-trips (1e-05, not 9.999999747378752e-06)."""
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(metadata: dict[str, Any]) -> RopeScaling:
-    kind = _meta(metadata, "rope.scaling.type", "none")
-    factor = float(_meta(metadata, "rope.scaling.factor", 1.0))
-    original = _meta(metadata, "rope.scaling.original_context_length", None)
+def _rope_scaling(llama: Fields) -> RopeScaling:
+    kind = llama.string("rope.scaling.type", "none")
+    factor = llama.positive("rope.scaling.factor", 1.0)
+    original = llama.integer("rope.scaling.original_context_length", None)
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return RopeScaling()
     if kind == "linear":
@@ -62,13 +54,26 @@ def _rope_scaling(metadata: dict[str, Any]) -> RopeScaling:
     if kind == "yarn":
         # llama.cpp multiplies its attn_factor into the derived 0.1 * ln(factor) + 1, while a Hugging
         # Face attention_factor replaces it; only the neutral 1.0 means the same in both.
-        attn = float(_meta(metadata, "rope.scaling.attn_factor", 1.0))
+        attn = llama.positive("rope.scaling.attn_factor", 1.0)
         if attn != 1.0:
-            raise GGUFError(f"{ARCH}.rope.scaling.attn_factor {attn} is not supported (only 1.0)")
+            raise llama.fail("rope.scaling.attn_factor", f"{attn} is not supported (only 1.0)")
         return RopeScaling(kind="yarn", factor=factor, original_max_position=original,
-                           beta_fast=float(_meta(metadata, "rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(_meta(metadata, "rope.scaling.yarn_beta_slow", 1.0)))
-    raise GGUFError(f"{ARCH}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)")
+                           beta_fast=llama.positive("rope.scaling.yarn_beta_fast", 32.0),
+                           beta_slow=llama.positive("rope.scaling.yarn_beta_slow", 1.0))
+    raise llama.fail("rope.scaling.type", f"{kind!r} is not supported (none, linear, yarn)")
+
+
+def _namespace(gguf: GGUFFile, name: str) -> Fields:
+    """The ``name.*`` metadata keys as one object: GGUF nests by key prefix, not by value."""
+    start = len(name) + 1
+    keys = {key[start:]: value for key, value in gguf.metadata.items() if key.startswith(f"{name}.")}
+    return Fields(keys, gguf.path, f"{name}.", GGUFError)
+
+
+def _vocab_size(gguf: GGUFFile, llama: Fields) -> int:
+    """``vocab_size``, else the token count, else the embedding's rows."""
+    tokens = Fields(gguf.metadata, gguf.path, error=GGUFError).strings("tokenizer.ggml.tokens", [])
+    return llama.integer("vocab_size", None) or len(tokens) or gguf.tensor("token_embd.weight").shape[0]
 
 
 def gguf_config(gguf: GGUFFile) -> DenseConfig:
@@ -80,29 +85,36 @@ def gguf_config(gguf: GGUFFile) -> DenseConfig:
     if "rope_freqs.weight" in gguf.tensors:
         # Llama 3.1-style scaling is stored as precomputed per-frequency factors, not as parameters.
         raise GGUFError(f"{gguf.path}: rope_freqs.weight (precomputed RoPE frequency factors) is not supported")
-    hidden = int(_meta(md, "embedding_length"))
-    heads = int(_meta(md, "attention.head_count"))
-    head_dim = int(_meta(md, "attention.key_length", hidden // heads))
-    rot = int(_meta(md, "rope.dimension_count", head_dim))
+    llama = _namespace(gguf, ARCH)
+    hidden = llama.integer("embedding_length")
+    heads = llama.integer("attention.head_count")
+    head_dim = llama.integer("attention.key_length", None)
+    if head_dim is None:
+        if heads > hidden:
+            raise llama.fail("attention.head_count", f"({heads}) exceeds embedding_length ({hidden})")
+        head_dim = hidden // heads
+    rot = llama.integer("rope.dimension_count", head_dim)
     if rot != head_dim:
         raise GGUFError(f"{gguf.path}: partial rotary embedding ({rot} of {head_dim} dims) is not supported")
-    vocab = _meta(md, "vocab_size", None) or len(md.get("tokenizer.ggml.tokens", ())) \
-        or gguf.tensor("token_embd.weight").shape[0]
-    return DenseConfig(
+    fields = dict(
         architecture="LlamaForCausalLM",
-        vocab_size=int(vocab),
+        vocab_size=_vocab_size(gguf, llama),
         hidden_size=hidden,
-        intermediate_size=int(_meta(md, "feed_forward_length")),
-        num_layers=int(_meta(md, "block_count")),
+        intermediate_size=llama.integer("feed_forward_length"),
+        num_layers=llama.integer("block_count"),
         num_heads=heads,
-        num_kv_heads=int(_meta(md, "attention.head_count_kv", heads)),
+        num_kv_heads=llama.integer("attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=_f32(_meta(md, "attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(_meta(md, "rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(md),
-        max_position_embeddings=int(_meta(md, "context_length", 8192)),
+        rms_norm_eps=_f32(llama.positive("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(llama.positive("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(llama),
+        max_position_embeddings=llama.integer("context_length", 8192),
         tie_word_embeddings="output.weight" not in gguf.tensors,
     )
+    try:
+        return DenseConfig(**fields)
+    except ValueError as exc:  # the model's own checks (num_heads a multiple of num_kv_heads, ...)
+        raise GGUFError(f"{gguf.path}: {exc}") from exc
 
 
 def _sources_of(config: DenseConfig) -> dict[str, list[str]]:
@@ -167,7 +179,7 @@ def default_name(path: Path) -> str:
 
 
 def header_fields(gguf: GGUFFile, config: DenseConfig, name: str) -> dict[str, Any]:
-    tok = build_tokenizer(gguf.metadata)
+    tok = build_tokenizer(gguf.metadata, gguf.path)
     record = special_tokens_record(tok.json, bos=tok.bos_token_id, eos=tok.eos_token_ids, pad=tok.pad_token_id)
     md = gguf.metadata
     return {

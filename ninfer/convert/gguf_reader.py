@@ -26,6 +26,7 @@ import numpy as np
 
 from ninfer.artifact import bf16
 from ninfer.convert.errors import ConversionError
+from ninfer.convert.fields import Fields
 from ninfer.convert.mapped import map_readonly
 
 MAGIC = b"GGUF"
@@ -156,7 +157,8 @@ class GGUFFile:
             key = cur.string("metadata key")
             self.metadata[key] = _read_value(cur, cur.scalar("<I", f"type of {key!r}"), key)
         raw_infos = [self._read_tensor_info(cur) for _ in range(n_tensors)]
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        self.alignment = Fields(self.metadata, self.path, error=GGUFError).integer(
+            "general.alignment", DEFAULT_ALIGNMENT, minimum=0)
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise GGUFError(f"{self.path}: general.alignment {self.alignment} is not a power of two")
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment

@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.convert.fields import Fields
 from ninfer.convert.gguf_reader import GGUFError
 
 # llama.cpp token types (llama_token_type): only CONTROL and USER_DEFINED change tokenization.
@@ -71,19 +72,11 @@ class GGUFTokenizer:
     add_eos_token: bool
 
 
-def _require(metadata: dict[str, Any], key: str) -> Any:
-    if key not in metadata:
-        raise GGUFError(f"GGUF metadata lacks {key!r}, needed to rebuild the tokenizer")
-    return metadata[key]
-
-
-def _token_id(metadata: dict[str, Any], key: str, vocab_size: int) -> int | None:
-    value = metadata.get(f"tokenizer.ggml.{key}")
-    if value is None:
-        return None
-    if not 0 <= int(value) < vocab_size:
-        raise GGUFError(f"tokenizer.ggml.{key} = {value} is outside the {vocab_size}-token vocabulary")
-    return int(value)
+def _token_id(metadata: Fields, key: str, vocab_size: int) -> int | None:
+    value = metadata.integer(f"tokenizer.ggml.{key}", None, minimum=0)
+    if value is not None and value >= vocab_size:
+        raise metadata.fail(f"tokenizer.ggml.{key}", f"= {value} is outside the {vocab_size}-token vocabulary")
+    return value
 
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
@@ -116,33 +109,34 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None,
                                for i in before + after}}
 
 
-def build_tokenizer(metadata: dict[str, Any]) -> GGUFTokenizer:
-    """Rebuild the tokenizer a GGUF file's metadata describes."""
-    model = _require(metadata, "tokenizer.ggml.model")
+def build_tokenizer(metadata: dict[str, Any], where: str = "GGUF metadata") -> GGUFTokenizer:
+    """Rebuild the tokenizer a GGUF file's metadata describes; errors name ``where`` (the file)."""
+    md = Fields(metadata, where, error=GGUFError)
+    model = md.string("tokenizer.ggml.model")
     if model != "gpt2":
-        raise GGUFError(f"tokenizer.ggml.model {model!r} is not supported: NInfer rebuilds only byte-level "
-                        f"BPE vocabularies (\"gpt2\")")
-    pre = metadata.get("tokenizer.ggml.pre")
+        raise md.fail("tokenizer.ggml.model", f"{model!r} is not supported: NInfer rebuilds only byte-level "
+                                              f"BPE vocabularies (\"gpt2\")")
+    pre = md.string("tokenizer.ggml.pre", None)
     if pre not in PRE_TOKENIZERS:
-        raise GGUFError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
-                        f"{', '.join(sorted(PRE_TOKENIZERS))}); its word-splitting rule is unknown to NInfer")
+        raise md.fail("tokenizer.ggml.pre", f"{pre!r} is not supported (supported: "
+                      f"{', '.join(sorted(PRE_TOKENIZERS))}); its word-splitting rule is unknown to NInfer")
     pre_tokenizer, ignore_merges = PRE_TOKENIZERS[pre]
-    tokens: list[str] = list(_require(metadata, "tokenizer.ggml.tokens"))
-    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    tokens: list[str] = md.strings("tokenizer.ggml.tokens")
+    types: list[int] = md.integers("tokenizer.ggml.token_type", None) or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise GGUFError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    merges = [m.split(" ") for m in _require(metadata, "tokenizer.ggml.merges")]
+        raise md.fail("tokenizer.ggml.token_type", f"has {len(types)} entries for {len(tokens)} tokens")
+    merges = [m.split(" ") for m in md.strings("tokenizer.ggml.merges")]
     bad = next((m for m in merges if len(m) != 2), None)
     if bad is not None:
-        raise GGUFError(f"tokenizer.ggml.merges holds {' '.join(bad)!r}, not two tokens")
+        raise md.fail("tokenizer.ggml.merges", f"holds {' '.join(bad)!r}, not two tokens")
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)  # a duplicated spelling keeps its first id, as llama.cpp does
-    bos = _token_id(metadata, "bos_token_id", len(tokens))
-    eos = _token_id(metadata, "eos_token_id", len(tokens))
-    eot = _token_id(metadata, "eot_token_id", len(tokens))
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    bos = _token_id(md, "bos_token_id", len(tokens))
+    eos = _token_id(md, "eos_token_id", len(tokens))
+    eot = _token_id(md, "eot_token_id", len(tokens))
+    add_bos = md.boolean("tokenizer.ggml.add_bos_token", False)
+    add_eos = md.boolean("tokenizer.ggml.add_eos_token", False)
     data = {
         "version": "1.0",
         "truncation": None,
@@ -158,10 +152,10 @@ def build_tokenizer(metadata: dict[str, Any]) -> GGUFTokenizer:
     }
     return GGUFTokenizer(
         json=json.dumps(data, ensure_ascii=False),
-        chat_template=metadata.get("tokenizer.chat_template"),
+        chat_template=md.string("tokenizer.chat_template", None),
         bos_token_id=bos,
         eos_token_ids=list(dict.fromkeys(i for i in (eos, eot) if i is not None)),
-        pad_token_id=_token_id(metadata, "padding_token_id", len(tokens)),
+        pad_token_id=_token_id(md, "padding_token_id", len(tokens)),
         add_bos_token=add_bos,
         add_eos_token=add_eos,
     )

@@ -17,6 +17,7 @@ import numpy as np
 
 from ninfer.artifact import TensorSource, write_artifact
 from ninfer.convert.errors import ConversionError
+from ninfer.convert.fields import Fields
 from ninfer.convert.hf_checkpoint import CheckpointWeights, chat_template, read_json, tokenizer_json
 from ninfer.convert.hf_config import dense_config_from_hf
 from ninfer.convert.special_tokens import special_tokens_record
@@ -85,9 +86,21 @@ def _loader(weights: CheckpointWeights, names: tuple[str, ...]) -> Callable[[], 
     return load
 
 
-def _special_tokens(directory: Path, cfg: dict[str, Any], gen: dict[str, Any], tok_json: str) -> dict[str, Any]:
+def _token_ids(fields: Fields, key: str, vocab_size: int) -> int | list[int] | None:
+    """A token id field; eos_token_id may list several. Each must be a row of the embedding."""
+    several = key == "eos_token_id" and isinstance(fields.data.get(key), list)
+    ids = fields.integers(key) if several else fields.integer(key, None, minimum=0)
+    for token in ids if several else [ids]:
+        if token is not None and token >= vocab_size:
+            raise fields.fail(key, f"{token} is outside the {vocab_size}-token vocabulary")
+    return ids
+
+
+def _special_tokens(directory: Path, cfg: dict[str, Any], gen: dict[str, Any], tok_json: str,
+                    vocab_size: int) -> dict[str, Any]:
     def pick(key: str) -> Any:
-        return gen.get(key) if gen.get(key) is not None else cfg.get(key)
+        source = Fields(gen, "generation_config.json") if gen.get(key) is not None else Fields(cfg, "config.json")
+        return _token_ids(source, key, vocab_size)
 
     record = special_tokens_record(tok_json, pick("bos_token_id"), pick("eos_token_id"), pick("pad_token_id"))
     # Chat checkpoints sometimes name their end-of-turn token only in tokenizer_config.json.
@@ -99,10 +112,36 @@ def _special_tokens(directory: Path, cfg: dict[str, Any], gen: dict[str, Any], t
     return record
 
 
+def _generation_defaults(gen: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json's sampler fields, type-checked: the engine computes with them."""
+    fields = Fields(gen, "generation_config.json")
+    for key in _GENERATION_KEYS:
+        if key == "do_sample":
+            fields.boolean(key, None)
+        elif key == "top_k":
+            fields.integer(key, None, minimum=0)
+        else:
+            fields.number(key, None)
+    return {k: gen[k] for k in _GENERATION_KEYS if k in gen}
+
+
+def _check_tokenizer(directory: Path, tok_json: str, special: dict[str, Any]) -> None:
+    """Load the tokenizer as `generate` and `serve` will: one they would refuse stops the
+    conversion here, naming the file, instead of every later start."""
+    from ninfer.text import Tokenizer, TokenizerError
+
+    try:
+        Tokenizer.from_json(tok_json, special)
+    except TokenizerError as exc:
+        raise ConversionError(f"{directory / 'tokenizer.json'}: {exc}") from None
+
+
 def header_fields(directory: Path, cfg: dict[str, Any], config: DenseConfig,
                   weights: CheckpointWeights) -> dict[str, Any]:
     gen = read_json(directory / "generation_config.json", required=False) or {}
     tok_json = tokenizer_json(directory)
+    special = _special_tokens(directory, cfg, gen, tok_json, config.vocab_size)
+    _check_tokenizer(directory, tok_json, special)
     return {
         "metadata": {"name": directory.resolve().name, "architecture": config.architecture,
                      "source": {"kind": "huggingface", "path": str(directory.resolve()),
@@ -110,8 +149,8 @@ def header_fields(directory: Path, cfg: dict[str, Any], config: DenseConfig,
         "config": config.to_json(),
         "tokenizer": {"json": tok_json},
         "chat_template": chat_template(directory),
-        "special_tokens": _special_tokens(directory, cfg, gen, tok_json),
-        "generation": {"defaults": {k: gen[k] for k in _GENERATION_KEYS if k in gen},
+        "special_tokens": special,
+        "generation": {"defaults": _generation_defaults(gen),
                        "presets": _PRESETS.get(config.architecture, {})},
         "components": ["text"],
     }

@@ -11,6 +11,7 @@ import numpy as np
 
 from ninfer.artifact.bf16 import from_float32, to_float32
 from ninfer.convert.errors import ConversionError
+from ninfer.convert.fields import json_kind, show
 from ninfer.convert.safetensors import SafetensorInfo, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -24,10 +25,35 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
         if required:
             raise ConversionError(f"{path}: missing (a Hugging Face checkpoint needs it)")
         return None
+    return _read_object(path)[1]
+
+
+def _read_text(path: Path) -> str:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{path}: not UTF-8 text: {exc}") from None
+
+
+def _read_object(path: Path) -> tuple[str, dict[str, Any]]:
+    """(text, parsed) of a JSON file; every JSON file of a checkpoint holds one object."""
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: must hold a JSON object, holds {json_kind(data)}")
+    return text, data
+
+
+def _check_shard_names(index: Path, weight_map: dict[str, Any]) -> None:
+    """Shards are files beside the index: a value that is no plain file name would be looked up
+    elsewhere or crash the lookup."""
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+            raise ConversionError(f"{index}: weight_map[{name!r}] must name a shard file in the checkpoint "
+                                  f"directory, got {show(shard)}")
 
 
 class CheckpointWeights:
@@ -42,9 +68,10 @@ class CheckpointWeights:
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ConversionError(f"{directory / INDEX_NAME}: no weight_map")
+            _check_shard_names(directory / INDEX_NAME, weight_map)
             self._index_files(sorted(set(weight_map.values())), weight_map)
-        else:
-            shards = sorted(p.name for p in directory.glob("*.safetensors"))
+        else:  # a directory that happens to be named *.safetensors is no shard
+            shards = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
             if not shards:
                 raise ConversionError(f"{directory}: no *.safetensors weights found")
             self._index_files(shards, None)
@@ -124,12 +151,13 @@ def chat_template(directory: Path) -> str | None:
     chat_template.json (multimodal checkpoints), then tokenizer_config.json's."""
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return _read_text(jinja)
     processor = read_json(directory / "chat_template.json", required=False) or {}
     config = read_json(directory / "tokenizer_config.json", required=False) or {}
     template = processor.get("chat_template", config.get("chat_template"))
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in template
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)}
         template = named.get("default")
     return template if isinstance(template, str) else None
 
@@ -139,9 +167,4 @@ def tokenizer_json(directory: Path) -> str:
     if not path.is_file():
         raise ConversionError(f"{path}: missing (NInfer needs the fast-tokenizer JSON; save the "
                               f"tokenizer with transformers to produce it)")
-    text = path.read_text(encoding="utf-8")
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConversionError(f"{path}: invalid JSON: {exc}") from None
-    return text
+    return _read_object(path)[0]

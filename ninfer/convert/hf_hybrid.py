@@ -26,7 +26,8 @@ import numpy as np
 from ninfer.artifact import TensorSource, write_artifact
 from ninfer.convert.errors import ConversionError
 from ninfer.convert.hf_checkpoint import CheckpointWeights
-from ninfer.convert.hf_config import require
+from ninfer.convert.fields import Fields
+from ninfer.convert.hf_config import config_fields, head_dim_of, single_architecture
 from ninfer.models.hybrid import (
     ARCHITECTURES, DENSE, FULL, LINEAR, MOE, HybridConfig, tensor_dtype, tensor_names,
 )
@@ -54,104 +55,118 @@ PRESETS = {
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's fields: ``text_config`` of the multimodal classes, else the top level."""
     text = cfg.get("text_config")
-    if not isinstance(text, dict):
+    if text is None:
         return cfg
-    merged = dict(text)
+    merged = dict(config_fields(cfg).section("text_config").data)  # refuses a text_config that is no object
     if "tie_word_embeddings" in cfg:  # the wrapper's value is the one transformers applies
         merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return merged
 
 
-def _rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, int, list[int] | None]:
+def _text_fields(cfg: dict[str, Any]) -> Fields:
+    """The text model's fields, named as config.json spells them (``text_config.hidden_size``)."""
+    prefix = "" if cfg.get("text_config") is None else "text_config."
+    return Fields(_text_config(cfg), "config.json", prefix)
+
+
+def _rope(cfg: Fields, head_dim: int) -> tuple[float, int, list[int] | None]:
     """(theta, rotary_dim, mrope_section); only unscaled RoPE is described by these models."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    params, scaling = cfg.section("rope_parameters"), cfg.section("rope_scaling")
+    kind = params.string("rope_type", scaling.string("rope_type", scaling.string("type", "default")))
     # "mrope" (the Qwen2-VL spelling) is unscaled multi-axis RoPE: for text it is the default.
-    if kind not in ("default", "mrope", None):
+    if kind not in ("default", "mrope"):
         raise ConversionError(f"config.json: rope type {kind!r} is not supported for hybrid models "
                               f"(only the default)")
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-    section = params.get("mrope_section", scaling.get("mrope_section"))
+    theta = params.positive("rope_theta", cfg.positive("rope_theta", 10000.0))
+    factor = params.positive("partial_rotary_factor", cfg.positive("partial_rotary_factor", 0.25))
+    section = params.integers("mrope_section", scaling.integers("mrope_section", None))
     return theta, int(head_dim * factor), section
 
 
-def _layer_types(cfg: dict[str, Any], layers: int) -> list[str]:
-    types = cfg.get("layer_types")
+def _layer_types(cfg: Fields, layers: int) -> list[str]:
+    types = cfg.strings("layer_types", None)
     if types is None:
-        interval = int(cfg.get("full_attention_interval", 4))
+        interval = cfg.integer("full_attention_interval", 4)
         types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
     if len(types) != layers:
         raise ConversionError(f"config.json: layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
     return list(types)
 
 
-def _mlp_types(architecture: str, cfg: dict[str, Any], layers: int) -> list[str]:
+def _mlp_types(architecture: str, cfg: Fields, layers: int) -> list[str]:
     if architecture.startswith("Qwen3_5Moe"):
         return [MOE] * layers
     if architecture.startswith("Qwen3_5"):
         return [DENSE] * layers
     # Qwen3-Next: MoE where num_experts > 0 and (i + 1) % decoder_sparse_step == 0, unless listed
     # in mlp_only_layers (transformers' Qwen3NextDecoderLayer).
-    experts = int(cfg.get("num_experts", 0))
-    step = int(cfg.get("decoder_sparse_step", 1))
-    only = set(cfg.get("mlp_only_layers") or [])
+    experts = cfg.integer("num_experts", 0, minimum=0)
+    step = cfg.integer("decoder_sparse_step", 1)
+    only = set(cfg.integers("mlp_only_layers", []))
     return [MOE if experts > 0 and (i + 1) % step == 0 and i not in only else DENSE for i in range(layers)]
 
 
 def architecture_of(cfg: dict[str, Any]) -> str | None:
     """The hybrid architecture named by ``config.json``, or None when it names another family."""
-    archs = cfg.get("architectures") or []
-    return archs[0] if len(archs) == 1 and archs[0] in ARCHITECTURES else None
+    architecture = single_architecture(cfg)
+    return architecture if architecture in ARCHITECTURES else None
+
+
+def _moe_fields(text: Fields, mlp_types: list[str]) -> dict[str, int]:
+    """The MoE sizes, required where a layer is MoE (0 otherwise, as the model description wants)."""
+    if MOE not in mlp_types:
+        return {}
+    return {"num_experts": text.integer("num_experts"),
+            "num_experts_per_tok": text.integer("num_experts_per_tok"),
+            "moe_intermediate_size": text.integer("moe_intermediate_size"),
+            "shared_expert_intermediate_size": text.integer("shared_expert_intermediate_size", 0, minimum=0)}
 
 
 def hybrid_config_from_hf(cfg: dict[str, Any]) -> HybridConfig:
+    config_fields(cfg)  # a config.json that is no object stops here
     architecture = architecture_of(cfg)
     if architecture is None:
         raise ConversionError(f"config.json: {cfg.get('architectures')!r} is not a hybrid architecture "
                               f"(supported: {', '.join(ARCHITECTURES)})")
-    text = _text_config(cfg)
-    act = text.get("hidden_act", "silu")
+    text = _text_fields(cfg)
+    act = text.string("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-    if text.get("attention_bias"):
+    if text.boolean("attention_bias", False):
         raise ConversionError("config.json: attention_bias=true is not supported for hybrid models")
-    layers = int(require(text, "num_hidden_layers"))
-    heads = int(require(text, "num_attention_heads"))
-    head_dim = int(text.get("head_dim") or int(require(text, "hidden_size")) // heads)
+    layers = text.integer("num_hidden_layers")
+    hidden = text.integer("hidden_size")
+    heads = text.integer("num_attention_heads")
+    head_dim = head_dim_of(text, hidden, heads)
     theta, rotary_dim, section = _rope(text, head_dim)
     mlp_types = _mlp_types(architecture, text, layers)
     try:
         return HybridConfig(
             architecture=architecture,
-            vocab_size=int(require(text, "vocab_size")),
-            hidden_size=int(require(text, "hidden_size")),
+            vocab_size=text.integer("vocab_size"),
+            hidden_size=hidden,
             num_layers=layers,
             layer_types=_layer_types(text, layers),
             mlp_types=mlp_types,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=text.positive("rms_norm_eps", 1e-6),
             num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            num_kv_heads=text.integer("num_key_value_heads", heads),
             head_dim=head_dim,
             rotary_dim=rotary_dim,
             rope_theta=theta,
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            linear_num_k_heads=int(require(text, "linear_num_key_heads")),
-            linear_num_v_heads=int(require(text, "linear_num_value_heads")),
-            linear_k_head_dim=int(require(text, "linear_key_head_dim")),
-            linear_v_head_dim=int(require(text, "linear_value_head_dim")),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-            intermediate_size=int(text.get("intermediate_size") or 0) if DENSE in mlp_types else 0,
-            num_experts=int(text.get("num_experts", 0)) if MOE in mlp_types else 0,
-            num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if MOE in mlp_types else 0,
-            moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if MOE in mlp_types else 0,
-            shared_expert_intermediate_size=(int(text.get("shared_expert_intermediate_size", 0))
-                                             if MOE in mlp_types else 0),
+            max_position_embeddings=text.integer("max_position_embeddings", 32768),
+            linear_num_k_heads=text.integer("linear_num_key_heads"),
+            linear_num_v_heads=text.integer("linear_num_value_heads"),
+            linear_k_head_dim=text.integer("linear_key_head_dim"),
+            linear_v_head_dim=text.integer("linear_value_head_dim"),
+            conv_kernel=text.integer("linear_conv_kernel_dim", 4),
+            intermediate_size=text.integer("intermediate_size") if DENSE in mlp_types else 0,
+            **_moe_fields(text, mlp_types),
             # Qwen3.5-MoE's router always renormalises the top-k (its config has no such field).
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            mtp_num_layers=int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers", 0)) or 0),
+            norm_topk_prob=text.boolean("norm_topk_prob", True),
+            tie_word_embeddings=text.boolean("tie_word_embeddings", False),
+            mtp_num_layers=text.integer("mtp_num_hidden_layers",
+                                        text.integer("num_nextn_predict_layers", 0, minimum=0), minimum=0),
             mrope_section=section,
         )
     except ValueError as exc:

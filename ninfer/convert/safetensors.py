@@ -62,6 +62,8 @@ class SafetensorsFile:
             header = json.loads(self._map[8:8 + hlen].decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConversionError(f"{self.path}: safetensors header is not valid JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ConversionError(f"{self.path}: safetensors header must be a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._data_start = 8 + hlen
         self.infos = {name: self._parse(name, entry, size - self._data_start) for name, entry in header.items()}
@@ -71,7 +73,10 @@ class SafetensorsFile:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise ConversionError(f"{self.path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in ST_DTYPES:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (*shape, begin, end)):
+            raise ConversionError(f"{self.path}: tensor {name!r}: shape and data_offsets must be "
+                                  f"non-negative integers, got {list(shape)} and {entry['data_offsets']}")
+        if not isinstance(dtype, str) or dtype not in ST_DTYPES:
             raise ConversionError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
         if end - begin != math.prod(shape) * ST_DTYPES[dtype].itemsize or not 0 <= begin <= end <= data_len:
             raise ConversionError(f"{self.path}: tensor {name!r} data_offsets [{begin}, {end}] do not "

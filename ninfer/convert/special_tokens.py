@@ -5,11 +5,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ninfer.convert.errors import ConversionError
+from ninfer.convert.fields import Fields, json_kind
+
 
 def added_special_tokens(tokenizer_json: str) -> dict[str, int]:
     """Spelling → id of every added token the tokenizer marks special."""
-    data = json.loads(tokenizer_json)
-    return {t["content"]: int(t["id"]) for t in data.get("added_tokens", []) if t.get("special")}
+    tokens = json.loads(tokenizer_json).get("added_tokens") or []
+    if not isinstance(tokens, list):
+        raise ConversionError(f"tokenizer.json: added_tokens must be an array, got {json_kind(tokens)}")
+    special = {}
+    for index, token in enumerate(tokens):
+        entry = Fields(token, "tokenizer.json", f"added_tokens[{index}].")
+        content, token_id = entry.string("content"), entry.integer("id", minimum=0)
+        if entry.boolean("special", False):
+            special[content] = token_id
+    return special
 
 
 def special_tokens_record(tokenizer_json: str, bos: int | None, eos: int | list[int] | None,

@@ -30,6 +30,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.models.dense import check_numbers
 from ninfer.models.names import decoder_tensor_names
 
 # Hugging Face class names; the text backbone of the ConditionalGeneration classes is what we run.
@@ -80,6 +81,12 @@ class HybridConfig:
     mrope_section: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
 
     def __attrs_post_init__(self) -> None:
+        check_numbers(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                             "rotary_dim", "max_position_embeddings", "linear_num_k_heads", "linear_num_v_heads",
+                             "linear_k_head_dim", "linear_v_head_dim", "conv_kernel"))
+        check_numbers(self, ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                             "shared_expert_intermediate_size", "mtp_num_layers"), zero=True)
+        check_numbers(self, ("rms_norm_eps", "rope_theta"), integer=False)
         if len(self.layer_types) != self.num_layers or len(self.mlp_types) != self.num_layers:
             raise ValueError(f"layer_types/mlp_types must list {self.num_layers} layers")
         bad = {t for t in self.layer_types if t not in (LINEAR, FULL)}
@@ -96,6 +103,13 @@ class HybridConfig:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim]")
         if MOE in self.mlp_types and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError("MoE layers need 0 < num_experts_per_tok <= num_experts")
+        if MOE in self.mlp_types:
+            check_numbers(self, ("moe_intermediate_size",))
+        if DENSE in self.mlp_types:
+            check_numbers(self, ("intermediate_size",))
+        if self.mrope_section is not None and not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.mrope_section):
+            raise ValueError(f"mrope_section must list non-negative integers, got {list(self.mrope_section)!r}")
 
     # -- derived shapes -------------------------------------------------------------------------
 
@@ -168,6 +182,9 @@ class HybridConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HybridConfig:
+        for key in ("layer_types", "mlp_types"):  # tuple() of a string or a number would mislead
+            if not isinstance(data.get(key), list):
+                raise ValueError(f"{key} must be a list, got {data.get(key)!r}")
         return cls(**data)
 
 

@@ -23,6 +23,10 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "sigma tau upsilon phi chi psi omega").split()
 
 
+class LoadError(Exception):
+    """The URL does not lead to a NInfer server's API (a base URL ending in /v1, another server)."""
+
+
 @attrs.define
 class Sample:
     status: int
@@ -49,11 +53,21 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt_words: int, 
     t0 = time.monotonic()
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
-            payload = json.loads(await resp.aread())
-            code = payload.get("error", {}).get("code")
+            code = _error_code(await resp.aread())
             ok = resp.status_code == 429 and code == "server_overloaded"
-            return Sample(resp.status_code, ok, None if ok else f"HTTP {resp.status_code} {code}")
+            status = f"HTTP {resp.status_code}" + (f" {code}" if code else "")
+            return Sample(resp.status_code, ok, None if ok else status)
         return await _check_stream(resp, t0)
+
+
+def _error_code(body: bytes) -> str | None:
+    """``error.code`` of an error answer; None when the body is not NInfer's error JSON."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 async def _check_stream(resp: httpx.Response, t0: float) -> Sample:
@@ -67,17 +81,25 @@ async def _check_stream(resp: httpx.Response, t0: float) -> Sample:
         if data == "[DONE]":
             frames.append(data)
             continue
-        obj = json.loads(data)
+        try:
+            obj = json.loads(data)
+            delta = obj["choices"][0]["delta"] if obj.get("choices") else {}
+            text = delta.get("content") or delta.get("reasoning_content")
+        except (ValueError, LookupError, TypeError, AttributeError):  # not a chunk: another server's stream
+            sample.problem = f"stream frame is not a chat completion chunk: {data[:60]!r}"
+            return sample
         frames.append(obj)
-        delta = obj["choices"][0]["delta"] if obj.get("choices") else {}
-        if delta.get("content") or delta.get("reasoning_content"):
+        if text:
             now = time.monotonic()
             if sample.ttft is None:
                 sample.ttft = now - t0
             elif last is not None:
                 sample.gaps.append(now - last)
             last = now
-    sample.problem = _stream_problem(frames)
+    try:
+        sample.problem = _stream_problem(frames)
+    except (LookupError, TypeError, AttributeError):  # chunks of another shape: not NInfer's stream
+        sample.problem = "stream frames are not chat completion chunks"
     sample.ok = sample.problem is None
     if sample.ok:
         sample.completion_tokens = frames[-2]["usage"]["completion_tokens"]
@@ -108,7 +130,7 @@ async def run_load(url: str, *, model: str | None = None, clients: int = 4, requ
     limits = httpx.Limits(max_connections=clients + 2)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as client:
         if model is None:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            model = await _served_model(client)
         samples: list[Sample] = []
         remaining = iter(range(requests))
         t0 = time.monotonic()
@@ -129,6 +151,19 @@ async def run_load(url: str, *, model: str | None = None, clients: int = 4, requ
                 nursery.start_soon(worker, i)
         wall = time.monotonic() - t0
     return summarize(samples, wall, clients)
+
+
+async def _served_model(client: httpx.AsyncClient) -> str:
+    """The first model id ``/v1/models`` lists; a LoadError when the answer is not that list."""
+    resp = await client.get("/v1/models")
+    try:
+        model = resp.json()["data"][0]["id"] if resp.status_code == 200 else None
+    except (ValueError, LookupError, TypeError):
+        model = None
+    if not isinstance(model, str):
+        raise LoadError(f"GET {resp.url} answered HTTP {resp.status_code} without a model list: give the "
+                        f"base URL of a running `ninfer serve` (without /v1) and its --api-key, or --model")
+    return model
 
 
 def summarize(samples: list[Sample], wall: float, clients: int) -> dict:
