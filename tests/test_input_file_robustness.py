@@ -356,6 +356,14 @@ def test_serve_ends_in_one_line(artifacts, tmp_path):
         f"ninfer serve: {path}: header JSON invalid: special_tokens.eos_token_ids must be a list of token ids, got 5")
 
 
+def test_serve_refuses_a_tokenizer_the_tokenizer_library_rejects(artifacts, tmp_path):
+    path = _malformed(artifacts, tmp_path, "dense", "tokenizer.json", "{}")  # a string, but no tokenizer
+    run = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(path), "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("ninfer serve: the artifact's tokenizer: ")
+
+
 # ----- model configs, the writer's output path
 
 

@@ -130,10 +130,13 @@ def _open_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _text_side(art: Any, args: argparse.Namespace):
-    from ninfer.text import ChatFormatter, Tokenizer
+    from ninfer.text import ChatFormatter, Tokenizer, TokenizerError
     from ninfer.text.chat_template import TemplateError
 
-    tokenizer = Tokenizer.from_artifact(art)
+    try:
+        tokenizer = Tokenizer.from_artifact(art)
+    except TokenizerError as e:  # a hand-edited artifact: the converters check what they write
+        raise StartupError(f"the artifact's tokenizer: {e}") from None
     if args.chat_template is not None:
         try:
             with open(args.chat_template, encoding="utf-8") as fh:
