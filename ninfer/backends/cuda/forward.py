@@ -10,6 +10,7 @@ directly or under CUDA Graph capture.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import numpy as np
 
@@ -236,6 +237,23 @@ class Inputs:
         rt.copy_h2d(self.device, self.host, stream)
 
 
+def tensor_core_regions(rows: int, widest: int) -> dict[str, int]:
+    """bf16 copies of prefill activations (``widest`` values a row) and cuBLASLt's workspace."""
+    return {"x_bf16": rows * widest * 2, "lt_workspace": LT_WORKSPACE_BYTES}
+
+
+def carve_workspace(buffers: Any, device: rt.Device, plan: dict[str, int], rows: int, max_batch: int) -> None:
+    """The spec's single workspace: one allocation holding every region of ``plan`` (each becomes an
+    attribute of ``buffers``) and the step inputs, 256-byte aligned; ``buffers.max_pages`` sizes the
+    page tables."""
+    inputs_bytes = 8 * (3 * rows + max_batch * (buffers.max_pages + 12)) + 256
+    buffers.workspace_bytes = sum(-(-n // 256) * 256 for n in plan.values()) + inputs_bytes + 4096
+    buffers.arena = rt.Arena(device.alloc(buffers.workspace_bytes, "workspace"))
+    for name, nbytes in plan.items():
+        setattr(buffers, name, buffers.arena.take(nbytes, name))
+    buffers.inputs = Inputs(device, buffers.arena, rows, max_batch, buffers.max_pages)
+
+
 class StepBuffers:
     def __init__(self, device: rt.Device, config: DenseConfig, *, page_size: int, num_pages: int,
                  max_batch: int, max_context: int, max_rows: int, kv_dtype: str, tensor_core_prefill: bool = False):
@@ -264,15 +282,9 @@ class StepBuffers:
             "cos": max_context * c.head_dim // 2 * f32, "sin": max_context * c.head_dim // 2 * f32,
             "kv": num_pages * self.page_elems * self.kv_itemsize,
         }
-        if tensor_core_prefill:  # bf16 copies of prefill activations and cuBLASLt's workspace
-            plan["x_bf16"] = R * max(c.hidden_size, c.intermediate_size, c.q_size) * 2
-            plan["lt_workspace"] = LT_WORKSPACE_BYTES
-        inputs_bytes = 8 * (3 * R + max_batch * (self.max_pages + 12)) + 256
-        self.workspace_bytes = sum(-(-n // 256) * 256 for n in plan.values()) + inputs_bytes + 4096
-        self.arena = rt.Arena(device.alloc(self.workspace_bytes, "workspace"))
-        for name, nbytes in plan.items():
-            setattr(self, name, self.arena.take(nbytes, name))
-        self.inputs = Inputs(device, self.arena, R, max_batch, self.max_pages)
+        if tensor_core_prefill:
+            plan.update(tensor_core_regions(R, max(c.hidden_size, c.intermediate_size, c.q_size)))
+        carve_workspace(self, device, plan, R, max_batch)
         cos, sin = rope_tables(config, max_context)
         self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
 

@@ -35,9 +35,10 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (KV_DTYPES, LT_WORKSPACE_BYTES, MAX_DECODE_SPLITS,
-                                          PREFILL_ATTENTION, Forward, Inputs, attention_splits, check_vocab, norm_threads,
-                                          prefill_attention_grid, sampler_regions, split_length)
+from ninfer.backends.cuda.forward import (KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_ATTENTION, Forward,
+                                          attention_splits, carve_workspace, check_vocab, norm_threads,
+                                          prefill_attention_grid, sampler_regions, split_length,
+                                          tensor_core_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
@@ -119,16 +120,9 @@ class HybridBuffers:
             plan["chunks"] = chunks * c.linear_num_v_heads * deltanet_chunk_floats(c) * f32
         if MOE in c.mlp_types:
             plan["moe"] = moe.CudaMoe.scratch_bytes(c, R)
-        if tensor_core_prefill:  # bf16 copies of prefill activations and cuBLASLt's workspace
-            widest = max(c.hidden_size, c.intermediate_size, c.q_size, c.value_dim)
-            plan["x_bf16"] = R * widest * 2
-            plan["lt_workspace"] = LT_WORKSPACE_BYTES
-        inputs_bytes = 8 * (3 * R + max_batch * (self.max_pages + 12)) + 256
-        self.workspace_bytes = sum(-(-n // 256) * 256 for n in plan.values()) + inputs_bytes + 4096
-        self.arena = rt.Arena(device.alloc(self.workspace_bytes, "workspace"))
-        for name, nbytes in plan.items():
-            setattr(self, name, self.arena.take(nbytes, name))
-        self.inputs = Inputs(device, self.arena, R, max_batch, self.max_pages)
+        if tensor_core_prefill:
+            plan.update(tensor_core_regions(R, max(c.hidden_size, c.intermediate_size, c.q_size, c.value_dim)))
+        carve_workspace(self, device, plan, R, max_batch)
         self.state_slots = DeviceStates(device, self.states, c, max_batch + state_slots)
         cos, sin = cos_sin_tables(base_inverse_frequencies(c.rope_theta, c.rotary_dim), max_context)
         self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
