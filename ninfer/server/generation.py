@@ -92,6 +92,7 @@ class GenerationSession:
         self._last_token_at: float | None = None
         self._cache_n = 0
         self.committed = 0
+        self._ended = False  # its terminal record (request_done or request_error) is written
         self._shape: dict = {}
         self._session: tuple[str | None, bool] = (None, True)
         self.prepare_seconds: float | None = None
@@ -261,11 +262,18 @@ class GenerationSession:
     async def respond(self, request: Request, work: Callable[[], Awaitable[None]]) -> None:
         """Run the family's response ``work`` until it ends or the client goes away.
 
-        The engine request never outlives it, even when ``work`` fails before consuming ``events``
-        (a stream whose first send finds the client gone never starts its generator).
+        The engine request never outlives it, and its terminal record is written, even when ``work``
+        ends before consuming ``events`` (a stream whose first send finds the client gone never
+        starts its generator).
         """
         try:
             await run_until_disconnect(request, work)
+        except BaseException as e:
+            self._end_unrecorded("cancelled" if _is_cancel(e) else "generation", type(e).__name__)
+            raise
+        else:
+            # Work that returns without having recorded the outcome was cancelled by the disconnect.
+            self._end_unrecorded("cancelled", "the client went away before the response started")
         finally:
             await self.aclose()
             if self._ticket is not None:
@@ -282,6 +290,12 @@ class GenerationSession:
                     feed(ev)
         assert done is not None, "events() ends with Done or raises"
         return done
+
+    def _end_unrecorded(self, phase: str, message: str) -> None:
+        """The terminal record of a submitted request whose ``work`` ended before ``events`` wrote
+        one (a stream whose first send found the client gone never starts consuming them)."""
+        if self.handle is not None:
+            self._error(phase, message)
 
     def stream_failure(self, exc: Exception, what: str) -> ProtocolError:
         """The error to report in-band for a failure after a stream started (the status is already sent).
@@ -314,6 +328,7 @@ class GenerationSession:
                                 u.completion_tokens, fin.timings.generation)
         stop_string = self.decoder.stopped
         done = Done(fin, fin.reason, stop_string, usage, timings)
+        self._ended = True
         reason = stats.tool_call_parse.get("fallback_reason", "none")
         if reason != "none":
             # One warning with the classification only, never the generated markup.
@@ -352,6 +367,9 @@ class GenerationSession:
         )
 
     def _error(self, phase: str, message: str) -> None:
+        if self._ended:
+            return  # a request has exactly one terminal record
+        self._ended = True
         log.info("request %s ended without outcome: %s", self.request_id, phase)
         rl = self.state.request_log
         if rl is not None:

@@ -7,6 +7,7 @@ event never delays the heartbeat.
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 import trio
@@ -33,7 +34,9 @@ async def stream(send: Send, headers: list[tuple[bytes, bytes]], frames: AsyncIt
     tx, rx = trio.open_memory_channel[bytes](0)
 
     async def produce() -> None:
-        async with tx:
+        # Close the frames at once when the client goes away: the family's cleanup (the engine
+        # request's cancel, its terminal log record) runs now, not when the generator is collected.
+        async with tx, aclosing(frames):
             async for frame in frames:
                 await tx.send(frame)
 
