@@ -173,13 +173,17 @@ class GenerationSession:
         self._log_start(conv, gen, request)
 
     def _reject(self, err: ProtocolError, conv: Conversation) -> None:
+        # The status and type the client receives: Anthropic's family has its own (529 for 429).
+        if self.protocol == "anthropic_messages":
+            status, kind = err.anthropic_status(), err.kind.anthropic_type
+        else:
+            status, kind = err.status, err.kind.openai_type
         rl = self.state.request_log
         if rl is not None:
             rl.write("request_rejected", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
                      phase="prepare", shape=self._shape, requested_reasoning_effort=conv.options.reasoning_effort,
-                     media_items=0, status=err.status, type=err.kind.openai_type, code=err.code, param=err.param,
-                     message=err.message)
-        log.info("request %s rejected: %d %s", self.request_id, err.status, err.code)
+                     media_items=0, status=status, type=kind, code=err.code, param=err.param, message=err.message)
+        log.info("request %s rejected: %d %s", self.request_id, status, err.code)
         self.state.metrics.rejected += 1  # a generation attempt that entered preparation
         raise err
 

@@ -344,3 +344,22 @@ async def test_a_finished_result_holds_its_slot_until_the_reply_is_written(start
 
 async def _append(out: list, request) -> None:
     out.append(await request)
+
+
+async def test_a_rejection_is_logged_with_the_status_its_family_sent(start_server, tmp_path):
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--max-concurrency", "1", "--max-pending-requests", "0", "--request-log-jsonl",
+                             str(path), scripted=True)
+    runner = start_server.runner
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        runner.gate.clear()
+        busy, busy_lines, _ = await open_stream(c)  # holds the one slot (the lines keep it open)
+        r = await c.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": HI})
+        assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI})
+        assert r.status_code == 429
+        await busy.aclose()
+        runner.gate.set()
+    rejected = [json.loads(line) for line in path.read_text().splitlines()]
+    rejected = [(r["protocol"], r["status"], r["type"]) for r in rejected if r["event"] == "request_rejected"]
+    assert rejected == [("anthropic_messages", 529, "overloaded_error"), ("openai_chat", 429, "server_error")]
