@@ -39,14 +39,14 @@ def tool_call(tok, name="get_weather"):
 
 
 def sse_events(text: str) -> list[tuple[str, dict]]:
-    """(event name, JSON data) of every SSE frame."""
+    """(event name, JSON data) of every SSE frame (Chat's closing ``[DONE]`` is not JSON: skipped)."""
     out = []
     for frame in text.split("\n\n"):
         name, data = None, None
         for line in frame.splitlines():
             if line.startswith("event: "):
                 name = line[7:]
-            elif line.startswith("data: "):
+            elif line.startswith("data: ") and line != "data: [DONE]":
                 data = json.loads(line[6:])
         if data is not None:
             out.append((name, data))

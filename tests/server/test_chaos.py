@@ -37,6 +37,7 @@ from ninfer.engine.api import _load_reference
 from ninfer.server.app import App
 from ninfer.server.main import run_server
 from server.conftest import serve_args
+from server.scripted import sse_events
 
 SEED = 7
 CALLS = 48
@@ -342,7 +343,7 @@ async def _read_stream(r: httpx.Response, call: Call) -> None:
         if call.drop == "waiting" and len(lines) == 1:
             await call.leave.wait()
             return
-    events = _sse("\n".join(lines))
+    events = sse_events("\n".join(lines))
     name, last = events[-1]
     if "error" in last or name == "response.failed":  # an in-band failure (a queue timeout)
         call.error = _error_code(last)
@@ -357,20 +358,6 @@ def _error_code(data: dict) -> str:
     if data.get("type") == "response.failed":
         return data["response"]["error"]["code"]
     return data["error"].get("code") or data["error"]["type"]
-
-
-def _sse(text: str) -> list[tuple[str | None, Any]]:
-    out = []
-    for frame in text.split("\n\n"):
-        name, data = None, None
-        for line in frame.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: ") and line != "data: [DONE]":
-                data = json.loads(line[6:])
-        if data is not None:
-            out.append((name, data))
-    return out
 
 
 # --- what a response said ----------------------------------------------------------------------
