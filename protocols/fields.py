@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from protocols.errors import invalid_type, invalid_value
 
 _INT64 = 2**63
+# A JSON escape of a UTF-16 surrogate. A pair decodes into one character; an unpaired one decodes into
+# a str that no tokenizer or encoder accepts, so only JSON text holding such an escape needs a walk.
+_SURROGATE_ESCAPE = r"\\u[dD][89a-fA-F]"
+_ESCAPE_IN = {str: re.compile(_SURROGATE_ESCAPE), bytes: re.compile(_SURROGATE_ESCAPE.encode())}
+
+
+def loads_unpaired_surrogate(text: str | bytes, value: Any) -> bool:
+    """Whether ``value``, decoded from the JSON ``text`` (a request body as bytes, or a string field
+    holding JSON), holds a string with an unpaired surrogate."""
+    return bool(_ESCAPE_IN[type(text)].search(text)) and _has_unpaired_surrogate(value)
+
+
+def _has_unpaired_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_unpaired_surrogate(k) or _has_unpaired_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_unpaired_surrogate(v) for v in value)
+    return False
 
 
 def is_int(v: Any) -> bool:

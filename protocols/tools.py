@@ -9,35 +9,30 @@ follow an assistant turn to its calls and puts them in call order (Responses, An
 from __future__ import annotations
 
 import json
-import re
 from typing import Sequence
 
 import attrs
 
 from protocols.conversation import Message, Part
 from protocols.errors import NO_STRICT_TOOLS, ProtocolError, invalid_value, unsupported
-
-
-# A JSON escape of a UTF-16 surrogate: unpaired, it decodes into a str that no tokenizer accepts.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+from protocols.fields import loads_unpaired_surrogate
 
 
 def arguments(raw: str, where: str) -> dict:
     """A call's arguments: a JSON object string (blank means no arguments)."""
     try:
         args = json.loads(raw) if raw.strip() else {}
-        if _SURROGATE_ESCAPE.search(raw):
-            # The server refuses such escapes in the request body, but here they sit one JSON level deeper.
-            json.dumps(args, ensure_ascii=False).encode("utf-8")
+        # The server refuses such escapes in the request body; here they sit one JSON level deeper.
+        unpaired = loads_unpaired_surrogate(raw, args)
     except json.JSONDecodeError as e:
         raise invalid_value(where, f"not valid JSON ({e.msg}).") from None
-    except UnicodeEncodeError:
-        raise invalid_value(where, "a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which "
-                            "is no Unicode text.") from None
     except RecursionError:  # the decoder's stack ends long before the request size limit does
         raise invalid_value(where, "the JSON nests too deeply to decode.") from None
     except ValueError:  # valid JSON that Python refuses: an integer beyond its digit limit
         raise invalid_value(where, "an integer in the JSON has too many digits to decode.") from None
+    if unpaired:
+        raise invalid_value(where, "a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which "
+                            "is no Unicode text.")
     if not isinstance(args, dict):
         raise invalid_value(where, "must encode a JSON object.")
     return args

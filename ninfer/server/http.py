@@ -7,12 +7,12 @@ framework: the server needs a handful of routes and full control over streaming 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Awaitable, Callable
 
 import trio
 
 from protocols.errors import ProtocolError
+from protocols.fields import loads_unpaired_surrogate
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -73,12 +73,13 @@ class Request:
         self.json_bytes = len(raw)
         try:
             body = json.loads(raw)
+            unpaired = loads_unpaired_surrogate(raw, body)
         # ValueError: not JSON, not UTF-8, or an integer past Python's digit limit.
         except ValueError as e:
             raise ProtocolError("invalid_json", f"The request body is not valid JSON: {e}.") from None
         except RecursionError:
             raise ProtocolError("invalid_json", "The request body nests too deeply to decode.") from None
-        if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        if unpaired:
             raise ProtocolError("invalid_json", "The request body is not valid JSON: a string holds an unpaired "
                                 "UTF-16 surrogate escape (\\ud800-\\udfff), which is no Unicode text.")
         return body
@@ -89,25 +90,6 @@ class Request:
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
                 return
-
-
-# JSON may escape a lone UTF-16 surrogate ("\\ud800"); Python decodes it into a str that no tokenizer
-# or encoder accepts. A pair decodes into one character, so only bodies with such an escape are walked.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    return False
 
 
 def _too_large(limit_bytes: int) -> ProtocolError:
