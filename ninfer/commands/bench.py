@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ninfer.engine.config import MAX_LANES
 
     # Bad counts stop at parsing with a usage error (exit status 2), as `bench backend`'s do.
-    count = bench_backend._count
+    count = bench_backend.count_arg
     modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
     engine = modes.add_parser("engine", help="engine host time per decode step, model math excluded")
     engine.add_argument("--lanes", type=int, choices=range(1, MAX_LANES + 1), default=8, metavar="N",
@@ -83,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _mix(what: str):
     """A comma-separated mix of integers >= 1 to draw from; it cannot be empty."""
-    from ninfer.commands.bench_backend import _sizes
+    from ninfer.commands.bench_backend import size_list
 
-    parse = _sizes(1, None, what)
+    parse = size_list(1, None, what)
 
     def mix(text: str) -> tuple[int, ...]:
         values = parse(text)

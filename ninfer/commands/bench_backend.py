@@ -52,7 +52,8 @@ def _device(text: str) -> str | int:
     return value
 
 
-def _sizes(lo: int, hi: int | None, what: str):
+def size_list(lo: int, hi: int | None, what: str):
+    """A comma-separated list of integers in ``lo..hi`` (an argparse type; ``bench`` uses it too)."""
     def parse(text: str) -> tuple[int, ...]:
         try:
             values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -69,8 +70,9 @@ def _sizes(lo: int, hi: int | None, what: str):
     return parse
 
 
-def _count(lo: int, what: str, skip: bool = True):
-    """An integer >= ``lo``; with ``skip`` also 0, which skips the figure."""
+def count_arg(lo: int, what: str, skip: bool = True):
+    """An integer >= ``lo``; with ``skip`` also 0, which skips the figure (an argparse type; ``bench``
+    uses it too)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -93,18 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-weights", metavar="CONFIG",
                         help="random bf16 weights made on the GPU for a dense preset (e.g. qwen3-8b) or "
                              "DenseConfig JSON instead of an artifact (needs --device N)")
-    parser.add_argument("--batches", type=_sizes(1, MAX_LANES, "a batch"), default=(1, 4, 8), metavar="B,...",
+    parser.add_argument("--batches", type=size_list(1, MAX_LANES, "a batch"), default=(1, 4, 8), metavar="B,...",
                         help=f"decode batch sizes, 1..{MAX_LANES} (default 1,4,8)")
-    parser.add_argument("--contexts", type=_sizes(0, None, "a context"), default=(512, 8192), metavar="N,...",
+    parser.add_argument("--contexts", type=size_list(0, None, "a context"), default=(512, 8192), metavar="N,...",
                         help="context lengths decode runs at; longer than the model's are skipped (default 512,8192)")
-    parser.add_argument("--steps", type=_count(1, "--steps", skip=False), default=32, metavar="N",
+    parser.add_argument("--steps", type=count_arg(1, "--steps", skip=False), default=32, metavar="N",
                         help="timed decode steps per case (default 32)")
-    parser.add_argument("--prefill", type=_count(1, "--prefill"), default=8192, metavar="N",
+    parser.add_argument("--prefill", type=count_arg(1, "--prefill"), default=8192, metavar="N",
                         help="prompt tokens of the prefill figure; 0 skips (default 8192)")
-    parser.add_argument("--ttft", type=_sizes(1, None, "a TTFT prompt"), default=(512, 8192), metavar="N,...",
+    parser.add_argument("--ttft", type=size_list(1, None, "a TTFT prompt"), default=(512, 8192), metavar="N,...",
                         help="prompt lengths for time to first token, median of 3 on a GPU, one run on the "
                              "CPU; '' skips (default 512,8192)")
-    parser.add_argument("--engine-steps", type=_count(16, "--engine-steps"), default=ENGINE_STEPS, metavar="N",
+    parser.add_argument("--engine-steps", type=count_arg(16, "--engine-steps"), default=ENGINE_STEPS, metavar="N",
                         help=f"tokens per request of the engine-driven decode (engine host time a step) at the "
                              f"smallest and largest batch; 0 skips (default {ENGINE_STEPS})")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write every figure to PATH as JSON")
