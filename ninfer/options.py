@@ -58,6 +58,19 @@ def _text(text: str) -> str:
     return text
 
 
+def device_choice(text: str) -> str | int:
+    """``cpu`` (the reference backend) or a CUDA device number."""
+    if text == "cpu":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected cpu or a CUDA device number (0, 1, ...), got {text!r}")
+    return value
+
+
 def _kv_capacity(text: str) -> int | str:
     return "auto" if text == "auto" else _int_range(1, None)(text)
 
@@ -109,10 +122,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--log-stats-interval-ms", "aggregate throughput report interval; 0 disables it", 5000,
            _int_range(0, None), "N"),
     Option("--log-level", "pretty stderr verbosity", "info", str, choices=tuple(LEVELS)),
-    Option("--device", "serve on this CUDA device (the CUDA backend); omitted: the reference CPU backend", None, _int_range(0, None), "N",
-           default_text="reference backend"),
+    Option("--device", "CUDA device index (the CUDA backend), or cpu for the reference backend", 0, device_choice,
+           "N|cpu"),
     Option("--random-weights", "serve random bf16 weights made on the GPU for a dense preset (e.g. qwen3-8b) or "
-           "DenseConfig JSON, with the synthetic tokenizer, instead of an artifact (needs --device)", None,
+           "DenseConfig JSON, with the synthetic tokenizer, instead of an artifact (needs a CUDA --device)", None,
            metavar="CONFIG", default_text="off"),
     Option("--context-cost-presets", "optional runtime context-cost preset registry", None, metavar="FILE",
            default_text="generic + compiled defaults"),
@@ -185,17 +198,17 @@ def check_capabilities(args: argparse.Namespace, *, cuda_available: bool = False
             raise OptionError(f"{BY_DEST[dest].flag}: {why}.")
     if args.kv_dtype != "bf16":
         raise OptionError(f"--kv-dtype {args.kv_dtype}: only bf16 KV storage is built yet.")
-    if args.device is not None and not cuda_available:
-        raise OptionError("--device: no CUDA GPU is usable here (needs the cuda extra and a driver); without "
-                          "--device the server runs the reference (CPU) backend.")
-    if args.device is not None:
+    if args.device != "cpu" and not cuda_available:
+        raise OptionError(f"--device {args.device}: no CUDA GPU is usable here (needs the cuda extra and a "
+                          "driver); --device cpu serves on the reference (CPU) backend.")
+    if args.device != "cpu":
         _check_cuda_sync()
-    if args.kv_capacity == "auto" and args.device is None:
-        raise OptionError("--kv-capacity auto sizes the KV pool from free GPU memory, so it needs --device; "
-                          "the reference (CPU) backend takes a number.")
+    if args.kv_capacity == "auto" and args.device == "cpu":
+        raise OptionError("--kv-capacity auto sizes the KV pool from free GPU memory, so it needs a CUDA "
+                          "--device; the reference (CPU) backend takes a number.")
     if args.random_weights is not None:
-        if args.device is None:
-            raise OptionError("--random-weights makes its weights on the GPU, so it needs --device.")
+        if args.device == "cpu":
+            raise OptionError("--random-weights makes its weights on the GPU, so it needs a CUDA --device.")
         if getattr(args, "artifact", None) is not None:
             raise OptionError("--random-weights serves random weights instead of an artifact; give one or the other.")
 

@@ -349,7 +349,7 @@ def test_inspect_and_generate_end_in_one_line(artifacts, tmp_path, capsys, comma
 
 def test_serve_ends_in_one_line(artifacts, tmp_path):
     path = _malformed(artifacts, tmp_path, "dense", "special_tokens.eos_token_ids", 5)
-    run = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(path), "--port", "0"],
+    run = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", str(path), "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
@@ -358,7 +358,7 @@ def test_serve_ends_in_one_line(artifacts, tmp_path):
 
 def test_serve_refuses_a_tokenizer_the_tokenizer_library_rejects(artifacts, tmp_path):
     path = _malformed(artifacts, tmp_path, "dense", "tokenizer.json", "{}")  # a string, but no tokenizer
-    run = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(path), "--port", "0"],
+    run = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", str(path), "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("ninfer serve: the artifact's tokenizer: ")

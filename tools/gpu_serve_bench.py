@@ -34,7 +34,7 @@ from ninfer.server.load import run_load  # noqa: E402
 
 def start_server(args, streams: int, log_path: Path) -> tuple[subprocess.Popen, str]:
     if args.cpu_artifact:  # a dry run of this tool on the reference backend (no GPU)
-        model = [args.cpu_artifact, "--kv-capacity", str(streams * args.max_context)]
+        model = [args.cpu_artifact, "--device", "cpu", "--kv-capacity", str(streams * args.max_context)]
     else:
         model = ["--random-weights", args.config, "--device", "0", "--kv-capacity", "auto"]
     serve = ["serve", *model, "--port", "0", "--max-context", str(args.max_context),

@@ -54,7 +54,7 @@ def main() -> int:
     path = Path(tempfile.mkdtemp()) / "qwen3.ninfer"
     make_random_artifact(path, CONFIG, seed=3)
     answers = {}
-    for name, flags in (("cuda", ["--device", "0"]), ("reference", [])):
+    for name, flags in (("cuda", ["--device", "0"]), ("reference", ["--device", "cpu"])):
         cmd = [sys.executable, "-m", "ninfer.cli", "serve", str(path), "--max-context", "512",
                "--port", str(args.port), *flags]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

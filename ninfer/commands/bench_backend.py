@@ -28,6 +28,7 @@ from typing import Any
 from ninfer.commands.runner_timing import (DECODE_SLACK, ENGINE_STEPS, PAGE, bench_decode, bench_engine,
                                            bench_prefill, bench_ttft, copy_bandwidth, decode_step_bytes,
                                            host_copy_bandwidth)
+from ninfer import options
 
 DESCRIPTION = ("time a ModelRunner directly: the reference runner on the CPU (default: the demo model), or the "
                "CUDA runner with --device N over an artifact or --random-weights CONFIG. Per batch and context: "
@@ -38,18 +39,6 @@ DESCRIPTION = ("time a ModelRunner directly: the reference runner on the CPU (de
 
 class OptionError(ValueError):
     """An option that cannot be run here; the message names it."""
-
-
-def _device(text: str) -> str | int:
-    if text == "cpu":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected cpu or a CUDA device number (0, 1, ...), got {text!r}")
-    return value
 
 
 def size_list(lo: int, hi: int | None, what: str):
@@ -90,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("artifact", nargs="?", default=None,
                         help="a .ninfer artifact (default: the embedded SmolLM2 demo model)")
-    parser.add_argument("--device", type=_device, default="cpu", metavar="cpu|N",
+    parser.add_argument("--device", type=options.device_choice, default="cpu", metavar="cpu|N",
                         help="cpu: the reference runner (default); N: the CUDA runner on device N")
     parser.add_argument("--random-weights", metavar="CONFIG",
                         help="random bf16 weights made on the GPU for a dense preset (e.g. qwen3-8b) or "

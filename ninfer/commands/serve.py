@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cuda = False
-        if args.device is not None:
+        if args.device != "cpu":
             from ninfer.server.backend import cuda_available
 
             cuda = cuda_available()

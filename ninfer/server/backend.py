@@ -1,4 +1,5 @@
-"""Which ModelRunner serves: the reference backend, or the CUDA backend with ``--device N``.
+"""Which ModelRunner serves: the CUDA backend on ``--device N`` (default 0), or the reference backend
+with ``--device cpu``.
 
 A CUDA context is current per thread, and the Engine makes every runner call on its worker
 thread; so the CUDA runner is built lazily, on its first use, which is the worker building the

@@ -176,8 +176,8 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
     log.info("loading %s (%s)", model_id, art.metadata["architecture"])
     # A CUDA runner the server builds itself is closed with the engine (its memory goes back at once,
     # not at process exit: the GPU tests start servers one after another in one process).
-    owns_runner = runner_factory is None and args.device is not None
-    if runner_factory is None and args.device is not None:
+    owns_runner = runner_factory is None and args.device != "cpu"
+    if runner_factory is None and args.device != "cpu":
         def runner_factory(art: Any, config: EngineConfig) -> Any:
             return cuda_runner(model, args, config)
 

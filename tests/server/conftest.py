@@ -31,7 +31,7 @@ def smollm2_artifact():
 
 def serve_args(artifact: str, *extra: str):
     return build_parser().parse_args(["serve", artifact, "--port", "0", "--max-context", "256",
-                                      "--log-stats-interval-ms", "0", "--log-level", "warning", *extra])
+                                      "--log-stats-interval-ms", "0", "--log-level", "warning", "--device", "cpu", *extra])
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (TRACE|DEBUG|INFO|W
 def test_serve_process_lifecycle(tiny_artifact, tmp_path):
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", tiny_artifact, "--port", "0",
                                  "--max-context", "256", "--api-key", "k"], cwd=ROOT, stderr=err,
                                 stdout=subprocess.DEVNULL)
     try:
@@ -44,12 +44,12 @@ def test_serve_process_lifecycle(tiny_artifact, tmp_path):
 
 
 def test_startup_failures_are_clear(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(tmp_path / "missing.ninfer")],
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", str(tmp_path / "missing.ninfer")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "does not exist" in r.stderr
     bad = tmp_path / "bad.ninfer"
     bad.write_bytes(b"not an artifact at all, but long enough to hold a preamble")
-    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", str(bad), "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", str(bad), "--port", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1].startswith(f"ninfer serve: {bad}: not a .ninfer artifact")
@@ -58,14 +58,14 @@ def test_startup_failures_are_clear(tmp_path):
 def test_malformed_context_cost_presets_abort_startup(tiny_artifact, tmp_path):
     bad = tmp_path / "presets.json"
     bad.write_text("{not json")
-    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", tiny_artifact, "--port", "0",
                         "--context-cost-presets", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "presets" in r.stderr.lower() and "Traceback" not in r.stderr
 
 
 def test_request_log_path_checks(tiny_artifact, tmp_path):
     for path, why in ((tmp_path / "missing" / "log.jsonl", "does not exist"), (tiny_artifact, "artifact")):
-        r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+        r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", tiny_artifact, "--port", "0",
                             "--request-log-jsonl", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr
 
@@ -78,7 +78,7 @@ def test_listen_address_in_use_is_one_clear_line(tiny_artifact):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", port,
+        r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", tiny_artifact, "--port", port,
                             "--log-level", "warning"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines() == [f"ninfer serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
@@ -106,4 +106,4 @@ def test_cuda_bindings_without_a_driver_mean_no_gpu(monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     assert serve.run(parser.parse_args(["--device", "0"])) == 2
-    assert "--device: no CUDA GPU is usable here" in capsys.readouterr().err
+    assert "--device 0: no CUDA GPU is usable here" in capsys.readouterr().err

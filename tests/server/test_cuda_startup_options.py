@@ -25,8 +25,11 @@ def _refusal(argv: list[str]) -> str:
 
 
 def test_auto_capacity_and_random_weights_need_a_device():
-    assert "needs --device" in _refusal(["serve", "model.ninfer", "--kv-capacity", "auto"])
-    assert "needs --device" in _refusal(["serve", "--random-weights", "qwen3-8b"])
+    assert "needs a CUDA --device" in _refusal(["serve", "model.ninfer", "--device", "cpu", "--kv-capacity", "auto"])
+    assert "needs a CUDA --device" in _refusal(["serve", "--device", "cpu", "--random-weights", "qwen3-8b"])
+    # The executable default is CUDA device 0 (the spec's option table), so neither needs --device spelled out.
+    options.check_capabilities(build_parser().parse_args(["serve", "model.ninfer", "--kv-capacity", "auto"]),
+                               cuda_available=True)
     assert "one or the other" in _refusal(["serve", "model.ninfer", "--device", "0", "--random-weights", "qwen3-8b"])
     args = build_parser().parse_args(["serve", "--device", "0", "--random-weights", "qwen3-8b", "--kv-capacity", "auto"])
     options.check_capabilities(args, cuda_available=True)  # accepted
@@ -101,6 +104,6 @@ def test_bad_cuda_sync_is_refused_before_loading(monkeypatch, capsys):
     assert _serve_on_cuda(monkeypatch, "missing.ninfer") == 2  # refused before the artifact is even opened
     assert capsys.readouterr().err == ("ninfer serve: NINFER_CUDA_SYNC must be one of spin, yield, blocking, got "
                                        "'bogus' (how the host waits for the GPU; see docs/cli.md, Environment).\n")
-    options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer"]))  # read only with --device
+    options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer", "--device", "cpu"]))  # read only for a GPU
     monkeypatch.setenv("NINFER_CUDA_SYNC", " Blocking ")
     options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer", "--device", "0"]), cuda_available=True)

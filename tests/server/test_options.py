@@ -25,13 +25,18 @@ def test_defaults_follow_the_spec_table():
     assert (a.pending_timeout_ms, a.prefill_chunk, a.log_stats_interval_ms, a.log_level) == (30000, 1024, 5000, "info")
     assert (a.max_request_mib, a.default_max_tokens, a.kv_dtype) == (384, 8192, "bf16")
     assert a.api_key is None and a.kv_capacity is None and not a.cors and not a.greedy
-    options.check_capabilities(a)  # the defaults start
+    assert a.device == 0  # the spec's executable default: CUDA device 0
+    options.check_capabilities(a, cuda_available=True)  # the defaults start where a GPU is usable
+    with pytest.raises(options.OptionError, match="--device cpu serves on the reference"):
+        options.check_capabilities(a)  # and say where they cannot
+    assert parse("--device", "cpu").device == "cpu"
 
 
 @pytest.mark.parametrize("argv", [
     ["--max-concurrency", "9"], ["--max-concurrency", "0"], ["--top-k", "21"], ["--temperature", "3"],
     ["--top-p", "nan"], ["--port", "70000"], ["--log-level", "loud"], ["--kv-dtype", "fp4"],
     ["--spec", "eagle"], ["--default-thinking-budget", "0"], ["--max-context", "x"],
+    ["--device", "gpu"], ["--device", "-1"], ["--device", ""],
 ])
 def test_malformed_values_fail_argparse(argv, capsys):
     with pytest.raises(SystemExit):
@@ -42,7 +47,7 @@ def test_malformed_values_fail_argparse(argv, capsys):
 @pytest.mark.parametrize("argv, flag", [
     (["--spec", "mtp"], "--spec"), (["--draft-tokens", "3"], "--draft-tokens"), (["--lm-head-draft"], "--lm-head-draft"),
     (["--vision"], "--vision"), (["--kv-dtype", "fp8"], "--kv-dtype"), (["--device", "0"], "--device"),
-    (["--kv-capacity", "auto"], "--kv-capacity"),
+    (["--kv-capacity", "auto", "--device", "cpu"], "--kv-capacity"),
 ])
 def test_unbuilt_capabilities_refuse_to_start(argv, flag):
     with pytest.raises(options.OptionError, match=flag):
@@ -50,7 +55,7 @@ def test_unbuilt_capabilities_refuse_to_start(argv, flag):
 
 
 def test_cli_exits_with_clear_message_for_unbuilt_option():
-    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--spec", "mtp"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", "--spec", "mtp"], capture_output=True,
                        text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2
     assert "--spec" in r.stderr and "not built" in r.stderr

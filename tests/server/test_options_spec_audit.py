@@ -69,7 +69,7 @@ def test_an_integer_coefficient_still_counts(tmp_path):
 
 def test_an_out_of_range_coefficient_ends_startup_with_one_line(tiny_artifact, tmp_path):
     path = write(tmp_path, '{"prefill": [{"seconds_per_token": 9' + "0" * 400 + "}]}")
-    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", tiny_artifact, "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--device", "cpu", tiny_artifact, "--port", "0",
                         "--log-level", "warning", "--context-cost-presets", path],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
