@@ -227,6 +227,7 @@ class Handle:
         self._received = 0  # output token ids yielded so far
         self._progress_seen = False  # the first PromptProgress is delivered as it was emitted
         self._stopped_at: int | None = None
+        self._outcome_read = False  # the Finished item was returned (by iteration or take_outcome)
 
     @property
     def sampling(self) -> SamplingRow:
@@ -294,7 +295,27 @@ class Handle:
             raise item
         if isinstance(item, Finished):
             self._done = True
+            self._outcome_read = True
         return item
+
+    def take_outcome(self) -> tuple[list[int], Finished] | None:
+        """The outcome the engine already returned but the consumer has not read: the output token
+        ids not yet received (none past a ``stop()``) and the ``Finished``; None while the request
+        is unfinished, failed or expired. For a consumer that stops reading (its client left) to
+        record the outcome that exists instead of a cancellation. The worker appends ``Finished``
+        last, so once it is at the end of the outbox nothing follows it."""
+        outbox = self._seq.outbox
+        if self._outcome_read or not outbox or not isinstance(outbox[-1], Finished):
+            return None
+        ids: list[int] = []
+        while outbox:
+            item = outbox.popleft()
+            if isinstance(item, TokenDelta) and self._stopped_at is None:
+                ids.extend(item.token_ids)
+        self._received += len(ids)
+        self._done = self._outcome_read = True
+        self._end()
+        return ids, item
 
     def stop(self, accepted: int | None = None) -> None:
         """A stop string matched in the text layer within the tokens received so far: finish

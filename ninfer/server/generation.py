@@ -241,8 +241,12 @@ class GenerationSession:
             log.error("request %s: engine failure: %s", self.request_id, e)
             raise ProtocolError("engine_unavailable", "The engine failed while generating.") from None
         except BaseException as e:
-            # Cancellation (client gone) or an internal failure: one request_error terminal record.
-            self._error("cancelled" if _is_cancel(e) else "generation", type(e).__name__)
+            # Cancellation (client gone) or an internal failure: one terminal record, request_error
+            # unless the client left after the engine had returned the outcome.
+            if _is_cancel(e):
+                self._end_unread("cancelled", type(e).__name__)
+            else:
+                self._error("generation", type(e).__name__)
             raise
         finally:
             await self.aclose()
@@ -298,8 +302,28 @@ class GenerationSession:
     def _end_unrecorded(self, phase: str, message: str) -> None:
         """The terminal record of a submitted request whose ``work`` ended before ``events`` wrote
         one (a stream whose first send found the client gone never starts consuming them)."""
-        if self.handle is not None:
+        if self.handle is None:
+            return
+        if phase == "cancelled":
+            self._end_unread(phase, message)
+        else:
             self._error(phase, message)
+
+    def _end_unread(self, phase: str, message: str) -> None:
+        """The client left before the outcome was read. If the engine had already returned it, the
+        terminal record is that outcome's request_done (the spec: an Engine outcome is the terminal,
+        a later transport failure is not, and the metrics counted it by its finish reason); only a
+        request without an outcome gets request_error."""
+        settled = None if self._ended else self.handle.take_outcome()
+        if settled is None:
+            self._error(phase, message)
+            return
+        ids, finished = settled
+        self.committed += len(ids)
+        for _ in self.decoder.push(ids):  # the decoder's counts (reasoning, tool-call parse) cover them
+            pass
+        self.decoder.finish()
+        self._done(finished)
 
     def stream_failure(self, exc: Exception, what: str) -> ProtocolError:
         """The error to report in-band for a failure after a stream started (the status is already sent).

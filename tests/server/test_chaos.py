@@ -665,3 +665,26 @@ async def test_stream_gone_while_its_frames_wait_has_one_terminal_record(serve):
     assert record["message"] != LEFT_EARLY
     async with httpx.AsyncClient(base_url=s.url) as c:
         await assert_nothing_held(s, c)
+
+
+@DENSE
+async def test_stream_gone_after_the_engine_finished_records_the_outcome(serve):
+    # The client stops reading at the role chunk and leaves only once the engine has finished the
+    # request (it counted its finish reason): the outcome exists, so the request's one terminal
+    # record is request_done with it, not a cancellation (spec: request_done when the Engine returns
+    # its outcome; a later transport failure adds no terminal).
+    s = await serve()
+    gone, stalled = trio.Event(), trio.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(asgi_stream, s, plain_call("chat", True, 64).body, gone, 2, stalled)
+        await stalled.wait()
+        await wait_for(lambda: s.engine.stats().requests_total.get("length") == 1)
+        gone.set()
+    (record,) = terminal_records(s)
+    assert record["event"] == "request_done"
+    result = record["result"]
+    assert (result["finish_reason"], result["completion_tokens"], len(result["generated_token_ids"])) == ("length", 64, 64)
+    async with httpx.AsyncClient(base_url=s.url) as c:
+        metrics = (await c.get("/metrics")).text
+        assert 'ninfer_requests_total{outcome="length"} 1' in metrics
+        await assert_nothing_held(s, c)
