@@ -21,7 +21,7 @@ class OptionError(ValueError):
     """A startup option is malformed or asks for a capability this build lacks."""
 
 
-def _int_range(lo: int | None, hi: int | None) -> Callable[[str], int]:
+def int_range(lo: int | None, hi: int | None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -72,7 +72,7 @@ def device_choice(text: str) -> str | int:
 
 
 def _kv_capacity(text: str) -> int | str:
-    return "auto" if text == "auto" else _int_range(1, None)(text)
+    return "auto" if text == "auto" else int_range(1, None)(text)
 
 
 @attrs.frozen
@@ -105,22 +105,22 @@ class Option:
 
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--host", "listen address", "127.0.0.1", metavar="H"),
-    Option("--port", "listen port (0 picks a free port)", 8080, _int_range(0, 65535), "N"),
+    Option("--port", "listen port (0 picks a free port)", 8080, int_range(0, 65535), "N"),
     Option("--api-key", "required bearer or x-api-key value", None, metavar="KEY"),
     Option("--model-id", "override the public OpenAI model alias", None, metavar="ID",
            default_text="artifact metadata.name, or architecture name"),
     Option("--chat-template", "local Jinja chat template instead of the artifact's", None, metavar="FILE",
            default_text="the artifact's template"),
-    Option("--max-context", "logical context ceiling of each sequence", 8192, _int_range(16, None), "N"),
+    Option("--max-context", "logical context ceiling of each sequence", 8192, int_range(16, None), "N"),
     Option("--kv-capacity", "shared Main Text KV capacity in tokens, or auto", None, _kv_capacity, "N|auto",
            default_text="--max-context"),
-    Option("--max-concurrency", "resident execution lanes (1..8)", 1, _int_range(1, 8), "N"),
+    Option("--max-concurrency", "resident execution lanes (1..8)", 1, int_range(1, 8), "N"),
     Option("--max-pending-requests", "additional requests allowed to wait for admission", 16,
-           _int_range(0, None), "N"),
-    Option("--pending-timeout-ms", "maximum preparation-plus-admission wait", 30000, _int_range(1, None), "N"),
-    Option("--prefill-chunk", "text-prefill chunk in tokens", 1024, _int_range(1, None), "N"),
+           int_range(0, None), "N"),
+    Option("--pending-timeout-ms", "maximum preparation-plus-admission wait", 30000, int_range(1, None), "N"),
+    Option("--prefill-chunk", "text-prefill chunk in tokens", 1024, int_range(1, None), "N"),
     Option("--log-stats-interval-ms", "aggregate throughput report interval; 0 disables it", 5000,
-           _int_range(0, None), "N"),
+           int_range(0, None), "N"),
     Option("--log-level", "pretty stderr verbosity", "info", str, choices=tuple(LEVELS)),
     Option("--device", "CUDA device index (the CUDA backend), or cpu for the reference backend", 0, device_choice,
            "N|cpu"),
@@ -129,43 +129,43 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            metavar="CONFIG", default_text="off"),
     Option("--context-cost-presets", "optional runtime context-cost preset registry", None, metavar="FILE",
            default_text="generic + compiled defaults"),
-    Option("--max-request-mib", "body-size limit before JSON parsing", 384, _int_range(1, None), "N"),
+    Option("--max-request-mib", "body-size limit before JSON parsing", 384, int_range(1, None), "N"),
     Option("--media-cache-mib", "LRU-retained prepared media payloads; 0 disables retention", 1024,
-           _int_range(0, None), "N"),
-    Option("--media-live-mib", "all live prepared media payloads", 2048, _int_range(1, None), "N"),
+           int_range(0, None), "N"),
+    Option("--media-live-mib", "all live prepared media payloads", 2048, int_range(1, None), "N"),
     Option("--media-preprocess-threads", "media preprocessing workers; 0 picks at most 16", 0,
-           _int_range(0, None), "N"),
+           int_range(0, None), "N"),
     Option("--request-log-jsonl", "append full-precision server/request records to FILE", None, metavar="FILE",
            default_text="disabled"),
     Option("--response-store-max-records", "maximum locally retained Responses objects", 1024,
-           _int_range(0, None), "N"),
-    Option("--response-store-max-mib", "total local Response store budget", 256, _int_range(0, None), "N"),
+           int_range(0, None), "N"),
+    Option("--response-store-max-mib", "total local Response store budget", 256, int_range(0, None), "N"),
     Option("--kv-dtype", "KV-cache storage", "bf16", str, choices=("bf16", "int8", "fp8", "nvfp4", "k8v4")),
     Option("--spec", "speculative backend", None, str, choices=("mtp", "dflash", "dflash2"), default_text="off"),
     Option("--draft-tokens", "draft tokens per round: MTP 1..5; DFlash/DFlash2 1..15", None,
-           _int_range(1, 15), "N"),
+           int_range(1, 15), "N"),
     Option("--lm-head-draft", "load the optimized proposal head", False, None),
-    Option("--default-max-tokens", "output limit when a request omits one", 8192, _int_range(1, None), "N"),
+    Option("--default-max-tokens", "output limit when a request omits one", 8192, int_range(1, None), "N"),
     Option("--default-thinking-budget", "positive thinking cap inherited by thinking-enabled requests", None,
-           _int_range(1, None), "N"),
+           int_range(1, None), "N"),
     Option("--vision", "enable media input and load Vision allocations", False, None),
     Option("--no-cuda-graph", "disable CUDA Graph decode", False, None, default_text="graphs on"),
     Option("--no-prefix-reuse", "disable compatible-prefix caching", False, None, default_text="prefix reuse on"),
     Option("--device-state-slots", "extra Device StateImages beyond max-concurrency", None,
-           _int_range(0, None), "N", default_text="max-concurrency"),
+           int_range(0, None), "N", default_text="max-concurrency"),
     Option("--host-context-mib", "shared pinned Host budget for StateImages, KV and pause snapshots", None,
-           _int_range(0, None), "N", default_text="8192 MiB + 8 native StateImages"),
+           int_range(0, None), "N", default_text="8192 MiB + 8 native StateImages"),
     Option("--no-thinking", "disable thinking by default", False, None, default_text="thinking on"),
     Option("--preserve-thinking", "preserve closed-turn assistant reasoning by default", False, None),
     Option("--cors", "permissive browser CORS headers", False, None),
     Option("--temperature", "process-level temperature override", None, _float_range(0.0, 2.0), "F"),
     Option("--top-p", "process-level top-p override", None, _float_range(0.0, 1.0), "F"),
     Option("--top-k", "process-level top-k override (0..20; zero selects the top-20 cap)", None,
-           _int_range(0, 20), "N"),
+           int_range(0, 20), "N"),
     Option("--min-p", "process-level min-p override", None, _float_range(0.0, 1.0), "F"),
     Option("--presence-penalty", "process-level presence-penalty override", None, _float_range(-2.0, 2.0), "F"),
     Option("--frequency-penalty", "process-level frequency-penalty override", None, _float_range(-2.0, 2.0), "F"),
-    Option("--seed", "fixed seed when a request omits one", None, _int_range(-(2**63), 2**63 - 1), "N",
+    Option("--seed", "fixed seed when a request omits one", None, int_range(-(2**63), 2**63 - 1), "N",
            default_text="fresh random seed per request"),
     Option("--greedy", "force exact argmax for all requests", False, None),
 )

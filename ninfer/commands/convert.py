@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from ninfer.options import int_range
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = ("ninfer convert SRC OUT.ninfer\n"
@@ -17,18 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write random weights for a DenseConfig or HybridConfig JSON file or a preset "
                              "(tiny-llama, tiny-qwen3, qwen3-8b, tiny-qwen3-next, tiny-qwen3.5, tiny-qwen3.5-moe) "
                              "instead of converting SRC")
-    parser.add_argument("--seed", type=_seed, default=0, help="seed of the random weights (with --random)")
-
-
-def _seed(text: str) -> int:
-    """NumPy seeds the random weights and takes only non-negative integers."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    parser.add_argument("--seed", type=int_range(0, None), default=0,
+                        help="seed of the random weights (with --random; NumPy takes only non-negative seeds)")
 
 
 def _check_output(out: Path) -> None:
