@@ -304,12 +304,14 @@ def _formats(art: Any, backend: str, facts: dict[str, Any] | None) -> dict[str, 
     """The artifact's tensor dtypes and the formats the runner holds: the reference upcasts every
     weight to f32 and keeps an f32 KV pool; CUDA keeps matrices bf16 (norms and vectors f32) and its
     KV pool in the dtype its startup record names."""
-    artifact = collections.Counter(art.tensor_info(name).dtype for name in art.tensor_names())
+    artifact = None  # --random-weights: the weights are made on the device, there is no file to count
+    if hasattr(art, "tensor_names"):
+        artifact = dict(sorted(collections.Counter(art.tensor_info(name).dtype for name in art.tensor_names()).items()))
     if backend == "reference":
         weights, kv = "f32", "f32"
     else:
         weights, kv = "bf16", (facts or {}).get("kv_dtype")
-    return {"artifact": dict(sorted(artifact.items())), "weights": weights, "kv": kv}
+    return {"artifact": artifact, "weights": weights, "kv": kv}
 
 
 def _kv_sizing(args: argparse.Namespace, cfg: EngineConfig, facts: dict[str, Any] | None) -> dict[str, Any]:

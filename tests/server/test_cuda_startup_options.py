@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -107,3 +108,22 @@ def test_bad_cuda_sync_is_refused_before_loading(monkeypatch, capsys):
     options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer", "--device", "cpu"]))  # read only for a GPU
     monkeypatch.setenv("NINFER_CUDA_SYNC", " Blocking ")
     options.check_capabilities(build_parser().parse_args(["serve", "m.ninfer", "--device", "0"]), cuda_available=True)
+
+
+async def test_random_weights_server_start_record_has_no_file_formats(nursery, tiny_artifact, tmp_path):
+    """--random-weights with --request-log-jsonl: server_start names the weights' source and counts no
+    file's tensors (it raised AttributeError on the RandomWeightsModel). The runner here is a
+    reference runner standing in for the GPU's; the record is what is checked."""
+    def factory(art, config):
+        return ReferenceRunner(tiny_artifact, page_size=config.page_size, num_pages=config.kv_pages,
+                               max_batch=config.max_concurrency, max_context=config.max_context)
+
+    log = tmp_path / "requests.jsonl"
+    args = build_parser().parse_args(["serve", "--random-weights", "qwen3-8b", "--device", "0", "--port", "0",
+                                      "--max-context", "256", "--log-stats-interval-ms", "0",
+                                      "--request-log-jsonl", str(log)])
+    await nursery.start(lambda task_status: run_server(args, [], runner_factory=factory, task_status=task_status))
+    start = json.loads(log.read_text().splitlines()[0])
+    assert start["event"] == "server_start" and start["artifact"] == "random-weights:qwen3-8b"
+    assert start["formats"]["artifact"] is None
+    nursery.cancel_scope.cancel()
