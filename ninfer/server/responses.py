@@ -37,6 +37,9 @@ class _Plan:
     history: tuple[dict, ...]
     session_key: str | None
     capture_endpoint: bool
+    # The child sets preserve_thinking unlike its parent: a new semantic branch (the spec's
+    # "Responses semantic-change flag" of request_start).
+    semantic_change: bool
 
 
 def _pairs(ex: Exchange) -> list[tuple[str, str]]:
@@ -74,13 +77,15 @@ def _plan(ex: Exchange, req: orp.ResponsesRequest, rid: str) -> _Plan:
         key, capture = parent.session_key, req.store
     else:
         key, capture = (SESSION_PREFIX + rid if req.store else None), True
-    return _Plan(req, conv, history, key, capture)
+    explicit = req.options.preserve_thinking
+    branch = parent is not None and explicit is not None and explicit != parent.preserve_thinking
+    return _Plan(req, conv, history, key, capture, branch)
 
 
 def _shape(plan: _Plan) -> dict:
     """The Responses members of the logged request shape (the session adds the conversation's)."""
     return {"items": len(plan.req.items), "history_items": len(plan.history), "store": plan.req.store,
-            "previous_response_id": plan.req.previous_response_id is not None}
+            "previous_response_id": plan.req.previous_response_id is not None, "semantic_change": plan.semantic_change}
 
 
 async def create(ex: Exchange) -> None:

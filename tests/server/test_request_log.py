@@ -243,3 +243,22 @@ async def test_request_done_is_written_when_the_outcome_arrives(tmp_path):
     records = read_log(path)
     assert [r["event"] for r in records] == ["request_done"]
     assert records[0]["first_output_timing"] is None  # no first output was frozen
+
+
+async def test_request_start_flags_a_responses_semantic_branch(start_server, tmp_path):
+    """Spec: request_start carries the Responses semantic-change flag: a child that sets
+    preserve_thinking unlike its parent starts a new semantic branch; inheriting or repeating it does not."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path))
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        async def create(**kw):
+            body = {"model": MODEL, "input": "Hello there", "max_output_tokens": 2, **kw}
+            r = await c.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["id"]
+
+        root = await create(preserve_thinking=True)
+        for kw in ({}, {"preserve_thinking": True}, {"preserve_thinking": False}):
+            await create(previous_response_id=root, **kw)
+    flags = [r["shape"]["semantic_change"] for r in read_log(path) if r["event"] == "request_start"]
+    assert flags == [False, False, False, True]
