@@ -2,7 +2,8 @@
 
 Snapshot cost = 2 × bytes × transfer seconds-per-byte (out and back in); replay cost =
 tokens × prefill seconds-per-token. Coefficients resolve once at startup: generic defaults, then
-matching entries of the ``--context-cost-presets`` JSON file::
+the compiled values measured for a matching backend (and model signature), then matching entries
+of the ``--context-cost-presets`` JSON file::
 
     {"transfer": [{"hardware": "cuda", "seconds_per_byte": 4e-11}],
      "prefill":  [{"hardware": "cuda", "model": "<signature>", "seconds_per_token": 2e-5}]}
@@ -29,6 +30,17 @@ from ninfer.engine.errors import ContextCostPresetsError
 GENERIC_TRANSFER_SECONDS_PER_BYTE = 1.0 / 12e9
 GENERIC_PREFILL_SECONDS_PER_TOKEN = 1.0 / 20e3
 
+# Compiled defaults, measured on the project's H200 host (docs/benchmarks.md, "Compiled context-cost
+# defaults"): seconds a byte of a pinned host <-> device round trip, by backend
+# (tools/bench_host_link.py), and seconds a token of chunked prefill, by (backend, model signature).
+# The signature is the CUDA runner's Qwen3-8B shape with a bf16 pool (`--random-weights qwen3-8b` or
+# a converted Qwen3-8B; a test keeps it equal to the preset's): 8192 tokens in chunks of 1024 took
+# 225.6 ms (`tools/gpu_bench.py`, TTFT).
+COMPILED_TRANSFER: dict[str, float] = {}
+COMPILED_PREFILL: dict[tuple[str, str], float] = {
+    ("cuda", "Qwen3ForCausalLM-h4096-l36-bfloat16-1d9341cf5be3"): 0.2256 / 8192,
+}
+
 
 @attrs.frozen
 class ContextCost:
@@ -48,11 +60,37 @@ class ContextCost:
 
 def load(path: str | None, hardware: str, model: str | None) -> ContextCost:
     """Coefficients for a runner of backend ``hardware`` serving the model of signature
-    ``model`` (None: unknown)."""
-    transfer, prefill = GENERIC_TRANSFER_SECONDS_PER_BYTE, GENERIC_PREFILL_SECONDS_PER_TOKEN
+    ``model`` (None: unknown). ``source`` names where each came from: "generic", "compiled", or the
+    file's entry (``transfer[i]``, ``prefill[j]``)."""
     identity = f"(hardware {hardware}, model {model or 'signature unknown'})"
+    transfer = _default(COMPILED_TRANSFER.get(hardware), GENERIC_TRANSFER_SECONDS_PER_BYTE, "transfer")
+    prefill = _default(COMPILED_PREFILL.get((hardware, model)), GENERIC_PREFILL_SECONDS_PER_TOKEN, "prefill")
+    if path is not None:
+        data = _read(path)
+        transfer = _pick(data.get("transfer", []), "transfer", "seconds_per_byte", path, hardware, model) or transfer
+        prefill = _pick(data.get("prefill", []), "prefill", "seconds_per_token", path, hardware, model) or prefill
+    return ContextCost(transfer[0], prefill[0], _source(path, transfer[1], prefill[1], identity))
+
+
+def _default(compiled: float | None, generic: float, kind: str) -> tuple[float, str]:
+    return (generic, f"generic {kind}") if compiled is None else (compiled, f"compiled {kind}")
+
+
+def _source(path: str | None, transfer: str, prefill: str, identity: str) -> str:
+    """E.g. "generic (hardware …)", "compiled prefill, generic transfer (…)", "presets.json: transfer[0],
+    compiled prefill (…)", "presets.json: no matching entry (generic) (…)": the file's entries first,
+    then the defaults left in force."""
+    defaults = [used for used in (transfer, prefill) if used.startswith(("compiled", "generic"))]
+    entries = [used for used in (transfer, prefill) if used not in defaults]
+    said = "generic" if defaults == ["generic transfer", "generic prefill"] else ", ".join(defaults)
     if path is None:
-        return ContextCost(transfer, prefill, f"generic {identity}")
+        return f"{said} {identity}"
+    if not entries:
+        return f"{path}: no matching entry ({said}) {identity}"
+    return f"{path}: {', '.join(entries + defaults)} {identity}"
+
+
+def _read(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -62,16 +100,7 @@ def load(path: str | None, hardware: str, model: str | None) -> ContextCost:
     if not isinstance(data, dict) or set(data) - {"transfer", "prefill"}:
         raise ContextCostPresetsError(
             f"--context-cost-presets {path}: expected an object with only 'transfer' and 'prefill' lists")
-    used = []
-    t = _pick(data.get("transfer", []), "transfer", "seconds_per_byte", path, hardware, model)
-    if t is not None:
-        transfer = t[0]
-        used.append(f"transfer[{t[1]}]")
-    p = _pick(data.get("prefill", []), "prefill", "seconds_per_token", path, hardware, model)
-    if p is not None:
-        prefill = p[0]
-        used.append(f"prefill[{p[1]}]")
-    return ContextCost(transfer, prefill, f"{path}: {', '.join(used) or 'no matching entry (generic)'} {identity}")
+    return data
 
 
 def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: str):
@@ -92,7 +121,7 @@ def _pick(entries: Any, kind: str, key: str, path: str, hardware: str, model: st
             continue
         score = (hw != "*") * 2 + (md != "*")
         if best is None or score > best[2]:
-            best = (value, i, score)
+            best = (value, f"{kind}[{i}]", score)
     return None if best is None else best[:2]
 
 

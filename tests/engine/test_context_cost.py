@@ -103,3 +103,26 @@ def test_the_dense_config_fields_the_signature_counts_exist():
     # The signature's readable part names these fields; a rename would silently make it "h?".
     fields = attrs.fields_dict(DenseConfig)
     assert {"architecture", "hidden_size", "num_layers"} <= set(fields)
+
+
+def test_compiled_defaults_match_the_measured_shape_and_yield_to_the_file(tmp_path):
+    """Spec: coefficients resolve from generic defaults, matching compiled values, then the file. The
+    compiled prefill value belongs to the CUDA runner's Qwen3-8B shape (the preset the measurement ran)."""
+    from ninfer.convert.random_model import LARGE_PRESETS
+    from ninfer.engine.context_cost import COMPILED_PREFILL
+
+    sig = signature_of(attrs.asdict(LARGE_PRESETS["qwen3-8b"], recurse=True), "bfloat16")
+    assert ("cuda", sig) in COMPILED_PREFILL
+    cost = load(None, "cuda", sig)
+    assert cost.prefill_seconds_per_token == COMPILED_PREFILL["cuda", sig]
+    assert cost.source == f"generic transfer, compiled prefill (hardware cuda, model {sig})"
+    # Another model, or the same shape on another backend or KV dtype, keeps the generic value.
+    for hardware, model in (("cuda", signature_of(attrs.asdict(LARGE_PRESETS["qwen3-8b"]), "float32")),
+                            ("reference", sig), ("cuda", None)):
+        assert load(None, hardware, model).prefill_seconds_per_token == GENERIC_PREFILL_SECONDS_PER_TOKEN
+    presets = write(tmp_path, {"prefill": [{"hardware": "cuda", "seconds_per_token": 1e-4}]})
+    cost = load(presets, "cuda", sig)
+    assert cost.prefill_seconds_per_token == 1e-4
+    assert cost.source == f"{presets}: prefill[0], generic transfer (hardware cuda, model {sig})"
+    assert load(write(tmp_path, {}), "cuda", sig).source == (
+        f"{tmp_path / 'presets.json'}: no matching entry (generic transfer, compiled prefill) (hardware cuda, model {sig})")
