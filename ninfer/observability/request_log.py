@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 SCHEMA = "ninfer_serve_request_log"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 24  # the spec's "ninfer_serve_request_log schema-v24"
 
 COMMON_FIELDS = ("schema", "schema_version", "event", "timestamp_unix_ms", "server_instance_id")
 

@@ -419,7 +419,7 @@ def _engine_timing(et: Any) -> dict[str, Any]:
             "decode": {"rounds": et.decode_rounds, "host_exposed_seconds": et.decode_host_seconds,
                        "device_wait_exposed_seconds": et.decode_device_wait_seconds},
             "units": {"prefill": et.prefill_units, "control": et.control_units},
-            # The flat counts of earlier records, kept for readers of schema version 1.
+            # The flat counts of earlier records (before the nesting above), kept for their readers.
             "decode_rounds": et.decode_rounds, "prefill_units": et.prefill_units, "control_units": et.control_units}
 
 

@@ -237,7 +237,7 @@ async def test_request_log_jsonl(start_server, tmp_path):
     assert secret_prompt not in raw and "topsecret" not in raw
     records = [json.loads(line) for line in raw.splitlines()]
     for rec in records:
-        assert rec["schema"] == SCHEMA and rec["schema_version"] == SCHEMA_VERSION
+        assert rec["schema"] == SCHEMA and rec["schema_version"] == SCHEMA_VERSION == 24
         missing = [k for k in COMMON_FIELDS + EVENT_FIELDS[rec["event"]] if k not in rec]
         assert not missing, (rec["event"], missing)
     events = [r["event"] for r in records]
