@@ -121,6 +121,10 @@ def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
 
 # --- sampling and thinking --------------------------------------------------------------------
 
+# Anthropic documents no cap on stop_sequences (the four of the spec are Chat's `stop`), so clients
+# may send more than four; the bound only keeps the output decoder's per-delta scan small.
+STOP_SEQUENCES_LIMIT = 64
+
 def _parse_generation(body: dict, count_only: bool, budget: int | None) -> GenerationOptions:
     max_tokens = f.opt_int(body, "max_tokens", 0)
     if max_tokens == 0 and not count_only:
@@ -129,7 +133,7 @@ def _parse_generation(body: dict, count_only: bool, budget: int | None) -> Gener
         check_thinking_budget(budget, max_tokens)
     if body.get("stop_sequences") is not None and not isinstance(body["stop_sequences"], list):
         raise invalid_type("stop_sequences", "an array of strings")  # unlike OpenAI `stop`, never a bare string
-    stops = f.stop_strings(body, "stop_sequences", limit=4)
+    stops = f.stop_strings(body, "stop_sequences", limit=STOP_SEQUENCES_LIMIT)
     return GenerationOptions(
         max_tokens=max_tokens,
         temperature=f.opt_number(body, "temperature", 0.0, 1.0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ninfer.text.events import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart
-from protocols.anthropic_messages import TOOL_ERROR_MARK, parse_request, stop_reason, usage
+from protocols.anthropic_messages import STOP_SEQUENCES_LIMIT, TOOL_ERROR_MARK, parse_request, stop_reason, usage
 from protocols.anthropic_output import BlockAssembler
 from protocols.errors import ProtocolError
 from server.expect import protocol_error
@@ -163,6 +163,11 @@ def test_max_tokens_and_sampling():
     fails("invalid_type", "top_k", top_k="3")
     fails("invalid_value", "stop_sequences", stop_sequences=[""])
     fails("invalid_type", "stop_sequences", stop_sequences="END")  # an array, never a bare string
+    # Anthropic sets no cap of four (that is Chat's `stop`); a bound still refuses a flood.
+    many = [f"END{i}" for i in range(STOP_SEQUENCES_LIMIT)]
+    assert parse(stop_sequences=many[:5]).generation.stops == tuple(many[:5])
+    assert parse(stop_sequences=many).generation.stops == tuple(many)
+    fails("invalid_value", "stop_sequences", stop_sequences=many + ["END"])
 
 
 def test_thinking_modes_budget_and_effort():
