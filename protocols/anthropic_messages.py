@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from ninfer.text.stops import MAX_STOPS
 from protocols import fields as f
 from protocols.conversation import (
     Conversation,
@@ -121,9 +122,9 @@ def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
 
 # --- sampling and thinking --------------------------------------------------------------------
 
-# Anthropic documents no cap on stop_sequences (the four of the spec are Chat's `stop`), so clients
-# may send more than four; the bound only keeps the output decoder's per-delta scan small.
-STOP_SEQUENCES_LIMIT = 64
+# Anthropic documents no cap on stop_sequences (the four of the spec are Chat's `stop`): the text
+# layer's own bound.
+STOP_SEQUENCES_LIMIT = MAX_STOPS
 
 def _parse_generation(body: dict, count_only: bool, budget: int | None) -> GenerationOptions:
     max_tokens = f.opt_int(body, "max_tokens", 0)

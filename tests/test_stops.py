@@ -32,7 +32,7 @@ def _reference(stops: list[str], text: str) -> tuple[str, str | None]:
 
 
 @pytest.mark.parametrize("stops, error", [
-    (["a", "b", "c", "d", "e"], "at most 4"),
+    ([f"s{i}" for i in range(65)], "at most 64"),
     (["ok", ""], "stop string 1 is empty"),
     (["ok", 3], "stop string 1 must be a string"),
     ("END", "not a single string"),

@@ -12,11 +12,13 @@ from collections.abc import Sequence
 
 from ninfer.text.holdback import partial_marker_suffix
 
-MAX_STOPS = 4
+# The most stop strings one request may carry: Chat's `stop` takes four (the spec), Anthropic's
+# stop_sequences more; the bound keeps the per-piece scan over them small.
+MAX_STOPS = 64
 
 
 def validate_stops(stops: Sequence[str] | None) -> tuple[str, ...]:
-    """The request's stop strings as a tuple; at most four non-empty strings."""
+    """The request's stop strings as a tuple; at most MAX_STOPS non-empty strings."""
     if stops is None:
         return ()
     if isinstance(stops, str):

@@ -143,6 +143,10 @@ async def test_errors_count_tokens_and_prefill(start_server):
         r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI, "stop_sequences": "END"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert "stop_sequences" in r.json()["error"]["message"]
+        # More than Chat's four stop strings run (the text layer used to refuse a fifth as an internal error).
+        stops = [f"zq{i}" for i in range(8)]
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI, "stop_sequences": stops})
+        assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
         r = await c.post("/v1/messages", content=b"{oops")
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = await c.post("/v1/messages", json={"model": "m", "messages": [
