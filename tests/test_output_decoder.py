@@ -185,8 +185,8 @@ def test_push_after_finish_is_an_error():
 
 
 def test_invalid_stops_are_rejected_at_construction():
-    with pytest.raises(ValueError, match="at most 4"):
-        OutputDecoder(TOK, stops=["a", "b", "c", "d", "e"])
+    with pytest.raises(ValueError, match="at most 64"):
+        OutputDecoder(TOK, stops=[f"s{i}" for i in range(65)])
 
 
 # -- property tests -----------------------------------------------------------------------------
