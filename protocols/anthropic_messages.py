@@ -5,7 +5,8 @@ separators, thinking blocks become assistant reasoning, tool_use blocks become t
 leading tool_result blocks of the next user turn become tool results in call order. A final
 text-only assistant turn is a prefill that generation continues. Fields whose behavior NInfer
 cannot provide are rejected naming the field; advisory fields (metadata, service tier, geography,
-unknown hints) are accepted and ignored.
+unknown hints) are accepted and ignored. The Anthropic error envelope has no ``param`` member, so
+a rejection whose message does not already name its field is prefixed with it.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ _UNSUPPORTED_FIELDS = {
     "container": "code-execution containers are not available.",
     "mcp_servers": "NInfer has no remote MCP connector.",
     "output_format": NO_CONSTRAINED_OUTPUT,
-    "context_management": "server-side context editing is not available.",
 }
+NO_CONTEXT_EDITING = "server-side context editing is not available."
+CLEAR_THINKING = "clear_thinking_20251015"  # the one context edit with an executable form: keep all
 
 
 @attrs.frozen
@@ -81,6 +83,20 @@ class MessagesRequest:
 
 def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     """Validate a create (or count_tokens) body; ``count_only`` skips output-only requirements."""
+    try:
+        return _parse_request(body, count_only)
+    except ProtocolError as err:
+        raise _located(err) from None
+
+
+def _located(err: ProtocolError) -> ProtocolError:
+    """The Anthropic envelope carries only the message: it names the field (``where: why``)."""
+    if err.param is None or err.param in err.message:
+        return err
+    return ProtocolError(err.code, f"{err.param}: {err.message}", err.param, **err.extra)
+
+
+def _parse_request(body: Any, count_only: bool) -> MessagesRequest:
     if not isinstance(body, dict):
         raise ProtocolError("invalid_json", "The request body must be a JSON object.")
     model = body.get("model")
@@ -101,7 +117,16 @@ def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
     thinking = {"disabled": False, "enabled": True, "adaptive": True}.get(mode)  # type: ignore[arg-type]
     effort = _parse_effort(body)
     kwargs = f.opt_object(body, "chat_template_kwargs") or {}
-    options = resolve_thinking_options(thinking, f.opt_bool(body, "preserve_thinking"), effort, kwargs,
+    preserve = f.opt_bool(body, "preserve_thinking")
+    keep_all = _parse_context_management(body)
+    if keep_all is not None:  # every earlier thinking turn stays in the prompt: preserve_thinking
+        for field, value in (("preserve_thinking", preserve),
+                             ("chat_template_kwargs.preserve_thinking", kwargs.get("preserve_thinking"))):
+            if value is False:
+                raise ProtocolError("conflicting_template_option", f"'{keep_all}' keeps every thinking turn, but "
+                                    f"'{field}' is false.", keep_all)
+        preserve = True
+    options = resolve_thinking_options(thinking, preserve, effort, kwargs,
                                        fields={"enable_thinking": "thinking",
                                                "reasoning_effort": "output_config.effort"})
     if prefill is not None:  # the prefill continues visible text, never an open <think>
@@ -174,6 +199,40 @@ def _parse_thinking(body: dict, count_only: bool) -> tuple[str | None, int | Non
     if budget < MIN_THINKING_BUDGET:
         raise invalid_value("thinking.budget_tokens", f"{budget} is below the minimum {MIN_THINKING_BUDGET}.")
     return kind, budget
+
+
+def _parse_context_management(body: dict) -> str | None:
+    """The location of a keep-all thinking edit, or None when no edit is asked for.
+
+    Claude Code sends ``{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}`` (or no
+    edits) on its requests: keep every earlier thinking block in the context, which the template's
+    preserve_thinking provides. An edit that removes context (thinking turns, tool uses,
+    compaction) needs server-side context editing and is rejected naming it.
+    """
+    cm = body.get("context_management")
+    if cm in (None, [], {}):
+        return None
+    if not isinstance(cm, dict):
+        raise invalid_type("context_management", "an object")
+    if set(cm) - {"edits"}:
+        raise unsupported("context_management", NO_CONTEXT_EDITING)
+    edits = cm.get("edits")
+    if edits is None:
+        return None
+    if not isinstance(edits, list):
+        raise invalid_type("context_management.edits", "an array")
+    keep_all = None
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        if not isinstance(edit, dict):
+            raise invalid_type(where, "an object")
+        if edit.get("type") != CLEAR_THINKING:
+            raise unsupported(where, NO_CONTEXT_EDITING)
+        if edit.get("keep") not in ("all", {"type": "all"}):
+            raise unsupported(f"{where}.keep", "clearing earlier thinking turns is server-side context editing, "
+                              "which is not available; keep 'all' is executable.")
+        keep_all = keep_all or f"{where}.keep"
+    return keep_all
 
 
 def _parse_effort(body: dict) -> str | None:

@@ -155,10 +155,8 @@ class GenerationSession:
         try:
             self.handle = ticket.submit(request)
         except engine_errors.ContextLengthExceeded as e:
-            self._reject(ProtocolError(
-                "context_length_exceeded",
-                f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens.",
-                self._params[0], prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit), conv)
+            self._reject(ProtocolError("context_length_exceeded", self._too_long(e), self._params[0],
+                                       prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit), conv)
         except engine_errors.ThinkingBudgetCapacityInsufficient as e:
             self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), self._params[1]), conv)
         except engine_errors.EngineUnavailable:
@@ -171,6 +169,13 @@ class GenerationSession:
         self.decoder = OutputDecoder(builder.tokenizer, starts_in_thinking=prepared.starts_in_thinking,
                                      tools=tools or None, stops=list(gen.stops), tool_parsing=bool(tools))
         self._log_start(conv, gen, request)
+
+    def _too_long(self, e: engine_errors.ContextLengthExceeded) -> str:
+        if self.protocol == "anthropic_messages":
+            # Anthropic's own wording, which clients such as Claude Code read to start compacting; the
+            # maximum is the longest prompt that leaves the one output position a create needs.
+            return f"prompt is too long: {e.prompt_tokens} tokens > {e.limit - 1} maximum"
+        return f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens."
 
     def _reject(self, err: ProtocolError, conv: Conversation) -> None:
         # The status and type the client receives: Anthropic's family has its own (529 for 429).
