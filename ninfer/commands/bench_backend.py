@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ninfer import options
 from ninfer.commands.runner_timing import (DECODE_SLACK, ENGINE_STEPS, PAGE, bench_decode, bench_engine,
                                            bench_prefill, bench_ttft, copy_bandwidth, decode_step_bytes,
                                            host_copy_bandwidth)
-from ninfer import options
 
 DESCRIPTION = ("time a ModelRunner directly: the reference runner on the CPU (default: the demo model), or the "
                "CUDA runner with --device N over an artifact or --random-weights CONFIG. Per batch and context: "
