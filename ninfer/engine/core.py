@@ -591,6 +591,7 @@ class EngineCore:
             context_transfer_bytes_total=dict(c.transfer_bytes),
             state_image_operations_total=dict(c.state_ops),
             host_work_seconds_total=dict(c.host_work), device_wait_seconds_total=c.device_wait,
+            stats_publication_seconds_total=c.stats_publication_seconds, stats_publications_total=c.stats_publications,
             requests_total=dict(c.requests), time_to_first_token_seconds=c.ttft.freeze(),
             request_duration_seconds=c.duration.freeze(), request_queue_seconds=c.queue.freeze(),
             monotonic=time.monotonic(),

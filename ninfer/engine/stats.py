@@ -81,6 +81,9 @@ class Counters:
         self.state_ops = dict.fromkeys(STATE_OPERATIONS, 0)
         self.host_work = dict.fromkeys(HOST_PHASES, 0.0)
         self.device_wait = 0.0
+        # Stats publication: a detail of the Host phase it runs in (commit output or maintenance).
+        self.stats_publication_seconds = 0.0
+        self.stats_publications = 0
         self.requests = {}  # outcome -> count
         self.ttft = HistogramInput()
         self.duration = HistogramInput()
@@ -148,6 +151,8 @@ class StatsSnapshot:
     state_image_operations_total: Mapping[str, int] = attrs.field(factory=dict)
     host_work_seconds_total: Mapping[str, float]
     device_wait_seconds_total: float
+    stats_publication_seconds_total: float = 0.0  # inside host_work_seconds_total, not beside it
+    stats_publications_total: int = 0
     requests_total: Mapping[str, int]
     time_to_first_token_seconds: Histogram
     request_duration_seconds: Histogram
@@ -180,6 +185,8 @@ def throughput(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
         "replay_restores": cur.replay_restores_total - prev.replay_restores_total,
         "host_work_seconds": {**host, "total": host_total},
         "device_wait_seconds": cur.device_wait_seconds_total - prev.device_wait_seconds_total,
+        "stats_publication_seconds": cur.stats_publication_seconds_total - prev.stats_publication_seconds_total,
+        "stats_publications": cur.stats_publications_total - prev.stats_publications_total,
         "host_active_fraction": host_total / seconds,
         "host_seconds_per_round": host_total / rounds if rounds else None,
         "host_seconds_per_row_round": host_total / rows if rows else None,

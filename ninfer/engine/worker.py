@@ -110,7 +110,9 @@ class Worker:
     def _take(self, block: bool, stall: bool = False) -> list:
         with self._cond:
             if block and not self._inbox:
-                self._publish(force=True)
+                t0 = time.perf_counter()
+                self._publish(force=True)  # before idling: Host work of the maintenance phase
+                self.core.counters.host_work["engine_maintenance"] += time.perf_counter() - t0
                 self._cond.wait(timeout=0.001 if stall else self._idle_timeout())
             commands = list(self._inbox)
             self._inbox.clear()
@@ -168,8 +170,12 @@ class Worker:
     def _publish(self, force: bool) -> None:
         now = time.monotonic()
         if force or now - self._published_at >= PUBLISH_INTERVAL:
+            t0 = time.perf_counter()
             self.snapshot = self.core.snapshot(ready=self.ready)
             self._published_at = now
+            c = self.core.counters  # this publication shows in the next snapshot
+            c.stats_publication_seconds += time.perf_counter() - t0
+            c.stats_publications += 1
 
     def _shutdown(self, error: EngineUnavailable) -> None:
         self.ready = False

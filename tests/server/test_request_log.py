@@ -126,6 +126,12 @@ async def test_throughput_uses_the_spec_names(start_server, tmp_path):
         assert t["average_size"] == (rows / rounds if rounds else None)
         assert {"capture_pending", "terminal_pending"} <= set(t["scheduler"])
         assert {"work_class_seconds", "detail_subset_seconds", "detail_invocations"} <= set(t["host_work"])
+    # Stats publication is detail inside the Host phases: counted, and never more than they hold.
+    published = sum(t["host_work"]["detail_invocations"]["stats_publication"] for t in tp)
+    seconds = sum(t["host_work"]["detail_subset_seconds"]["stats_publication"] for t in tp)
+    phases = sum(t["host_work"]["elapsed_seconds"]["engine_commit_output"]
+                 + t["host_work"]["elapsed_seconds"]["engine_maintenance"] for t in tp)
+    assert published >= 1 and 0 < seconds <= phases
 
 
 async def test_request_start_records_payload_acquisition_tokenizer_and_media(start_server, tmp_path):
