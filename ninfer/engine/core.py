@@ -70,6 +70,7 @@ class EngineCore:
         self._synced = [0] * config.max_concurrency
         self.last_step_seconds = 0.0
         self.last_runner_seconds = 0.0
+        self._class_device = {"decode": 0.0, "prefill": 0.0}  # the current step's programs (_count_classes)
         # A runner that pipelines decode gets the next step launched before this one is read
         # (``Scheduler.decode_ahead``), so the host's work between steps hides under the device's.
         self.pipelined = bool(info.pipelined_decode)
@@ -139,6 +140,7 @@ class EngineCore:
         for phase in ("engine_boundary", "program_submit", "program_post"):
             c.host_work[phase] += phases[phase]
         c.device_wait += device
+        self._count_classes(phases["engine_boundary"] + phases["program_submit"] + phases["program_post"], device)
         self.last_step_seconds = t3 - t0
         self.last_runner_seconds = device
         for seq in plan.decode:
@@ -148,6 +150,16 @@ class EngineCore:
         if plan.prompt is not None:
             self._expose(plan.prompt.seq, phases, device)
         return not plan.empty
+
+    def _count_classes(self, host: float, device: float) -> None:
+        """A step's work classes: its decode and prefill programs' Device wait as timed, and its Host
+        time in proportion to them (a step's scheduling and commits serve the programs it ran)."""
+        c = self.counters
+        for cls, seconds in self._class_device.items():
+            c.class_device[cls] += seconds
+            if device > 0:
+                c.class_host[cls] += host * seconds / device
+        self._class_device = {"decode": 0.0, "prefill": 0.0}
 
     @staticmethod
     def _expose(seq: Sequence, phases: dict[str, float], device: float) -> None:
@@ -205,12 +217,17 @@ class EngineCore:
                 sample=self._row(seq) if unit.sample else None)
             t = pc()
             result = runner.prefill(chunk)
-            device += pc() - t
+            spent = pc() - t
+            device += spent
+            if not unit.control:  # a prefill or replay chunk; forced control tokens are control work
+                self._class_device["prefill"] += spent
             unit.result = result.tokens
         if plan.decode or plan.launched is not None:
             t = pc()
             plan.decode_result = self._run_decode(plan)
-            device += pc() - t
+            spent = pc() - t
+            device += spent
+            self._class_device["decode"] += spent
         return device
 
     def _ahead_plan(self) -> Plan:
@@ -556,6 +573,14 @@ class EngineCore:
 
     # -- stats ----------------------------------------------------------------------------
 
+    def _work_classes(self) -> dict[str, dict[str, float]]:
+        """Host and Device-wait seconds by work class; control is what decode and prefill leave."""
+        c = self.counters
+        classes = {cls: {"host": c.class_host[cls], "device_wait": c.class_device[cls]} for cls in ("decode", "prefill")}
+        classes["control"] = {"host": max(0.0, sum(c.host_work.values()) - sum(c.class_host.values())),
+                              "device_wait": max(0.0, c.device_wait - sum(c.class_device.values()))}
+        return classes
+
     def snapshot(self, ready: bool) -> StatsSnapshot:
         c, s = self.counters, self.scheduler
         residents = [q for q in s.lanes if q is not None]
@@ -591,6 +616,7 @@ class EngineCore:
             context_transfer_bytes_total=dict(c.transfer_bytes),
             state_image_operations_total=dict(c.state_ops),
             host_work_seconds_total=dict(c.host_work), device_wait_seconds_total=c.device_wait,
+            work_class_seconds_total=self._work_classes(),
             stats_publication_seconds_total=c.stats_publication_seconds, stats_publications_total=c.stats_publications,
             requests_total=dict(c.requests), time_to_first_token_seconds=c.ttft.freeze(),
             request_duration_seconds=c.duration.freeze(), request_queue_seconds=c.queue.freeze(),

@@ -81,6 +81,10 @@ class Counters:
         self.state_ops = dict.fromkeys(STATE_OPERATIONS, 0)
         self.host_work = dict.fromkeys(HOST_PHASES, 0.0)
         self.device_wait = 0.0
+        # The decode and prefill programs' shares of Host and Device-wait time (work_class_seconds);
+        # control is the rest of each: context copies, control chunks, scheduling between steps.
+        self.class_host = {"decode": 0.0, "prefill": 0.0}
+        self.class_device = {"decode": 0.0, "prefill": 0.0}
         # Stats publication: a detail of the Host phase it runs in (commit output or maintenance).
         self.stats_publication_seconds = 0.0
         self.stats_publications = 0
@@ -151,6 +155,8 @@ class StatsSnapshot:
     state_image_operations_total: Mapping[str, int] = attrs.field(factory=dict)
     host_work_seconds_total: Mapping[str, float]
     device_wait_seconds_total: float
+    # {"decode" | "prefill" | "control": {"host": s, "device_wait": s}}: a partition of the two above.
+    work_class_seconds_total: Mapping[str, Mapping[str, float]] = attrs.field(factory=dict)
     stats_publication_seconds_total: float = 0.0  # inside host_work_seconds_total, not beside it
     stats_publications_total: int = 0
     requests_total: Mapping[str, int]
@@ -185,6 +191,9 @@ def throughput(prev: StatsSnapshot, cur: StatsSnapshot) -> dict:
         "replay_restores": cur.replay_restores_total - prev.replay_restores_total,
         "host_work_seconds": {**host, "total": host_total},
         "device_wait_seconds": cur.device_wait_seconds_total - prev.device_wait_seconds_total,
+        "work_class_seconds": {cls: {k: v - prev.work_class_seconds_total.get(cls, {}).get(k, 0.0)
+                                     for k, v in times.items()}
+                               for cls, times in cur.work_class_seconds_total.items()},
         "stats_publication_seconds": cur.stats_publication_seconds_total - prev.stats_publication_seconds_total,
         "stats_publications": cur.stats_publications_total - prev.stats_publications_total,
         "host_active_fraction": host_total / seconds,

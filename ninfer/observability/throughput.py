@@ -59,8 +59,7 @@ def record(t: dict) -> dict:
     out["host_work"] = {"elapsed_seconds": t["host_work_seconds"], "device_wait_seconds": t["device_wait_seconds"],
                         "per_round_seconds": t["host_seconds_per_round"],
                         "per_row_round_seconds": t["host_seconds_per_row_round"],
-                        # The Engine counts Host phases, not decode/prefill/control work classes.
-                        "work_class_seconds": None,
+                        "work_class_seconds": t["work_class_seconds"],
                         # Detail inside the phases above (never added to their total).
                         "detail_subset_seconds": {"stats_publication": t["stats_publication_seconds"]},
                         "detail_invocations": {"stats_publication": t["stats_publications"]}}

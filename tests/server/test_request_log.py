@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import httpx
+import pytest
 import trio
 
 from ninfer.artifact import open_artifact
@@ -132,6 +133,14 @@ async def test_throughput_uses_the_spec_names(start_server, tmp_path):
     phases = sum(t["host_work"]["elapsed_seconds"]["engine_commit_output"]
                  + t["host_work"]["elapsed_seconds"]["engine_maintenance"] for t in tp)
     assert published >= 1 and 0 < seconds <= phases
+    # The work classes partition the Host phases' total and the Device wait; this run decoded and prefilled.
+    for t in tp:
+        classes, work = t["host_work"]["work_class_seconds"], t["host_work"]
+        assert set(classes) == {"decode", "prefill", "control"}
+        assert sum(v["host"] for v in classes.values()) == pytest.approx(work["elapsed_seconds"]["total"], abs=1e-9)
+        assert sum(v["device_wait"] for v in classes.values()) == pytest.approx(work["device_wait_seconds"], abs=1e-9)
+    assert sum(t["host_work"]["work_class_seconds"]["decode"]["device_wait"] for t in tp) > 0
+    assert sum(t["host_work"]["work_class_seconds"]["prefill"]["device_wait"] for t in tp) > 0
 
 
 async def test_request_start_records_payload_acquisition_tokenizer_and_media(start_server, tmp_path):
