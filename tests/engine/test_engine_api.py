@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import trio
@@ -12,6 +13,7 @@ from ninfer.engine.errors import (ContextCostPresetsError, ContextLengthExceeded
                                   Overloaded, QueueTimeout, ThinkingBudgetCapacityInsufficient)
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.simulated import SimulatedRunner
+from ninfer.engine.worker import DELIVERY_INTERVAL
 
 GREEDY = SamplingOverrides(temperature=0.0)
 
@@ -156,11 +158,32 @@ async def test_stop_finishes_with_stop_string():
     assert engine.stats().generation_tokens_total == 2
 
 
+class HoldsAfter(SimulatedRunner):
+    """Decodes ``free`` steps, then blocks each one until the test opens the gate. The last free
+    step outlasts the worker's delivery interval, so the next step's delivery (which runs before
+    its decode) wakes the consumer with every token so far instead of coalescing them behind the
+    held decode."""
+
+    def __init__(self, free: int, **kw):
+        super().__init__(**kw)
+        self.free = free
+        self.gate = threading.Event()
+
+    def decode(self, batch):
+        self.free -= 1
+        if self.free == 0:
+            time.sleep(10 * DELIVERY_INTERVAL)
+        elif self.free < 0:
+            assert self.gate.wait(timeout=10)
+        return super().decode(batch)
+
+
 async def test_stop_keeps_the_tokens_up_to_the_match():
     # The text layer may match a stop inside a delta: the output ends where it says, not at the delta's end.
+    # The worker is held after four decode steps until the stop is posted, so the request cannot
+    # reach max_tokens first, however the two threads are scheduled.
     cfg = config(max_concurrency=1)
-    runner = GatedRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=1, max_context=256, vocab_size=256)
-    runner.gate.set()
+    runner = HoldsAfter(4, page_size=16, num_pages=cfg.kv_pages, max_batch=1, max_context=256, vocab_size=256)
     async with Engine.open(runner, cfg) as engine:
         with engine.reserve() as ticket:
             handle = ticket.submit(GenerationRequest(prompt=[5] * 8, max_tokens=200, sampling=GREEDY))
@@ -171,6 +194,7 @@ async def test_stop_keeps_the_tokens_up_to_the_match():
                     if len(received) >= 3 and not stopped:
                         handle.stop(len(received) - 1)
                         stopped = True
+                        runner.gate.set()
                 elif isinstance(event, Finished):
                     finished = event
     assert (finished.reason, finished.detail) == ("stop", "stop_string")
