@@ -21,7 +21,7 @@ from ninfer.engine.pools import HostBudget, KVPool, StateSlots
 from ninfer.engine.prefix_cache import PrefixCache
 from ninfer.engine.scheduler import Plan, Scheduler
 from ninfer.engine.sequence import Phase, Sequence
-from ninfer.engine.stats import Counters, StatsSnapshot
+from ninfer.engine.stats import PROGRAM_CLASSES, Counters, StatsSnapshot
 
 
 class EngineCore:
@@ -70,7 +70,7 @@ class EngineCore:
         self._synced = [0] * config.max_concurrency
         self.last_step_seconds = 0.0
         self.last_runner_seconds = 0.0
-        self._class_device = {"decode": 0.0, "prefill": 0.0}  # the current step's programs (_count_classes)
+        self._class_device = dict.fromkeys(PROGRAM_CLASSES, 0.0)  # the current step's programs (_count_classes)
         # A runner that pipelines decode gets the next step launched before this one is read
         # (``Scheduler.decode_ahead``), so the host's work between steps hides under the device's.
         self.pipelined = bool(info.pipelined_decode)
@@ -159,7 +159,7 @@ class EngineCore:
             c.class_device[cls] += seconds
             if device > 0:
                 c.class_host[cls] += host * seconds / device
-        self._class_device = {"decode": 0.0, "prefill": 0.0}
+        self._class_device = dict.fromkeys(PROGRAM_CLASSES, 0.0)
 
     @staticmethod
     def _expose(seq: Sequence, phases: dict[str, float], device: float) -> None:
@@ -576,7 +576,7 @@ class EngineCore:
     def _work_classes(self) -> dict[str, dict[str, float]]:
         """Host and Device-wait seconds by work class; control is what decode and prefill leave."""
         c = self.counters
-        classes = {cls: {"host": c.class_host[cls], "device_wait": c.class_device[cls]} for cls in ("decode", "prefill")}
+        classes = {cls: {"host": c.class_host[cls], "device_wait": c.class_device[cls]} for cls in PROGRAM_CLASSES}
         classes["control"] = {"host": max(0.0, sum(c.host_work.values()) - sum(c.class_host.values())),
                               "device_wait": max(0.0, c.device_wait - sum(c.class_device.values()))}
         return classes

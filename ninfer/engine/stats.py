@@ -16,6 +16,8 @@ import attrs
 TRANSFERS = tuple((resource, direction) for resource in ("main_kv", "state")
                   for direction in ("device_to_host", "host_to_device", "device_to_device"))
 STATE_OPERATIONS = ("capture", "reuse", "snapshot", "restore", "spill", "restore_from_host")
+# The work classes timed directly (throughput work_class_seconds); control is what they leave.
+PROGRAM_CLASSES = ("decode", "prefill")
 HOST_PHASES = ("engine_boundary", "program_submit", "program_post", "engine_commit_output", "engine_maintenance")
 # Prometheus-style upper bounds in seconds (the +Inf bucket is implied by ``count``).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -83,8 +85,8 @@ class Counters:
         self.device_wait = 0.0
         # The decode and prefill programs' shares of Host and Device-wait time (work_class_seconds);
         # control is the rest of each: context copies, control chunks, scheduling between steps.
-        self.class_host = {"decode": 0.0, "prefill": 0.0}
-        self.class_device = {"decode": 0.0, "prefill": 0.0}
+        self.class_host = dict.fromkeys(PROGRAM_CLASSES, 0.0)
+        self.class_device = dict.fromkeys(PROGRAM_CLASSES, 0.0)
         # Stats publication: a detail of the Host phase it runs in (commit output or maintenance).
         self.stats_publication_seconds = 0.0
         self.stats_publications = 0
