@@ -12,46 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+import kernel_sim  # noqa: E402
+
+kernel_sim.install()  # shuffles and the rest the simulator lacks, before numba_kernels is imported
 
 from numba import cuda  # noqa: E402
 
-from numba.cuda.simulator import kernelapi  # noqa: E402
-
 from ninfer.backends.reference import deltanet as ref  # noqa: E402
 from numba_kernels import deltanet as kern  # noqa: E402
-
-
-def _shfl_xor_sync(self, mask, value, offset):
-    """The simulator (numba-cuda 0.30) has no shuffles. This one posts the value under the thread's
-    count of shuffles so far and waits for its partner's post of the same count (keys never repeat:
-    no second barrier), so partners must shuffle the same number of times, as a full-mask warp
-    shuffle asks: the kernels here do (their shuffles sit in block-uniform loops)."""
-    thread = threading.current_thread()
-    board = thread._manager.__dict__.setdefault("shuffle_board", {})  # a manager runs one block
-    call = thread.__dict__.get("shuffles", 0)
-    thread.shuffles = call + 1
-    board[call, thread.thread_id] = value
-    key = (call, thread.thread_id ^ offset)
-    while key not in board:
-        if thread.abort:
-            raise RuntimeError("abort flag set while waiting on a shuffle")
-        time.sleep(0)  # hand the GIL over
-    return board[key]
-
-
-if not hasattr(kernelapi.FakeCUDAModule, "shfl_xor_sync"):
-    kernelapi.FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -128,7 +104,6 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    sys.setswitchinterval(5e-5)  # simulated threads wait on each other often: hand the GIL over sooner
     print(json.dumps(run(args.d, args.n_k, args.n_v, args.rows, args.seqs, args.seed)))
 
 

@@ -1,0 +1,486 @@
+"""Numba's CUDA simulator, completed for NInfer's kernels, so that they run on the CPU.
+
+The simulator (numba-cuda, ``NUMBA_ENABLE_CUDASIM=1``) runs a kernel's Python function with every
+thread of a block as a Python thread, but it has no warp shuffles, no ``syncwarp``, libdevice
+functions that return None, and no way to run our ``@intrinsic`` functions (inline PTX). ``install()``
+adds them, before any ``numba_kernels`` module is imported:
+
+- warp collectives (shuffles, votes, ``syncwarp``, ``redux.sync``, ``mma.sync``, ``movmatrix``): each
+  lane posts its operands under its count of collectives so far; the last lane of the warp to post
+  computes every lane's result. A lane that never arrives (a collective in divergent code, which the
+  hardware does not allow either) fails the kernel after ``COLLECTIVE_TIMEOUT_S``;
+- each intrinsic is replaced at its definition (``numba.cuda.extending.intrinsic`` is swapped for a
+  decorator that looks the function up by its qualified name in ``_SIMULATED``), so the kernels that
+  ``numba_kernels`` builds at import already call the Python versions; ones without a version raise
+  when called (wgmma, mbarriers, shared-memory addresses: not simulated);
+- ``mma_bf16_16816`` multiplies the bf16 fragments exactly and adds in float64, rounding once to
+  float32 (the tensor core's fp32 accumulation differs in the last bits: compare with tolerances,
+  or bit for bit only between two simulated runs).
+
+Blocks run one after another, so a grid's ticket (``last_to_finish``) sees every other block done.
+Tests import this module only in subprocesses that set ``NUMBA_ENABLE_CUDASIM=1`` before numba.cuda
+is first imported (tests/sim_kernels.py); the pytest process never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "import with NUMBA_ENABLE_CUDASIM=1"
+assert "numba_kernels.common" not in sys.modules, "install() must run before numba_kernels is imported"
+
+import numba.cuda.extending as _extending  # noqa: E402
+from numba.cuda import libdevice as _libdevice  # noqa: E402
+from numba.cuda.simulator import kernelapi as _kernelapi  # noqa: E402
+
+COLLECTIVE_TIMEOUT_S = 120.0
+POLL_S = 2e-4  # between a block's sweeps over its threads (barriers, exceptions, the end)
+_LOCK = threading.Lock()
+
+
+# -- warp collectives -------------------------------------------------------------------------------
+
+class _Warp:
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self.cond = threading.Condition()
+        self.rounds: dict[int, dict] = {}
+
+
+def _warp_of(thread) -> _Warp:
+    manager = thread._manager
+    with _LOCK:
+        warps = manager.__dict__.setdefault("sim_warps", {})
+        warp = thread.thread_id >> 5
+        if warp not in warps:
+            threads = int(np.prod(manager._block_dim))
+            warps[warp] = _Warp(min(32, threads - 32 * warp))
+        return warps[warp]
+
+
+def collective(value, combine):
+    """Post ``value`` for the calling thread's warp; ``combine(values)`` (one per lane, lane order) runs
+    once, on the last lane to post, and returns each lane's result; returns this lane's."""
+    thread = threading.current_thread()
+    warp = _warp_of(thread)
+    count = thread.__dict__.get("sim_collectives", 0)
+    thread.sim_collectives = count + 1
+    lane = thread.thread_id & 31
+    with warp.cond:
+        round_ = warp.rounds.setdefault(count, {"values": [None] * warp.lanes, "posted": 0, "taken": 0})
+        round_["values"][lane] = value
+        round_["posted"] += 1
+        if round_["posted"] == warp.lanes:
+            round_["results"] = combine(round_["values"])
+            warp.cond.notify_all()
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while "results" not in round_:
+            if thread.abort:
+                raise RuntimeError("abort flag set while waiting on a warp collective")
+            if time.monotonic() > deadline:
+                missing = [i for i, v in enumerate(round_["values"]) if v is None]
+                raise RuntimeError(f"warp collective {count}: lanes {missing} never arrived (divergent code?)")
+            warp.cond.wait(timeout=0.5)
+        result = round_["results"][lane]
+        round_["taken"] += 1
+        if round_["taken"] == warp.lanes:
+            del warp.rounds[count]
+    return result
+
+
+def _shuffle(source):
+    """A shuffle whose lane ``l`` reads lane ``source(l, arg)`` (out of range: its own value)."""
+    def shfl(self, mask, value, arg):
+        def combine(posted):
+            n = len(posted)
+            out = []
+            for lane, (_, a) in enumerate(posted):
+                src = source(lane, a)
+                out.append(posted[src][0] if 0 <= src < n else posted[lane][0])
+            return out
+        return collective((value, arg), combine)
+    return shfl
+
+
+def _syncwarp(self, mask=0xFFFFFFFF):
+    collective(None, lambda posted: [None] * len(posted))
+
+
+def _vote(reduce):
+    def vote(self, mask, predicate):
+        return collective(bool(predicate), lambda posted: [reduce(posted)] * len(posted))
+    return vote
+
+
+def _ballot(posted):
+    return np.uint32(sum(1 << i for i, p in enumerate(posted) if p))
+
+
+def _install_warp_functions() -> None:
+    fake = _kernelapi.FakeCUDAModule
+    fake.shfl_xor_sync = _shuffle(lambda lane, offset: lane ^ int(offset))
+    fake.shfl_sync = _shuffle(lambda lane, src: int(src) & 31)
+    fake.shfl_up_sync = _shuffle(lambda lane, delta: lane - int(delta))
+    fake.shfl_down_sync = _shuffle(lambda lane, delta: lane + int(delta))
+    fake.syncwarp = _syncwarp
+    fake.any_sync = _vote(any)
+    fake.all_sync = _vote(all)
+    fake.ballot_sync = _vote(_ballot)
+
+    _kernelapi.FakeCUDAShared.array = _shared_array
+    _kernelapi.FakeCUDALocal.array = _local_array
+
+
+def _numpy_dtype(dtype):
+    from numba import types
+    from numba.np import numpy_support
+
+    return numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """The simulator's shared arrays, taking ``alignment`` (which it refuses; NumPy aligns anyway): one
+    array a (file, line) of the call, shared by the launch's threads; shape 0 is the dynamic memory."""
+    dtype = _numpy_dtype(dtype)
+    if shape == 0:
+        return np.frombuffer(self._dynshared.data, dtype=dtype, count=self._dynshared_size // dtype.itemsize)
+    caller = sys._getframe(1)
+    key = (caller.f_code.co_filename, caller.f_lineno)
+    with _LOCK:
+        if key not in self._allocations:
+            self._allocations[key] = np.empty(shape, dtype)
+        return self._allocations[key]
+
+
+def _local_array(self, shape, dtype, alignment=None):
+    return np.empty(shape, _numpy_dtype(dtype))
+
+
+# -- bit patterns ------------------------------------------------------------------------------------
+
+def _f32(value) -> np.float32:
+    return np.float32(value)
+
+
+def int_as_float(value):
+    return np.array([int(value) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
+
+
+def float_as_int(value):
+    return np.array([value], np.float32).view(np.int32)[0]
+
+
+def bf16_bits(value) -> int:
+    """float32 -> bf16 bits, round to nearest even (``cvt.rn.bf16``; NaN stays NaN)."""
+    bits = int(np.array([value], np.float32).view(np.uint32)[0])
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x007FFFFF:
+        return (bits >> 16) | 0x40
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _bf16_pair(word) -> tuple[float, float]:
+    word = int(word) & 0xFFFFFFFF
+    return float(int_as_float((word & 0xFFFF) << 16)), float(int_as_float(word & 0xFFFF0000))
+
+
+# -- tensor cores ------------------------------------------------------------------------------------
+
+def _mma_combine(posted):
+    """D = A @ B + C of ``mma.m16n8k16.row.col.f32.bf16.bf16.f32`` from the lanes' fragments (the
+    layout in numba_kernels/mma.py); products exact, the sum in float64, rounded once to float32."""
+    a = np.zeros((16, 16))
+    b = np.zeros((16, 8))
+    c = np.zeros((16, 8))
+    for lane, (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) in enumerate(posted):
+        g, t = lane >> 2, lane & 3
+        a[g, 2 * t: 2 * t + 2] = _bf16_pair(a0)
+        a[g + 8, 2 * t: 2 * t + 2] = _bf16_pair(a1)
+        a[g, 2 * t + 8: 2 * t + 10] = _bf16_pair(a2)
+        a[g + 8, 2 * t + 8: 2 * t + 10] = _bf16_pair(a3)
+        b[2 * t: 2 * t + 2, g] = _bf16_pair(b0)
+        b[2 * t + 8: 2 * t + 10, g] = _bf16_pair(b1)
+        c[g, 2 * t: 2 * t + 2] = (c0, c1)
+        c[g + 8, 2 * t: 2 * t + 2] = (c2, c3)
+    d = (a @ b + c).astype(np.float32)
+    return [(d[lane >> 2, 2 * (lane & 3)], d[lane >> 2, 2 * (lane & 3) + 1],
+             d[(lane >> 2) + 8, 2 * (lane & 3)], d[(lane >> 2) + 8, 2 * (lane & 3) + 1]) for lane in range(32)]
+
+
+def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return collective((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _mma_combine)
+
+
+def pack_bf16x2(lo, hi):
+    return np.uint32(bf16_bits(lo) | (bf16_bits(hi) << 16))
+
+
+def _movmatrix_combine(posted):
+    """The 8x8 b16 matrix transposed: lane (g, t) holds row g, columns 2t (low half) and 2t + 1."""
+    m = np.zeros((8, 8), np.int64)
+    for lane, word in enumerate(posted):
+        g, t = lane >> 2, lane & 3
+        m[g, 2 * t], m[g, 2 * t + 1] = int(word) & 0xFFFF, (int(word) >> 16) & 0xFFFF
+    m = m.T
+    return [np.uint32(m[lane >> 2, 2 * (lane & 3)] | (m[lane >> 2, 2 * (lane & 3) + 1] << 16)) for lane in range(32)]
+
+
+def movmatrix_trans(word):
+    return collective(word, _movmatrix_combine)
+
+
+# -- the intrinsics, by qualified name ---------------------------------------------------------------
+
+def _elements(ptr, index, dtype, count: int) -> np.ndarray:
+    """``count`` elements of ``dtype`` from the pointer's element ``index`` on: the bytes there, as a
+    vector load reinterprets them (a bf16 pointer read as uint32 words, say)."""
+    array = ptr.a if isinstance(ptr, Pointer) else np.asarray(ptr._item._ary)  # a Pointer, or a kernel's array
+    start = int(index) * array.itemsize
+    return array.reshape(-1).view(np.uint8)[start: start + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def _vector_load(env):
+    from numba.np import numpy_support
+
+    count, dtype = env["count"], numpy_support.as_dtype(env["result_type"])
+    return lambda ptr, index: tuple(_elements(ptr, index, dtype, count))
+
+
+def _redux(env):
+    reduce = {"max": max, "min": min}[env["op"]]
+    return lambda value: collective(int(value), lambda posted: [np.int32(reduce(posted))] * len(posted))
+
+
+def _statement(env):
+    asm = env["asm"]
+    if asm.startswith(("griddepcontrol.", "cp.async.commit_group", "cp.async.wait")):
+        return lambda: None  # launches run in order and copies complete at once here
+    return _missing(f"asm_statement({asm!r})")
+
+
+def _store_u32x4(ptr, index, a, b, c, d):
+    _elements(ptr, index, np.uint32, 4)[:] = (a, b, c, d)
+
+
+def _atomic_add_i32(ptr, index, value):
+    with _LOCK:
+        old = np.int32(ptr[index])
+        ptr[index] = np.int32(old + value)
+    return old
+
+
+def _exp2_approx(x):
+    return np.float32(np.exp2(np.float32(x)))
+
+
+def _missing(name):
+    def missing(*args):
+        raise NotImplementedError(f"{name} has no simulator version (tests/kernel_sim.py)")
+    return missing
+
+
+_SIMULATED = {
+    "_vector_load.<locals>.load": _vector_load,
+    "_warp_redux.<locals>.redux": _redux,
+    "asm_statement.<locals>.statement": _statement,
+    "store_u32x4": lambda env: _store_u32x4,
+    "atomic_add_i32": lambda env: _atomic_add_i32,
+    "prefetch_l2": lambda env: (lambda ptr, index, nbytes: None),
+    "global_timer": lambda env: (lambda: np.uint64(time.monotonic_ns())),
+    "load_weights_u64x2": lambda env: (lambda ptr, index: tuple(_elements(ptr, index, np.uint64, 2))),
+    "mma_bf16_16816": lambda env: mma_bf16_16816,
+    "pack_bf16x2": lambda env: pack_bf16x2,
+    "movmatrix_trans": lambda env: movmatrix_trans,
+    "exp2_approx": lambda env: _exp2_approx,
+}
+
+
+def _simulated_intrinsic(fn):
+    """Stands in for ``numba.cuda.extending.intrinsic``: the Python version of ``fn``'s instruction,
+    built from its closure (a factory's parameters, such as a vector load's element count)."""
+    closure = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
+    make = _SIMULATED.get(fn.__qualname__)
+    return make(closure) if make else _missing(fn.__qualname__)
+
+
+def _run_block(self, grid_point, *args):
+    """The simulator's ``BlockManager.run``, polling its threads with a pause between sweeps: its own
+    loop never sleeps, so it held the GIL against the threads it waits for (most of a launch's time
+    once warps wait on each other in collectives)."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    threads = []
+    for block_point in np.ndindex(*self._block_dim):
+        thread = BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)
+        thread.start()
+        threads.append(thread)
+    live = threads
+    while live:
+        for thread in live:
+            if thread.exception:
+                for other in threads:  # abort the block, as the simulator does
+                    other.abort = True
+                    other.syncthreads_blocked = False
+                    other.syncthreads_event.set()
+                raise thread.exception[0].with_traceback(thread.exception[1])
+        live = [thread for thread in live if thread.is_alive()]
+        if live and all(thread.syncthreads_blocked for thread in live):  # a block barrier: release it
+            for thread in live:
+                thread.syncthreads_blocked = False
+                thread.syncthreads_event.set()
+        time.sleep(POLL_S)
+    for thread in threads:
+        if thread.exception:
+            raise thread.exception[0].with_traceback(thread.exception[1])
+
+
+def install() -> None:
+    from numba.cuda.simulator.kernel import BlockManager
+
+    BlockManager.run = _run_block
+    _install_warp_functions()
+    _extending.intrinsic = _simulated_intrinsic
+    _libdevice.int_as_float = int_as_float
+    _libdevice.float_as_int = float_as_int
+
+
+# -- a device over NumPy memory -----------------------------------------------------------------------
+
+class Pointer:
+    """A kernel's pointer argument: a typed view of the simulated memory from its address on. Not an
+    ndarray, so the simulator passes it through instead of copying it in and back out (views of one
+    memory copied separately would overwrite each other's writes)."""
+
+    __slots__ = ("a",)
+
+    def __init__(self, view: np.ndarray):
+        self.a = view
+
+    def __getitem__(self, index):
+        if index < 0:
+            raise IndexError(f"pointer index {index} < 0")
+        return self.a[index]
+
+    def __setitem__(self, index, value):
+        if index < 0:
+            raise IndexError(f"pointer index {index} < 0")
+        self.a[index] = value
+
+
+class SimDevice:
+    """Device memory as one NumPy byte array; addresses start at 2^32, as tests/fake_cuda.py's do."""
+
+    BASE = 1 << 32
+    sm_count = 132
+
+    def __init__(self, nbytes: int = 64 << 20):
+        self.memory = np.zeros(nbytes, np.uint8)
+        self.used = 0
+
+    def alloc(self, nbytes: int, label: str = ""):
+        from ninfer.backends.cuda import runtime as rt
+
+        offset = -(-self.used // 256) * 256
+        if offset + nbytes > self.memory.size:
+            raise MemoryError(f"simulated device: {label} needs {nbytes} bytes, {self.memory.size - offset} free")
+        self.used = offset + max(nbytes, 1)
+        return rt.DevicePtr(self.BASE + offset, nbytes, label)
+
+    def free(self, ptr) -> None:
+        pass
+
+    def bytes(self, ptr) -> np.ndarray:
+        offset = ptr.addr - self.BASE
+        return self.memory[offset: offset + ptr.nbytes]
+
+    def view(self, addr: int, dtype) -> np.ndarray:
+        offset = addr - self.BASE
+        itemsize = np.dtype(dtype).itemsize
+        end = offset + (self.memory.size - offset) // itemsize * itemsize
+        return self.memory[offset:end].view(dtype)
+
+
+def _argument(device: SimDevice, kind, value):
+    from numba import types
+    from numba.np import numpy_support
+
+    if isinstance(kind, types.CPointer):
+        return Pointer(device.view(value.addr, numpy_support.as_dtype(kind.dtype)))
+    return numpy_support.as_dtype(kind).type(value)
+
+
+class SimKernels:
+    """``rt.Kernels`` over the simulator: ``kernels[name].launch(grid, block, args, stream)`` checks the
+    arguments against ptx/manifest.json and runs the kernel's Python function in the simulator."""
+
+    def __init__(self, device: SimDevice):
+        import json
+
+        from ninfer.backends.cuda import runtime as rt
+        from numba_kernels.build import kernel_table
+
+        self.device = device
+        self.overlap = rt.Overlap()
+        self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
+        self.table = kernel_table()
+        self._kernels = {}
+        self.launches = []
+
+    def __getitem__(self, name: str):
+        if name not in self._kernels:
+            self._kernels[name] = _sim_kernel(self, name)
+        return self._kernels[name]
+
+
+def _sim_kernel(kernels: SimKernels, name: str):
+    from numba import cuda
+
+    from ninfer.backends.cuda import runtime as rt
+
+    class SimKernel(rt.Kernel):
+        def launch(self, grid, block, args, stream, shared=None):
+            shared = self.meta.get("shared", 0) if shared is None else shared
+            self.pack(args)  # the manifest's argument count and types
+            values = [_argument(kernels.device, kind, value) for kind, value in zip(signature, args)]
+            kernels.launches.append(name)
+            jitted[tuple(grid), tuple(block), 0, shared](*values)
+
+    function, signature = kernels.table[name][:2]
+    jitted = cuda.jit(function)
+    return SimKernel(name, None, kernels.entries[name]["params"], kernels.entries[name].get("meta"),
+                     kernels.overlap)
+
+
+class SimGpu:
+    """tests/cuda/cuda_helpers.Gpu's calls over the simulated device (``stream`` is unused)."""
+
+    def __init__(self, nbytes: int = 64 << 20):
+        self.device = SimDevice(nbytes)
+        self.kernels = SimKernels(self.device)
+        self.stream = None
+
+    def put(self, array: np.ndarray, label: str = "test"):
+        array = np.ascontiguousarray(array)
+        ptr = self.device.alloc(array.nbytes, label)
+        self.device.bytes(ptr)[:] = array.view(np.uint8).ravel()
+        return ptr
+
+    def empty(self, nbytes: int, poison: int = 0x7FC00001):
+        """Filled with a NaN pattern so unwritten outputs show up."""
+        ptr = self.device.alloc(nbytes, "out")
+        self.memset32(ptr, poison)
+        return ptr
+
+    def memset32(self, ptr, value: int) -> None:
+        self.device.bytes(ptr)[: ptr.nbytes // 4 * 4].view(np.uint32)[:] = value & 0xFFFFFFFF
+
+    def get(self, ptr, dtype, shape) -> np.ndarray:
+        count = int(np.prod(shape))
+        return self.device.view(ptr.addr, dtype)[:count].reshape(shape).copy()
+
+    def launch(self, name, grid, block, args):
+        self.kernels[name].launch(grid, block, args, self.stream)

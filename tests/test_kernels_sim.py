@@ -1,0 +1,65 @@
+"""The decode kernels written while no GPU was lent, run on the CPU in Numba's CUDA simulator.
+
+tests/kernel_sim.py completes the simulator (warp shuffles, ``mma.sync`` and our other intrinsics)
+and tests/sim_kernels.py runs each case; the simulator must be on before numba.cuda is first
+imported, so each case is a subprocess and this process never imports numba.cuda. What the GPU
+suite checks on the device (tests/cuda/test_cuda_kernels.py, test_cuda_moe.py) these check in the
+simulator: the tensor-core GEMVs against NumPy, the chained norm against the normed kernels, and the
+folded MoE launches bit for bit against the separate ones. Speed is the GPU's question.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+
+SCRIPT = Path(__file__).resolve().parent / "sim_kernels.py"
+TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums in float64
+
+
+def simulate(case: str, rows: int) -> dict:
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    run = subprocess.run([sys.executable, str(SCRIPT), case, "--rows", str(rows)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_tensor_core_gemvs_match_numpy(rows):
+    result = simulate("gemv", rows)
+    assert len(result) == 5
+    for name, err in result.items():
+        assert err < TOL, (name, err)
+
+
+@pytest.mark.parametrize("rows", [3, 8])
+def test_chained_norm_matches_the_normed_kernels(rows):
+    """The residual GEMV's next-norm input is ``y * norm_w`` exactly, its partial sums add up to each
+    row's sum of squares, and every consumer shape agrees with the normed kernel it replaces."""
+    result = simulate("chain", rows)
+    assert result["xn"] == 0.0
+    consumers = [name for name in result if name.startswith("mma_gemv_normin") and "vs" not in name]
+    assert len(consumers) == 3
+    for name, err in result.items():
+        assert err < TOL, (name, err)
+
+
+@pytest.mark.parametrize("rows", [3, 8])
+def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
+    """``CudaMoe.fold_route`` / ``fold_combine`` and the ``hold`` grouped GEMMs: the MoE added into the
+    residual stream, the normalised rows and the picks equal the five-launch path's, launch after
+    launch (the tickets reset themselves), in three launches with both folds."""
+    result = simulate("moe", rows)
+    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3]
+    assert result["held_launched"]
+    assert all(result["identical"]), result["identical"]
+    assert result["tickets_zero"]
+    assert result["normed"] < TOL and result["moe"] < TOL, result
