@@ -11,15 +11,17 @@ adds them, before any ``numba_kernels`` module is imported:
   hardware does not allow either) fails the kernel after ``COLLECTIVE_TIMEOUT_S``;
 - each intrinsic is replaced at its definition (``numba.cuda.extending.intrinsic`` is swapped for a
   decorator that looks the function up by its qualified name in ``_SIMULATED``), so the kernels that
-  ``numba_kernels`` builds at import already call the Python versions; ones without a version raise
-  when called (wgmma, mbarriers, shared-memory addresses: not simulated);
+  ``numba_kernels`` builds at import already call the Python versions; ones without a version
+  (wgmma, mbarriers, ``ldmatrix``) raise when called;
 - ``mma_bf16_16816`` multiplies the bf16 fragments exactly and adds in float64, rounding once to
   float32 (the tensor core's fp32 accumulation differs in the last bits: compare with tolerances,
   or bit for bit only between two simulated runs).
 
-Blocks run one after another, so a grid's ticket (``last_to_finish``) sees every other block done.
-Tests import this module only in subprocesses that set ``NUMBA_ENABLE_CUDASIM=1`` before numba.cuda
-is first imported (tests/sim_kernels.py); the pytest process never imports it.
+Blocks run one after another, so a grid's ticket (``last_to_finish``) sees every other block done
+(and a kernel that spins on another block's progress would hang). ``SimGpu`` / ``SimKernels`` /
+``patch_runtime`` put a device over NumPy memory under the runtime, so host code launches into the
+simulator unchanged. Tests import this module only in subprocesses that set ``NUMBA_ENABLE_CUDASIM=1``
+before numba.cuda is first imported (tests/sim_kernels.py); the pytest process never imports it.
 """
 
 from __future__ import annotations
@@ -235,12 +237,60 @@ def movmatrix_trans(word):
 
 # -- the intrinsics, by qualified name ---------------------------------------------------------------
 
+def _array(ptr) -> np.ndarray:
+    """The NumPy array behind a kernel argument: a Pointer's view, a shared array, or a kernel's array."""
+    if isinstance(ptr, Pointer):
+        return ptr.a
+    return ptr if isinstance(ptr, np.ndarray) else np.asarray(ptr._item._ary)
+
+
 def _elements(ptr, index, dtype, count: int) -> np.ndarray:
     """``count`` elements of ``dtype`` from the pointer's element ``index`` on: the bytes there, as a
     vector load reinterprets them (a bf16 pointer read as uint32 words, say)."""
-    array = ptr.a if isinstance(ptr, Pointer) else np.asarray(ptr._item._ary)  # a Pointer, or a kernel's array
+    array = _array(ptr)
     start = int(index) * array.itemsize
     return array.reshape(-1).view(np.uint8)[start: start + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+# -- shared-memory byte addresses and asynchronous copies ----------------------------------------------
+# ``shared_address`` gives each shared array a 32-bit base of its own (1 MiB apart); the shared loads,
+# stores and ``cp.async`` find the array again from an address. Copies complete at once, so the
+# commit / wait statements have nothing to do.
+
+_SHARED: list[np.ndarray] = []  # byte views; address (i + 1) << 20 is the first byte of _SHARED[i]
+_DEVICE: list = []  # the SimDevice that global addresses point into
+
+
+def _shared_address(array) -> np.uint32:
+    raw = _array(array).reshape(-1).view(np.uint8)
+    with _LOCK:
+        for i, known in enumerate(_SHARED):
+            if known.ctypes.data == raw.ctypes.data:
+                return np.uint32((i + 1) << 20)
+        _SHARED.append(raw)
+        return np.uint32(len(_SHARED) << 20)
+
+
+def _shared_bytes(address, nbytes: int) -> np.ndarray:
+    address = int(address)
+    raw = _SHARED[(address >> 20) - 1]
+    offset = address & 0xFFFFF
+    if offset + nbytes > raw.size:
+        raise IndexError(f"shared address 0x{address:x} + {nbytes} past its array ({raw.size} bytes)")
+    return raw[offset: offset + nbytes]
+
+
+def _copy_async_16(dst, dst_index, src, src_index):
+    _elements(dst, dst_index, np.uint8, 16)[:] = _elements(src, src_index, np.uint8, 16)
+
+
+def _cp_async16(address, source, size):
+    data = _DEVICE[-1].memory[int(source) - SimDevice.BASE:][:16] if int(size) else np.zeros(16, np.uint8)
+    _shared_bytes(address, 16)[:] = data
+
+
+def _sts(address, *words):
+    _shared_bytes(address, 4 * len(words)).view(np.uint32)[:] = words
 
 
 def _vector_load(env):
@@ -277,6 +327,12 @@ def _exp2_approx(x):
     return np.float32(np.exp2(np.float32(x)))
 
 
+def _shared_load_x4(env):
+    if not env["text"].startswith("ld.shared.v4.u32"):
+        return _missing(env["text"].split()[0])  # ldmatrix: not simulated
+    return lambda address: tuple(_shared_bytes(address, 16).view(np.uint32))
+
+
 def _missing(name):
     def missing(*args):
         raise NotImplementedError(f"{name} has no simulator version (tests/kernel_sim.py)")
@@ -291,6 +347,14 @@ _SIMULATED = {
     "atomic_add_i32": lambda env: _atomic_add_i32,
     "prefetch_l2": lambda env: (lambda ptr, index, nbytes: None),
     "global_timer": lambda env: (lambda: np.uint64(time.monotonic_ns())),
+    "copy_async_16": lambda env: _copy_async_16,
+    "shared_address": lambda env: _shared_address,
+    "global_address": lambda env: (lambda ptr: np.uint64(ptr.addr)),
+    "shared_load_x4.<locals>.load": _shared_load_x4,
+    "lds_u32": lambda env: (lambda address: _shared_bytes(address, 4).view(np.uint32)[0]),
+    "sts_u32": lambda env: _sts,
+    "sts_u32x4": lambda env: _sts,
+    "cp_async16": lambda env: _cp_async16,
     "load_weights_u64x2": lambda env: (lambda ptr, index: tuple(_elements(ptr, index, np.uint64, 2))),
     "mma_bf16_16816": lambda env: mma_bf16_16816,
     "pack_bf16x2": lambda env: pack_bf16x2,
@@ -355,10 +419,11 @@ class Pointer:
     ndarray, so the simulator passes it through instead of copying it in and back out (views of one
     memory copied separately would overwrite each other's writes)."""
 
-    __slots__ = ("a",)
+    __slots__ = ("a", "addr")
 
-    def __init__(self, view: np.ndarray):
+    def __init__(self, view: np.ndarray, addr: int):
         self.a = view
+        self.addr = addr
 
     def __getitem__(self, index):
         if index < 0:
@@ -380,6 +445,7 @@ class SimDevice:
     def __init__(self, nbytes: int = 64 << 20):
         self.memory = np.zeros(nbytes, np.uint8)
         self.used = 0
+        _DEVICE.append(self)
 
     def alloc(self, nbytes: int, label: str = ""):
         from ninfer.backends.cuda import runtime as rt
@@ -392,6 +458,9 @@ class SimDevice:
 
     def free(self, ptr) -> None:
         pass
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, np.uint8)
 
     def bytes(self, ptr) -> np.ndarray:
         offset = ptr.addr - self.BASE
@@ -409,13 +478,18 @@ def _argument(device: SimDevice, kind, value):
     from numba.np import numpy_support
 
     if isinstance(kind, types.CPointer):
-        return Pointer(device.view(value.addr, numpy_support.as_dtype(kind.dtype)))
+        return Pointer(device.view(value.addr, numpy_support.as_dtype(kind.dtype)), value.addr)
     return numpy_support.as_dtype(kind).type(value)
 
 
 class SimKernels:
     """``rt.Kernels`` over the simulator: ``kernels[name].launch(grid, block, args, stream)`` checks the
     arguments against ptx/manifest.json and runs the kernel's Python function in the simulator."""
+
+    from ninfer.backends.cuda.runtime import Kernels as _Kernels
+
+    overlapped = _Kernels.overlapped  # launches run one after another here: overlapping changes nothing
+    del _Kernels
 
     def __init__(self, device: SimDevice):
         import json
@@ -428,7 +502,8 @@ class SimKernels:
         self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
         self.table = kernel_table()
         self._kernels = {}
-        self.launches = []
+        self.launches = []  # kernel names, in launch order
+        self.seconds = {}  # simulated seconds by kernel name
 
     def __getitem__(self, name: str):
         if name not in self._kernels:
@@ -447,12 +522,35 @@ def _sim_kernel(kernels: SimKernels, name: str):
             self.pack(args)  # the manifest's argument count and types
             values = [_argument(kernels.device, kind, value) for kind, value in zip(signature, args)]
             kernels.launches.append(name)
+            _SHARED.clear()  # each launch has shared memory of its own
+            start = time.perf_counter()
             jitted[tuple(grid), tuple(block), 0, shared](*values)
+            kernels.seconds[name] = kernels.seconds.get(name, 0.0) + time.perf_counter() - start
 
     function, signature = kernels.table[name][:2]
     jitted = cuda.jit(function)
     return SimKernel(name, None, kernels.entries[name]["params"], kernels.entries[name].get("meta"),
                      kernels.overlap)
+
+
+def patch_runtime(device: SimDevice) -> None:
+    """Point the runtime's copies, memsets and waits at ``device`` (host code such as StepBuffers.init
+    calls them directly): this process then has no real device."""
+    from ninfer.backends.cuda import runtime as rt
+
+    def copy_h2d(dst, src, stream=None):
+        raw = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+        device.bytes(dst)[: raw.size] = raw
+
+    def copy_d2h(dst, src, stream=None):
+        raw = dst.reshape(-1).view(np.uint8)
+        raw[:] = device.bytes(src)[: raw.size]
+
+    def memset32(dst, value, count, stream=None):
+        device.bytes(dst)[: 4 * count].view(np.uint32)[:] = value & 0xFFFFFFFF
+
+    rt.copy_h2d, rt.copy_d2h, rt.memset32 = copy_h2d, copy_d2h, memset32
+    rt.synchronize = lambda stream=None: None
 
 
 class SimGpu:

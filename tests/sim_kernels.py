@@ -11,7 +11,9 @@ tests/test_kernels_sim.py to judge. The cases are the decode kernels written wit
   input and partial sums, then the GEMVs that read them, against the normed kernels and NumPy;
 - ``moe``: ``CudaMoe`` (ninfer/backends/cuda/moe.py) over the simulated device with the routing and
   the combine folded in or not, and the ``hold`` grouped GEMMs: bit for bit the separate launches,
-  the tickets back at zero, and the reference MoE.
+  the tickets back at zero, and the reference MoE;
+- ``decode``: a whole ``Forward.decode`` step (rope, KV append, tensor-core decode attention, the
+  GEMVs, sampling) with ``chain_norm`` off and on, over the simulated device and runtime.
 """
 
 from __future__ import annotations
@@ -177,9 +179,10 @@ def case_moe(rows: int) -> dict:
     d_x, d_w, d_y, d_normed = gpu.put(x), gpu.put(norm_w), gpu.empty(rows * H * 4), gpu.empty(rows * H * 4)
     plain = moe.decode_gemms
     held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", plain[2])  # numba_kernels/moe.py HOLD_SHAPES
+    wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
     runs, launches = [], []
     for setting in ((False, False, plain), (True, False, plain), (False, True, plain), (True, True, plain),
-                    (True, True, plain), (False, False, held), (True, True, held)):
+                    (True, True, plain), (False, False, held), (True, True, held), (True, True, wide)):
         moe.fold_route, moe.fold_combine, moe.decode_gemms = setting
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
@@ -192,7 +195,7 @@ def case_moe(rows: int) -> dict:
     h = rms_normed(x, norm_w)
     return {
         "launches": [len(run) for run in launches],
-        "held_launched": all(name in launches[-1] for name in held[:1]),
+        "held_launched": held[0] in launches[-2] and wide[0] in launches[-1],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],
         "tickets_zero": bool(not gpu.get(moe.route_ticket, np.int32, (1,)).any()
                              and not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),
@@ -201,7 +204,68 @@ def case_moe(rows: int) -> dict:
     }
 
 
-CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe}
+def case_decode(rows: int) -> dict:
+    """A whole decode step of ``Forward`` (a small Qwen3-style model, bf16 KV pool with keys already in
+    it) with ``chain_norm`` off and on: the same tokens, hidden states and logits to fp32 rounding."""
+    from ninfer.backends.cuda import forward as fw
+    from ninfer.backends.cuda.weights import device_layout
+    from ninfer.models import DenseConfig
+
+    config = DenseConfig(architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6,
+                         rope_theta=1000000.0, max_position_embeddings=1024, qk_norm=True)
+    gpu = kernel_sim.SimGpu()
+    kernel_sim.patch_runtime(gpu.device)
+    rng = np.random.default_rng(30 + rows)
+    weights = {}
+    for name, (shape, kind) in device_layout(config).items():
+        if kind == "bf16":
+            weights[name] = gpu.put(bf16_matrix(rng, int(np.prod(shape[:-1])), shape[-1])[0], name)
+        else:
+            weights[name] = gpu.put((1 + 0.1 * rng.standard_normal(shape)).astype(np.float32), name)
+    page_size, max_context = 16, 64
+    buffers = fw.StepBuffers(gpu.device, config, page_size=page_size, num_pages=rows * 4 + 1, max_batch=8,
+                             max_context=max_context, max_rows=8, kv_dtype="bf16")
+    buffers.init(None)
+    forward = fw.Forward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16")
+    kv = gpu.device.bytes(buffers.kv)
+    kv[:] = (rng.standard_normal(kv.size // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    kv_before = kv.copy()
+    inp = buffers.inputs
+    positions = rng.integers(1, max_context - 1, rows).astype(np.int32)  # keys already cached: 1..62
+    inp.tokens[:rows] = rng.integers(0, config.vocab_size, rows)
+    inp.positions[:rows] = positions
+    inp.row_table[:rows] = np.arange(rows)
+    inp.lanes[:rows] = np.arange(rows)
+    inp.split[0] = split = forward.decode_split(int(positions.max()) + 1, rows)
+    depth = forward.decode_depth(split, int(positions.max()) + 1)  # as the runner picks its graph
+    inp.split[1] = 0
+    inp.page_tables[:rows, :4] = 1 + np.arange(4 * rows).reshape(rows, 4)  # page 0 unused
+    inp.fparams[:5 * rows] = 0.0  # temperature 0: greedy
+    inp.iparams[:2 * rows] = [v for lane in range(rows) for v in (0, lane)]
+    inp.keys[:2 * rows] = 0
+    inp.upload(None)
+    runs = []
+    for chain in (False, True):
+        kv[:] = kv_before
+        forward.chain_norm = chain
+        first = len(gpu.kernels.launches)
+        forward.decode(rows, None, depth)
+        runs.append({"x": gpu.get(buffers.x, np.float32, (rows, config.hidden_size)),
+                     "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
+                     "tokens": gpu.get(buffers.out, np.int32, (rows,)),
+                     "kv": kv.copy(), "chained": sum("normin" in n or "normout" in n
+                                                     for n in gpu.kernels.launches[first:])})
+    off, on = runs
+    return {"chains": fw.chains_norms(rows), "chained_launches": [off["chained"], on["chained"]],
+            "x": rel(on["x"], off["x"]), "logits": rel(on["logits"], off["logits"]),
+            "tokens_equal": bool(np.array_equal(on["tokens"], off["tokens"])),
+            "greedy": bool(np.array_equal(off["tokens"], off["logits"].argmax(axis=1))),
+            "kv_equal": bool(np.array_equal(on["kv"], off["kv"])), "kv_written": bool((off["kv"] != kv_before).any()),
+            "seconds": {name: round(t, 1) for name, t in sorted(gpu.kernels.seconds.items(), key=lambda kv: -kv[1])[:5]}}
+
+
+CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "decode": case_decode}
 
 
 def main() -> None:

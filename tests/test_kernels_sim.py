@@ -58,8 +58,21 @@ def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
     residual stream, the normalised rows and the picks equal the five-launch path's, launch after
     launch (the tickets reset themselves), in three launches with both folds."""
     result = simulate("moe", rows)
-    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3]
+    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3]
     assert result["held_launched"]
     assert all(result["identical"]), result["identical"]
     assert result["tickets_zero"]
     assert result["normed"] < TOL and result["moe"] < TOL, result
+
+
+@pytest.mark.parametrize("rows", [3, 8])
+def test_decode_step_with_chained_norms_is_the_unchained_one(rows):
+    """A whole ``Forward.decode`` step (two layers, bf16 KV pool holding keys, greedy sampling) with
+    ``chain_norm`` on: eight chained GEMVs (o, gate/up and down of both layers, the second layer's
+    q/k/v, the LM head; the first q/k/v reads the embedding unchained) and the same hidden states,
+    logits, tokens and KV appends as the unchained step, whose down GEMM at 8 rows is the ring kernel."""
+    result = simulate("decode", rows)
+    assert result["chains"] and result["chained_launches"] == [0, 8]
+    assert result["x"] < TOL and result["logits"] < TOL, result
+    assert result["tokens_equal"] and result["greedy"]
+    assert result["kv_equal"] and result["kv_written"]
