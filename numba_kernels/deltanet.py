@@ -20,6 +20,9 @@ of the head's key head L2-normalised by block sums (q also scaled by ``DK ** -0.
 (decay, ``S^T k``, delta write, ``o = S^T q``) and the gated RMSNorm ``norm(o) * w * silu(z)`` over
 the head, fused so ``o`` never leaves the block. Grid ``(v_heads, n_seqs)``. Decode uses it; it
 serves a prefill sequence too, but one block per head walks every token with seven barriers each.
+``deltanet_step_k{DK}_v{DV}`` is a decode step's conv and rule in one launch on the rule's grid
+(``make_step``: each block convolves the channels it reads; tickets order the shared q/k tails'
+update after every reader), the same results bit for bit.
 
 Prefill takes three launches instead, so the sequential part does only the recurrence:
 ``deltanet_prep_k{DK}`` (grid ``(rows, k_heads + 1)``) writes the normalised q | k ``[rows, 2
@@ -53,7 +56,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import F32P, I32P, block_sum, grid_dependency_wait, launch_dependents
+from numba_kernels.common import F32P, I32P, block_sum, grid_dependency_wait, last_to_finish, launch_dependents
 
 CONV_KERNEL = 4
 CONV_THREADS = 128
@@ -74,6 +77,30 @@ def softplus(x):
     return max(x, float32(0.0)) + math.log1p(math.exp(-abs(x)))
 
 
+@cuda.jit(device=True, inline=True)
+def conv_tap(s0, s1, s2, v, w0, w1, w2, w3):
+    """The conv's SiLU'd output for input ``v`` after the tail ``s0, s1, s2`` (oldest first)."""
+    y = s0 * w0 + s1 * w1 + s2 * w2 + v * w3  # the reference's tap order
+    return y * sigmoid(y)
+
+
+@cuda.jit(device=True, inline=True)
+def conv_channel(states, at, channels, x, weight, c):
+    """Channel ``c``'s output for input ``x`` from the tail at ``states[at + i * channels]``; returns it
+    with the tail's two newer values (the new tail is those and ``x``)."""
+    s1 = states[at + channels]
+    s2 = states[at + 2 * channels]
+    w = c * CONV_KERNEL
+    return conv_tap(states[at], s1, s2, x, weight[w], weight[w + 1], weight[w + 2], weight[w + 3]), s1, s2
+
+
+@cuda.jit(device=True, inline=True)
+def shift_tail(states, at, channels, s1, s2, x):
+    states[at] = s1
+    states[at + channels] = s2
+    states[at + 2 * channels] = x
+
+
 def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channels, weight):
     launch_dependents()  # programmatic dependent launch: common.py
     grid_dependency_wait()
@@ -92,25 +119,64 @@ def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channe
     for t in range(seq_rows):
         r = int64(seq * seq_rows + t)
         v = x[r * x_stride + c]
-        y = s0 * w0 + s1 * w1 + s2 * w2 + v * w3  # the reference's tap order
-        out[r * channels + c] = y * sigmoid(y)
+        out[r * channels + c] = conv_tap(s0, s1, s2, v, w0, w1, w2, w3)
         s0, s1, s2 = s1, s2, v
     states[base] = s0
     states[base + channels] = s1
     states[base + 2 * channels] = s2
 
 
-def make_rule(DK, DV):
+def make_token(DK, DV):
+    """One token of the delta rule for the thread's half column (``rule``'s loop body, shared with
+    ``step``): q, k L2-normalised by block sums into shared memory, the decayed state's delta write,
+    ``o = S^T q``, and the gated RMSNorm into ``out[at]`` by the column's owner."""
     scale = float32(np.float32(DK) ** np.float32(-0.5))
+    HALF = DK // 2
+
+    @cuda.jit(device=True, inline=True)
+    def token(col, q, k, v, z, b, a, neg_a, bias, w, eps, out, at):
+        sh_q = cuda.shared.array(DK, float32)
+        sh_k = cuda.shared.array(DK, float32)
+        scratch = cuda.shared.array(32, float32)
+        j = cuda.threadIdx.x >> 1
+        row0 = (cuda.threadIdx.x & 1) * HALF
+        owner = (cuda.threadIdx.x & 1) == 0
+        q_inv = float32(1.0) / math.sqrt(block_sum(q * q, scratch) + L2_EPS)
+        k_inv = float32(1.0) / math.sqrt(block_sum(k * k, scratch) + L2_EPS)
+        if owner:
+            sh_q[j] = q * q_inv * scale
+            sh_k[j] = k * k_inv
+        cuda.syncthreads()
+        beta = sigmoid(b)
+        decay = math.exp(neg_a * softplus(a + bias))
+        predicted = float32(0.0)
+        for i in range(HALF):
+            col[i] *= decay
+            predicted += sh_k[row0 + i] * col[i]
+        predicted += cuda.shfl_xor_sync(0xFFFFFFFF, predicted, 1)
+        d = (v - predicted) * beta
+        o = float32(0.0)
+        for i in range(HALF):
+            col[i] += sh_k[row0 + i] * d
+            o += sh_q[row0 + i] * col[i]
+        o += cuda.shfl_xor_sync(0xFFFFFFFF, o, 1)
+        # block_sum synchronises: every thread is done with sh_q / sh_k before the next token.
+        total = block_sum(o * o if owner else float32(0.0), scratch)
+        if owner:
+            normed = o / math.sqrt(total / float32(DV) + eps) * w
+            out[at] = normed * (z * sigmoid(z))
+
+    return token
+
+
+def make_rule(DK, DV):
     HALF = DK // 2  # state rows per thread: two threads (adjacent lanes) share a column
+    token = make_token(DK, DV)
 
     def rule(mixed, proj, out, states, slot_stride, lanes, seq_rows, n_k, n_v, in_stride, dt_bias, a_log,
              norm_w, eps):
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
-        sh_q = cuda.shared.array(DK, float32)
-        sh_k = cuda.shared.array(DK, float32)
-        scratch = cuda.shared.array(32, float32)
         head = cuda.blockIdx.x
         seq = cuda.blockIdx.y
         j = cuda.threadIdx.x >> 1  # column of the state, dim of v and z
@@ -153,34 +219,70 @@ def make_rule(DK, DV):
                 z_next = proj[n * in_stride + z_col]
                 b_next = proj[n * in_stride + b_col]
                 a_next = proj[n * in_stride + b_col + n_v]
-            q_inv = float32(1.0) / math.sqrt(block_sum(q * q, scratch) + L2_EPS)
-            k_inv = float32(1.0) / math.sqrt(block_sum(k * k, scratch) + L2_EPS)
-            if owner:
-                sh_q[j] = q * q_inv * scale
-                sh_k[j] = k * k_inv
-            cuda.syncthreads()
-            beta = sigmoid(b)
-            decay = math.exp(neg_a * softplus(a + bias))
-            predicted = float32(0.0)
-            for i in range(HALF):
-                col[i] *= decay
-                predicted += sh_k[row0 + i] * col[i]
-            predicted += cuda.shfl_xor_sync(0xFFFFFFFF, predicted, 1)
-            d = (v - predicted) * beta
-            o = float32(0.0)
-            for i in range(HALF):
-                col[i] += sh_k[row0 + i] * d
-                o += sh_q[row0 + i] * col[i]
-            o += cuda.shfl_xor_sync(0xFFFFFFFF, o, 1)
-            # block_sum synchronises: every thread is done with sh_q / sh_k before the next token.
-            total = block_sum(o * o if owner else float32(0.0), scratch)
-            if owner:
-                normed = o / math.sqrt(total / float32(DV) + eps) * w
-                out[r * value_dim + head * DV + j] = normed * (z * sigmoid(z))
+            token(col, q, k, v, z, b, a, neg_a, bias, w, eps, out, r * value_dim + head * DV + j)
         for i in range(HALF):
             states[base + i * DV] = col[i]
 
     return rule
+
+
+def make_step(DK, DV):
+    """``deltanet_step_k{DK}_v{DV}``: a decode step's conv and delta rule in one launch (``rule`` of one
+    token a sequence, fed by the conv instead of ``mixed``). Block (value head, sequence) as ``rule``;
+    ``states`` is the layer's part of slot 0 (conv tail, then the rule's state). Each thread convolves
+    what it reads: its value channel (both threads of a column) and, the column's owner, the q and k
+    channels of the head's key head. The value channels are the block's own, so it writes their tails.
+    The q/k channels are read by the ``n_v / n_k`` blocks of one key head: each reads the old tail,
+    then takes a ticket (``tickets[sequence * n_k + key head]``, zero between launches, the last block
+    resets it); the last to arrive, whose fence follows every block's reads, writes the new tail."""
+    HALF = DK // 2
+    token = make_token(DK, DV)
+
+    def step(proj, out, states, slot_stride, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w, eps,
+             tickets):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        head = cuda.blockIdx.x
+        seq = cuda.blockIdx.y
+        j = cuda.threadIdx.x >> 1
+        half = cuda.threadIdx.x & 1
+        owner = half == 0
+        key_dim = n_k * DK
+        conv_dim = 2 * key_dim + n_v * DV
+        value_dim = n_v * DV
+        group = n_v // n_k
+        key_head = head // group
+        q_col = key_head * DK + j
+        v_col = 2 * key_dim + head * DV + j
+        z_col = conv_dim + head * DV + j
+        b_col = conv_dim + value_dim + head
+        slot = int64(lanes[seq]) * slot_stride
+        row = int64(seq) * in_stride
+        base = slot + (CONV_KERNEL - 1) * conv_dim + int64(head) * DK * DV + half * HALF * DV + j
+        col = cuda.local.array(HALF, float32)
+        for i in range(HALF):
+            col[i] = states[base + i * DV]
+        x_v = proj[row + v_col]
+        v, v1, v2 = conv_channel(states, slot + v_col, conv_dim, x_v, conv_w, v_col)
+        q = k = q1 = q2 = x_q = k1 = k2 = x_k = float32(0.0)
+        k_col = key_dim + q_col
+        if owner:
+            x_q = proj[row + q_col]
+            x_k = proj[row + k_col]
+            q, q1, q2 = conv_channel(states, slot + q_col, conv_dim, x_q, conv_w, q_col)
+            k, k1, k2 = conv_channel(states, slot + k_col, conv_dim, x_k, conv_w, k_col)
+        last = last_to_finish(tickets, seq * n_k + key_head, group)  # its barriers: every tail read is done
+        if owner:
+            shift_tail(states, slot + v_col, conv_dim, v1, v2, x_v)  # the block's own channel
+            if last:  # every block of the key head has read the q/k tails
+                shift_tail(states, slot + q_col, conv_dim, q1, q2, x_q)
+                shift_tail(states, slot + k_col, conv_dim, k1, k2, x_k)
+        token(col, q, k, v, proj[row + z_col], proj[row + b_col], proj[row + b_col + n_v], -math.exp(a_log[head]),
+              dt_bias[head], norm_w[j], eps, out, int64(seq) * value_dim + head * DV + j)
+        for i in range(HALF):
+            states[base + i * DV] = col[i]
+
+    return step
 
 
 def make_prep(DK):
@@ -555,6 +657,10 @@ for _d in HEAD_DIMS:
     KERNELS[f"deltanet_rule_k{_d}_v{_d}"] = (
         make_rule(_d, _d),
         (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
+        {"threads": 2 * _d, "grid_wait": 1})
+    KERNELS[f"deltanet_step_k{_d}_v{_d}"] = (
+        make_step(_d, _d),
+        (F32P, F32P, F32P, int64, I32P, int32, int32, int32, F32P, F32P, F32P, F32P, float32, I32P),
         {"threads": 2 * _d, "grid_wait": 1})
     KERNELS[f"deltanet_prep_k{_d}"] = (make_prep(_d), (F32P, F32P, F32P, F32P, int32, int32, int32, F32P, F32P),
                                        {"threads": max(32, _d)})

@@ -26,6 +26,7 @@ before numba.cuda is first imported (tests/sim_kernels.py); the pytest process n
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -41,8 +42,8 @@ from numba.cuda import libdevice as _libdevice  # noqa: E402
 from numba.cuda.simulator import kernelapi as _kernelapi  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 120.0
-POLL_S = 2e-4  # between a block's sweeps over its threads (barriers, exceptions, the end)
 _LOCK = threading.Lock()
+_ABSENT = object()  # a lane's operand not posted yet
 
 
 # -- warp collectives -------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def collective(value, combine):
     thread.sim_collectives = count + 1
     lane = thread.thread_id & 31
     with warp.cond:
-        round_ = warp.rounds.setdefault(count, {"values": [None] * warp.lanes, "posted": 0, "taken": 0})
+        round_ = warp.rounds.setdefault(count, {"values": [_ABSENT] * warp.lanes, "posted": 0, "taken": 0})
         round_["values"][lane] = value
         round_["posted"] += 1
         if round_["posted"] == warp.lanes:
@@ -85,7 +86,7 @@ def collective(value, combine):
             if thread.abort:
                 raise RuntimeError("abort flag set while waiting on a warp collective")
             if time.monotonic() > deadline:
-                missing = [i for i, v in enumerate(round_["values"]) if v is None]
+                missing = [i for i, v in enumerate(round_["values"]) if v is _ABSENT]
                 raise RuntimeError(f"warp collective {count}: lanes {missing} never arrived (divergent code?)")
             warp.cond.wait(timeout=0.5)
         result = round_["results"][lane]
@@ -371,35 +372,116 @@ def _simulated_intrinsic(fn):
     return make(closure) if make else _missing(fn.__qualname__)
 
 
-def _run_block(self, grid_point, *args):
-    """The simulator's ``BlockManager.run``, polling its threads with a pause between sweeps: its own
-    loop never sleeps, so it held the GIL against the threads it waits for (most of a launch's time
-    once warps wait on each other in collectives)."""
-    from numba.cuda.simulator.kernel import BlockThread
+class _Block:
+    """One block's barrier over its live threads (a thread that has returned no longer counts, as on
+    the device) and its end: what the simulator's manager found by polling every thread."""
 
-    threads = []
-    for block_point in np.ndindex(*self._block_dim):
-        thread = BlockThread(lambda: self._f(*args), self, grid_point, block_point, self._debug)
-        thread.start()
-        threads.append(thread)
-    live = threads
-    while live:
-        for thread in live:
-            if thread.exception:
-                for other in threads:  # abort the block, as the simulator does
-                    other.abort = True
-                    other.syncthreads_blocked = False
-                    other.syncthreads_event.set()
-                raise thread.exception[0].with_traceback(thread.exception[1])
-        live = [thread for thread in live if thread.is_alive()]
-        if live and all(thread.syncthreads_blocked for thread in live):  # a block barrier: release it
-            for thread in live:
-                thread.syncthreads_blocked = False
-                thread.syncthreads_event.set()
-        time.sleep(POLL_S)
-    for thread in threads:
-        if thread.exception:
-            raise thread.exception[0].with_traceback(thread.exception[1])
+    def __init__(self, threads: int):
+        self.cond = threading.Condition()
+        self.live = threads
+        self.arrived = 0
+        self.generation = 0
+        self.failure = None
+        self.workers: list = []
+
+    def release_if_all_arrived(self) -> None:  # with cond held
+        if self.arrived and self.arrived == self.live:
+            self.arrived = 0
+            self.generation += 1
+            self.cond.notify_all()
+
+    def fail(self, failure) -> None:
+        with self.cond:
+            self.failure = self.failure or failure
+            for worker in self.workers:
+                worker.abort = True
+            self.cond.notify_all()
+
+
+@functools.cache
+def _worker_class():
+    """Simulated threads kept for block after block (the simulator starts a Python thread for every
+    thread of every block, about 75 us each: most of a short kernel's time); a subclass of the
+    simulator's ``BlockThread`` with an event-driven barrier instead of its manager's polling."""
+    from numba.cuda.simulator.kernel import BlockThread
+    from numba.cuda.simulator.kernelapi import Dim3
+
+    class Worker(BlockThread):
+        def __init__(self, manager):
+            super().__init__(lambda: None, manager, (0, 0, 0), (0, 0, 0), False)
+            self.go = threading.Event()
+            self.block = None
+            self.job = None
+
+        def assign(self, manager, block: _Block, grid_point, thread_point, job) -> None:
+            self._manager = manager
+            self.block = block
+            self.blockIdx = Dim3(*grid_point)
+            self.threadIdx = Dim3(*thread_point)
+            x, y, _ = manager._block_dim
+            self.thread_id = thread_point[0] + x * (thread_point[1] + y * thread_point[2])
+            self.exception = None
+            self.abort = False
+            self.sim_collectives = 0
+            self.job = job
+            self.go.set()
+
+        def syncthreads(self):
+            block = self.block
+            with block.cond:
+                generation = block.generation
+                block.arrived += 1
+                block.release_if_all_arrived()
+                deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+                while block.generation == generation:
+                    if self.abort:
+                        raise RuntimeError("abort flag set on syncthreads call")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("syncthreads: the block's other threads never arrived")
+                    block.cond.wait(timeout=0.5)
+
+        def run(self):
+            while True:
+                self.go.wait()
+                self.go.clear()
+                block = self.block
+                try:
+                    self.job()
+                except Exception as e:  # as BlockThread.run reports it
+                    block.fail((type(e)(f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}: {e}"),
+                                sys.exc_info()[2]))
+                finally:
+                    with block.cond:
+                        block.live -= 1
+                        block.release_if_all_arrived()
+                        block.cond.notify_all()
+
+    return Worker
+
+
+_WORKERS: list = []  # the pooled threads, started as blocks need them
+
+
+def _run_block(self, grid_point, *args):
+    """The simulator's ``BlockManager.run`` over pooled threads (``_worker_class``); returns when every
+    thread has, raising the first thread's exception (the others are aborted, as the simulator does)."""
+    points = list(np.ndindex(*self._block_dim))
+    with _LOCK:
+        while len(_WORKERS) < len(points):
+            worker = _worker_class()(self)
+            worker.start()
+            _WORKERS.append(worker)
+        workers = _WORKERS[:len(points)]
+    block = _Block(len(points))
+    block.workers = workers
+    job = lambda: self._f(*args)  # noqa: E731
+    for worker, point in zip(workers, points):
+        worker.assign(self, block, grid_point, point, job)
+    with block.cond:
+        while block.live:
+            block.cond.wait(timeout=0.5)
+    if block.failure:
+        raise block.failure[0].with_traceback(block.failure[1])
 
 
 def install() -> None:

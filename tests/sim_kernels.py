@@ -50,6 +50,17 @@ def bf16_matrix(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return bits, to_float32(bits)
 
 
+def put_weights(gpu, rng, layout: dict) -> dict:
+    """A model's random weights on the simulated device: bf16 matrices, fp32 vectors near 1 (norms)."""
+    weights = {}
+    for name, (shape, kind) in layout.items():
+        if kind == "bf16":
+            weights[name] = gpu.put(bf16_matrix(rng, int(np.prod(shape[:-1])), shape[-1])[0], name)
+        else:
+            weights[name] = gpu.put((1 + 0.1 * rng.standard_normal(shape)).astype(np.float32), name)
+    return weights
+
+
 def rms_normed(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + float(EPS)) * weight
@@ -217,34 +228,16 @@ def case_decode(rows: int) -> dict:
     gpu = kernel_sim.SimGpu()
     kernel_sim.patch_runtime(gpu.device)
     rng = np.random.default_rng(30 + rows)
-    weights = {}
-    for name, (shape, kind) in device_layout(config).items():
-        if kind == "bf16":
-            weights[name] = gpu.put(bf16_matrix(rng, int(np.prod(shape[:-1])), shape[-1])[0], name)
-        else:
-            weights[name] = gpu.put((1 + 0.1 * rng.standard_normal(shape)).astype(np.float32), name)
+    weights = put_weights(gpu, rng, device_layout(config))
     page_size, max_context = 16, 64
     buffers = fw.StepBuffers(gpu.device, config, page_size=page_size, num_pages=rows * 4 + 1, max_batch=8,
                              max_context=max_context, max_rows=8, kv_dtype="bf16")
     buffers.init(None)
     forward = fw.Forward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16")
     kv = gpu.device.bytes(buffers.kv)
-    kv[:] = (rng.standard_normal(kv.size // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    random_bits(rng, kv)
     kv_before = kv.copy()
-    inp = buffers.inputs
-    positions = rng.integers(1, max_context - 1, rows).astype(np.int32)  # keys already cached: 1..62
-    inp.tokens[:rows] = rng.integers(0, config.vocab_size, rows)
-    inp.positions[:rows] = positions
-    inp.row_table[:rows] = np.arange(rows)
-    inp.lanes[:rows] = np.arange(rows)
-    inp.split[0] = split = forward.decode_split(int(positions.max()) + 1, rows)
-    depth = forward.decode_depth(split, int(positions.max()) + 1)  # as the runner picks its graph
-    inp.split[1] = 0
-    inp.page_tables[:rows, :4] = 1 + np.arange(4 * rows).reshape(rows, 4)  # page 0 unused
-    inp.fparams[:5 * rows] = 0.0  # temperature 0: greedy
-    inp.iparams[:2 * rows] = [v for lane in range(rows) for v in (0, lane)]
-    inp.keys[:2 * rows] = 0
-    inp.upload(None)
+    depth = decode_inputs(rng, forward, buffers.inputs, rows, config.vocab_size, max_context, 4)
     runs = []
     for chain in (False, True):
         kv[:] = kv_before
@@ -265,7 +258,132 @@ def case_decode(rows: int) -> dict:
             "seconds": {name: round(t, 1) for name, t in sorted(gpu.kernels.seconds.items(), key=lambda kv: -kv[1])[:5]}}
 
 
-CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "decode": case_decode}
+def case_deltanet_step(rows: int) -> dict:
+    """``deltanet_step`` (conv and delta rule in one launch) against ``deltanet_conv`` + ``deltanet_rule``
+    for two decode steps of ``rows`` sequences in a row (lanes out of order, slot 0 unused), with two
+    and three value heads a key head: the outputs and both states bit for bit, the tickets back at zero."""
+    d = 16
+    result = {}
+    for n_k, n_v in ((2, 4), (1, 3)):
+        gpu = kernel_sim.SimGpu()
+        rng = np.random.default_rng(40 + rows + n_v)
+        key_dim, value_dim = n_k * d, n_v * d
+        conv_dim = 2 * key_dim + value_dim
+        in_stride = conv_dim + value_dim + 2 * n_v
+        slot = 3 * conv_dim + n_v * d * d + 4  # a slot stride that is not the state's size
+        lanes = gpu.put((rows - np.arange(rows)).astype(np.int32))
+        states0 = (rng.standard_normal((rows + 1) * slot) * 0.5).astype(np.float32)
+        conv_w = gpu.put((rng.standard_normal(conv_dim * 4) * 0.5).astype(np.float32))
+        dt_bias, a_log = (gpu.put(rng.standard_normal(n_v).astype(np.float32)) for _ in range(2))
+        norm_w = gpu.put((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+        tickets = gpu.put(np.zeros(rows * n_k, np.int32))
+        projs = [gpu.put(rng.standard_normal((rows, in_stride)).astype(np.float32)) for _ in range(2)]
+        runs = []
+        for fused in (False, True):
+            states = gpu.put(states0)
+            mixed, out = gpu.empty(rows * conv_dim * 4), gpu.empty(rows * value_dim * 4)
+            outs = []
+            for proj in projs:
+                if fused:
+                    gpu.launch(f"deltanet_step_k{d}_v{d}", (n_v, rows), (2 * d,),
+                               (proj, out, states, slot, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w,
+                                EPS, tickets))
+                else:
+                    gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
+                               (mixed, proj, in_stride, states, slot, lanes, 1, conv_dim, conv_w))
+                    gpu.launch(f"deltanet_rule_k{d}_v{d}", (n_v, rows), (2 * d,),
+                               (mixed, proj, out, states.at(3 * conv_dim * 4), slot, lanes, 1, n_k, n_v, in_stride,
+                                dt_bias, a_log, norm_w, EPS))
+                outs.append(gpu.get(out, np.float32, (rows, value_dim)))
+            runs.append((outs, gpu.get(states, np.float32, ((rows + 1) * slot,))))
+        (outs_a, states_a), (outs_b, states_b) = runs
+        key = f"group{n_v // n_k}"
+        result[key] = {"out_equal": all(np.array_equal(a, b) for a, b in zip(outs_a, outs_b)),
+                       "states_equal": bool(np.array_equal(states_a, states_b)),
+                       "states_moved": bool((states_a != states0).any()), "slot0_kept": bool(
+                           np.array_equal(states_b[:slot], states0[:slot])),
+                       "finite": bool(all(np.isfinite(o).all() for o in outs_b)),
+                       "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_k,)).any())}
+    return result
+
+
+def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:
+    """A greedy decode step's inputs for ``rows`` lanes whose keys are already cached (1 .. max_context - 2
+    of them, ``pages`` pages a lane from page 1 on), uploaded; returns the attention depth the runner
+    would pick."""
+    positions = rng.integers(1, max_context - 1, rows).astype(np.int32)
+    inp.tokens[:rows] = rng.integers(0, vocab, rows)
+    inp.positions[:rows] = positions
+    inp.row_table[:rows] = np.arange(rows)
+    inp.lanes[:rows] = np.arange(rows)
+    inp.split[0] = split = forward.decode_split(int(positions.max()) + 1, rows)
+    inp.split[1] = 0
+    inp.page_tables[:rows, :pages] = 1 + np.arange(pages * rows).reshape(rows, pages)  # page 0 unused
+    inp.fparams[:5 * rows] = 0.0  # temperature 0: greedy
+    inp.iparams[:2 * rows] = [v for lane in range(rows) for v in (0, lane)]
+    inp.keys[:2 * rows] = 0
+    inp.upload(None)
+    return forward.decode_depth(split, int(positions.max()) + 1)
+
+
+def random_bits(rng, raw: np.ndarray) -> None:
+    """Fill a device region with random bf16 pairs (finite, about unit scale) whatever it holds."""
+    raw[:] = (rng.standard_normal(raw.size // 2).astype(np.float32).view(np.uint32) >> 16).astype(
+        np.uint16).view(np.uint8)
+
+
+def case_hybrid_decode(rows: int) -> dict:
+    """A whole ``HybridForward.decode`` step (a DeltaNet and a gated-attention layer, each MLP a MoE)
+    with ``fused_step``, ``fold_route`` and ``fold_combine`` off, then all on: the same states, KV
+    appends, hidden states, logits and tokens bit for bit, in fewer launches."""
+    import attrs
+
+    from ninfer.backends.cuda import hybrid_forward as hf
+    from ninfer.backends.cuda.hybrid_weights import device_layout
+    from ninfer.convert.random_model import HYBRID_PRESETS
+    from ninfer.models.hybrid import FULL, LINEAR, MOE
+
+    # tiny-qwen3.5-moe cut to one layer of each kind and four experts (the simulator's time goes on blocks)
+    config = attrs.evolve(HYBRID_PRESETS["tiny-qwen3.5-moe"], num_layers=2, layer_types=(LINEAR, FULL),
+                                 mlp_types=(MOE, MOE), num_experts=4, num_experts_per_tok=2, vocab_size=256)
+    gpu = kernel_sim.SimGpu()
+    kernel_sim.patch_runtime(gpu.device)
+    rng = np.random.default_rng(50 + rows)
+    weights = put_weights(gpu, rng, device_layout(config))
+    page_size, max_context, pages = 16, 64, 4
+    buffers = hf.HybridBuffers(gpu.device, config, page_size=page_size, num_pages=rows * pages + 1, max_batch=8,
+                               max_context=max_context, max_rows=8, kv_dtype="bf16", state_slots=1)
+    buffers.init(None)
+    forward = hf.HybridForward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16")
+    kv, states = gpu.device.bytes(buffers.kv), gpu.device.bytes(buffers.states)
+    random_bits(rng, kv)
+    states.view(np.float32)[:] = rng.standard_normal(states.size // 4).astype(np.float32) * 0.3
+    kv_before, states_before = kv.copy(), states.copy()
+    depth = decode_inputs(rng, forward, buffers.inputs, rows, config.vocab_size, max_context, pages)
+    runs = []
+    for fused, folds in ((False, False), (True, True)):
+        kv[:], states[:] = kv_before, states_before
+        forward.fused_step = fused
+        forward.moe.fold_route = forward.moe.fold_combine = folds
+        first = len(gpu.kernels.launches)
+        forward.decode(rows, None, depth)
+        runs.append({"launches": len(gpu.kernels.launches) - first, "kv": kv.copy(), "states": states.copy(),
+                     "x": gpu.get(buffers.x, np.float32, (rows, config.hidden_size)),
+                     "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
+                     "tokens": gpu.get(buffers.out, np.int32, (rows,))})
+    base = runs[0]
+    return {"launches": [run["launches"] for run in runs],
+            "identical": [all(np.array_equal(run[key], base[key]) for key in base if key != "launches")
+                          for run in runs],
+            "states_moved": bool((base["states"] != states_before).any()),
+            "kv_written": bool((base["kv"] != kv_before).any()),
+            "greedy": bool(np.array_equal(base["tokens"], base["logits"].argmax(axis=1))),
+            "finite": bool(np.isfinite(base["logits"]).all()),
+            "tickets_zero": bool(not gpu.get(buffers.step_tickets, np.int32, (8 * config.linear_num_k_heads,)).any())}
+
+
+CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "decode": case_decode,
+         "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode}
 
 
 def main() -> None:

@@ -159,3 +159,26 @@ def test_folded_combine_replaces_the_combine_launch():
                 assert grid[0] * kernel.meta["cols"] == config.hidden_size  # a ticket per column tile
                 assert args[14] is fwd.b.x and args[16] == rows and args[18] is fwd.moe.combine_tickets
                 assert fwd.moe.combine_tickets.nbytes >= grid[0] * 4
+
+
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_fused_step_replaces_the_conv_and_rule_launches(name):
+    """With ``HybridForward.fused_step`` a decode DeltaNet layer runs its conv and delta rule as one
+    ``deltanet_step`` over the rule's grid (value heads x rows), reading the projection and writing
+    ``core`` as the pair did, with a ticket per (lane, key head) in the buffers; prefill keeps the pair."""
+    config = CONFIGS[name]
+    fwd = forward(config)
+    fwd.fused_step = True
+    assert fwd.b.step_tickets.nbytes >= MAX_BATCH * config.linear_num_k_heads * 4
+    preloaded = set(fwd.kernel_names())
+    for rows in (1, 8):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        launched = [kernel.name for kernel, _, _ in fwd.k.log]
+        assert set(launched) <= preloaded
+        assert launched.count(fwd.step_name) == config.layer_types.count(LINEAR)
+        assert "deltanet_conv" not in launched and fwd.rule_name not in launched
+        for kernel, grid, args in fwd.k.log:
+            if kernel.name == fwd.step_name:
+                assert grid == (config.linear_num_v_heads, rows)
+                assert args[0] is fwd.b.proj and args[1] is fwd.b.core and args[-1] is fwd.b.step_tickets

@@ -52,12 +52,12 @@ def test_chained_norm_matches_the_normed_kernels(rows):
         assert err < TOL, (name, err)
 
 
-@pytest.mark.parametrize("rows", [3, 8])
-def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
-    """``CudaMoe.fold_route`` / ``fold_combine`` and the ``hold`` grouped GEMMs: the MoE added into the
-    residual stream, the normalised rows and the picks equal the five-launch path's, launch after
-    launch (the tickets reset themselves), in three launches with both folds."""
-    result = simulate("moe", rows)
+def test_folded_moe_launches_are_the_separate_ones_bit_for_bit():
+    """``CudaMoe.fold_route`` / ``fold_combine`` and the ``hold`` grouped GEMMs (8 rows: a full chunk of
+    pairs): the MoE added into the residual stream, the normalised rows and the picks equal the
+    five-launch path's, launch after launch (the tickets reset themselves), in three launches with
+    both folds."""
+    result = simulate("moe", 8)
     assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3]
     assert result["held_launched"]
     assert all(result["identical"]), result["identical"]
@@ -76,3 +76,24 @@ def test_decode_step_with_chained_norms_is_the_unchained_one(rows):
     assert result["x"] < TOL and result["logits"] < TOL, result
     assert result["tokens_equal"] and result["greedy"]
     assert result["kv_equal"] and result["kv_written"]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_deltanet_step_is_conv_then_rule_bit_for_bit(rows):
+    """``deltanet_step`` (``HybridForward.fused_step``) against ``deltanet_conv`` + ``deltanet_rule``, two
+    steps in a row, with two and three value heads a key head (whose q/k conv tails the last block of
+    the key head writes, after the others have read them)."""
+    result = simulate("deltanet_step", rows)
+    assert sorted(result) == ["group2", "group3"]
+    for group, checks in result.items():
+        assert all(checks.values()), (group, checks)
+
+
+def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():
+    """A whole hybrid decode step (DeltaNet and gated attention, MoE MLPs) with ``fused_step`` and both
+    MoE folds: five launches fewer, the same states, KV, hidden states, logits and tokens bit for bit."""
+    result = simulate("hybrid_decode", 3)
+    assert result["launches"][0] - result["launches"][1] == 5  # the conv, and two a MoE layer
+    assert all(result["identical"])
+    for check in ("states_moved", "kv_written", "greedy", "finite", "tickets_zero"):
+        assert result[check], check

@@ -5,7 +5,8 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--batches 1,4,8] [--context 512] [--prefill-rows 512]
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
-                                     [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
+                                     [--fused-step-ablation] [--moe-gemms-ablation 'GATE_UP,DOWN;...']
+                                     [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -249,6 +250,10 @@ def ablations(args, forward) -> list[tuple]:
     chosen = []
     if args.overlap_ablation:  # launches that do not overlap (Forward.overlap off)
         chosen.append(("decode_not_overlapped", "launches not overlapped", forward, "overlap", False))
+    if args.fused_step_ablation:  # HybridForward.fused_step flipped: the decode conv and delta rule in one launch
+        value = not forward.fused_step
+        forward.k[forward.step_name]  # loaded now: not during capture
+        chosen.append((f"decode_fused_step_{value}", f"fused_step {value}", forward, "fused_step", value))
     for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
         option = f"fold_{fold}"
         if getattr(args, f"{option}_ablation") and moe is not None:
@@ -377,6 +382,8 @@ def main(argv=None) -> int:
                         help="decode again with the MoE's routing folded into its router GEMM (or not, if it is)")
     parser.add_argument("--fold-combine-ablation", action="store_true",
                         help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
+    parser.add_argument("--fused-step-ablation", action="store_true",
+                        help="decode again with the DeltaNet conv and delta rule in one launch (or two, if one)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
                         help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",

@@ -162,6 +162,44 @@ def test_delta_rule_kernel_matches_the_reference(decode):
     assert rel_err(got_states[lanes], want_state.reshape(got_states[lanes].shape)) < 1e-5
 
 
+@pytest.mark.parametrize("nk, nv", [(NK, NV), (1, 3)])
+def test_fused_step_is_conv_then_rule_bit_for_bit(nk, nv):
+    """``deltanet_step`` (``HybridForward.fused_step``) against ``deltanet_conv`` + ``deltanet_rule``: two
+    decode steps of three lanes (out of order), outputs and both states bit for bit, the key heads'
+    tickets back at zero (tests/test_kernels_sim.py runs the same comparison in the simulator)."""
+    gpu, rng = Gpu(), np.random.default_rng(3 + nv)
+    key_dim, value_dim = nk * DH, nv * DH
+    conv_dim = 2 * key_dim + value_dim
+    in_size = conv_dim + value_dim + 2 * nv
+    rows, slots, slot = 3, 4, 3 * conv_dim + nv * DH * DH
+    lanes = gpu.put(np.array([2, 0, 3], np.int32))
+    states = (rng.standard_normal(slots * slot) * 0.1).astype(np.float32)
+    conv_w = gpu.put(rng.standard_normal(conv_dim * 4).astype(np.float32))
+    dt_bias, a_log = gpu.put(rng.standard_normal(nv).astype(np.float32)), gpu.put(rng.standard_normal(nv).astype(np.float32))
+    norm, tickets = gpu.put(rng.standard_normal(DH).astype(np.float32)), gpu.put(np.zeros(rows * nk, np.int32))
+    projs = [gpu.put(rng.standard_normal((rows, in_size)).astype(np.float32)) for _ in range(2)]
+    runs = []
+    for fused in (False, True):
+        d_states, mixed, out = gpu.put(states), gpu.empty(rows * conv_dim * 4), gpu.empty(rows * value_dim * 4)
+        outs = []
+        for proj in projs:
+            if fused:
+                gpu.launch(f"deltanet_step_k{DH}_v{DH}", (nv, rows), (2 * DH,),
+                           (proj, out, d_states, slot, lanes, nk, nv, in_size, conv_w, dt_bias, a_log, norm, 1e-6,
+                            tickets))
+            else:
+                gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
+                           (mixed, proj, in_size, d_states, slot, lanes, 1, conv_dim, conv_w))
+                gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (nv, rows), (2 * DH,),
+                           (mixed, proj, out, d_states.at(3 * conv_dim * 4), slot, lanes, 1, nk, nv, in_size, dt_bias,
+                            a_log, norm, 1e-6))
+            outs.append(gpu.get(out, np.float32, (rows, value_dim)))
+        runs.append((outs, gpu.get(d_states, np.float32, (slots * slot,))))
+    for got, want in zip(runs[1][0] + [runs[1][1]], runs[0][0] + [runs[0][1]]):
+        np.testing.assert_array_equal(got, want)
+    assert not gpu.get(tickets, np.int32, (rows * nk,)).any()
+
+
 def test_prefill_delta_rule_pipeline_matches_the_reference():
     """prep (norms, gates) -> scan (the recurrence) -> gated norm, over one sequence."""
     gpu, rng = Gpu(), np.random.default_rng(3)

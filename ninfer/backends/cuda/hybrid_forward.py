@@ -118,6 +118,8 @@ class HybridBuffers:
         if chunked_rule:
             chunks = -(-R // DELTANET_CHUNK)
             plan["chunks"] = chunks * c.linear_num_v_heads * deltanet_chunk_floats(c) * f32
+        if LINEAR in c.layer_types:  # deltanet_step's tickets, one a (lane, key head), zero between launches
+            plan["step_tickets"] = max_batch * c.linear_num_k_heads * 4
         if MOE in c.mlp_types:
             plan["moe"] = moe.CudaMoe.scratch_bytes(c, R)
         if tensor_core_prefill:
@@ -130,8 +132,9 @@ class HybridBuffers:
     def init(self, stream) -> None:
         rt.copy_h2d(self.cos, self._tables[0], stream)
         rt.copy_h2d(self.sin, self._tables[1], stream)
-        regions = (self.counts, self.kv, self.states) + ((self.moe,) if hasattr(self, "moe") else ())
-        for region in regions:  # the MoE scratch holds a ticket that must start at zero
+        regions = (self.counts, self.kv, self.states) + tuple(
+            getattr(self, name) for name in ("step_tickets", "moe") if hasattr(self, name))
+        for region in regions:  # the tickets (deltanet_step's, the MoE scratch's) must start at zero
             rt.memset32(region, 0, region.nbytes // 4, stream)
         rt.synchronize(stream)
         self._tables = None
@@ -145,6 +148,10 @@ class HybridForward(Forward):
     # set it before the HybridBuffers are built (they carve its scratch then), or per instance after
     # building buffers with ``chunked_rule=True``.
     chunked_rule = False
+    # A decode step's conv and delta rule in one launch (``deltanet_step``) instead of two
+    # (``deltanet_conv`` + ``deltanet_rule``): bit for bit the same (tests/test_kernels_sim.py). Off until
+    # timed on the GPU (tools/gpu_bench_hybrid.py --fused-step-ablation).
+    fused_step = False
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -152,6 +159,7 @@ class HybridForward(Forward):
         c = config
         dk, dv = c.linear_k_head_dim, c.linear_v_head_dim
         self.rule_name = f"deltanet_rule_k{dk}_v{dv}"
+        self.step_name = f"deltanet_step_k{dk}_v{dv}"
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
@@ -169,7 +177,7 @@ class HybridForward(Forward):
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
-        names += ["deltanet_conv", self.rule_name, *self.prefill_rule_names, *self.chunked_rule_names, self.qk_name,
+        names += ["deltanet_conv", self.rule_name, self.step_name, *self.prefill_rule_names, *self.chunked_rule_names, self.qk_name,
                   self.gated_attention_name, "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
@@ -210,12 +218,20 @@ class HybridForward(Forward):
         self.matmul(b.delta, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
 
     def deltanet_core(self, layer: int, rows: int, decode: bool, stream) -> None:
-        """``proj`` -> ``core``: the conv (tail updated) and the delta rule, per lane or over one sequence."""
+        """``proj`` -> ``core``: the conv (tail updated) and the delta rule, per lane or over one sequence
+        (a decode step's in one launch with ``fused_step``)."""
         c, b, w, k = self.c, self.b, self.w, self.k
         p = f"layers.{layer}."
         seqs, seq_rows = (rows, 1) if decode else (1, rows)
         slot_floats = c.state_floats
         conv_state = b.states.at(self.state_offset[layer] * 4)
+        if decode and self.fused_step:
+            step = k[self.step_name]
+            step.launch((c.linear_num_v_heads, seqs), (step.meta["threads"],),
+                        (b.proj, b.core, conv_state, slot_floats, b.inputs.d_lanes, c.linear_num_k_heads,
+                         c.linear_num_v_heads, c.in_proj_size, w[p + "conv"], w[p + "dt_bias"], w[p + "A_log"],
+                         w[p + "linear_norm"], float(c.rms_norm_eps), b.step_tickets), stream)
+            return
         conv = k["deltanet_conv"]
         conv.launch((-(-c.conv_dim // conv.meta["threads"]), seqs), (conv.meta["threads"],),
                     (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, b.inputs.d_lanes, seq_rows,
