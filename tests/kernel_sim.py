@@ -290,6 +290,11 @@ def _cp_async16(address, source, size):
     _shared_bytes(address, 16)[:] = data
 
 
+def _prefetch_l2(ptr, index, nbytes):
+    if isinstance(ptr, Pointer):  # launched through SimKernels: a device address to check
+        _DEVICE[-1].prefetch(ptr.addr + int(index) * ptr.a.itemsize, int(nbytes))
+
+
 def _sts(address, *words):
     _shared_bytes(address, 4 * len(words)).view(np.uint32)[:] = words
 
@@ -346,7 +351,7 @@ _SIMULATED = {
     "asm_statement.<locals>.statement": _statement,
     "store_u32x4": lambda env: _store_u32x4,
     "atomic_add_i32": lambda env: _atomic_add_i32,
-    "prefetch_l2": lambda env: (lambda ptr, index, nbytes: None),
+    "prefetch_l2": lambda env: _prefetch_l2,
     "global_timer": lambda env: (lambda: np.uint64(time.monotonic_ns())),
     "copy_async_16": lambda env: _copy_async_16,
     "shared_address": lambda env: _shared_address,
@@ -527,7 +532,19 @@ class SimDevice:
     def __init__(self, nbytes: int = 64 << 20):
         self.memory = np.zeros(nbytes, np.uint8)
         self.used = 0
+        self.allocations: list[tuple[int, int]] = []  # (first address, end), for the L2 prefetches' checks
+        self.prefetched = 0  # bytes kernels asked L2 for
         _DEVICE.append(self)
+
+    def prefetch(self, addr: int, nbytes: int) -> None:
+        """``cp.async.bulk.prefetch.L2`` (a hint: nothing moves here), checked as the device would not:
+        16-byte aligned, a multiple of 16, inside one allocation."""
+        if addr % 16 or nbytes % 16 or nbytes <= 0:
+            raise ValueError(f"L2 prefetch of {nbytes} bytes at 0x{addr:x}: not 16-byte aligned")
+        if not any(first <= addr and addr + nbytes <= end for first, end in self.allocations):
+            raise ValueError(f"L2 prefetch of {nbytes} bytes at 0x{addr:x}: outside every allocation")
+        with _LOCK:
+            self.prefetched += nbytes
 
     def alloc(self, nbytes: int, label: str = ""):
         from ninfer.backends.cuda import runtime as rt
@@ -536,6 +553,7 @@ class SimDevice:
         if offset + nbytes > self.memory.size:
             raise MemoryError(f"simulated device: {label} needs {nbytes} bytes, {self.memory.size - offset} free")
         self.used = offset + max(nbytes, 1)
+        self.allocations.append((self.BASE + offset, self.BASE + offset + nbytes))
         return rt.DevicePtr(self.BASE + offset, nbytes, label)
 
     def free(self, ptr) -> None:

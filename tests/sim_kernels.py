@@ -10,8 +10,8 @@ tests/test_kernels_sim.py to judge. The cases are the decode kernels written wit
 - ``chain``: the chained norm (``Forward.chain_norm``): a residual GEMV that writes the next norm's
   input and partial sums, then the GEMVs that read them, against the normed kernels and NumPy;
 - ``moe``: ``CudaMoe`` (ninfer/backends/cuda/moe.py) over the simulated device with the routing and
-  the combine folded in or not, and the ``hold`` grouped GEMMs: bit for bit the separate launches,
-  the tickets back at zero, and the reference MoE;
+  the combine folded in or not, the ``hold`` grouped GEMMs and the experts' L2 prefetch: bit for bit
+  the separate launches, the tickets back at zero, and the reference MoE;
 - ``decode``: a whole ``Forward.decode`` step (rope, KV append, tensor-core decode attention, the
   GEMVs, sampling) with ``chain_norm`` off and on, over the simulated device and runtime.
 """
@@ -153,7 +153,9 @@ def case_chain(rows: int) -> dict:
 
 def case_moe(rows: int) -> dict:
     """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
-    of ``fold_route`` / ``fold_combine`` and the ``hold`` grouped GEMMs, over one tiny MoE layer."""
+    of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and, last, the folded routing's
+    L2 prefetch of the experts (``prefetch_budget``: the bytes it asked for, each range checked to lie
+    in its weights), over one tiny MoE layer."""
     from ninfer.artifact.bf16 import to_float32
     from ninfer.backends.cuda.moe import CudaMoe
     from ninfer.backends.reference.hybrid import HybridForward
@@ -192,9 +194,12 @@ def case_moe(rows: int) -> dict:
     held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", plain[2])  # numba_kernels/moe.py HOLD_SHAPES
     wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
     runs, launches = [], []
-    for setting in ((False, False, plain), (True, False, plain), (False, True, plain), (True, True, plain),
-                    (True, True, plain), (False, False, held), (True, True, held), (True, True, wide)):
-        moe.fold_route, moe.fold_combine, moe.decode_gemms = setting
+    budget = 1 << 20  # holds the shared expert's gate/up and every pick's at 8 rows
+    for setting in ((False, False, plain, 0), (True, False, plain, 0), (False, True, plain, 0), (True, True, plain, 0),
+                    (True, True, plain, 0), (False, False, held, 0), (True, True, held, 0), (True, True, wide, 0),
+                    (True, True, plain, budget)):
+        moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.prefetch_budget = setting
+        prefetched = gpu.device.prefetched
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
         moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
@@ -204,9 +209,12 @@ def case_moe(rows: int) -> dict:
     model = HybridForward.__new__(HybridForward)  # _moe reads only the config
     model.config = config
     h = rms_normed(x, norm_w)
+    unit = 2 * 2 * H  # gate/up bytes of one intermediate unit
     return {
         "launches": [len(run) for run in launches],
-        "held_launched": held[0] in launches[-2] and wide[0] in launches[-1],
+        "prefetched": gpu.device.prefetched - prefetched,
+        "prefetch_wanted": unit * (rows * K * config.moe_intermediate_size + config.shared_expert_intermediate_size),
+        "held_launched": held[0] in launches[-3] and wide[0] in launches[-2],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],
         "tickets_zero": bool(not gpu.get(moe.route_ticket, np.int32, (1,)).any()
                              and not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),

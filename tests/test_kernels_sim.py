@@ -3,9 +3,11 @@
 tests/kernel_sim.py completes the simulator (warp shuffles, ``mma.sync`` and our other intrinsics)
 and tests/sim_kernels.py runs each case; the simulator must be on before numba.cuda is first
 imported, so each case is a subprocess and this process never imports numba.cuda. What the GPU
-suite checks on the device (tests/cuda/test_cuda_kernels.py, test_cuda_moe.py) these check in the
-simulator: the tensor-core GEMVs against NumPy, the chained norm against the normed kernels, and the
-folded MoE launches bit for bit against the separate ones. Speed is the GPU's question.
+suite checks on the device (tests/cuda/test_cuda_kernels.py, test_cuda_moe.py, test_cuda_hybrid.py)
+these check in the simulator: the tensor-core GEMVs against NumPy, the chained norm against the
+normed kernels alone and in a whole dense decode step, the folded MoE launches and the fused DeltaNet
+step bit for bit against the separate ones, alone and in a whole hybrid decode step. Speed is the
+GPU's question.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,12 +25,25 @@ pytest.importorskip("numba")
 
 SCRIPT = Path(__file__).resolve().parent / "sim_kernels.py"
 TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums in float64
+# Every (case, rows) the tests below ask for: the first test to ask starts them all, as many at once
+# as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
+CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 8), ("decode", 3), ("decode", 8),
+         ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3)]
+_runs: dict = {}
+
+
+def _run(case: str, rows: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), case, "--rows", str(rows)], env=env, capture_output=True,
+                          text=True, timeout=900)
 
 
 def simulate(case: str, rows: int) -> dict:
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    run = subprocess.run([sys.executable, str(SCRIPT), case, "--rows", str(rows)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    if not _runs:
+        pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2)
+        _runs.update({key: pool.submit(_run, *key) for key in CASES})
+        pool.shutdown(wait=False)
+    run = _runs[case, rows].result()
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -53,12 +69,13 @@ def test_chained_norm_matches_the_normed_kernels(rows):
 
 
 def test_folded_moe_launches_are_the_separate_ones_bit_for_bit():
-    """``CudaMoe.fold_route`` / ``fold_combine`` and the ``hold`` grouped GEMMs (8 rows: a full chunk of
-    pairs): the MoE added into the residual stream, the normalised rows and the picks equal the
-    five-launch path's, launch after launch (the tickets reset themselves), in three launches with
-    both folds."""
+    """``CudaMoe.fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and the routing's L2 prefetch
+    (8 rows: a full chunk of pairs): the MoE added into the residual stream, the normalised rows and
+    the picks equal the five-launch path's, launch after launch (the tickets reset themselves), in
+    three launches with both folds."""
     result = simulate("moe", 8)
-    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3]
+    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3, 3]
+    assert result["prefetched"] == result["prefetch_wanted"] > 0  # the last run's: shared and picked gate/up
     assert result["held_launched"]
     assert all(result["identical"]), result["identical"]
     assert result["tickets_zero"]

@@ -5,8 +5,8 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--batches 1,4,8] [--context 512] [--prefill-rows 512]
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
-                                     [--fused-step-ablation] [--moe-gemms-ablation 'GATE_UP,DOWN;...']
-                                     [--chunked-rule-ablation]
+                                     [--fused-step-ablation] [--prefetch-ablation BYTES]
+                                     [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -209,9 +209,10 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
               " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
               flush=True)
-    for key, label, target, option, value in ablations(args, runner.forward):  # the same steps again
-        was = getattr(target, option)
-        setattr(target, option, value)
+    for key, label, settings in ablations(args, runner.forward):  # the same steps again
+        was = [(target, option, getattr(target, option)) for target, option, _ in settings]
+        for target, option, value in settings:
+            setattr(target, option, value)
         recapture(runner)
         report[key] = []
         for batch in batches:
@@ -219,7 +220,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
             report[key].append(r)
             print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s, {pct_roofline:.1f}% of "
                   "roofline".format(**r), flush=True)
-        setattr(target, option, was)
+        for target, option, value in was:
+            setattr(target, option, value)
         recapture(runner)
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
@@ -245,28 +247,32 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
 
 
 def ablations(args, forward) -> list[tuple]:
-    """The variants of the step asked for: (report key, label, object, attribute, value to set)."""
+    """The variants of the step asked for: (report key, label, [(object, attribute, value to set), ...])."""
     moe = forward.moe
     chosen = []
     if args.overlap_ablation:  # launches that do not overlap (Forward.overlap off)
-        chosen.append(("decode_not_overlapped", "launches not overlapped", forward, "overlap", False))
+        chosen.append(("decode_not_overlapped", "launches not overlapped", [(forward, "overlap", False)]))
     if args.fused_step_ablation:  # HybridForward.fused_step flipped: the decode conv and delta rule in one launch
         value = not forward.fused_step
         forward.k[forward.step_name]  # loaded now: not during capture
-        chosen.append((f"decode_fused_step_{value}", f"fused_step {value}", forward, "fused_step", value))
+        chosen.append((f"decode_fused_step_{value}", f"fused_step {value}", [(forward, "fused_step", value)]))
     for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
         option = f"fold_{fold}"
         if getattr(args, f"{option}_ablation") and moe is not None:
             value = not getattr(moe, option)
-            chosen.append((f"decode_{option}_{value}", f"MoE {option} {value}", moe, option, value))
+            chosen.append((f"decode_{option}_{value}", f"MoE {option} {value}", [(moe, option, value)]))
+    if args.prefetch_ablation and moe is not None:  # the folded routing asks L2 for the experts' gate/up
+        chosen.append((f"decode_prefetch_{args.prefetch_ablation}", f"MoE fold_route + prefetch "
+                       f"{args.prefetch_ablation} bytes", [(moe, "fold_route", True),
+                                                         (moe, "prefetch_budget", args.prefetch_ablation)]))
     for pair in filter(None, args.moe_gemms_ablation.split(";")):  # other grouped decode GEMMs: gate_up,down
         if moe is None:
             break
         gate_up, down = pair.split(",")
         for name in (gate_up, down, combine_gemm(down)):
             forward.k[name]  # loaded now: not during capture
-        chosen.append((f"decode_moe_gemms_{gate_up}_{down}", f"MoE GEMMs {gate_up} {down}", moe, "decode_gemms",
-                       (gate_up, down, moe.decode_gemms[2])))
+        chosen.append((f"decode_moe_gemms_{gate_up}_{down}", f"MoE GEMMs {gate_up} {down}",
+                       [(moe, "decode_gemms", (gate_up, down, moe.decode_gemms[2]))]))
     return chosen
 
 
@@ -384,6 +390,9 @@ def main(argv=None) -> int:
                         help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
     parser.add_argument("--fused-step-ablation", action="store_true",
                         help="decode again with the DeltaNet conv and delta rule in one launch (or two, if one)")
+    parser.add_argument("--prefetch-ablation", type=int, default=0, metavar="BYTES",
+                        help="decode again with the MoE's routing folded in and asking L2 for the experts' gate/up "
+                             "weights where they fit in BYTES (CudaMoe.prefetch_budget)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
                         help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
