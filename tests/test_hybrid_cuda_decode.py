@@ -40,6 +40,15 @@ CONFIGS = {
 MAX_BATCH = 8
 
 
+def decode_launches(fwd, rows: int) -> list[str]:
+    """The kernels a decode step of ``rows`` rows launches, in order; each one ``kernel_names()`` preloads."""
+    fwd.k.log.clear()
+    fwd.decode(rows, None)
+    launched = [kernel.name for kernel, _, _ in fwd.k.log]
+    assert set(launched) <= set(fwd.kernel_names())
+    return launched
+
+
 def forward(config, kv_dtype="bf16"):
     device = FakeDevice()
     buffers = hf.HybridBuffers(device, config, page_size=16, num_pages=8, max_batch=MAX_BATCH, max_context=128,
@@ -125,12 +134,8 @@ def test_folded_routing_replaces_the_route_launch():
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     fwd.moe.fold_route = True
-    preloaded = set(fwd.kernel_names())
     for rows in (1, 5, 8):
-        fwd.k.log.clear()
-        fwd.decode(rows, None)
-        launched = [kernel.name for kernel, _, _ in fwd.k.log]
-        assert set(launched) <= preloaded
+        launched = decode_launches(fwd, rows)
         assert launched.count("moe_router_route") == config.num_layers
         assert "moe_route" not in launched and moe.ROUTER_NORMED_DECODE_GEMM not in launched
         for i, (kernel, grid, args) in enumerate(fwd.k.log):
@@ -146,12 +151,8 @@ def test_folded_combine_replaces_the_combine_launch():
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     fwd.moe.fold_combine = True
-    preloaded = set(fwd.kernel_names())
     for rows in (1, 8):
-        fwd.k.log.clear()
-        fwd.decode(rows, None)
-        launched = [kernel.name for kernel, _, _ in fwd.k.log]
-        assert set(launched) <= preloaded
+        launched = decode_launches(fwd, rows)
         assert launched.count(moe.DOWN_COMBINE_GEMM) == config.num_layers
         assert "moe_combine_residual" not in launched and moe.DECODE_GEMMS[1] not in launched
         for kernel, grid, args in fwd.k.log:
@@ -170,15 +171,15 @@ def test_fused_step_replaces_the_conv_and_rule_launches(name):
     fwd = forward(config)
     fwd.fused_step = True
     assert fwd.b.step_tickets.nbytes >= MAX_BATCH * config.linear_num_k_heads * 4
-    preloaded = set(fwd.kernel_names())
     for rows in (1, 8):
-        fwd.k.log.clear()
-        fwd.decode(rows, None)
-        launched = [kernel.name for kernel, _, _ in fwd.k.log]
-        assert set(launched) <= preloaded
+        launched = decode_launches(fwd, rows)
         assert launched.count(fwd.step_name) == config.layer_types.count(LINEAR)
         assert "deltanet_conv" not in launched and fwd.rule_name not in launched
         for kernel, grid, args in fwd.k.log:
             if kernel.name == fwd.step_name:
                 assert grid == (config.linear_num_v_heads, rows)
                 assert args[0] is fwd.b.proj and args[1] is fwd.b.core and args[-1] is fwd.b.step_tickets
+    fwd.k.log.clear()
+    fwd.layers(20, None)  # a prefill chunk
+    launched = [kernel.name for kernel, _, _ in fwd.k.log]
+    assert "deltanet_conv" in launched and fwd.step_name not in launched
