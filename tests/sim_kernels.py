@@ -263,7 +263,8 @@ def case_decode(rows: int) -> dict:
             "tokens_equal": bool(np.array_equal(on["tokens"], off["tokens"])),
             "greedy": bool(np.array_equal(off["tokens"], off["logits"].argmax(axis=1))),
             "kv_equal": bool(np.array_equal(on["kv"], off["kv"])), "kv_written": bool((off["kv"] != kv_before).any()),
-            "seconds": {name: round(t, 1) for name, t in sorted(gpu.kernels.seconds.items(), key=lambda kv: -kv[1])[:5]}}
+            "seconds": dict(sorted(((name, round(t, 1)) for name, t in gpu.kernels.seconds.items()),
+                                   key=lambda item: -item[1])[:5])}
 
 
 def case_deltanet_step(rows: int) -> dict:

@@ -175,7 +175,7 @@ def test_fused_step_is_conv_then_rule_bit_for_bit(nk, nv):
     lanes = gpu.put(np.array([2, 0, 3], np.int32))
     states = (rng.standard_normal(slots * slot) * 0.1).astype(np.float32)
     conv_w = gpu.put(rng.standard_normal(conv_dim * 4).astype(np.float32))
-    dt_bias, a_log = gpu.put(rng.standard_normal(nv).astype(np.float32)), gpu.put(rng.standard_normal(nv).astype(np.float32))
+    dt_bias, a_log = (gpu.put(rng.standard_normal(nv).astype(np.float32)) for _ in range(2))
     norm, tickets = gpu.put(rng.standard_normal(DH).astype(np.float32)), gpu.put(np.zeros(rows * nk, np.int32))
     projs = [gpu.put(rng.standard_normal((rows, in_size)).astype(np.float32)) for _ in range(2)]
     runs = []
