@@ -30,8 +30,8 @@ import math
 
 from numba import cuda, float32, int32, int64
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, block_sum, grid_dependency_wait, launch_dependents,
-                                  warp_sum)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, block_sum, grid_dependency_wait, last_to_finish,
+                                  launch_dependents, warp_sum)
 from numba_kernels.deltanet import sigmoid
 from numba_kernels.rope import load_bf16, load_f32, store_bf16, store_f32
 
@@ -89,13 +89,18 @@ def make_qk_rope(store):
     return qk_rope
 
 
-def make_attention(D, load):
+def make_attention(D, load, merged: bool = False):
+    """``gated_attention_d{D}``; ``merged``: ``gated_attention_merged_d{D}``, whose last block of each
+    (row, head) to finish its split (a ticket in ``tickets[row * n_heads + head]``, zero between
+    launches) merges the row's splits with the gate as ``gated_combine`` does, bit for bit: one launch
+    a decode attention layer fewer (three more arguments, ``out, gate, tickets``)."""
     E = D // 32  # dims per lane
 
-    def attention(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
-                  n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
-        launch_dependents()  # programmatic dependent launch: common.py
-        grid_dependency_wait()
+    @cuda.jit(device=True, inline=True)
+    def partials(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
+                 n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
+        """The block's split of keys into its cell of ``part_o`` / ``part_ml``; False if the split is
+        past the row's keys (the block has nothing to do)."""
         sh_m = cuda.shared.array(WARPS, float32)
         sh_l = cuda.shared.array(WARPS, float32)
         sh_o = cuda.shared.array((WARPS, D), float32)
@@ -108,7 +113,7 @@ def make_attention(D, load):
         split_len = split_ptr[0]
         start = split * split_len
         if start >= length:
-            return
+            return False
         end = min(start + split_len, length)
         kvh = h // (n_heads // n_kv)
         q = cuda.local.array(E, float32)
@@ -157,19 +162,45 @@ def make_attention(D, load):
             if d == 0:
                 part_ml[cell * 2] = mm
                 part_ml[cell * 2 + 1] = ll
+        return True
 
-    return attention
+    if not merged:
+        def attention(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
+                      n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
+            launch_dependents()  # programmatic dependent launch: common.py
+            grid_dependency_wait()
+            partials(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
+                     n_heads, n_kv, page_shift, split_ptr, n_splits, scale)
+
+        return attention
+
+    def attention_merged(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
+                         n_heads, n_kv, page_shift, split_ptr, n_splits, scale, out, gate, tickets):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        if not partials(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
+                        n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
+            return  # no ticket: the row's splits are those with keys
+        h = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        active = splits_with_keys(positions[row], split_ptr[0], n_splits)
+        if last_to_finish(tickets, row * n_heads + h, active):  # every split's partial is out
+            for d in range(cuda.threadIdx.x, D, WARPS * 32):
+                merge_splits(out, gate, part_o, part_ml, row, h, active, n_heads, n_splits, D, d)
+
+    return attention_merged
 
 
-def gated_combine(out, gate, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_ptr):
-    launch_dependents()  # programmatic dependent launch: common.py
-    grid_dependency_wait()
-    h = cuda.blockIdx.x
-    row = cuda.blockIdx.y
-    d = cuda.threadIdx.x
+@cuda.jit(device=True, inline=True)
+def splits_with_keys(position, split_len, n_splits):
+    """The splits of a row whose last key is at ``position`` that hold keys."""
+    return min(n_splits, (position + split_len) // split_len)
+
+
+@cuda.jit(device=True, inline=True)
+def merge_splits(out, gate, part_o, part_ml, row, h, active, n_heads, n_splits, head_dim, d):
+    """Dim ``d`` of (row, head): the ``active`` splits' partials merged, times ``sigmoid(gate)``."""
     cell0 = (row * n_heads + h) * n_splits
-    split_len = split_ptr[0]
-    active = min(n_splits, (positions[row] + split_len) // split_len)
     mm = NEG_BIG
     ll = float32(0.0)
     oo = float32(0.0)
@@ -185,6 +216,15 @@ def gated_combine(out, gate, part_o, part_ml, positions, n_heads, n_splits, head
             mm = m_new
     index = (row * n_heads + h) * head_dim + d
     out[index] = oo / ll * sigmoid(gate[index])
+
+
+def gated_combine(out, gate, part_o, part_ml, positions, n_heads, n_splits, head_dim, split_ptr):
+    launch_dependents()  # programmatic dependent launch: common.py
+    grid_dependency_wait()
+    row = cuda.blockIdx.y
+    active = splits_with_keys(positions[row], split_ptr[0], n_splits)
+    merge_splits(out, gate, part_o, part_ml, row, cuda.blockIdx.x, active, n_heads, n_splits, head_dim,
+                 cuda.threadIdx.x)
 
 
 def sigmoid_gate(out, x, gate, count):
@@ -209,7 +249,9 @@ KERNELS = {
     "sigmoid_gate": (sigmoid_gate, (F32P, F32P, F32P, int32)),
 }
 for _d in HEAD_DIMS:
-    KERNELS[f"gated_attention_d{_d}_bf16"] = (make_attention(_d, load_bf16), _attention_signature(U16P),
-                                              {"threads": WARPS * 32, "grid_wait": 1})
-    KERNELS[f"gated_attention_d{_d}_f32"] = (make_attention(_d, load_f32), _attention_signature(F32P),
-                                             {"threads": WARPS * 32, "grid_wait": 1})
+    for _pool, _load, _ptr in (("bf16", load_bf16, U16P), ("f32", load_f32, F32P)):
+        KERNELS[f"gated_attention_d{_d}_{_pool}"] = (make_attention(_d, _load), _attention_signature(_ptr),
+                                                     {"threads": WARPS * 32, "grid_wait": 1})
+        KERNELS[f"gated_attention_merged_d{_d}_{_pool}"] = (
+            make_attention(_d, _load, merged=True), _attention_signature(_ptr) + (F32P, F32P, I32P),
+            {"threads": WARPS * 32, "grid_wait": 1})

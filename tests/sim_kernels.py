@@ -343,8 +343,8 @@ def random_bits(rng, raw: np.ndarray) -> None:
 
 def case_hybrid_decode(rows: int) -> dict:
     """A whole ``HybridForward.decode`` step (a DeltaNet and a gated-attention layer, each MLP a MoE)
-    with ``fused_step``, ``fold_route`` and ``fold_combine`` off, then all on: the same states, KV
-    appends, hidden states, logits and tokens bit for bit, in fewer launches."""
+    with ``fused_step``, ``merged_attention``, ``fold_route`` and ``fold_combine`` off, then all on:
+    the same states, KV appends, hidden states, logits and tokens bit for bit, in fewer launches."""
     import attrs
 
     from ninfer.backends.cuda import hybrid_forward as hf
@@ -372,7 +372,7 @@ def case_hybrid_decode(rows: int) -> dict:
     runs = []
     for fused, folds in ((False, False), (True, True)):
         kv[:], states[:] = kv_before, states_before
-        forward.fused_step = fused
+        forward.fused_step = forward.merged_attention = fused
         forward.moe.fold_route = forward.moe.fold_combine = folds
         first = len(gpu.kernels.launches)
         forward.decode(rows, None, depth)
@@ -388,7 +388,8 @@ def case_hybrid_decode(rows: int) -> dict:
             "kv_written": bool((base["kv"] != kv_before).any()),
             "greedy": bool(np.array_equal(base["tokens"], base["logits"].argmax(axis=1))),
             "finite": bool(np.isfinite(base["logits"]).all()),
-            "tickets_zero": bool(not gpu.get(buffers.step_tickets, np.int32, (8 * config.linear_num_k_heads,)).any())}
+            "tickets_zero": bool(not gpu.get(buffers.step_tickets, np.int32, (8 * config.linear_num_k_heads,)).any()
+                                 and not gpu.get(buffers.attention_tickets, np.int32, (8 * config.num_heads,)).any())}
 
 
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "decode": case_decode,

@@ -183,3 +183,22 @@ def test_fused_step_replaces_the_conv_and_rule_launches(name):
     fwd.layers(20, None)  # a prefill chunk
     launched = [kernel.name for kernel, _, _ in fwd.k.log]
     assert "deltanet_conv" in launched and fwd.step_name not in launched
+
+
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_merged_attention_replaces_the_combine_launch(name):
+    """With ``HybridForward.merged_attention`` a decode attention layer launches
+    ``gated_attention_merged`` over the attention's grid, writing ``attn`` from the gate with a ticket
+    per (lane, query head), and no ``gated_combine``."""
+    config = CONFIGS[name]
+    fwd = forward(config)
+    fwd.merged_attention = True
+    assert fwd.b.attention_tickets.nbytes >= MAX_BATCH * config.num_heads * 4
+    for rows in (1, 8):
+        launched = decode_launches(fwd, rows)
+        assert launched.count(fwd.merged_attention_name) == config.layer_types.count(FULL)
+        assert "gated_combine" not in launched and fwd.gated_attention_name not in launched
+        for kernel, grid, args in fwd.k.log:
+            if kernel.name == fwd.merged_attention_name:
+                assert grid[:2] == (config.num_heads, rows)
+                assert args[-3:] == (fwd.b.attn, fwd.b.gate, fwd.b.attention_tickets)

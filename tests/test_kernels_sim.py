@@ -107,10 +107,11 @@ def test_fused_deltanet_step_is_conv_then_rule_bit_for_bit(rows):
 
 
 def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():
-    """A whole hybrid decode step (DeltaNet and gated attention, MoE MLPs) with ``fused_step`` and both
-    MoE folds: five launches fewer, the same states, KV, hidden states, logits and tokens bit for bit."""
+    """A whole hybrid decode step (DeltaNet and gated attention, MoE MLPs) with ``fused_step``,
+    ``merged_attention`` and both MoE folds: six launches fewer, the same states, KV, hidden states,
+    logits and tokens bit for bit."""
     result = simulate("hybrid_decode", 3)
-    assert result["launches"][0] - result["launches"][1] == 5  # the conv, and two a MoE layer
+    assert result["launches"][0] - result["launches"][1] == 6  # the conv, the combine, and two a MoE layer
     assert all(result["identical"])
     for check in ("states_moved", "kv_written", "greedy", "finite", "tickets_zero"):
         assert result[check], check

@@ -5,7 +5,8 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--batches 1,4,8] [--context 512] [--prefill-rows 512]
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
-                                     [--fused-step-ablation] [--prefetch-ablation BYTES]
+                                     [--fused-step-ablation] [--merged-attention-ablation]
+                                     [--prefetch-ablation BYTES]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
@@ -256,6 +257,11 @@ def ablations(args, forward) -> list[tuple]:
         value = not forward.fused_step
         forward.k[forward.step_name]  # loaded now: not during capture
         chosen.append((f"decode_fused_step_{value}", f"fused_step {value}", [(forward, "fused_step", value)]))
+    if args.merged_attention_ablation:  # HybridForward.merged_attention flipped: no gated_combine launch
+        value = not forward.merged_attention
+        forward.k[forward.merged_attention_name]  # loaded now: not during capture
+        chosen.append((f"decode_merged_attention_{value}", f"merged_attention {value}",
+                       [(forward, "merged_attention", value)]))
     for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
         option = f"fold_{fold}"
         if getattr(args, f"{option}_ablation") and moe is not None:
@@ -390,6 +396,8 @@ def main(argv=None) -> int:
                         help="decode again with the MoE's combine folded into its down GEMM (or not, if it is)")
     parser.add_argument("--fused-step-ablation", action="store_true",
                         help="decode again with the DeltaNet conv and delta rule in one launch (or two, if one)")
+    parser.add_argument("--merged-attention-ablation", action="store_true",
+                        help="decode again with the gated attention merging its own splits (or not, if it does)")
     parser.add_argument("--prefetch-ablation", type=int, default=0, metavar="BYTES",
                         help="decode again with the MoE's routing folded in and asking L2 for the experts' gate/up "
                              "weights where they fit in BYTES (CudaMoe.prefetch_budget)")

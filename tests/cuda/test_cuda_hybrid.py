@@ -383,6 +383,36 @@ def test_greedy_256_tokens_alone_and_batched_match_the_reference(greedy_artifact
         cuda.close()
 
 
+def test_every_decode_fusion_gives_the_same_tokens(greedy_artifact):
+    """``fused_step``, ``merged_attention`` and, on a MoE model, ``fold_route`` / ``fold_combine`` (set
+    before the decode graphs are captured): the greedy tokens of four lanes over 64 steps are those of
+    the unfused runner (the simulator finds each step's values bit for bit the same; the GPU's test is
+    that nothing there breaks them: tickets, fences, the order of blocks)."""
+    from ninfer.backends.cuda import moe
+    from ninfer.backends.cuda.hybrid_forward import HybridForward
+
+    _, plain = _runners(greedy_artifact)
+    try:
+        prompts = {lane: _prompt(lane, 20 + 9 * lane, plain.info.vocab_size) for lane in range(BATCH)}
+        want = _generate(plain, list(range(BATCH)), prompts, 64)
+    finally:
+        plain.close()
+    fusions = [(HybridForward, "fused_step"), (HybridForward, "merged_attention"), (moe.CudaMoe, "fold_route"),
+               (moe.CudaMoe, "fold_combine")]
+    defaults = [getattr(owner, option) for owner, option in fusions]
+    for owner, option in fusions:
+        setattr(owner, option, True)
+    try:
+        _, fused = _runners(greedy_artifact)
+    finally:
+        for (owner, option), value in zip(fusions, defaults):
+            setattr(owner, option, value)
+    try:
+        assert _generate(fused, list(range(BATCH)), prompts, 64) == want
+    finally:
+        fused.close()
+
+
 # -- through the Engine -------------------------------------------------------------------------
 
 def _engine_driver(artifact, **kw):

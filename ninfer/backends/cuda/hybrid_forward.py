@@ -41,7 +41,7 @@ from ninfer.backends.cuda.forward import (KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_
                                           tensor_core_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
-from ninfer.models.hybrid import DENSE, LINEAR, MOE, HybridConfig
+from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig
 
 # The variants numba_kernels/deltanet.py and gated_attention.py build (PTX in ptx/).
 CONV_KERNEL = 4
@@ -120,6 +120,8 @@ class HybridBuffers:
             plan["chunks"] = chunks * c.linear_num_v_heads * deltanet_chunk_floats(c) * f32
         if LINEAR in c.layer_types:  # deltanet_step's tickets, one a (lane, key head), zero between launches
             plan["step_tickets"] = max_batch * c.linear_num_k_heads * 4
+        if FULL in c.layer_types:  # gated_attention_merged's, one a (lane, query head)
+            plan["attention_tickets"] = max_batch * c.num_heads * 4
         if MOE in c.mlp_types:
             plan["moe"] = moe.CudaMoe.scratch_bytes(c, R)
         if tensor_core_prefill:
@@ -133,8 +135,8 @@ class HybridBuffers:
         rt.copy_h2d(self.cos, self._tables[0], stream)
         rt.copy_h2d(self.sin, self._tables[1], stream)
         regions = (self.counts, self.kv, self.states) + tuple(
-            getattr(self, name) for name in ("step_tickets", "moe") if hasattr(self, name))
-        for region in regions:  # the tickets (deltanet_step's, the MoE scratch's) must start at zero
+            getattr(self, name) for name in ("step_tickets", "attention_tickets", "moe") if hasattr(self, name))
+        for region in regions:  # the tickets (the fused kernels', the MoE scratch's) must start at zero
             rt.memset32(region, 0, region.nbytes // 4, stream)
         rt.synchronize(stream)
         self._tables = None
@@ -152,6 +154,10 @@ class HybridForward(Forward):
     # (``deltanet_conv`` + ``deltanet_rule``): bit for bit the same (tests/test_kernels_sim.py). Off until
     # timed on the GPU (tools/gpu_bench_hybrid.py --fused-step-ablation).
     fused_step = False
+    # A decode step's gated attention and its split merge in one launch (``gated_attention_merged``: the
+    # last split of each (row, head) merges, as ``gated_combine`` would): bit for bit the pair in the
+    # simulator. Off until timed on the GPU (tools/gpu_bench_hybrid.py --merged-attention-ablation).
+    merged_attention = False
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -164,6 +170,7 @@ class HybridForward(Forward):
         self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
+        self.merged_attention_name = f"gated_attention_merged_d{c.head_dim}_{kv_dtype}"
         # Prefill attention on the tensor cores where a variant exists (bf16 pool; forward.PREFILL_ATTENTION).
         flash = PREFILL_ATTENTION.get(c.head_dim, f"prefill_attention_d{c.head_dim}")
         self.flash_name = flash if kv_dtype == "bf16" and flash in kernels.entries else None
@@ -178,7 +185,7 @@ class HybridForward(Forward):
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
         names += ["deltanet_conv", self.rule_name, self.step_name, *self.prefill_rule_names, *self.chunked_rule_names,
-                  self.qk_name, self.gated_attention_name, "gated_combine"]
+                  self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
@@ -308,11 +315,15 @@ class HybridForward(Forward):
         c, b, k, inp = self.c, self.b, self.k, self.b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         n_splits = self.n_splits(rows, decode)
+        args = (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
+                b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits, self.scale)
+        if decode and self.merged_attention:  # each (row, head)'s last split merges them: no combine launch
+            attention = k[self.merged_attention_name]
+            attention.launch((H, rows, n_splits), (attention.meta["threads"],),
+                             args + (b.attn, b.gate, b.attention_tickets), stream)
+            return
         attention = k[self.gated_attention_name]
-        attention.launch(
-            (H, rows, n_splits), (attention.meta["threads"],),
-            (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
-             b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits, self.scale), stream)
+        attention.launch((H, rows, n_splits), (attention.meta["threads"],), args, stream)
         k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
                                                     n_splits, D, inp.d_split), stream)
 
