@@ -166,10 +166,6 @@ def _local_array(self, shape, dtype, alignment=None):
 
 # -- bit patterns ------------------------------------------------------------------------------------
 
-def _f32(value) -> np.float32:
-    return np.float32(value)
-
-
 def int_as_float(value):
     return np.array([int(value) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
 
