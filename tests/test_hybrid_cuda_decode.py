@@ -162,43 +162,41 @@ def test_folded_combine_replaces_the_combine_launch():
                 assert fwd.moe.combine_tickets.nbytes >= grid[0] * 4
 
 
+# HybridForward's decode fusions: option -> (its kernel's name attribute, the launches it replaces, the layers
+# that launch it, its grid's first dimension, its tickets' region and their count a lane, (argument
+# index, buffer) pairs it must be given).
+FUSED_KERNELS = {
+    "fused_step": ("step_name", ("deltanet_conv", "rule_name"), LINEAR, "linear_num_v_heads", "step_tickets",
+                   "linear_num_k_heads", ((0, "proj"), (1, "core"), (-1, "step_tickets"))),
+    "merged_attention": ("merged_attention_name", ("gated_combine", "gated_attention_name"), FULL, "num_heads",
+                         "attention_tickets", "num_heads", ((-3, "attn"), (-2, "gate"), (-1, "attention_tickets"))),
+}
+
+
+@pytest.mark.parametrize("option", sorted(FUSED_KERNELS))
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
-def test_fused_step_replaces_the_conv_and_rule_launches(name):
-    """With ``HybridForward.fused_step`` a decode DeltaNet layer runs its conv and delta rule as one
-    ``deltanet_step`` over the rule's grid (value heads x rows), reading the projection and writing
-    ``core`` as the pair did, with a ticket per (lane, key head) in the buffers; prefill keeps the pair."""
+def test_fused_decode_kernels_replace_their_launches(name, option):
+    """``fused_step``: a decode DeltaNet layer runs its conv and delta rule as one ``deltanet_step`` over
+    the rule's grid (value heads x rows), from the projection into ``core``, a ticket per (lane, key
+    head); ``merged_attention``: a decode attention layer runs ``gated_attention_merged`` over the
+    attention's grid into ``attn`` with the gate, a ticket per (lane, query head), no
+    ``gated_combine``. Prefill never launches them."""
+    kernel_attr, replaced, kind, heads, tickets, per_lane, wiring = FUSED_KERNELS[option]
     config = CONFIGS[name]
     fwd = forward(config)
-    fwd.fused_step = True
-    assert fwd.b.step_tickets.nbytes >= MAX_BATCH * config.linear_num_k_heads * 4
+    setattr(fwd, option, True)
+    fused = getattr(fwd, kernel_attr)
+    replaced = [getattr(fwd, r, r) for r in replaced]  # attribute names, or kernel names as they are
+    assert getattr(fwd.b, tickets).nbytes >= MAX_BATCH * getattr(config, per_lane) * 4
     for rows in (1, 8):
         launched = decode_launches(fwd, rows)
-        assert launched.count(fwd.step_name) == config.layer_types.count(LINEAR)
-        assert "deltanet_conv" not in launched and fwd.rule_name not in launched
+        assert launched.count(fused) == config.layer_types.count(kind)
+        assert not set(replaced) & set(launched)
         for kernel, grid, args in fwd.k.log:
-            if kernel.name == fwd.step_name:
-                assert grid == (config.linear_num_v_heads, rows)
-                assert args[0] is fwd.b.proj and args[1] is fwd.b.core and args[-1] is fwd.b.step_tickets
+            if kernel.name == fused:
+                assert grid[:2] == (getattr(config, heads), rows)
+                assert all(args[at] is getattr(fwd.b, buffer) for at, buffer in wiring)
     fwd.k.log.clear()
     fwd.layers(20, None)  # a prefill chunk
     launched = [kernel.name for kernel, _, _ in fwd.k.log]
-    assert "deltanet_conv" in launched and fwd.step_name not in launched
-
-
-@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
-def test_merged_attention_replaces_the_combine_launch(name):
-    """With ``HybridForward.merged_attention`` a decode attention layer launches
-    ``gated_attention_merged`` over the attention's grid, writing ``attn`` from the gate with a ticket
-    per (lane, query head), and no ``gated_combine``."""
-    config = CONFIGS[name]
-    fwd = forward(config)
-    fwd.merged_attention = True
-    assert fwd.b.attention_tickets.nbytes >= MAX_BATCH * config.num_heads * 4
-    for rows in (1, 8):
-        launched = decode_launches(fwd, rows)
-        assert launched.count(fwd.merged_attention_name) == config.layer_types.count(FULL)
-        assert "gated_combine" not in launched and fwd.gated_attention_name not in launched
-        for kernel, grid, args in fwd.k.log:
-            if kernel.name == fwd.merged_attention_name:
-                assert grid[:2] == (config.num_heads, rows)
-                assert args[-3:] == (fwd.b.attn, fwd.b.gate, fwd.b.attention_tickets)
+    assert fused not in launched
