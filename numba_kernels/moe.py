@@ -462,7 +462,7 @@ PREFETCH_PIECE = 1 << 15  # bytes a ``prefetch_l2`` of the experts' weights asks
 def prefetch_share(w, first, nbytes, parts, part):
     """Ask L2 for share ``part`` of ``parts`` of bytes ``[first, first + nbytes)`` of ``w`` (a 16-byte
     aligned u64 pointer; ``first`` and ``nbytes`` multiples of 16), in pieces of PREFETCH_PIECE."""
-    share = (nbytes // parts + 15) // 16 * 16
+    share = ((nbytes + parts - 1) // parts + 15) // 16 * 16  # parts * share covers every byte
     at = first + int64(part) * share
     end = min(at + share, first + nbytes)
     while at < end:

@@ -27,7 +27,7 @@ SCRIPT = Path(__file__).resolve().parent / "sim_kernels.py"
 TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums in float64
 # Every (case, rows) the tests below ask for: the first test to ask starts them all, as many at once
 # as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
-CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 8), ("decode", 3), ("decode", 8),
+CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("decode", 3), ("decode", 8),
          ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3)]
 _runs: dict = {}
 
@@ -68,12 +68,13 @@ def test_chained_norm_matches_the_normed_kernels(rows):
         assert err < TOL, (name, err)
 
 
-def test_folded_moe_launches_are_the_separate_ones_bit_for_bit():
+@pytest.mark.parametrize("rows", [3, 8])
+def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
     """``CudaMoe.fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and the routing's L2 prefetch
-    (8 rows: a full chunk of pairs): the MoE added into the residual stream, the normalised rows and
-    the picks equal the five-launch path's, launch after launch (the tickets reset themselves), in
-    three launches with both folds."""
-    result = simulate("moe", 8)
+    (8 rows: a full chunk of pairs; 3: six picks, whose prefetch shares do not divide a matrix evenly):
+    the MoE added into the residual stream, the normalised rows and the picks equal the five-launch
+    path's, launch after launch (the tickets reset themselves), in three launches with both folds."""
+    result = simulate("moe", rows)
     assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3, 3]
     assert result["prefetched"] == result["prefetch_wanted"] > 0  # the last run's: shared and picked gate/up
     assert result["held_launched"]
