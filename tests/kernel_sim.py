@@ -38,6 +38,7 @@ assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "import with NUMBA_ENABLE_
 assert "numba_kernels.common" not in sys.modules, "install() must run before numba_kernels is imported"
 
 import numba.cuda.extending as _extending  # noqa: E402
+from ninfer.artifact.bf16 import from_float32, to_float32  # noqa: E402
 from numba.cuda import libdevice as _libdevice  # noqa: E402
 from numba.cuda.simulator import kernelapi as _kernelapi  # noqa: E402
 
@@ -174,17 +175,9 @@ def float_as_int(value):
     return np.array([value], np.float32).view(np.int32)[0]
 
 
-def bf16_bits(value) -> int:
-    """float32 -> bf16 bits, round to nearest even (``cvt.rn.bf16``; NaN stays NaN)."""
-    bits = int(np.array([value], np.float32).view(np.uint32)[0])
-    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x007FFFFF:
-        return (bits >> 16) | 0x40
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-
-
 def _bf16_pair(word) -> tuple[float, float]:
     word = int(word) & 0xFFFFFFFF
-    return float(int_as_float((word & 0xFFFF) << 16)), float(int_as_float(word & 0xFFFF0000))
+    return tuple(float(v) for v in to_float32(np.array([word & 0xFFFF, word >> 16], np.uint16)))
 
 
 # -- tensor cores ------------------------------------------------------------------------------------
@@ -215,7 +208,9 @@ def mma_bf16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 def pack_bf16x2(lo, hi):
-    return np.uint32(bf16_bits(lo) | (bf16_bits(hi) << 16))
+    """``cvt.rn.bf16x2.f32``: round to nearest even, as the artifact converter does (NaN stays NaN)."""
+    bits = from_float32(np.array([lo, hi], np.float32))
+    return np.uint32(int(bits[0]) | int(bits[1]) << 16)
 
 
 def _movmatrix_combine(posted):

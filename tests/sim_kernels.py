@@ -32,6 +32,8 @@ import kernel_sim  # noqa: E402
 
 kernel_sim.install()
 
+from ninfer.backends.reference.forward import rms_norm, silu  # noqa: E402
+
 EPS = np.float32(1e-6)
 
 
@@ -62,12 +64,8 @@ def put_weights(gpu, rng, layout: dict) -> dict:
 
 
 def rms_normed(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + float(EPS)) * weight
-
-
-def silu(v: np.ndarray) -> np.ndarray:
-    return v / (1 + np.exp(-v))
+    """The reference backend's RMSNorm, in float64 (the kernels' fp32 sums are compared against it)."""
+    return rms_norm(x.astype(np.float64), weight, float(EPS))
 
 
 def gemv(gpu, name: str, x: np.ndarray, bits: np.ndarray, norm: np.ndarray, y0: np.ndarray, n: int,
@@ -173,8 +171,7 @@ def case_moe(rows: int) -> dict:
     bits = {}
     for role in roles:
         shape = shapes[prefix + role]
-        values = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
-        bits[role] = (values.view(np.uint32) >> 16).astype(np.uint16)  # truncated: any bf16 will do
+        bits[role] = bf16_matrix(rng, int(np.prod(shape[:-1])), shape[-1])[0].reshape(shape)
     weights = {prefix + role: gpu.put(b, role) for role, b in bits.items()}
     f = {role: to_float32(b) for role, b in bits.items()}
     reference = MoeWeights(router=f["router"].T.copy(), gate_up=[e.T for e in f["experts.gate_up"]],
