@@ -24,7 +24,8 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   shared memory). The picks stay in shared memory for the plan: thread p places pair p after the
   pairs of lower experts and the earlier pairs of its own (a count over all picks: no counters to
   clear, no atomics), a barrier, then each expert's first pair writes its chunks; two barriers in
-  all. Launch: grid ``(1,)``, block ``ROUTE_THREADS``.
+  all. Launch: grid ``(1,)``, block ``ROUTE_THREADS``. Built per most experts (``moe_route_e256``,
+  ``moe_route_e1024``: ninfer/backends/cuda/moe.py ``route_name``), since a round's cost grows with a lane's slots.
 - ``moe_{gate_up,down}_{d,p}``: the grouped GEMM, one block per (output tile, chunk), the chunk's
   expert weights streamed once for all its pairs. It is ``mma.sync`` m16n8k16 with the weights as
   the A operand (16 output features x 16 k) and up to 8 pairs' activations as B (k x 8 pairs); the
@@ -58,10 +59,10 @@ ROUTE_THREADS = 512  # moe_route needs more registers than 1024 threads may have
 ROUTE_WARPS = ROUTE_THREADS // 32
 ROUTE_ROWS = 8  # moe_route's most rows: decode's (GEMV_MAX_ROWS); its shared tables are sized by it
 MAX_TOP_K = 32  # one lane of the row's warp per pick
-SLOTS = MAX_EXPERTS // 32  # probabilities a lane of moe_route holds in registers: experts lane + 32 i
+# moe_route's builds: a lane holds the probabilities of experts lane + 32 i in registers, experts / 32
+# of them (the Qwen3.5/3.6 MoE models have 256 experts: 8 slots a lane, a quarter of MAX_EXPERTS' 32).
+ROUTE_EXPERTS = (256, MAX_EXPERTS)
 SLOT_GROUP = 8  # slots moe_route loads and exponentiates without a branch (256 experts: one group)
-SLOT_GROUPS = SLOTS // SLOT_GROUP
-TOURNAMENT = 2 * SLOTS  # nodes of a lane's tournament over its slots, in heap order (node 0 unused)
 GATE_SPAN = 4  # hidden elements a thread takes per step of moe_route's shared-gate dot (8 bytes of bf16)
 KNOCKED = float32(-1.0)  # below every probability: an expert already picked
 ROUTE_PICKS = ROUTE_ROWS * MAX_TOP_K  # moe_route's most routed pairs
@@ -209,66 +210,109 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
 
 # -- moe_route: decode routing and plan in one block -------------------------------------------------
 
-@cuda.jit(device=True)
-def load_logits(probs, logits, r, lane, n_experts):
-    """Row ``r``'s logits into the lane's slots (slot i: expert ``lane + 32 i``; absent ones NEG_BIG).
-    A group of SLOT_GROUP slots loads with no branch (absent experts read a clamped, valid address),
-    so its loads are all in flight at once; a group wholly past the experts is skipped."""
-    base = int64(r) * n_experts
-    for i in range(SLOTS):  # constant bounds, fully unrolled: the slots stay in registers
-        probs[i] = NEG_BIG
-    for g in range(SLOT_GROUPS):
-        if 32 * SLOT_GROUP * g < n_experts:
-            for j in range(SLOT_GROUP):
-                i = SLOT_GROUP * g + j
-                e = lane + 32 * i
-                v = logits[base + min(e, n_experts - 1)]
-                probs[i] = v if e < n_experts else NEG_BIG
+def make_row_picks(experts: int):
+    """A warp's routing of one row over at most ``experts`` experts (a multiple of 32, at most
+    MAX_EXPERTS): (load_logits, softmax_slots, pick_row), each lane holding ``experts // 32`` slots.
+    The slot count is fixed at build time because a pick round's cost is linear in it: the lane that
+    loses its best reruns a tournament over all its slots, and 256 experts need 8, not MAX_EXPERTS' 32."""
+    slots = experts // 32
+    group = min(SLOT_GROUP, slots)
+    groups = slots // group
+    tournament = 2 * slots  # nodes of a lane's tournament over its slots, in heap order (node 0 unused)
+    assert slots * 32 == experts and slots & (slots - 1) == 0 and experts <= MAX_EXPERTS
 
+    @cuda.jit(device=True)
+    def load_logits(probs, logits, r, lane, n_experts):
+        """Row ``r``'s logits into the lane's slots (slot i: expert ``lane + 32 i``; absent ones NEG_BIG).
+        A group of SLOT_GROUP slots loads with no branch (absent experts read a clamped, valid address),
+        so its loads are all in flight at once; a group wholly past the experts is skipped."""
+        base = int64(r) * n_experts
+        for i in range(slots):  # constant bounds, fully unrolled: the slots stay in registers
+            probs[i] = NEG_BIG
+        for g in range(groups):
+            if 32 * group * g < n_experts:
+                for j in range(group):
+                    i = group * g + j
+                    e = lane + 32 * i
+                    v = logits[base + min(e, n_experts - 1)]
+                    probs[i] = v if e < n_experts else NEG_BIG
 
-@cuda.jit(device=True)
-def softmax_slots(probs, lane, n_experts):
-    """The slots' logits become ``exp(logit - max) / sum`` in place, the same fp32 values as
-    ``route_row`` (each lane sums its experts in id order, then the warp). Absent experts of a live
-    group get 0: it never changes the sum, and on a tie they lose to every real expert (their ids are
-    higher), so they need no mark; a group wholly past the experts is skipped and keeps NEG_BIG.
-    A group's exps and divisions have no branch between them, so they overlap."""
-    m = NEG_BIG
-    for i in range(SLOTS):
-        m = max(m, probs[i])
-    m = warp_max(m)
-    s = float32(0.0)
-    for g in range(SLOT_GROUPS):
-        if 32 * SLOT_GROUP * g < n_experts:
-            for j in range(SLOT_GROUP):
-                i = SLOT_GROUP * g + j
-                v = math.exp(probs[i] - m)
-                probs[i] = v if lane + 32 * i < n_experts else float32(0.0)
-                s += probs[i]
-    s = warp_sum(s)
-    for g in range(SLOT_GROUPS):
-        if 32 * SLOT_GROUP * g < n_experts:
-            for j in range(SLOT_GROUP):
-                i = SLOT_GROUP * g + j
-                probs[i] = probs[i] / s
+    @cuda.jit(device=True)
+    def softmax_slots(probs, lane, n_experts):
+        """The slots' logits become ``exp(logit - max) / sum`` in place, the same fp32 values as
+        ``route_row`` (each lane sums its experts in id order, then the warp). Absent experts of a live
+        group get 0: it never changes the sum, and on a tie they lose to every real expert (their ids are
+        higher), so they need no mark; a group wholly past the experts is skipped and keeps NEG_BIG.
+        A group's exps and divisions have no branch between them, so they overlap."""
+        m = NEG_BIG
+        for i in range(slots):
+            m = max(m, probs[i])
+        m = warp_max(m)
+        s = float32(0.0)
+        for g in range(groups):
+            if 32 * group * g < n_experts:
+                for j in range(group):
+                    i = group * g + j
+                    v = math.exp(probs[i] - m)
+                    probs[i] = v if lane + 32 * i < n_experts else float32(0.0)
+                    s += probs[i]
+        s = warp_sum(s)
+        for g in range(groups):
+            if 32 * group * g < n_experts:
+                for j in range(group):
+                    i = group * g + j
+                    probs[i] = probs[i] / s
 
+    @cuda.jit(device=True)
+    def lane_best(probs, lane):
+        """The lane's most probable expert left, ties to the lower id: a tournament in heap order (node k
+        the winner of 2k and 2k + 1, leaves ``slots + i`` the slots), log2(slots) rounds deep instead of
+        a chain of compares. Node 2k's leaves hold lower ids than 2k + 1's, so a strict ``>`` keeps a tie
+        on the lower id."""
+        p = cuda.local.array(tournament, float32)
+        at = cuda.local.array(tournament, int32)
+        for i in range(slots):
+            p[slots + i] = probs[i]
+            at[slots + i] = i
+        for k in range(slots - 1, 0, -1):  # constant bounds, fully unrolled: registers
+            right = p[2 * k + 1] > p[2 * k]
+            p[k] = p[2 * k + 1] if right else p[2 * k]
+            at[k] = at[2 * k + 1] if right else at[2 * k]
+        return p[1], int32(lane + 32 * at[1])
 
-@cuda.jit(device=True)
-def lane_best(probs, lane):
-    """The lane's most probable expert left, ties to the lower id: a tournament in heap order (node k
-    the winner of 2k and 2k + 1, leaves ``SLOTS + i`` the slots), 5 rounds deep instead of a chain of
-    32 compares. Node 2k's leaves hold lower ids than 2k + 1's, so a strict ``>`` keeps a tie on the
-    lower id."""
-    p = cuda.local.array(TOURNAMENT, float32)
-    at = cuda.local.array(TOURNAMENT, int32)
-    for i in range(SLOTS):
-        p[SLOTS + i] = probs[i]
-        at[SLOTS + i] = i
-    for k in range(SLOTS - 1, 0, -1):  # constant bounds, fully unrolled: registers
-        right = p[2 * k + 1] > p[2 * k]
-        p[k] = p[2 * k + 1] if right else p[2 * k]
-        at[k] = at[2 * k + 1] if right else at[2 * k]
-    return p[1], int32(lane + 32 * at[1])
+    @cuda.jit(device=True)
+    def knock_out(probs, slot):
+        """Drop a picked expert: its slot falls below every probability."""
+        for i in range(slots):  # a select each: conditional stores fold back into probs[slot] (local memory)
+            probs[i] = KNOCKED if i == slot else probs[i]
+
+    @cuda.jit(device=True)
+    def pick_row(probs, r, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w):
+        """Row ``r``'s ``top_k`` picks from the warp's probabilities: each round the warp argmax of the
+        lanes' bests, then the owner knocks its winner out and finds its next best. Lane j keeps pick j
+        and writes it to global memory (the result) and to shared memory (the plan's input)."""
+        best_p, best_e = lane_best(probs, lane)
+        total = float32(0.0)
+        mine_p = float32(0.0)
+        mine_e = int32(0)
+        for slot in range(top_k):
+            p, e = warp_argmax(best_p, best_e)
+            if lane == slot:
+                mine_p = p
+                mine_e = e
+            total += p  # in pick order, as route_row sums
+            if (e & 31) == lane:
+                knock_out(probs, e >> 5)
+                best_p, best_e = lane_best(probs, lane)
+        if lane < top_k:
+            at = r * top_k + lane
+            w = mine_p / total if renormalise != 0 else mine_p
+            topk_ids[at] = mine_e
+            topk_w[at] = w
+            pick_ids[at] = mine_e
+            pick_w[at] = w
+
+    return load_logits, softmax_slots, pick_row
 
 
 @cuda.jit(device=True)
@@ -280,40 +324,6 @@ def warp_argmax(p, e):
     top = warp_max_i32(bits)
     winner = warp_min_i32(e if bits == top else int32(0x7FFFFFFF))
     return libdevice.int_as_float(top), winner
-
-
-@cuda.jit(device=True)
-def knock_out(probs, slot):
-    """Drop a picked expert: its slot falls below every probability."""
-    for i in range(SLOTS):  # a select each: conditional stores fold back into probs[slot] (local memory)
-        probs[i] = KNOCKED if i == slot else probs[i]
-
-
-@cuda.jit(device=True)
-def pick_row(probs, r, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w):
-    """Row ``r``'s ``top_k`` picks from the warp's probabilities: each round the warp argmax of the
-    lanes' bests, then the owner knocks its winner out and finds its next best. Lane j keeps pick j
-    and writes it to global memory (the result) and to shared memory (the plan's input)."""
-    best_p, best_e = lane_best(probs, lane)
-    total = float32(0.0)
-    mine_p = float32(0.0)
-    mine_e = int32(0)
-    for slot in range(top_k):
-        p, e = warp_argmax(best_p, best_e)
-        if lane == slot:
-            mine_p = p
-            mine_e = e
-        total += p  # in pick order, as route_row sums
-        if (e & 31) == lane:
-            knock_out(probs, e >> 5)
-            best_p, best_e = lane_best(probs, lane)
-    if lane < top_k:
-        at = r * top_k + lane
-        w = mine_p / total if renormalise != 0 else mine_p
-        topk_ids[at] = mine_e
-        topk_w[at] = w
-        pick_ids[at] = mine_e
-        pick_w[at] = w
 
 
 @cuda.jit(device=True)
@@ -413,46 +423,59 @@ def write_chunks(p, mine, lower, count, first, pick_ids, first_chunks, chunks, n
         n_chunks[0] = routed + shared
 
 
-@cuda.jit(device=True, inline=True)
-def route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
-                n_experts, hidden, top_k, renormalise, chunk):
-    """``moe_route``'s work, by one block of ``ROUTE_THREADS``."""
-    gate_red = cuda.shared.array((ROUTE_WARPS, ROUTE_ROWS), float32)
-    pick_ids = cuda.shared.array(ROUTE_PICKS, int32)
-    pick_w = cuda.shared.array(ROUTE_PICKS, float32)
-    first_chunks = cuda.shared.array(ROUTE_PICKS, int32)
-    tid = cuda.threadIdx.x
-    lane = tid & 31
-    warp = tid >> 5
-    probs = cuda.local.array(SLOTS, float32)
-    if warp < rows:  # warp r routes row r; its logit loads are in flight during the gate's
-        load_logits(probs, logits, warp, lane, n_experts)
-    part = cuda.local.array(ROUTE_ROWS, float32)
-    gate_partials(part, x, shared_gate, rows, hidden)
-    store_gate_partials(gate_red, part, warp, lane)
-    if warp < rows:
-        softmax_slots(probs, lane, n_experts)
-        pick_row(probs, warp, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w)
-    cuda.syncthreads()  # picks and gate sums visible to the block
-    pairs = rows * top_k
-    mine, lower, count, first = int32(0), 0, 0, False  # what pair tid's thread keeps across the barrier
-    if tid < pairs:  # thread p places pair p (pairs <= ROUTE_PICKS < the block)
-        mine, lower, count, first = place_pair(tid, pick_ids, pick_w, first_chunks, pair_row, pair_weight,
-                                               row_pair, pairs, top_k, chunk)
-    elif tid < pairs + rows:  # the next rows threads: one shared pair each
-        shared_pair(gate_red, pair_row, pair_weight, tid - pairs, rows, top_k)
-    cuda.syncthreads()  # every expert's chunk count visible
-    if tid < pairs:
-        write_chunks(tid, mine, lower, count, first, pick_ids, first_chunks, chunks, n_chunks, pairs, rows, chunk)
+def make_route_block(experts: int):
+    """``moe_route``'s work for at most ``experts`` experts (``make_row_picks``), by one block of
+    ``ROUTE_THREADS``."""
+    load_logits, softmax_slots, pick_row = make_row_picks(experts)
+    slots = experts // 32
+
+    @cuda.jit(device=True, inline=True)
+    def route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
+                    n_experts, hidden, top_k, renormalise, chunk):
+        gate_red = cuda.shared.array((ROUTE_WARPS, ROUTE_ROWS), float32)
+        pick_ids = cuda.shared.array(ROUTE_PICKS, int32)
+        pick_w = cuda.shared.array(ROUTE_PICKS, float32)
+        first_chunks = cuda.shared.array(ROUTE_PICKS, int32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        probs = cuda.local.array(slots, float32)
+        if warp < rows:  # warp r routes row r; its logit loads are in flight during the gate's
+            load_logits(probs, logits, warp, lane, n_experts)
+        part = cuda.local.array(ROUTE_ROWS, float32)
+        gate_partials(part, x, shared_gate, rows, hidden)
+        store_gate_partials(gate_red, part, warp, lane)
+        if warp < rows:
+            softmax_slots(probs, lane, n_experts)
+            pick_row(probs, warp, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w)
+        cuda.syncthreads()  # picks and gate sums visible to the block
+        pairs = rows * top_k
+        mine, lower, count, first = int32(0), 0, 0, False  # what pair tid's thread keeps across the barrier
+        if tid < pairs:  # thread p places pair p (pairs <= ROUTE_PICKS < the block)
+            mine, lower, count, first = place_pair(tid, pick_ids, pick_w, first_chunks, pair_row, pair_weight,
+                                                   row_pair, pairs, top_k, chunk)
+        elif tid < pairs + rows:  # the next rows threads: one shared pair each
+            shared_pair(gate_red, pair_row, pair_weight, tid - pairs, rows, top_k)
+        cuda.syncthreads()  # every expert's chunk count visible
+        if tid < pairs:
+            write_chunks(tid, mine, lower, count, first, pick_ids, first_chunks, chunks, n_chunks, pairs, rows, chunk)
+
+    return route_block
 
 
-def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
-              n_experts, hidden, top_k, renormalise, chunk):
-    """``moe_topk`` and ``moe_plan`` in one block (decode: ``rows <= ROUTE_ROWS``, one launch)."""
-    launch_dependents()  # programmatic dependent launch: common.py
-    grid_dependency_wait()
-    route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
-                n_experts, hidden, top_k, renormalise, chunk)
+def make_route(experts: int):
+    """``moe_route_e{experts}``: ``moe_topk`` and ``moe_plan`` in one block (decode: ``rows <=
+    ROUTE_ROWS``, one launch) for at most ``experts`` experts."""
+    route_block = make_route_block(experts)
+
+    def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
+                  n_experts, hidden, top_k, renormalise, chunk):
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate,
+                    rows, n_experts, hidden, top_k, renormalise, chunk)
+
+    return moe_route
 
 
 PREFETCH_PIECE = 1 << 15  # bytes a ``prefetch_l2`` of the experts' weights asks for
@@ -471,7 +494,7 @@ def prefetch_share(w, first, nbytes, parts, part):
         at += piece
 
 
-def make_router_route():
+def make_router_route(experts: int):
     """``moe_router_route``: the normalising router GEMM (numba_kernels/gemm.py's
     ``mma_gemv_normed_keep_store`` of ROUTER_SHAPE, a block per 16 experts) with ``moe_route`` folded
     in. Each block writes its logits and its share of the normalised rows, then takes a ticket
@@ -486,6 +509,7 @@ def make_router_route():
     ``ROUTE_THREADS / picks`` threads). A hint only: the results are the same with any budget."""
     T, W, U, TERMS = ROUTER_SHAPE
     assert 32 * W == ROUTE_THREADS  # the GEMM's block routes
+    route_block = make_route_block(experts)
     router = cuda.jit(device=True, inline=True)(make_mma_gemv(True, "store", T, W, U, TERMS, keep=True))
 
     def moe_router_route(logits, x, router_w, norm_w, rows, n_experts, hidden, eps, normed, chunks, n_chunks,
@@ -747,19 +771,20 @@ KERNELS = {
                  {"threads": 32, "grid_wait": 1}),
     "moe_plan": (moe_plan, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, int32, int32, int32, int32),
                  {"threads": PLAN_THREADS, "max_experts": MAX_EXPERTS, "grid_wait": 1}),
-    "moe_route": (moe_route, (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32,
-                              int32, int32, int32), {"threads": ROUTE_THREADS, "max_experts": MAX_EXPERTS, "max_rows": ROUTE_ROWS,
-                              "grid_wait": 1}),
-    "moe_router_route": (make_router_route(), (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P,
-                                               I32P, F32P, I32P, I32P, F32P, U16P, int32, int32, int32, I32P, U64P,
-                                               U64P, int64, int64, int64),
-                         {"threads": ROUTE_THREADS, "cols": 16 * ROUTER_SHAPE[0], "max_experts": MAX_EXPERTS,
-                          "max_rows": ROUTE_ROWS, "grid_wait": 1}),
     "moe_combine": (make_combine(False), (F32P, F32P, I32P, int32, int32, int32),
                     {"threads": COMBINE_THREADS, "grid_wait": 1}),
     "moe_combine_residual": (make_combine(True), (F32P, F32P, I32P, int32, int32, int32),
                              {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
+ROUTE_SIG = (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32, int32)
+ROUTER_ROUTE_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P, I32P, F32P, I32P, I32P, F32P,
+                    U16P, int32, int32, int32, I32P, U64P, U64P, int64, int64, int64)
+for _experts in ROUTE_EXPERTS:
+    KERNELS[f"moe_route_e{_experts}"] = (make_route(_experts), ROUTE_SIG, {
+        "threads": ROUTE_THREADS, "max_experts": _experts, "max_rows": ROUTE_ROWS, "grid_wait": 1})
+    KERNELS[f"moe_router_route_e{_experts}"] = (make_router_route(_experts), ROUTER_ROUTE_SIG, {
+        "threads": ROUTE_THREADS, "cols": 16 * ROUTER_SHAPE[0], "max_experts": _experts, "max_rows": ROUTE_ROWS,
+        "grid_wait": 1})
 # The decode shapes holding each round's MMAs for all of its loads (``hold``), candidates for
 # CudaMoe.decode_gemms (tools/gpu_bench_hybrid.py --moe-gemms-ablation).
 # A 2048-wide gate/up row is 64 k-steps: 8 warps of 2 take four rounds, 8 of 4 two, 16 of 4 one; a

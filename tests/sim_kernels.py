@@ -153,9 +153,9 @@ def case_moe(rows: int) -> dict:
     """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
     of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and, last, the folded routing's
     L2 prefetch of the experts (``prefetch_budget``: the bytes it asked for, each range checked to lie
-    in its weights), over one tiny MoE layer."""
+    in its weights) and the routing's build for MAX_EXPERTS, over one tiny MoE layer."""
     from ninfer.artifact.bf16 import to_float32
-    from ninfer.backends.cuda.moe import CudaMoe
+    from ninfer.backends.cuda.moe import ROUTE_EXPERTS, CudaMoe
     from ninfer.backends.reference.hybrid import HybridForward
     from ninfer.backends.reference.hybrid_weights import DenseMlpWeights, MoeWeights
     from ninfer.convert.random_model import HYBRID_PRESETS
@@ -192,10 +192,12 @@ def case_moe(rows: int) -> dict:
     wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
     runs, launches = [], []
     budget = 1 << 20  # holds the shared expert's gate/up and every pick's at 8 rows
-    for setting in ((False, False, plain, 0), (True, False, plain, 0), (False, True, plain, 0), (True, True, plain, 0),
-                    (True, True, plain, 0), (False, False, held, 0), (True, True, held, 0), (True, True, wide, 0),
-                    (True, True, plain, budget)):
-        moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.prefetch_budget = setting
+    fits, most = moe.route_experts, ROUTE_EXPERTS[-1]  # the routing's build for the model, the largest
+    for setting in ((False, False, plain, 0, fits), (True, False, plain, 0, fits), (False, True, plain, 0, fits),
+                    (True, True, plain, 0, fits), (True, True, plain, 0, fits), (False, False, held, 0, fits),
+                    (True, True, held, 0, fits), (True, True, wide, 0, fits), (False, False, plain, 0, most),
+                    (True, False, plain, 0, most), (True, True, plain, budget, fits)):
+        moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.prefetch_budget, moe.route_experts = setting
         prefetched = gpu.device.prefetched
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
@@ -211,7 +213,8 @@ def case_moe(rows: int) -> dict:
         "launches": [len(run) for run in launches],
         "prefetched": gpu.device.prefetched - prefetched,
         "prefetch_wanted": unit * (rows * K * config.moe_intermediate_size + config.shared_expert_intermediate_size),
-        "held_launched": held[0] in launches[-3] and wide[0] in launches[-2],
+        "held_launched": held[0] in launches[6] and wide[0] in launches[7],
+        "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9]],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],
         "tickets_zero": bool(not gpu.get(moe.route_ticket, np.int32, (1,)).any()
                              and not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),

@@ -119,27 +119,34 @@ def test_kv_prefetch_only_while_a_layer_of_keys_fits_the_budget():
 
 
 def test_decode_routing_takes_every_decode_row():
-    """``moe_route`` sizes its shared tables for ``max_rows`` rows (a warp a row); the MoE sends it
-    every step of up to GEMV_MAX_ROWS rows."""
+    """Each build of ``moe_route`` / ``moe_router_route`` sizes its shared tables for ``max_rows`` rows
+    (a warp a row) and its slots for ``max_experts``, as the MoE expects: it sends every step of up to
+    GEMV_MAX_ROWS rows to the build with the fewest slots that hold the model's experts."""
     from ninfer.backends.cuda.forward import GEMV_MAX_ROWS
 
     manifest = json.loads((rt.PTX_DIR / "manifest.json").read_text())
-    assert manifest["kernels"]["moe_route"]["meta"]["max_rows"] >= GEMV_MAX_ROWS
+    for kind in ("moe_route", "moe_router_route"):
+        for experts in moe.ROUTE_EXPERTS:
+            meta = manifest["kernels"][f"{kind}_e{experts}"]["meta"]
+            assert meta["max_rows"] >= GEMV_MAX_ROWS and meta["max_experts"] == experts
+    assert [moe.route_capacity(n) for n in (8, 128, 256, 257, 1024)] == [256, 256, 256, 1024, 1024]
+    fwd = forward(CONFIGS["35b-a3b"])  # 256 experts
+    assert "moe_route_e256" in decode_launches(fwd, 1) and "moe_route_e1024" not in decode_launches(fwd, 8)
 
 
 def test_folded_routing_replaces_the_route_launch():
     """With ``CudaMoe.fold_route`` a decode MoE layer routes inside its router GEMM: one
-    ``moe_router_route`` a layer (a block per 16 experts, the router's rows, the normalised rows
+    ``moe_router_route_e256`` a layer (a block per 16 experts, the router's rows, the normalised rows
     written where the grouped GEMMs read them), no ``moe_route`` and no separate router GEMM."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     fwd.moe.fold_route = True
     for rows in (1, 5, 8):
         launched = decode_launches(fwd, rows)
-        assert launched.count("moe_router_route") == config.num_layers
-        assert "moe_route" not in launched and moe.ROUTER_NORMED_DECODE_GEMM not in launched
+        assert launched.count("moe_router_route_e256") == config.num_layers
+        assert "moe_route_e256" not in launched and moe.ROUTER_NORMED_DECODE_GEMM not in launched
         for i, (kernel, grid, args) in enumerate(fwd.k.log):
-            if kernel.name == "moe_router_route":
+            if kernel.name == "moe_router_route_e256":
                 assert grid == (config.num_experts // 16,) and args[4] == rows and args[8] is fwd.b.h
                 gate_up = fwd.k.log[i + 1]
                 assert gate_up[0].name == moe.DECODE_GEMMS[0] and gate_up[2][1] is fwd.b.h

@@ -168,10 +168,12 @@ def test_decode_replays_in_a_cuda_graph(gpu, case):
 def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``);
     ``fold_combine``: the down GEMM's last block of each column tile adds the tile into the residual
-    stream; the grouped GEMMs' ``hold`` builds (a +0.0 that waits for a round's loads). The MoE added
+    stream; the grouped GEMMs' ``hold`` builds (a +0.0 that waits for a round's loads); the routing's
+    build for MAX_EXPERTS (more slots a lane than the model needs). The MoE added
     into the residual stream, the picks and the normalised rows are bit for bit those of the separate
     launches, and stay so launch after launch (the tickets reset themselves)."""
     from ninfer.backends.cuda import runtime as rt
+    from ninfer.backends.cuda.moe import ROUTE_EXPERTS
     from ninfer.backends.reference.forward import rms_norm
 
     name, config, layer, block, moe = case
@@ -182,13 +184,14 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     d_x, d_w, d_y, normed = gpu.put(x), gpu.put(weight), gpu.empty(rows_h * 4), gpu.empty(rows_h * 4)
     for tickets in (moe.route_ticket, moe.combine_tickets):  # as HybridBuffers.init leaves them
         rt.memset32(tickets, 0, tickets.nbytes // 4, gpu.stream)
-    runs = []
+    runs, fits = [], moe.route_experts
     try:
         held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", moe.decode_gemms[2])  # numba_kernels/moe.py hold
-        plain = moe.decode_gemms
-        for setting in ((False, False, plain), (True, False, plain), (False, True, plain), (True, True, plain),
-                        (True, True, plain), (False, False, held), (True, True, held)):
-            moe.fold_route, moe.fold_combine, moe.decode_gemms = setting
+        plain, most = moe.decode_gemms, ROUTE_EXPERTS[-1]
+        for setting in ((False, False, plain, fits), (True, False, plain, fits), (False, True, plain, fits),
+                        (True, True, plain, fits), (True, True, plain, fits), (False, False, held, fits),
+                        (True, True, held, fits), (False, False, plain, most), (True, False, plain, most)):
+            moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.route_experts = setting
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
             runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
@@ -197,6 +200,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
                          gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
     finally:
         del moe.fold_route, moe.fold_combine, moe.decode_gemms  # the class's defaults again
+        moe.route_experts = fits
         for ptr in (d_x, d_w, d_y, normed):
             gpu.device.free(ptr)
     for run in runs[1:]:

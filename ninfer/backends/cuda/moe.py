@@ -40,6 +40,9 @@ PREFILL_GEMMS = ("moe_gate_up_t4w4u1p2s2", "moe_down_t4w4u1p2s2", 16)  # H200, 5
 MIN_CHUNK = 8  # P >= 1: the most chunks a plan can hold is bounded with 8 pairs a chunk
 MAX_EXPERTS = 1024  # moe_plan's shared-memory tables
 MAX_TOP_K = 32  # moe_topk: one lane of the row's warp per pick
+# The most experts of each build of moe_route / moe_router_route (numba_kernels/moe.py: a lane of a
+# row's warp holds experts / 32 probabilities, and every pick round walks all of them).
+ROUTE_EXPERTS = (256, MAX_EXPERTS)
 ROUTER_PREFILL_GEMM = "moe_router_t4w4u1p2s3"  # the grouped GEMM over plain rows, three parts
 # Router logits of up to 8 rows: numba_kernels/gemm.py's tensor-core GEMM, one 16-expert tile per
 # block, three bf16 parts per activation (fp32-faithful: a near tie must break as in the reference).
@@ -56,6 +59,12 @@ def combine_gemm(down: str) -> str:
 
 
 DOWN_COMBINE_GEMM = combine_gemm(DECODE_GEMMS[1])
+
+
+def route_capacity(n_experts: int) -> int:
+    """The build of ``moe_route`` / ``moe_router_route`` for ``n_experts`` experts (its ``_e`` suffix):
+    the one with the fewest slots that hold them."""
+    return min(e for e in ROUTE_EXPERTS if e >= n_experts)
 
 
 def check_supported(config: HybridConfig) -> None:
@@ -129,7 +138,7 @@ class CudaMoe:
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        return ["moe_route", "moe_router_route", "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
+        return [*(f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS), "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
                 ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM]
@@ -147,6 +156,7 @@ class CudaMoe:
         self.k = kernels
         self.c = config
         self.max_rows = max_rows
+        self.route_experts = route_capacity(config.num_experts)  # any larger build routes the same
         arena = rt.Arena(scratch)
         for name, nbytes in _regions(config, max_rows).items():
             setattr(self, name, arena.take(nbytes, f"moe.{name}"))
@@ -194,7 +204,7 @@ class CudaMoe:
         E, H, top_k = c.num_experts, c.hidden_size, c.num_experts_per_tok
         picks = (self.topk_ids, self.topk_w, self.logits, x, shared_gate, rows, E, H, top_k, int(c.norm_topk_prob))
         if rows <= GEMV_MAX_ROWS:  # a few rows: top-k and plan in one block
-            route = k["moe_route"]
+            route = k[f"moe_route_e{self.route_experts}"]
             route.launch((1,), (route.meta["threads"],), (*self.plan(), *picks, chunk), stream)
         else:
             k["moe_topk"].launch((rows,), (32,), (self.topk_ids, self.topk_w, self.pair_row, self.pair_weight,
@@ -216,7 +226,7 @@ class CudaMoe:
             raise ValueError(f"the MoE's routing router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         c = self.c
         weight, eps, normed = norm
-        kernel = self.k["moe_router_route"]
+        kernel = self.k[f"moe_router_route_e{self.route_experts}"]
         unit_bytes = 2 * 2 * c.hidden_size  # gate/up bytes of one intermediate unit: two bf16 rows
         kernel.launch((-(-c.num_experts // kernel.meta["cols"]),), (kernel.meta["threads"],),
                       (self.logits, x, weights[p + "router"], weight, rows, c.num_experts, c.hidden_size, eps, normed,
