@@ -6,7 +6,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
-                                     [--prefetch-ablation BYTES]
+                                     [--prefetch-ablation BYTES] [--route-experts-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
@@ -38,7 +38,7 @@ from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
-from ninfer.backends.cuda.moe import combine_gemm  # noqa: E402
+from ninfer.backends.cuda.moe import ROUTE_EXPERTS, combine_gemm  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
 
@@ -271,6 +271,12 @@ def ablations(args, forward) -> list[tuple]:
         chosen.append((f"decode_prefetch_{args.prefetch_ablation}", f"MoE fold_route + prefetch "
                        f"{args.prefetch_ablation} bytes", [(moe, "fold_route", True),
                                                          (moe, "prefetch_budget", args.prefetch_ablation)]))
+    if args.route_experts_ablation and moe is not None:  # the routing's build for the most experts
+        most = ROUTE_EXPERTS[-1]
+        for kind in ("moe_route", "moe_router_route"):
+            forward.k[f"{kind}_e{most}"]  # loaded now: not during capture
+        chosen.append((f"decode_route_experts_{most}", f"MoE routing built for {most} experts",
+                       [(moe, "route_experts", most)]))
     for pair in filter(None, args.moe_gemms_ablation.split(";")):  # other grouped decode GEMMs: gate_up,down
         if moe is None:
             break
@@ -401,6 +407,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefetch-ablation", type=int, default=0, metavar="BYTES",
                         help="decode again with the MoE's routing folded in and asking L2 for the experts' gate/up "
                              "weights where they fit in BYTES (CudaMoe.prefetch_budget)")
+    parser.add_argument("--route-experts-ablation", action="store_true",
+                        help="decode again with the MoE routing's build for the most experts (more slots a lane)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
                         help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",

@@ -163,10 +163,12 @@ def test_delta_rule_kernel_matches_the_reference(decode):
 
 
 @pytest.mark.parametrize("nk, nv", [(NK, NV), (1, 3)])
-def test_fused_step_is_conv_then_rule_bit_for_bit(nk, nv):
+def test_fused_step_is_conv_then_rule(nk, nv):
     """``deltanet_step`` (``HybridForward.fused_step``) against ``deltanet_conv`` + ``deltanet_rule``: two
-    decode steps of three lanes (out of order), outputs and both states bit for bit, the key heads'
-    tickets back at zero (tests/test_kernels_sim.py runs the same comparison in the simulator)."""
+    decode steps of three lanes (out of order), outputs and both states to fp32 rounding, the key heads'
+    tickets back at zero. Not bit for bit here as in the simulator (tests/test_kernels_sim.py): with the
+    conv's result in registers the compiler contracts its arithmetic differently (H100, 2026-12-05: a
+    quarter of the outputs differ, by 5e-7 at most)."""
     gpu, rng = Gpu(), np.random.default_rng(3 + nv)
     key_dim, value_dim = nk * DH, nv * DH
     conv_dim = 2 * key_dim + value_dim
@@ -196,7 +198,7 @@ def test_fused_step_is_conv_then_rule_bit_for_bit(nk, nv):
             outs.append(gpu.get(out, np.float32, (rows, value_dim)))
         runs.append((outs, gpu.get(d_states, np.float32, (slots * slot,))))
     for got, want in zip(runs[1][0] + [runs[1][1]], runs[0][0] + [runs[0][1]]):
-        np.testing.assert_array_equal(got, want)
+        assert rel_err(got, want) < 1e-6
     assert not gpu.get(tickets, np.int32, (rows * nk,)).any()
 
 

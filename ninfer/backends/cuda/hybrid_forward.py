@@ -151,8 +151,8 @@ class HybridForward(Forward):
     # building buffers with ``chunked_rule=True``.
     chunked_rule = False
     # A decode step's conv and delta rule in one launch (``deltanet_step``) instead of two
-    # (``deltanet_conv`` + ``deltanet_rule``): bit for bit the same (tests/test_kernels_sim.py). Off until
-    # timed on the GPU (tools/gpu_bench_hybrid.py --fused-step-ablation).
+    # (``deltanet_conv`` + ``deltanet_rule``): the same to fp32 rounding (bit for bit in the simulator). Off:
+    # on an H100 it gained nothing (tools/gpu_bench_hybrid.py --fused-step-ablation, docs/benchmarks.md).
     fused_step = False
     # A decode step's gated attention and its split merge in one launch (``gated_attention_merged``: the
     # last split of each (row, head) merges, as ``gated_combine`` would): bit for bit the pair in the
