@@ -226,6 +226,101 @@ def make_rule(DK, DV):
     return rule
 
 
+def make_rule_split(DK, DV, S):
+    """``deltanet_rule_s{S}_k{DK}_v{DV}``: a decode step's delta rule (one token a sequence) with each
+    head's state columns split over ``S`` blocks, grid ``(v_heads, n_seqs, S)``, ``2 * DV / S``
+    threads: two lanes a column as ``rule``. A batch-1 step of ``rule`` runs one block a head (32 on a
+    35B-A3B), each streaming the head's whole state; split, the same bytes come from S times as many
+    SMs. Each block loads its columns of the state before the grid wait (the step's earlier kernels
+    never write the rule's state), then q and k of the key head (every block needs all of them),
+    and writes its columns' ``o * w * silu(z)`` and its share of the head's ``sum(o^2)``
+    (``partials[(seq * n_v + head) * S + split]``); the last of the head's S blocks to take a ticket
+    (``tickets[seq * n_v + head]``, zero between launches) scales the head's outputs by
+    ``1 / sqrt(sum / DV + eps)``: ``rule``'s gated RMSNorm to fp32 rounding."""
+    C = DV // S  # state columns a block
+    THREADS = 2 * C
+    HALF = DK // 2
+    scale = float32(np.float32(DK) ** np.float32(-0.5))
+    assert C * S == DV and THREADS >= 32 and THREADS % 32 == 0  # block_sum's warps are whole
+
+    def rule_split(mixed, proj, out, states, slot_stride, lanes, n_k, n_v, in_stride, dt_bias, a_log, norm_w, eps,
+                   partials, tickets):
+        launch_dependents()  # programmatic dependent launch: common.py
+        head = cuda.blockIdx.x
+        seq = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        j = split * C + (tid >> 1)  # the thread's state column, dim of v and z
+        half = tid & 1
+        owner = half == 0
+        row0 = half * HALF
+        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + row0 * DV + j
+        col = cuda.local.array(HALF, float32)
+        for i in range(HALF):
+            col[i] = states[base + i * DV]
+        w = norm_w[j]
+        neg_a = -math.exp(a_log[head])
+        bias = dt_bias[head]
+        grid_dependency_wait()  # mixed and proj are the step's
+        sh_q = cuda.shared.array(DK, float32)
+        sh_k = cuda.shared.array(DK, float32)
+        scratch = cuda.shared.array(32, float32)
+        key_dim = n_k * DK
+        conv_dim = 2 * key_dim + n_v * DV
+        value_dim = n_v * DV
+        row = int64(seq) * conv_dim
+        qk = row + (head // (n_v // n_k)) * DK  # value head h reads key head h // (n_v / n_k)
+        qq = kk = float32(0.0)
+        for i in range(tid, DK, THREADS):
+            q = mixed[qk + i]
+            k = mixed[qk + key_dim + i]
+            sh_q[i] = q
+            sh_k[i] = k
+            qq += q * q
+            kk += k * k
+        q_scale = float32(1.0) / math.sqrt(block_sum(qq, scratch) + L2_EPS) * scale  # its barriers: sh_q, sh_k out
+        k_inv = float32(1.0) / math.sqrt(block_sum(kk, scratch) + L2_EPS)
+        b_col = int64(seq) * in_stride + conv_dim + value_dim + head
+        beta = sigmoid(proj[b_col])
+        decay = math.exp(neg_a * softplus(proj[b_col + n_v] + bias))
+        v = mixed[row + 2 * key_dim + head * DV + j]
+        z = proj[int64(seq) * in_stride + conv_dim + head * DV + j]
+        predicted = float32(0.0)
+        for i in range(HALF):
+            col[i] *= decay
+            predicted += sh_k[row0 + i] * col[i]
+        predicted += cuda.shfl_xor_sync(0xFFFFFFFF, predicted, 1)
+        d = (v - predicted * k_inv) * beta * k_inv  # the write's k is k * k_inv as well
+        o = float32(0.0)
+        for i in range(HALF):
+            col[i] += sh_k[row0 + i] * d
+            o += sh_q[row0 + i] * col[i]
+        o = (o + cuda.shfl_xor_sync(0xFFFFFFFF, o, 1)) * q_scale
+        for i in range(HALF):
+            states[base + i * DV] = col[i]
+        at = int64(seq) * value_dim + head * DV
+        if owner:
+            out[at + j] = o * w * (z * sigmoid(z))
+        total = block_sum(o * o if owner else float32(0.0), scratch)
+        cell = seq * n_v + head
+        if tid == 0:
+            partials[cell * S + split] = total
+        if last_to_finish(tickets, cell, S):  # every split's outputs and partial sum are out
+            total = float32(0.0)
+            for i in range(S):  # in split order: the same sum whichever block is last
+                total += partials[cell * S + i]
+            inv = float32(1.0) / math.sqrt(total / float32(DV) + eps)
+            for i in range(tid, DV, THREADS):
+                out[at + i] *= inv
+
+    return rule_split
+
+
+def rule_splits(DV):
+    """The column splits ``deltanet_rule_s{S}`` is built with for head dim ``DV`` (whole warps a block)."""
+    return [s for s in (2, 4, 8) if 2 * DV // s >= 32]
+
+
 def make_step(DK, DV):
     """``deltanet_step_k{DK}_v{DV}``: a decode step's conv and delta rule in one launch (``rule`` of one
     token a sequence, fed by the conv instead of ``mixed``). Block (value head, sequence) as ``rule``;
@@ -658,6 +753,11 @@ for _d in HEAD_DIMS:
         make_rule(_d, _d),
         (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
         {"threads": 2 * _d, "grid_wait": 1})
+    for _s in rule_splits(_d):
+        KERNELS[f"deltanet_rule_s{_s}_k{_d}_v{_d}"] = (
+            make_rule_split(_d, _d, _s),
+            (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, F32P, F32P, F32P, float32, F32P, I32P),
+            {"threads": 2 * _d // _s, "splits": _s, "grid_wait": 1})
     KERNELS[f"deltanet_step_k{_d}_v{_d}"] = (
         make_step(_d, _d),
         (F32P, F32P, F32P, int64, I32P, int32, int32, int32, F32P, F32P, F32P, F32P, float32, I32P),

@@ -270,50 +270,72 @@ def case_decode(rows: int) -> dict:
 def case_deltanet_step(rows: int) -> dict:
     """``deltanet_step`` (conv and delta rule in one launch) against ``deltanet_conv`` + ``deltanet_rule``
     for two decode steps of ``rows`` sequences in a row (lanes out of order, slot 0 unused), with two
-    and three value heads a key head: the outputs and both states bit for bit, the tickets back at zero."""
-    d = 16
+    and three value heads a key head: the outputs and both states bit for bit, the tickets back at zero.
+    Then, at head dim 32 (a build of whole warps), ``deltanet_rule_s2`` (each head's columns over two
+    blocks) against ``deltanet_rule``: outputs and states to fp32 rounding, its tickets back at zero."""
     result = {}
     for n_k, n_v in ((2, 4), (1, 3)):
-        gpu = kernel_sim.SimGpu()
-        rng = np.random.default_rng(40 + rows + n_v)
-        key_dim, value_dim = n_k * d, n_v * d
-        conv_dim = 2 * key_dim + value_dim
-        in_stride = conv_dim + value_dim + 2 * n_v
-        slot = 3 * conv_dim + n_v * d * d + 4  # a slot stride that is not the state's size
-        lanes = gpu.put((rows - np.arange(rows)).astype(np.int32))
-        states0 = (rng.standard_normal((rows + 1) * slot) * 0.5).astype(np.float32)
-        conv_w = gpu.put((rng.standard_normal(conv_dim * 4) * 0.5).astype(np.float32))
-        dt_bias, a_log = (gpu.put(rng.standard_normal(n_v).astype(np.float32)) for _ in range(2))
-        norm_w = gpu.put((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
-        tickets = gpu.put(np.zeros(rows * n_k, np.int32))
-        projs = [gpu.put(rng.standard_normal((rows, in_stride)).astype(np.float32)) for _ in range(2)]
-        runs = []
-        for fused in (False, True):
-            states = gpu.put(states0)
-            mixed, out = gpu.empty(rows * conv_dim * 4), gpu.empty(rows * value_dim * 4)
-            outs = []
-            for proj in projs:
-                if fused:
-                    gpu.launch(f"deltanet_step_k{d}_v{d}", (n_v, rows), (2 * d,),
-                               (proj, out, states, slot, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w,
-                                EPS, tickets))
-                else:
-                    gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
-                               (mixed, proj, in_stride, states, slot, lanes, 1, conv_dim, conv_w))
-                    gpu.launch(f"deltanet_rule_k{d}_v{d}", (n_v, rows), (2 * d,),
-                               (mixed, proj, out, states.at(3 * conv_dim * 4), slot, lanes, 1, n_k, n_v, in_stride,
-                                dt_bias, a_log, norm_w, EPS))
-                outs.append(gpu.get(out, np.float32, (rows, value_dim)))
-            runs.append((outs, gpu.get(states, np.float32, ((rows + 1) * slot,))))
-        (outs_a, states_a), (outs_b, states_b) = runs
-        key = f"group{n_v // n_k}"
-        result[key] = {"out_equal": all(np.array_equal(a, b) for a, b in zip(outs_a, outs_b)),
-                       "states_equal": bool(np.array_equal(states_a, states_b)),
-                       "states_moved": bool((states_a != states0).any()), "slot0_kept": bool(
-                           np.array_equal(states_b[:slot], states0[:slot])),
-                       "finite": bool(all(np.isfinite(o).all() for o in outs_b)),
-                       "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_k,)).any())}
+        result[f"group{n_v // n_k}"] = _deltanet_runs(rows, n_k, n_v, 16, ("rule", "step"), exact=True)
+    result["split2"] = _deltanet_runs(rows, 2, 4, 32, ("rule", "split2"), exact=False)
     return result
+
+
+def _deltanet_runs(rows: int, n_k: int, n_v: int, d: int, forms: tuple, exact: bool) -> dict:
+    """Two decode steps of the DeltaNet conv and rule in each of two ``forms`` ("rule": conv then
+    ``deltanet_rule``; "step": ``deltanet_step``; "splitN": conv then ``deltanet_rule_sN``) from the same
+    states, compared bit for bit (``exact``) or to fp32 rounding."""
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(40 + rows + n_v + d)
+    key_dim, value_dim = n_k * d, n_v * d
+    conv_dim = 2 * key_dim + value_dim
+    in_stride = conv_dim + value_dim + 2 * n_v
+    slot = 3 * conv_dim + n_v * d * d + 4  # a slot stride that is not the state's size
+    lanes = gpu.put((rows - np.arange(rows)).astype(np.int32))
+    states0 = (rng.standard_normal((rows + 1) * slot) * 0.5).astype(np.float32)
+    conv_w = gpu.put((rng.standard_normal(conv_dim * 4) * 0.5).astype(np.float32))
+    dt_bias, a_log = (gpu.put(rng.standard_normal(n_v).astype(np.float32)) for _ in range(2))
+    norm_w = gpu.put((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    tickets = gpu.put(np.zeros(rows * n_v, np.int32))  # n_v >= n_k: enough for either kernel
+    partials = gpu.empty(rows * n_v * 8 * 4)
+    projs = [gpu.put(rng.standard_normal((rows, in_stride)).astype(np.float32)) for _ in range(2)]
+    runs = []
+    for form in forms:
+        states = gpu.put(states0)
+        mixed, out = gpu.empty(rows * conv_dim * 4), gpu.empty(rows * value_dim * 4)
+        rule_state = states.at(3 * conv_dim * 4)
+        outs = []
+        for proj in projs:
+            if form == "step":
+                gpu.launch(f"deltanet_step_k{d}_v{d}", (n_v, rows), (2 * d,),
+                           (proj, out, states, slot, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w,
+                            EPS, tickets))
+                outs.append(gpu.get(out, np.float32, (rows, value_dim)))
+                continue
+            gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
+                       (mixed, proj, in_stride, states, slot, lanes, 1, conv_dim, conv_w))
+            if form == "rule":
+                gpu.launch(f"deltanet_rule_k{d}_v{d}", (n_v, rows), (2 * d,),
+                           (mixed, proj, out, rule_state, slot, lanes, 1, n_k, n_v, in_stride, dt_bias, a_log,
+                            norm_w, EPS))
+            else:
+                splits = int(form.removeprefix("split"))
+                gpu.launch(f"deltanet_rule_s{splits}_k{d}_v{d}", (n_v, rows, splits), (2 * d // splits,),
+                           (mixed, proj, out, rule_state, slot, lanes, n_k, n_v, in_stride, dt_bias, a_log, norm_w,
+                            EPS, partials, tickets))
+            outs.append(gpu.get(out, np.float32, (rows, value_dim)))
+        runs.append((outs, gpu.get(states, np.float32, ((rows + 1) * slot,))))
+    (outs_a, states_a), (outs_b, states_b) = runs
+    if exact:
+        same_out = all(np.array_equal(a, b) for a, b in zip(outs_a, outs_b))
+        same_states = bool(np.array_equal(states_a, states_b))
+    else:
+        same_out = all(rel(b, a) < 1e-6 for a, b in zip(outs_a, outs_b))
+        same_states = rel(states_b, states_a) < 1e-6
+    return {"out_equal": same_out, "states_equal": same_states,
+            "states_moved": bool((states_a != states0).any()),
+            "slot0_kept": bool(np.array_equal(states_b[:slot], states0[:slot])),
+            "finite": bool(all(np.isfinite(o).all() for o in outs_b)),
+            "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any())}
 
 
 def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:

@@ -169,6 +169,35 @@ def test_folded_combine_replaces_the_combine_launch():
                 assert fwd.moe.combine_tickets.nbytes >= grid[0] * 4
 
 
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_split_rule_replaces_the_rule_launch(name):
+    """``rule_splits = n``: a decode DeltaNet layer runs ``deltanet_rule_s{n}`` over (value heads, rows,
+    n) from ``mixed`` into ``core``, with the buffers' partial sums and tickets (one a lane and value
+    head), instead of ``deltanet_rule``; every split of RULE_SPLITS is built for head dim 128; prefill
+    never launches it."""
+    from ninfer.backends.cuda.hybrid_forward import RULE_SPLITS
+
+    config = CONFIGS[name]
+    fwd = forward(config)
+    assert sorted(fwd.split_rule_names) == list(RULE_SPLITS)
+    n_v = config.linear_num_v_heads
+    assert fwd.b.rule_tickets.nbytes >= MAX_BATCH * n_v * 4
+    assert fwd.b.rule_partials.nbytes >= MAX_BATCH * n_v * max(RULE_SPLITS) * 4
+    for splits in RULE_SPLITS:
+        fwd.rule_splits = splits
+        split = fwd.split_rule_names[splits]
+        for rows in (1, 8):
+            launched = decode_launches(fwd, rows)
+            assert launched.count(split) == config.layer_types.count(LINEAR) and fwd.rule_name not in launched
+            for kernel, grid, args in fwd.k.log:
+                if kernel.name == split:
+                    assert grid == (n_v, rows, splits) and args[0] is fwd.b.mixed and args[2] is fwd.b.core
+                    assert args[-2] is fwd.b.rule_partials and args[-1] is fwd.b.rule_tickets
+        fwd.k.log.clear()
+        fwd.layers(20, None)  # a prefill chunk
+        assert split not in [kernel.name for kernel, _, _ in fwd.k.log]
+
+
 # HybridForward's decode fusions: option -> (its kernel's name attribute, the launches it replaces, the layers
 # that launch it, its grid's first dimension, its tickets' region and their count a lane, (argument
 # index, buffer) pairs it must be given).

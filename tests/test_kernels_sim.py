@@ -98,12 +98,13 @@ def test_decode_step_with_chained_norms_is_the_unchained_one(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_fused_deltanet_step_is_conv_then_rule_bit_for_bit(rows):
+def test_fused_and_split_deltanet_rules_are_the_rule(rows):
     """``deltanet_step`` (``HybridForward.fused_step``) against ``deltanet_conv`` + ``deltanet_rule``, two
     steps in a row, with two and three value heads a key head (whose q/k conv tails the last block of
-    the key head writes, after the others have read them)."""
+    the key head writes, after the others have read them), bit for bit; ``deltanet_rule_s2``
+    (``HybridForward.rule_splits``) against ``deltanet_rule`` to fp32 rounding."""
     result = simulate("deltanet_step", rows)
-    assert sorted(result) == ["group2", "group3"]
+    assert sorted(result) == ["group2", "group3", "split2"]
     for group, checks in result.items():
         assert all(checks.values()), (group, checks)
 

@@ -7,6 +7,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
                                      [--prefetch-ablation BYTES] [--route-experts-ablation]
+                                     [--rule-splits-ablation N[,N...]]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
@@ -262,6 +263,10 @@ def ablations(args, forward) -> list[tuple]:
         forward.k[forward.merged_attention_name]  # loaded now: not during capture
         chosen.append((f"decode_merged_attention_{value}", f"merged_attention {value}",
                        [(forward, "merged_attention", value)]))
+    for splits in filter(None, args.rule_splits_ablation.split(",")):  # the delta rule's columns over N blocks
+        name = forward.split_rule_names[int(splits)]
+        forward.k[name]  # loaded now: not during capture
+        chosen.append((f"decode_rule_splits_{splits}", f"rule_splits {splits}", [(forward, "rule_splits", int(splits))]))
     for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
         option = f"fold_{fold}"
         if getattr(args, f"{option}_ablation") and moe is not None:
@@ -407,6 +412,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefetch-ablation", type=int, default=0, metavar="BYTES",
                         help="decode again with the MoE's routing folded in and asking L2 for the experts' gate/up "
                              "weights where they fit in BYTES (CudaMoe.prefetch_budget)")
+    parser.add_argument("--rule-splits-ablation", default="", metavar="N[,N...]",
+                        help="decode again with each head's delta-rule state columns over N blocks "
+                             "(HybridForward.rule_splits)")
     parser.add_argument("--route-experts-ablation", action="store_true",
                         help="decode again with the MoE routing's build for the most experts (more slots a lane)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",

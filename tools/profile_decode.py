@@ -1,7 +1,7 @@
 """Where a decode step's device time goes: every kernel of the captured CUDA Graph, timed by CUPTI.
 
     python3 tools/profile_decode.py [--model 8b|27b|a3b] [--cases 1x512,8x512] [--reps 5] [--overlap yes|no]
-                                    [--enable chain_norm|moe.fold_route,...] [--trace DIR]
+                                    [--enable chain_norm|moe.fold_route|rule_splits=4,...] [--trace DIR]
 
 Qwen3-8B shape with random bf16 weights (as tools/gpu_bench.py), or a hybrid shape of
 tools/gpu_bench_hybrid.py (``--model 27b|a3b``). For each (batch x context) case the
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="1x512,8x512")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--overlap", choices=("yes", "no"), default="yes")
-    parser.add_argument("--enable", default="", help="options of the runner's forward to switch on first, "
+    parser.add_argument("--enable", default="", help="options of the runner's forward to switch on (or set, "
+                        "OPTION=N) first, "
                         "comma-separated attribute paths (chain_norm, moe.fold_route, moe.fold_combine)")
     parser.add_argument("--trace", type=Path, help="directory for the Chrome traces")
     parser.add_argument("--json", type=Path)
@@ -131,14 +132,18 @@ def main(argv=None) -> int:
         ptrs = {n: rt.DevicePtr(t.data_ptr(), t.numel() * t.element_size(), n) for n, t in tensors.items()}
         runner = CudaHybridRunner.from_device_weights(config, ptrs, state_slots=1, **shape)
     runner.forward.overlap = args.overlap == "yes"
-    for path in filter(None, args.enable.split(",")):
+    for setting in filter(None, args.enable.split(",")):
+        path, _, number = setting.partition("=")
         *owners, option = path.split(".")
         target = runner.forward
         for owner in owners:
             target = getattr(target, owner)
-        if not isinstance(getattr(target, option), bool):
-            raise SystemExit(f"--enable {path}: not an on/off option of the forward")
-        setattr(target, option, True)
+        if isinstance(getattr(target, option), bool) and not number:
+            setattr(target, option, True)
+        elif isinstance(getattr(target, option), int) and number.isdigit():
+            setattr(target, option, int(number))
+        else:
+            raise SystemExit(f"--enable {setting}: not an on/off option (OPTION) or a count (OPTION=N) of the forward")
     for name in runner.forward.kernel_names():  # module loads are not allowed during capture
         runner.kernels[name]
     trace_dir = args.trace or Path(tempfile.mkdtemp())

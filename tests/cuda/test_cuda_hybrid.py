@@ -202,6 +202,42 @@ def test_fused_step_is_conv_then_rule(nk, nv):
     assert not gpu.get(tickets, np.int32, (rows * nk,)).any()
 
 
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_rule_is_the_rule(splits):
+    """``deltanet_rule_s{splits}`` (``HybridForward.rule_splits``) against ``deltanet_rule``: two decode
+    steps of three lanes (out of order), outputs and states to fp32 rounding, the tickets back at zero."""
+    gpu, rng = Gpu(), np.random.default_rng(30 + splits)
+    nk, nv = NK, NV
+    key_dim, value_dim = nk * DH, nv * DH
+    conv_dim = 2 * key_dim + value_dim
+    in_size = conv_dim + value_dim + 2 * nv
+    rows, slots, slot = 3, 4, nv * DH * DH
+    lanes = gpu.put(np.array([2, 0, 3], np.int32))
+    states = (rng.standard_normal(slots * slot) * 0.1).astype(np.float32)
+    dt_bias, a_log = (gpu.put(rng.standard_normal(nv).astype(np.float32)) for _ in range(2))
+    norm, tickets = gpu.put(rng.standard_normal(DH).astype(np.float32)), gpu.put(np.zeros(rows * nv, np.int32))
+    partials = gpu.empty(rows * nv * splits * 4)
+    steps = [(gpu.put(rng.standard_normal((rows, conv_dim)).astype(np.float32)),
+              gpu.put(rng.standard_normal((rows, in_size)).astype(np.float32))) for _ in range(2)]
+    runs = []
+    for split in (False, True):
+        d_states, out = gpu.put(states), gpu.empty(rows * value_dim * 4)
+        outs = []
+        for mixed, proj in steps:
+            if split:
+                gpu.launch(f"deltanet_rule_s{splits}_k{DH}_v{DH}", (nv, rows, splits), (2 * DH // splits,),
+                           (mixed, proj, out, d_states, slot, lanes, nk, nv, in_size, dt_bias, a_log, norm, 1e-6,
+                            partials, tickets))
+            else:
+                gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (nv, rows), (2 * DH,),
+                           (mixed, proj, out, d_states, slot, lanes, 1, nk, nv, in_size, dt_bias, a_log, norm, 1e-6))
+            outs.append(gpu.get(out, np.float32, (rows, value_dim)))
+        runs.append((outs, gpu.get(d_states, np.float32, (slots * slot,))))
+    for got, want in zip(runs[1][0] + [runs[1][1]], runs[0][0] + [runs[0][1]]):
+        assert rel_err(got, want) < 1e-6
+    assert not gpu.get(tickets, np.int32, (rows * nv,)).any()
+
+
 def test_prefill_delta_rule_pipeline_matches_the_reference():
     """prep (norms, gates) -> scan (the recurrence) -> gated norm, over one sequence."""
     gpu, rng = Gpu(), np.random.default_rng(3)

@@ -47,6 +47,7 @@ from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig
 CONV_KERNEL = 4
 DELTANET_HEAD_DIMS = (16, 32, 64, 128)
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
+RULE_SPLITS = (2, 4, 8)  # deltanet_rule_s{n}'s builds, where a block keeps whole warps (numba_kernels/deltanet.py)
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -120,6 +121,9 @@ class HybridBuffers:
             plan["chunks"] = chunks * c.linear_num_v_heads * deltanet_chunk_floats(c) * f32
         if LINEAR in c.layer_types:  # deltanet_step's tickets, one a (lane, key head), zero between launches
             plan["step_tickets"] = max_batch * c.linear_num_k_heads * 4
+            # deltanet_rule_s's: one a (lane, value head), and each split's sum of squares
+            plan["rule_tickets"] = max_batch * c.linear_num_v_heads * 4
+            plan["rule_partials"] = max_batch * c.linear_num_v_heads * max(RULE_SPLITS) * f32
         if FULL in c.layer_types:  # gated_attention_merged's, one a (lane, query head)
             plan["attention_tickets"] = max_batch * c.num_heads * 4
         if MOE in c.mlp_types:
@@ -135,7 +139,8 @@ class HybridBuffers:
         rt.copy_h2d(self.cos, self._tables[0], stream)
         rt.copy_h2d(self.sin, self._tables[1], stream)
         regions = (self.counts, self.kv, self.states) + tuple(
-            getattr(self, name) for name in ("step_tickets", "attention_tickets", "moe") if hasattr(self, name))
+            getattr(self, name) for name in ("step_tickets", "rule_tickets", "attention_tickets", "moe")
+            if hasattr(self, name))
         for region in regions:  # the tickets (the fused kernels', the MoE scratch's) must start at zero
             rt.memset32(region, 0, region.nbytes // 4, stream)
         rt.synchronize(stream)
@@ -158,6 +163,11 @@ class HybridForward(Forward):
     # last split of each (row, head) merges, as ``gated_combine`` would): bit for bit the pair in the
     # simulator. Off until timed on the GPU (tools/gpu_bench_hybrid.py --merged-attention-ablation).
     merged_attention = False
+    # A decode step's delta rule with each head's state columns split over this many blocks
+    # (``deltanet_rule_s{n}``, one of RULE_SPLITS; 0: ``deltanet_rule``, a block a head): a batch-1 step
+    # otherwise streams the states from one SM a value head. Off until timed on the GPU
+    # (tools/gpu_bench_hybrid.py --rule-splits-ablation N).
+    rule_splits = 0
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -166,6 +176,8 @@ class HybridForward(Forward):
         dk, dv = c.linear_k_head_dim, c.linear_v_head_dim
         self.rule_name = f"deltanet_rule_k{dk}_v{dv}"
         self.step_name = f"deltanet_step_k{dk}_v{dv}"
+        self.split_rule_names = {n: f"deltanet_rule_s{n}_k{dk}_v{dv}" for n in RULE_SPLITS
+                                 if f"deltanet_rule_s{n}_k{dk}_v{dv}" in kernels.entries}  # whole warps a block
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
@@ -184,7 +196,7 @@ class HybridForward(Forward):
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
-        names += ["deltanet_conv", self.rule_name, self.step_name, *self.prefill_rule_names, *self.chunked_rule_names,
+        names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name, *self.prefill_rule_names, *self.chunked_rule_names,
                   self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
@@ -244,7 +256,13 @@ class HybridForward(Forward):
                     (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, b.inputs.d_lanes, seq_rows,
                      c.conv_dim, w[p + "conv"]), stream)
         state = conv_state.at(self.conv_floats * 4)
-        if decode:
+        if decode and self.rule_splits:
+            rule = k[self.split_rule_names[self.rule_splits]]
+            rule.launch((c.linear_num_v_heads, seqs, self.rule_splits), (rule.meta["threads"],),
+                        (b.mixed, b.proj, b.core, state, slot_floats, b.inputs.d_lanes, c.linear_num_k_heads,
+                         c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"], w[p + "A_log"],
+                         w[p + "linear_norm"], float(c.rms_norm_eps), b.rule_partials, b.rule_tickets), stream)
+        elif decode:
             rule = k[self.rule_name]
             rule.launch((c.linear_num_v_heads, seqs), (rule.meta["threads"],),
                         (b.mixed, b.proj, b.core, state, slot_floats, b.inputs.d_lanes, seq_rows,
