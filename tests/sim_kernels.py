@@ -347,6 +347,30 @@ def _deltanet_runs(rows: int, n_k: int, n_v: int, d: int, forms: tuple, exact: b
             "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any())}
 
 
+def case_gated_combine(rows: int) -> dict:
+    """``gated_combine`` over random split partials (rows with 10 and 2 splits holding keys, of 11, so
+    a group of MERGE_GROUP is partial) against the softmax merge in NumPy, times the sigmoid gate."""
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(60 + rows)
+    heads, splits, d, split_len = 3, 11, 32, 32
+    positions = np.array([split_len * 9 + 5, 40, 7][:rows], np.int32)
+    m = (rng.standard_normal((rows, heads, splits)) * 3).astype(np.float32)
+    l = rng.uniform(0.5, 4, (rows, heads, splits)).astype(np.float32)
+    o = rng.standard_normal((rows, heads, splits, d)).astype(np.float32)
+    gate = rng.standard_normal((rows, heads * d)).astype(np.float32)
+    out = gpu.empty(rows * heads * d * 4)
+    gpu.launch("gated_combine", (heads, rows), (d,),
+               (out, gpu.put(gate), gpu.put(o), gpu.put(np.stack([m, l], -1)), gpu.put(positions), heads, splits, d,
+                gpu.put(np.array([split_len], np.int32))))
+    want = np.zeros((rows, heads, d))
+    for r in range(rows):
+        active = min(splits, (positions[r] + split_len) // split_len)
+        for h in range(heads):
+            w = np.exp(m[r, h, :active] - m[r, h, :active].max())
+            want[r, h] = (o[r, h, :active] * w[:, None]).sum(0) / (l[r, h, :active] * w).sum()
+    return {"combine": rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1) / (1 + np.exp(-gate)))}
+
+
 def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:
     """A greedy decode step's inputs for ``rows`` lanes whose keys are already cached (1 .. max_context - 2
     of them, ``pages`` pages a lane from page 1 on), uploaded; returns the attention depth the runner
@@ -424,7 +448,7 @@ def case_hybrid_decode(rows: int) -> dict:
 
 
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "decode": case_decode,
-         "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode}
+         "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine}
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 # Every (case, rows) the tests below ask for: the first test to ask starts them all, as many at once
 # as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("decode", 3), ("decode", 8),
-         ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3)]
+         ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3), ("gated_combine", 3)]
 _runs: dict = {}
 
 
@@ -121,3 +121,9 @@ def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():
     assert all(result["identical"])
     for check in ("states_moved", "kv_written", "greedy", "finite", "tickets_zero"):
         assert result[check], check
+
+
+def test_gated_combine_merges_the_splits():
+    """``gated_combine`` (every split's max, then the rescaled sums, in groups of loads) against the
+    softmax merge of the same partials in NumPy, rows of 10 and 2 splits with keys."""
+    assert simulate("gated_combine", 3)["combine"] < TOL
