@@ -12,7 +12,8 @@ the KV page; V heads: into the page as they are. Pool layout as ``rope.py``'s.
 
 ``gated_attention_d{D}_{bf16|f32}``: grid ``(n_heads, rows, n_splits)``, block 128 (4 warps).
 One block per query head (any GQA group size, as 6 in Qwen3.6-27B), keys of one split; each warp
-walks every 4th key, lanes own ``D / 32`` dims, scores warp-reduced and folded into an online
+walks every 4th key, KEYS at a time (their page lookups and loads all out before it scores the
+first), lanes own ``D / 32`` dims, scores warp-reduced and folded into an online
 softmax; the warps merge and write the unnormalised partial (``o``, max, sum) in the
 ``attention.py`` layout. The split length is a step input (device memory), so one captured graph
 serves every context; blocks past a row's length exit at once.
@@ -39,6 +40,7 @@ from numba_kernels.rope import load_bf16, load_f32, store_bf16, store_f32
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_HEAD_DIM = 256
 WARPS = 4
+KEYS = 4  # keys a warp of gated_attention loads before it scores any: one latency for four
 
 
 def make_qk_rope(store):
@@ -128,20 +130,38 @@ def make_attention(D, load, merged: bool = False):
         page_mask = (int64(1) << page_shift) - 1
         head_off = int64(kvh) * (page_mask + 1) * D + lane * E
         v_off = int64(n_kv) * (page_mask + 1) * D
-        for t in range(start + warp, end, WARPS):
-            page = int64(page_tables[table + (t >> page_shift)])
-            kbase = page * page_stride + head_off + (t & page_mask) * D
-            dot = float32(0.0)
-            for e in range(E):
-                dot += q[e] * load(kc, kbase + e)
-            s = warp_sum(dot) * scale
-            m_new = max(m, s)
+        at = cuda.local.array(KEYS, int64)
+        keys = cuda.local.array((KEYS, E), float32)
+        values = cuda.local.array((KEYS, E), float32)
+        scores = cuda.local.array(KEYS, float32)
+        first = start + warp
+        while first < end:  # keys first, first + WARPS, ... (KEYS of them), loaded before any is used
+            for g in range(KEYS):
+                t = min(first + g * WARPS, end - 1)  # past the split: a valid key, weighed 0 below
+                at[g] = int64(page_tables[table + (t >> page_shift)]) * page_stride + head_off + (t & page_mask) * D
+            for g in range(KEYS):
+                for e in range(E):
+                    keys[g, e] = load(kc, at[g] + e)
+                    values[g, e] = load(kc, at[g] + v_off + e)
+            for g in range(KEYS):
+                dot = float32(0.0)
+                for e in range(E):
+                    dot += q[e] * keys[g, e]
+                scores[g] = warp_sum(dot) * scale if first + g * WARPS < end else NEG_BIG
+            m_new = m
+            for g in range(KEYS):
+                m_new = max(m_new, scores[g])
             alpha = math.exp(m - m_new)
-            p = math.exp(s - m_new)
-            l = l * alpha + p
+            l *= alpha
             for e in range(E):
-                acc[e] = acc[e] * alpha + p * load(kc, kbase + v_off + e)
+                acc[e] *= alpha
+            for g in range(KEYS):
+                p = math.exp(scores[g] - m_new)
+                l += p
+                for e in range(E):
+                    acc[e] += p * values[g, e]
             m = m_new
+            first += KEYS * WARPS
         if lane == 0:
             sh_m[warp] = m
             sh_l[warp] = l

@@ -349,7 +349,9 @@ def _deltanet_runs(rows: int, n_k: int, n_v: int, d: int, forms: tuple, exact: b
 
 def case_gated_combine(rows: int) -> dict:
     """``gated_combine`` over random split partials (rows with 10 and 2 splits holding keys, of 11, so
-    a group of MERGE_GROUP is partial) against the softmax merge in NumPy, times the sigmoid gate."""
+    a group of MERGE_GROUP is partial) against the softmax merge in NumPy, times the sigmoid gate; then
+    ``gated_attention`` + ``gated_combine`` over a paged bf16 pool (keys in groups of KEYS, the last
+    group partial) against attention in NumPy."""
     gpu = kernel_sim.SimGpu()
     rng = np.random.default_rng(60 + rows)
     heads, splits, d, split_len = 3, 11, 32, 32
@@ -368,7 +370,46 @@ def case_gated_combine(rows: int) -> dict:
         for h in range(heads):
             w = np.exp(m[r, h, :active] - m[r, h, :active].max())
             want[r, h] = (o[r, h, :active] * w[:, None]).sum(0) / (l[r, h, :active] * w).sum()
-    return {"combine": rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1) / (1 + np.exp(-gate)))}
+    return {"combine": rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1) / (1 + np.exp(-gate))),
+            "attention": _gated_attention(rows)}
+
+
+def _gated_attention(rows: int) -> float:
+    """``gated_attention_d32_bf16`` then ``gated_combine`` for ``rows`` rows of 4 query heads over 2 KV
+    heads, 16-key pages in a shuffled page table: relative error against NumPy."""
+    from ninfer.artifact.bf16 import from_float32, to_float32
+
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(70 + rows)
+    heads, n_kv, d, page, split_len, splits = 4, 2, 32, 16, 32, 4
+    positions = np.array([70, 20, 45][:rows], np.int32)
+    pages_per_row = 5
+    n_pages = rows * pages_per_row
+    pool_bits = from_float32(rng.standard_normal((n_pages, 2, n_kv, page, d)).astype(np.float32))
+    pool = to_float32(pool_bits)
+    table = rng.permutation(n_pages).astype(np.int32).reshape(rows, pages_per_row)
+    q = rng.standard_normal((rows, heads + 2 * n_kv, d)).astype(np.float32)
+    gate = rng.standard_normal((rows, heads * d)).astype(np.float32)
+    cells = rows * heads * splits
+    part_o, part_ml, out = gpu.empty(cells * d * 4), gpu.empty(cells * 2 * 4), gpu.empty(rows * heads * d * 4)
+    d_positions, d_split = gpu.put(positions), gpu.put(np.array([split_len], np.int32))
+    scale = float(d ** -0.5)
+    gpu.launch("gated_attention_d32_bf16", (heads, rows, splits), (128,),
+               (gpu.put(q), gpu.put(pool_bits), 2 * n_kv * page * d, gpu.put(table), pages_per_row,
+                gpu.put(np.arange(rows, dtype=np.int32)), d_positions, part_o, part_ml, heads, n_kv, 4, d_split, splits,
+                scale))
+    gpu.launch("gated_combine", (heads, rows), (d,),
+               (out, gpu.put(gate), part_o, part_ml, d_positions, heads, splits, d, d_split))
+    want = np.zeros((rows, heads, d))
+    for r in range(rows):
+        keys = np.arange(positions[r] + 1)
+        at = pool[table[r, keys // page]]  # [keys, 2, n_kv, page, d]
+        for h in range(heads):
+            kvh = h // (heads // n_kv)
+            k, v = at[keys, 0, kvh, keys % page], at[keys, 1, kvh, keys % page]
+            p = np.exp(k @ q[r, h] * scale - (k @ q[r, h] * scale).max())
+            want[r, h] = p @ v / p.sum()
+    return rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1) / (1 + np.exp(-gate)))
 
 
 def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:

@@ -123,7 +123,9 @@ def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():
         assert result[check], check
 
 
-def test_gated_combine_merges_the_splits():
+def test_gated_attention_and_its_split_merge_match_numpy():
     """``gated_combine`` (every split's max, then the rescaled sums, in groups of loads) against the
-    softmax merge of the same partials in NumPy, rows of 10 and 2 splits with keys."""
-    assert simulate("gated_combine", 3)["combine"] < TOL
+    softmax merge of the same partials in NumPy, rows of 10 and 2 splits with keys; ``gated_attention``
+    (keys in groups of KEYS a warp) and the merge over a paged pool against attention in NumPy."""
+    result = simulate("gated_combine", 3)
+    assert result["combine"] < TOL and result["attention"] < TOL, result
