@@ -532,7 +532,7 @@ def make_router_route(experts: int):
     return moe_router_route
 
 
-def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False, prefetch: bool = False):
+def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False):
     """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs.
 
     ``kind``: "gate_up", "down", or "router": one dense matrix (``w_shared``, n = ``n_shared``, k =
@@ -544,17 +544,8 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
 
     ``hold`` (name suffix ``h``): each round's first MMA waits for every weight and activation word of
     the round (``make_mma_gemv``'s waits for the weights): ptxas otherwise issues three of a round's
-    loads, MMAs on them, then the rest.
-
-    ``prefetch`` (name suffix ``f``, "gate_up" only; five more arguments ``w_down_experts,
-    w_down_shared, down_bytes, shared_down_bytes, budget``): where every chunk's down matrix fits in
-    ``budget`` bytes (``n_chunks * max(down_bytes, shared_down_bytes)``), each block first asks L2 for
-    its share (1 / the column tiles) of its chunk's down matrix, so the down GEMM that follows reads
-    L2 while this one, and the boundary between them, leave the memory idle at their ends. A hint only:
-    the results are the same with any budget."""
-    assert not prefetch or kind == "gate_up"
+    loads, MMAs on them, then the rest."""
     COMBINE = kind == "down_combine"
-    PREFETCH = prefetch
     swiglu = kind == "gate_up"
     DENSE = kind == "router"
     THREADS = 32 * W
@@ -566,10 +557,8 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
 
     @cuda.jit(device=True, inline=True)
     def grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                      k_routed, k_shared, ldy, ldx, w_down_experts, w_down_shared, down_bytes, shared_down_bytes,
-                      budget):
-        """The block's (chunk, column tile); False if it has none (past the chunks or the columns). The
-        last five arguments: ``prefetch``'s (unread without it)."""
+                      k_routed, k_shared, ldy, ldx):
+        """The block's (chunk, column tile); False if it has none (past the chunks or the columns)."""
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         ci = cuda.blockIdx.y
@@ -593,12 +582,6 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
             k = k_shared
             w = w_shared
             w_base = int64(0)
-        if PREFETCH and cuda.threadIdx.x == 0 and int64(n_chunks[0]) * max(down_bytes, shared_down_bytes) <= budget:
-            if expert >= 0:
-                prefetch_share(w_down_experts, int64(expert) * down_bytes, down_bytes, cuda.gridDim.x,
-                               cuda.blockIdx.x)
-            else:
-                prefetch_share(w_down_shared, int64(0), shared_down_bytes, cuda.gridDim.x, cuda.blockIdx.x)
         col_base = cuda.blockIdx.x * T * COLS
         if col_base >= n:
             return False
@@ -711,28 +694,18 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
                     y[at] = pair_weight[pair] * v
         return True
 
-    if PREFETCH:
-        def grouped_prefetch(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                             k_routed, k_shared, ldy, ldx, w_down_experts, w_down_shared, down_bytes,
-                             shared_down_bytes, budget):
-            grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                          k_routed, k_shared, ldy, ldx, w_down_experts, w_down_shared, down_bytes, shared_down_bytes,
-                          budget)
-
-        return grouped_prefetch
-
     if not COMBINE:
         def grouped(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                     k_routed, k_shared, ldy, ldx):
             grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                          k_routed, k_shared, ldy, ldx, w_experts, w_shared, int64(0), int64(0), int64(0))
+                          k_routed, k_shared, ldy, ldx)
 
         return grouped
 
     def grouped_combine(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                         k_routed, k_shared, ldy, ldx, residual, row_pair, rows, top_k, tickets):
         if not grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                             k_routed, k_shared, ldy, ldx, w_experts, w_shared, int64(0), int64(0), int64(0)):
+                             k_routed, k_shared, ldy, ldx):
             return  # no ticket: the tile counts the blocks of the step's chunks
         tile = cuda.blockIdx.x
         if not last_to_finish(tickets, tile, n_chunks[0]):  # the tile's pairs are all out after this
@@ -774,9 +747,8 @@ def make_combine(residual: bool):
     return moe_combine
 
 
-def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False,
-                 prefetch: bool = False) -> str:
-    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}{'h' if hold else ''}{'f' if prefetch else ''}"
+def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False) -> str:
+    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}{'h' if hold else ''}"
 
 
 # Candidates (kind, tiles, warps, steps in flight, pair groups of 8, activation terms): decode ones
@@ -804,12 +776,6 @@ KERNELS = {
     "moe_combine_residual": (make_combine(True), (F32P, F32P, I32P, int32, int32, int32),
                              {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
-# The decode gate/up shape asking L2 for the down GEMM's weights (CudaMoe.down_prefetch_budget).
-PREFETCH_SHAPE = ("gate_up", 1, 8, 2, 1, 3)
-KERNELS[grouped_name(*PREFETCH_SHAPE, prefetch=True)] = (
-    make_grouped(*PREFETCH_SHAPE, prefetch=True), GROUPED_SIG + (U64P, U64P, int64, int64, int64),
-    {"threads": 32 * PREFETCH_SHAPE[2], "cols": 8 * PREFETCH_SHAPE[1], "pairs": 8 * PREFETCH_SHAPE[4],
-     "terms": PREFETCH_SHAPE[5], "grid_wait": 1})
 ROUTE_SIG = (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32, int32)
 ROUTER_ROUTE_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P, I32P, F32P, I32P, I32P, F32P,
                     U16P, int32, int32, int32, I32P, U64P, U64P, int64, int64, int64)

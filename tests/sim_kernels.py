@@ -153,10 +153,8 @@ def case_moe(rows: int) -> dict:
     """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
     of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and, last, the folded routing's
     L2 prefetch of the experts (``prefetch_budget``: the bytes it asked for, each range checked to lie
-    in its weights), the routing's build for MAX_EXPERTS and the gate/up GEMM's prefetch of the down
-    weights (``down_prefetch_budget``), over one tiny MoE layer."""
+    in its weights) and the routing's build for MAX_EXPERTS, over one tiny MoE layer."""
     from ninfer.artifact.bf16 import to_float32
-    from ninfer.backends.cuda import moe as moe_mod
     from ninfer.backends.cuda.moe import ROUTE_EXPERTS, CudaMoe
     from ninfer.backends.reference.hybrid import HybridForward
     from ninfer.backends.reference.hybrid_weights import DenseMlpWeights, MoeWeights
@@ -192,21 +190,19 @@ def case_moe(rows: int) -> dict:
     plain = moe.decode_gemms
     held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", plain[2])  # numba_kernels/moe.py HOLD_SHAPES
     wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
-    runs, launches, fetched = [], [], []
+    runs, launches = [], []
     budget = 1 << 20  # holds the shared expert's gate/up and every pick's at 8 rows
     fits, most = moe.route_experts, ROUTE_EXPERTS[-1]  # the routing's build for the model, the largest
     for setting in ((False, False, plain, 0, fits), (True, False, plain, 0, fits), (False, True, plain, 0, fits),
                     (True, True, plain, 0, fits), (True, True, plain, 0, fits), (False, False, held, 0, fits),
                     (True, True, held, 0, fits), (True, True, wide, 0, fits), (False, False, plain, 0, most),
-                    (True, False, plain, 0, most), (True, True, plain, budget, fits), (False, False, plain, -1, fits)):
-        moe.fold_route, moe.fold_combine, moe.decode_gemms, prefetch, moe.route_experts = setting
-        moe.prefetch_budget, moe.down_prefetch_budget = max(prefetch, 0), budget if prefetch < 0 else 0
+                    (True, False, plain, 0, most), (True, True, plain, budget, fits)):
+        moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.prefetch_budget, moe.route_experts = setting
         prefetched = gpu.device.prefetched
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
         moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
         launches.append(gpu.kernels.launches[first:])
-        fetched.append(gpu.device.prefetched - prefetched)
         runs.append([gpu.get(d_y, np.float32, (rows, H)), gpu.get(d_normed, np.float32, (rows, H)),
                      gpu.get(moe.topk_ids, np.int32, (rows, K)), gpu.get(moe.topk_w, np.float32, (rows, K))])
     model = HybridForward.__new__(HybridForward)  # _moe reads only the config
@@ -215,13 +211,8 @@ def case_moe(rows: int) -> dict:
     unit = 2 * 2 * H  # gate/up bytes of one intermediate unit
     return {
         "launches": [len(run) for run in launches],
-        "prefetched": fetched[-2],  # the folded routing's: the shared expert's and every pick's gate/up
+        "prefetched": gpu.device.prefetched - prefetched,
         "prefetch_wanted": unit * (rows * K * config.moe_intermediate_size + config.shared_expert_intermediate_size),
-        "down_prefetched": fetched[-1],  # the gate/up GEMM's: each used expert's down matrix and the shared one's
-        "down_wanted": 2 * H * (len(set(runs[0][2].ravel().tolist())) * config.moe_intermediate_size
-                                + config.shared_expert_intermediate_size),
-        "down_prefetch_launched": moe_mod.PREFETCH_GATE_UP_GEMM in launches[-1],
-        "only_asked": fetched[:-2] == [0] * (len(fetched) - 2),
         "held_launched": held[0] in launches[6] and wide[0] in launches[7],
         "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9]],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],

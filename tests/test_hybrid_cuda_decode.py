@@ -152,27 +152,6 @@ def test_folded_routing_replaces_the_route_launch():
                 assert gate_up[0].name == moe.DECODE_GEMMS[0] and gate_up[2][1] is fwd.b.h
 
 
-def test_down_prefetch_takes_the_prefetching_gate_up():
-    """``CudaMoe.down_prefetch_budget``: a decode MoE layer's gate/up GEMM is the "f" build, given the
-    layer's down weights (routed and shared), one matrix's bytes of each and the budget; prefill and
-    other decode shapes keep the plain one."""
-    config = CONFIGS["35b-a3b"]
-    fwd = forward(config)
-    fwd.moe.down_prefetch_budget = 40 << 20
-    H, I, S = config.hidden_size, config.moe_intermediate_size, config.shared_expert_intermediate_size
-    for rows in (1, 8):
-        launched = decode_launches(fwd, rows)
-        assert launched.count(moe.PREFETCH_GATE_UP_GEMM) == config.num_layers
-        assert moe.DECODE_GEMMS[0] not in launched
-        prefetching = [args for kernel, _, args in fwd.k.log if kernel.name == moe.PREFETCH_GATE_UP_GEMM]
-        for layer, args in enumerate(prefetching):  # every layer's MLP is a MoE
-            assert args[-5] is fwd.w[f"layers.{layer}.experts.down"] and args[-4] is fwd.w[f"layers.{layer}.shared.down"]
-            assert args[-3:] == (2 * H * I, 2 * H * S, 40 << 20)
-    fwd.k.log.clear()
-    fwd.layers(20, None)  # a prefill chunk
-    assert moe.PREFETCH_GATE_UP_GEMM not in [kernel.name for kernel, _, _ in fwd.k.log]
-
-
 def test_folded_combine_replaces_the_combine_launch():
     """With ``CudaMoe.fold_combine`` a decode MoE layer's down GEMM adds into the residual stream: one
     DOWN_COMBINE_GEMM a layer over the down GEMM's grid, no ``moe_combine_residual``."""

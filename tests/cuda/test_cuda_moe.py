@@ -169,8 +169,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``);
     ``fold_combine``: the down GEMM's last block of each column tile adds the tile into the residual
     stream; the grouped GEMMs' ``hold`` builds (a +0.0 that waits for a round's loads); the routing's
-    build for MAX_EXPERTS (more slots a lane than the model needs); the gate/up GEMM asking L2 for the
-    down weights. The MoE added
+    build for MAX_EXPERTS (more slots a lane than the model needs). The MoE added
     into the residual stream, the picks and the normalised rows are bit for bit those of the separate
     launches, and stay so launch after launch (the tickets reset themselves)."""
     from ninfer.backends.cuda import runtime as rt
@@ -189,11 +188,10 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     try:
         held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", moe.decode_gemms[2])  # numba_kernels/moe.py hold
         plain, most = moe.decode_gemms, ROUTE_EXPERTS[-1]
-        for setting in ((False, False, plain, fits, 0), (True, False, plain, fits, 0), (False, True, plain, fits, 0),
-                        (True, True, plain, fits, 0), (True, True, plain, fits, 0), (False, False, held, fits, 0),
-                        (True, True, held, fits, 0), (False, False, plain, most, 0), (True, False, plain, most, 0),
-                        (False, False, plain, fits, 1 << 30), (True, True, plain, fits, 1 << 30)):
-            moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.route_experts, moe.down_prefetch_budget = setting
+        for setting in ((False, False, plain, fits), (True, False, plain, fits), (False, True, plain, fits),
+                        (True, True, plain, fits), (True, True, plain, fits), (False, False, held, fits),
+                        (True, True, held, fits), (False, False, plain, most), (True, False, plain, most)):
+            moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.route_experts = setting
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
             runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
@@ -201,7 +199,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
                          gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
                          gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
     finally:
-        del moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.down_prefetch_budget  # the class's defaults
+        del moe.fold_route, moe.fold_combine, moe.decode_gemms  # the class's defaults again
         moe.route_experts = fits
         for ptr in (d_x, d_w, d_y, normed):
             gpu.device.free(ptr)

@@ -59,9 +59,6 @@ def combine_gemm(down: str) -> str:
 
 
 DOWN_COMBINE_GEMM = combine_gemm(DECODE_GEMMS[1])
-# The decode gate/up GEMM that also asks L2 for the down GEMM's weights (its "f" build:
-# numba_kernels/moe.py PREFETCH_SHAPE; CudaMoe.down_prefetch_budget).
-PREFETCH_GATE_UP_GEMM = DECODE_GEMMS[0] + "f"
 
 
 def route_capacity(n_experts: int) -> int:
@@ -137,10 +134,6 @@ class CudaMoe:
     # GEMMs (the shared expert's gate/up and each pick's, where all fit: ``moe_router_route``); 0 never.
     # Off until timed on the GPU (tools/gpu_bench_hybrid.py --prefetch-ablation BYTES).
     prefetch_budget = 0
-    # Bytes of down weights a decode step's gate/up GEMM may ask L2 for (each block its share of its
-    # chunk's down matrix, where every chunk's fits: PREFETCH_GATE_UP_GEMM), so the down GEMM reads L2;
-    # 0 never. Off until timed on the GPU (tools/gpu_bench_hybrid.py --down-prefetch-ablation BYTES).
-    down_prefetch_budget = 0
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -148,7 +141,7 @@ class CudaMoe:
         return [*(f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS), "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
                 ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, ROUTER_PREFILL_GEMM,
-                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, PREFETCH_GATE_UP_GEMM]
+                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -191,14 +184,9 @@ class CudaMoe:
             self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
         chunks = max_chunks(c, rows, chunk)
         I, S, width = c.moe_intermediate_size, c.shared_expert_intermediate_size, _act_width(c)
-        gate_up_args = (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
-                        self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H)
-        if decode and self.down_prefetch_budget and gate_up == DECODE_GEMMS[0]:  # the one with an "f" build
-            self.grouped(PREFETCH_GATE_UP_GEMM, chunks, max(I, S), stream,
-                         gate_up_args + (weights[p + "experts.down"], weights[p + "shared.down"], 2 * H * I, 2 * H * S,
-                                         self.down_prefetch_budget))
-        else:
-            self.grouped(gate_up, chunks, max(I, S), stream, gate_up_args)
+        self.grouped(gate_up, chunks, max(I, S), stream,
+                     (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
+                      self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H))
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
         if decode and residual and self.fold_combine:  # each column tile's last block adds the tile into y
