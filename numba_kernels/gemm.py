@@ -320,7 +320,7 @@ def make_weight_fragments(T: int, load):
 
 
 def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False, RING: int = 0,
-                  chain: str = "", hold: bool = False):
+                  chain: str = "", hold: bool = False, early: bool = False):
     """``chain`` passes the next GEMM's RMSNorm from a residual GEMM to its consumer (batched decode):
     "out" (epilogue "residual"; last arguments ``xn, part``): besides ``y += .`` the block writes
     ``xn = y * norm_w`` (``norm_w``: the next norm's weights) and, per row, the sum of squares of its
@@ -337,6 +337,10 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     writing its share of every row's columns, for the kernels after this one that read the
     normalised rows (the MoE router: its routing and expert GEMMs), so no norm launch precedes it.
 
+    ``early`` (the register loop): the first round's weights are loaded before the wait for the
+    previous kernel, as the fp32 GEMV's are (more registers: the MoE router's shape, whose one round
+    is all of K, takes it, and its 16 blocks stream the router while the kernel before it runs).
+
     ``RING`` (with ``U == 1``): the operands come through a ring of RING slots of 64 k in shared
     memory (``ring_bytes``, dynamic) instead of registers. Each warp copies its own slots with
     ``cp.async`` RING slots ahead: the weight rows as whole 128-byte lines (8 lanes a row, 4 rows an
@@ -351,6 +355,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     SCALED = normed or NORM_IN  # the epilogue multiplies by each row's 1 / rms
     assert not RING or (U == 1 and 2 <= RING <= len(cp_async_wait))
     assert not (hold and RING)  # hold orders the register loop's loads; a ring's copies need no such hold
+    assert not (early and (RING or chain == "in"))  # the ring loads early anyway; NORM_IN's extra warp waits
     wait_slot = cp_async_wait[RING - 1] if RING else None
     SLOT = ring_slot_bytes(T, normed)
     X_AT = 16 * T * 128  # the slot's activations: 8 rows of 64 fp32 (256 bytes), after the weight rows
@@ -502,12 +507,17 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         wr = cuda.local.array((U, T, 2, 4), uint32)
         xr = cuda.local.array((U, 8), float32)
         # Programmatic dependent launch (common.py). Loading the first round's weights before the wait,
-        # as the fp32 GEMV does, took t1w16u4 from 48 to 71 registers (one block an SM instead of two).
+        # as the fp32 GEMV does, took t1w16u4 from 48 to 71 registers (one block an SM instead of two):
+        # only ``early`` builds do.
+        if early:
+            for u in range(U):
+                load_weights(w, row_at, k, (warp + u * W) * 32 + 8 * t, u, wr)
         launch_dependents()
         grid_dependency_wait()
         for s0 in range(warp, steps, W * U):
-            for u in range(U):  # every load of U steps before the first MMA: U * T * 32 bytes a lane in flight
-                load_weights(w, row_at, k, (s0 + u * W) * 32 + 8 * t, u, wr)
+            if not early or s0 != warp:  # the first round's are in flight already
+                for u in range(U):  # every load of U steps before the first MMA: U * T * 32 bytes a lane in flight
+                    load_weights(w, row_at, k, (s0 + u * W) * 32 + 8 * t, u, wr)
             for u in range(U):
                 kk = (s0 + u * W) * 32 + 8 * t
                 if kk < k and has_row:
@@ -662,8 +672,8 @@ MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
-                    RING: int = 0, chain: str = "", hold: bool = False) -> str:
-    ring = f"r{RING}" if RING else "h" if hold else ""
+                    RING: int = 0, chain: str = "", hold: bool = False, early: bool = False) -> str:
+    ring = f"r{RING}" if RING else "h" if hold else "e" if early else ""
     norm = "normed_" if normed else "normin_" if chain == "in" else ""
     fusion = f"{norm}{'keep_' if keep else ''}{epilogue}{'_normout' if chain == 'out' else ''}"
     return f"mma_gemv_{fusion}_t{T}w{W}u{U}s{TERMS}{ring}"
@@ -726,10 +736,11 @@ for _chain, _epilogue, (_t, _w, _u, _terms), _hold in CHAIN_KERNELS:
 # a 2048-wide row in one round: 35B-A3B b1 329.5-331.0 tok/s against 317.9-320.0 with (1, 8, 2), four
 # rounds (tools/gpu_bench_hybrid.py, alternating runs).
 ROUTER_SHAPE = (1, 16, 4, 3)
-KERNELS[mma_kernel_name(True, "store", *ROUTER_SHAPE, keep=True)] = (
-    make_mma_gemv(True, "store", *ROUTER_SHAPE, keep=True), MMA_SIG + (F32P,),
-    {"threads": 32 * ROUTER_SHAPE[1], "cols": 16, "epilogue": "store", "normed": 1, "keep": 1, "terms": 3,
-     "max_rows": 8, "grid_wait": 1})
+for _early in (False, True):  # ninfer/backends/cuda/moe.py ROUTER_NORMED_DECODE_GEMM, CudaMoe.early_router
+    KERNELS[mma_kernel_name(True, "store", *ROUTER_SHAPE, keep=True, early=_early)] = (
+        make_mma_gemv(True, "store", *ROUTER_SHAPE, keep=True, early=_early), MMA_SIG + (F32P,),
+        {"threads": 32 * ROUTER_SHAPE[1], "cols": 16, "epilogue": "store", "normed": 1, "keep": 1, "terms": 3,
+         "max_rows": 8, "grid_wait": 1})
 
 
 # The fp32 GEMV with the same fusions and arguments (terms 0: exact fp32 products), for few rows.

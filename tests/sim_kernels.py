@@ -153,9 +153,10 @@ def case_moe(rows: int) -> dict:
     """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
     of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and, last, the folded routing's
     L2 prefetch of the experts (``prefetch_budget``: the bytes it asked for, each range checked to lie
-    in its weights) and the routing's build for MAX_EXPERTS, over one tiny MoE layer."""
+    in its weights), the routing's build for MAX_EXPERTS and the router GEMM loading its weights
+    before the wait (``early_router``), over one tiny MoE layer."""
     from ninfer.artifact.bf16 import to_float32
-    from ninfer.backends.cuda.moe import ROUTE_EXPERTS, CudaMoe
+    from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, CudaMoe
     from ninfer.backends.reference.hybrid import HybridForward
     from ninfer.backends.reference.hybrid_weights import DenseMlpWeights, MoeWeights
     from ninfer.convert.random_model import HYBRID_PRESETS
@@ -196,8 +197,9 @@ def case_moe(rows: int) -> dict:
     for setting in ((False, False, plain, 0, fits), (True, False, plain, 0, fits), (False, True, plain, 0, fits),
                     (True, True, plain, 0, fits), (True, True, plain, 0, fits), (False, False, held, 0, fits),
                     (True, True, held, 0, fits), (True, True, wide, 0, fits), (False, False, plain, 0, most),
-                    (True, False, plain, 0, most), (True, True, plain, budget, fits)):
-        moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.prefetch_budget, moe.route_experts = setting
+                    (True, False, plain, 0, most), (False, False, plain, -1, fits), (True, True, plain, budget, fits)):
+        moe.fold_route, moe.fold_combine, moe.decode_gemms, budget_or_early, moe.route_experts = setting
+        moe.prefetch_budget, moe.early_router = max(budget_or_early, 0), budget_or_early < 0
         prefetched = gpu.device.prefetched
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
@@ -214,7 +216,8 @@ def case_moe(rows: int) -> dict:
         "prefetched": gpu.device.prefetched - prefetched,
         "prefetch_wanted": unit * (rows * K * config.moe_intermediate_size + config.shared_expert_intermediate_size),
         "held_launched": held[0] in launches[6] and wide[0] in launches[7],
-        "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9]],
+        "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9],
+                            EARLY_ROUTER_GEMM in launches[10]],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],
         "tickets_zero": bool(not gpu.get(moe.route_ticket, np.int32, (1,)).any()
                              and not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),

@@ -134,6 +134,20 @@ def test_decode_routing_takes_every_decode_row():
     assert "moe_route_e256" in decode_launches(fwd, 1) and "moe_route_e1024" not in decode_launches(fwd, 8)
 
 
+def test_early_router_takes_the_router_gemm_launch():
+    """``CudaMoe.early_router``: a decode MoE layer's normalising router GEMM is the build that loads its
+    weights before the wait, on the same grid and arguments."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    decode_launches(fwd, 1)
+    plain = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == moe.ROUTER_NORMED_DECODE_GEMM]
+    fwd.moe.early_router = True
+    launched = decode_launches(fwd, 1)
+    early = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == moe.EARLY_ROUTER_GEMM]
+    assert moe.ROUTER_NORMED_DECODE_GEMM not in launched and len(early) == len(plain) == config.num_layers
+    assert all(e[0] == p[0] and all(a is b or a == b for a, b in zip(e[1], p[1])) for e, p in zip(early, plain))
+
+
 def test_folded_routing_replaces_the_route_launch():
     """With ``CudaMoe.fold_route`` a decode MoE layer routes inside its router GEMM: one
     ``moe_router_route_e256`` a layer (a block per 16 experts, the router's rows, the normalised rows

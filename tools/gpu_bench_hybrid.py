@@ -7,7 +7,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
                                      [--prefetch-ablation BYTES] [--route-experts-ablation]
-                                     [--rule-splits-ablation N[,N...]]
+                                     [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
@@ -39,7 +39,7 @@ from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
-from ninfer.backends.cuda.moe import ROUTE_EXPERTS, combine_gemm  # noqa: E402
+from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, combine_gemm  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
 
@@ -276,6 +276,9 @@ def ablations(args, forward) -> list[tuple]:
         chosen.append((f"decode_prefetch_{args.prefetch_ablation}", f"MoE fold_route + prefetch "
                        f"{args.prefetch_ablation} bytes", [(moe, "fold_route", True),
                                                          (moe, "prefetch_budget", args.prefetch_ablation)]))
+    if args.early_router_ablation and moe is not None:  # the router GEMM streams its weights before the wait
+        forward.k[EARLY_ROUTER_GEMM]  # loaded now: not during capture
+        chosen.append(("decode_early_router", "MoE early router", [(moe, "early_router", not moe.early_router)]))
     if args.route_experts_ablation and moe is not None:  # the routing's build for the most experts
         most = ROUTE_EXPERTS[-1]
         for kind in ("moe_route", "moe_router_route"):
@@ -415,6 +418,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rule-splits-ablation", default="", metavar="N[,N...]",
                         help="decode again with each head's delta-rule state columns over N blocks "
                              "(HybridForward.rule_splits)")
+    parser.add_argument("--early-router-ablation", action="store_true",
+                        help="decode again with the MoE router GEMM loading its weights before the wait (or not, "
+                             "if it does)")
     parser.add_argument("--route-experts-ablation", action="store_true",
                         help="decode again with the MoE routing's build for the most experts (more slots a lane)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",

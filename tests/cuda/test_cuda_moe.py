@@ -169,7 +169,8 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     """``fold_route``: the normalising router GEMM routes in its last block (``moe_router_route``);
     ``fold_combine``: the down GEMM's last block of each column tile adds the tile into the residual
     stream; the grouped GEMMs' ``hold`` builds (a +0.0 that waits for a round's loads); the routing's
-    build for MAX_EXPERTS (more slots a lane than the model needs). The MoE added
+    build for MAX_EXPERTS (more slots a lane than the model needs); the router GEMM loading its weights
+    before the wait (``early_router``). The MoE added
     into the residual stream, the picks and the normalised rows are bit for bit those of the separate
     launches, and stay so launch after launch (the tickets reset themselves)."""
     from ninfer.backends.cuda import runtime as rt
@@ -190,8 +191,10 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
         plain, most = moe.decode_gemms, ROUTE_EXPERTS[-1]
         for setting in ((False, False, plain, fits), (True, False, plain, fits), (False, True, plain, fits),
                         (True, True, plain, fits), (True, True, plain, fits), (False, False, held, fits),
-                        (True, True, held, fits), (False, False, plain, most), (True, False, plain, most)):
-            moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.route_experts = setting
+                        (True, True, held, fits), (False, False, plain, most), (True, False, plain, most),
+                        (False, False, plain, -fits)):
+            moe.fold_route, moe.fold_combine, moe.decode_gemms, experts = setting
+            moe.route_experts, moe.early_router = abs(experts), experts < 0  # negative: the early router too
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
             runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
@@ -199,7 +202,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
                          gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
                          gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
     finally:
-        del moe.fold_route, moe.fold_combine, moe.decode_gemms  # the class's defaults again
+        del moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.early_router  # the class's defaults again
         moe.route_experts = fits
         for ptr in (d_x, d_w, d_y, normed):
             gpu.device.free(ptr)

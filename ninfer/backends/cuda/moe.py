@@ -51,6 +51,8 @@ ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
 # the expert GEMMs), so a decode step's MoE layer needs no norm launch before it. 16 warps of 4 k-steps
 # read a row in one round of loads (this GEMM is all latency: 1 MB of weights).
 ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
+# Its build that loads the router's weights before waiting for the kernel before it (CudaMoe.early_router).
+EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
 
 
 def combine_gemm(down: str) -> str:
@@ -134,13 +136,17 @@ class CudaMoe:
     # GEMMs (the shared expert's gate/up and each pick's, where all fit: ``moe_router_route``); 0 never.
     # Off until timed on the GPU (tools/gpu_bench_hybrid.py --prefetch-ablation BYTES).
     prefetch_budget = 0
+    # A decode step's normalising router GEMM streams its weights (1 MiB on a 35B-A3B) before it waits
+    # for the kernel before it (EARLY_ROUTER_GEMM), when launches overlap (Forward.overlaps). Off until
+    # timed on the GPU (tools/gpu_bench_hybrid.py --early-router-ablation).
+    early_router = False
 
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
         return [*(f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS), "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
                 ROUTER_DECODE_GEMM,
-                ROUTER_NORMED_DECODE_GEMM, ROUTER_PREFILL_GEMM,
+                ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM]
 
     @staticmethod
@@ -257,7 +263,7 @@ class CudaMoe:
             raise ValueError(f"the MoE's normalising router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         weight, eps, normed = norm
         E, H = self.c.num_experts, self.c.hidden_size
-        kernel = self.k[ROUTER_NORMED_DECODE_GEMM]
+        kernel = self.k[EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM]
         kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],),
                       (self.logits, x, router, weight, rows, E, H, E, eps, normed), stream)
         return normed
