@@ -48,7 +48,7 @@ from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  last_to_finish, launch_dependents, load_f32x4, load_u32x2, load_u64x2, prefetch_l2,
+                                  last_to_finish, launch_dependents, load_f32x4, load_u32x2, load_u64x2,
                                   warp_max, warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
@@ -478,35 +478,12 @@ def make_route(experts: int):
     return moe_route
 
 
-PREFETCH_PIECE = 1 << 15  # bytes a ``prefetch_l2`` of the experts' weights asks for
-
-
-@cuda.jit(device=True, inline=True)
-def prefetch_share(w, first, nbytes, parts, part):
-    """Ask L2 for share ``part`` of ``parts`` of bytes ``[first, first + nbytes)`` of ``w`` (a 16-byte
-    aligned u64 pointer; ``first`` and ``nbytes`` multiples of 16), in pieces of PREFETCH_PIECE."""
-    share = ((nbytes + parts - 1) // parts + 15) // 16 * 16  # parts * share covers every byte
-    at = first + int64(part) * share
-    end = min(at + share, first + nbytes)
-    while at < end:
-        piece = min(int64(PREFETCH_PIECE), end - at)
-        prefetch_l2(w, at >> 3, uint32(piece))
-        at += piece
-
-
 def make_router_route(experts: int):
     """``moe_router_route``: the normalising router GEMM (numba_kernels/gemm.py's
     ``mma_gemv_normed_keep_store`` of ROUTER_SHAPE, a block per 16 experts) with ``moe_route`` folded
     in. Each block writes its logits and its share of the normalised rows, then takes a ticket
     (``ticket[0]``, zero between launches; the last block resets it); the last block to finish routes
-    for every row, as ``moe_route``'s one block does: one launch a decode MoE layer fewer.
-
-    ``budget`` > 0 (bytes): where the step's picks' gate/up matrices (``rows * top_k`` of
-    ``expert_bytes``) and the shared expert's (``shared_bytes``) fit in it, the kernel asks L2 for
-    them, so that they stream while the routing and the launch boundary leave the memory idle: the
-    shared expert's from every block before its GEMM (its weights never depend on the step), the
-    picks' from the routing block as soon as they are known (each pick's matrix split over
-    ``ROUTE_THREADS / picks`` threads). A hint only: the results are the same with any budget."""
+    for every row, as ``moe_route``'s one block does: one launch a decode MoE layer fewer."""
     T, W, U, TERMS = ROUTER_SHAPE
     assert 32 * W == ROUTE_THREADS  # the GEMM's block routes
     route_block = make_route_block(experts)
@@ -514,20 +491,11 @@ def make_router_route(experts: int):
 
     def moe_router_route(logits, x, router_w, norm_w, rows, n_experts, hidden, eps, normed, chunks, n_chunks,
                          pair_row, pair_weight, row_pair, topk_ids, topk_w, shared_gate, top_k, renormalise, chunk,
-                         ticket, w_gate_up, w_shared_gate_up, expert_bytes, shared_bytes, budget):
-        prefetch = budget > 0 and rows * top_k * expert_bytes + shared_bytes <= budget
-        if prefetch and cuda.threadIdx.x == 0:
-            prefetch_share(w_shared_gate_up, int64(0), shared_bytes, cuda.gridDim.x, cuda.blockIdx.x)
+                         ticket):
         router(logits, x, router_w, norm_w, rows, n_experts, hidden, n_experts, eps, normed)
         if last_to_finish(ticket, 0, cuda.gridDim.x):  # every block's logits and normalised columns are out
             route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, normed, shared_gate,
                         rows, n_experts, hidden, top_k, renormalise, chunk)
-            picks = rows * top_k  # topk_ids: written by this block before route_block's barriers
-            threads = ROUTE_THREADS // picks
-            if prefetch and cuda.threadIdx.x < picks * threads:
-                pick = cuda.threadIdx.x // threads
-                prefetch_share(w_gate_up, int64(topk_ids[pick]) * expert_bytes, expert_bytes, threads,
-                               cuda.threadIdx.x % threads)
 
     return moe_router_route
 
@@ -778,7 +746,7 @@ KERNELS = {
 }
 ROUTE_SIG = (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32, int32)
 ROUTER_ROUTE_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P, I32P, F32P, I32P, I32P, F32P,
-                    U16P, int32, int32, int32, I32P, U64P, U64P, int64, int64, int64)
+                    U16P, int32, int32, int32, I32P)
 for _experts in ROUTE_EXPERTS:
     KERNELS[f"moe_route_e{_experts}"] = (make_route(_experts), ROUTE_SIG, {
         "threads": ROUTE_THREADS, "max_experts": _experts, "max_rows": ROUTE_ROWS, "grid_wait": 1})

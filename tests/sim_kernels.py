@@ -10,8 +10,8 @@ tests/test_kernels_sim.py to judge. The cases are the decode kernels written wit
 - ``chain``: the chained norm (``Forward.chain_norm``): a residual GEMV that writes the next norm's
   input and partial sums, then the GEMVs that read them, against the normed kernels and NumPy;
 - ``moe``: ``CudaMoe`` (ninfer/backends/cuda/moe.py) over the simulated device with the routing and
-  the combine folded in or not, the ``hold`` grouped GEMMs and the experts' L2 prefetch: bit for bit
-  the separate launches, the tickets back at zero, and the reference MoE;
+  the combine folded in or not, the ``hold`` grouped GEMMs, the routing's builds, the early router:
+  bit for bit the separate launches, the tickets back at zero, and the reference MoE;
 - ``decode``: a whole ``Forward.decode`` step (rope, KV append, tensor-core decode attention, the
   GEMVs, sampling) with ``chain_norm`` off and on, over the simulated device and runtime.
 """
@@ -151,10 +151,9 @@ def case_chain(rows: int) -> dict:
 
 def case_moe(rows: int) -> dict:
     """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
-    of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs and, last, the folded routing's
-    L2 prefetch of the experts (``prefetch_budget``: the bytes it asked for, each range checked to lie
-    in its weights), the routing's build for MAX_EXPERTS and the router GEMM loading its weights
-    before the wait (``early_router``), over one tiny MoE layer."""
+    of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs, the routing's build for
+    MAX_EXPERTS and the router GEMM loading its weights before the wait (``early_router``), over one
+    tiny MoE layer."""
     from ninfer.artifact.bf16 import to_float32
     from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, CudaMoe
     from ninfer.backends.reference.hybrid import HybridForward
@@ -192,15 +191,13 @@ def case_moe(rows: int) -> dict:
     held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", plain[2])  # numba_kernels/moe.py HOLD_SHAPES
     wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
     runs, launches = [], []
-    budget = 1 << 20  # holds the shared expert's gate/up and every pick's at 8 rows
     fits, most = moe.route_experts, ROUTE_EXPERTS[-1]  # the routing's build for the model, the largest
     for setting in ((False, False, plain, 0, fits), (True, False, plain, 0, fits), (False, True, plain, 0, fits),
                     (True, True, plain, 0, fits), (True, True, plain, 0, fits), (False, False, held, 0, fits),
                     (True, True, held, 0, fits), (True, True, wide, 0, fits), (False, False, plain, 0, most),
-                    (True, False, plain, 0, most), (False, False, plain, -1, fits), (True, True, plain, budget, fits)):
-        moe.fold_route, moe.fold_combine, moe.decode_gemms, budget_or_early, moe.route_experts = setting
-        moe.prefetch_budget, moe.early_router = max(budget_or_early, 0), budget_or_early < 0
-        prefetched = gpu.device.prefetched
+                    (True, False, plain, 0, most), (False, False, plain, 1, fits)):
+        moe.fold_route, moe.fold_combine, moe.decode_gemms, early, moe.route_experts = setting
+        moe.early_router = bool(early)
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
         moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
@@ -210,11 +207,8 @@ def case_moe(rows: int) -> dict:
     model = HybridForward.__new__(HybridForward)  # _moe reads only the config
     model.config = config
     h = rms_normed(x, norm_w)
-    unit = 2 * 2 * H  # gate/up bytes of one intermediate unit
     return {
         "launches": [len(run) for run in launches],
-        "prefetched": gpu.device.prefetched - prefetched,
-        "prefetch_wanted": unit * (rows * K * config.moe_intermediate_size + config.shared_expert_intermediate_size),
         "held_launched": held[0] in launches[6] and wide[0] in launches[7],
         "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9],
                             EARLY_ROUTER_GEMM in launches[10]],

@@ -6,7 +6,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
-                                     [--prefetch-ablation BYTES] [--route-experts-ablation]
+                                     [--route-experts-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
@@ -272,10 +272,6 @@ def ablations(args, forward) -> list[tuple]:
         if getattr(args, f"{option}_ablation") and moe is not None:
             value = not getattr(moe, option)
             chosen.append((f"decode_{option}_{value}", f"MoE {option} {value}", [(moe, option, value)]))
-    if args.prefetch_ablation and moe is not None:  # the folded routing asks L2 for the experts' gate/up
-        chosen.append((f"decode_prefetch_{args.prefetch_ablation}", f"MoE fold_route + prefetch "
-                       f"{args.prefetch_ablation} bytes", [(moe, "fold_route", True),
-                                                         (moe, "prefetch_budget", args.prefetch_ablation)]))
     if args.early_router_ablation and moe is not None:  # the router GEMM streams its weights before the wait
         forward.k[EARLY_ROUTER_GEMM]  # loaded now: not during capture
         chosen.append(("decode_early_router", "MoE early router", [(moe, "early_router", not moe.early_router)]))
@@ -412,9 +408,6 @@ def main(argv=None) -> int:
                         help="decode again with the DeltaNet conv and delta rule in one launch (or two, if one)")
     parser.add_argument("--merged-attention-ablation", action="store_true",
                         help="decode again with the gated attention merging its own splits (or not, if it does)")
-    parser.add_argument("--prefetch-ablation", type=int, default=0, metavar="BYTES",
-                        help="decode again with the MoE's routing folded in and asking L2 for the experts' gate/up "
-                             "weights where they fit in BYTES (CudaMoe.prefetch_budget)")
     parser.add_argument("--rule-splits-ablation", default="", metavar="N[,N...]",
                         help="decode again with each head's delta-rule state columns over N blocks "
                              "(HybridForward.rule_splits)")

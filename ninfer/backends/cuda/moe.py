@@ -132,10 +132,6 @@ class CudaMoe:
     # column tile's last block sums the tile's pairs) instead of launching ``moe_combine_residual``.
     # Off until it has run on the GPU, as ``fold_route``.
     fold_combine = False
-    # With ``fold_route``: bytes of expert weights the routing may ask L2 for ahead of the grouped
-    # GEMMs (the shared expert's gate/up and each pick's, where all fit: ``moe_router_route``); 0 never.
-    # Off until timed on the GPU (tools/gpu_bench_hybrid.py --prefetch-ablation BYTES).
-    prefetch_budget = 0
     # A decode step's normalising router GEMM streams its weights (1 MiB on a 35B-A3B) before it waits
     # for the kernel before it (EARLY_ROUTER_GEMM), when launches overlap (Forward.overlaps). Off until
     # timed on the GPU (tools/gpu_bench_hybrid.py --early-router-ablation).
@@ -226,20 +222,16 @@ class CudaMoe:
     def normed_router_route(self, x: rt.DevicePtr, weights: dict[str, rt.DevicePtr], p: str,
                             norm: tuple[rt.DevicePtr, float, rt.DevicePtr], rows: int, chunk: int,
                             stream) -> rt.DevicePtr:
-        """``normed_router_logits`` and ``route`` in one launch (``moe_router_route``, asking L2 for the
-        experts' gate/up weights within ``prefetch_budget``); returns ``normed``."""
+        """``normed_router_logits`` and ``route`` in one launch (``moe_router_route``); returns ``normed``."""
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"the MoE's routing router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         c = self.c
         weight, eps, normed = norm
         kernel = self.k[f"moe_router_route_e{self.route_experts}"]
-        unit_bytes = 2 * 2 * c.hidden_size  # gate/up bytes of one intermediate unit: two bf16 rows
         kernel.launch((-(-c.num_experts // kernel.meta["cols"]),), (kernel.meta["threads"],),
                       (self.logits, x, weights[p + "router"], weight, rows, c.num_experts, c.hidden_size, eps, normed,
                        *self.plan(), self.topk_ids, self.topk_w, weights[p + "shared_gate"], c.num_experts_per_tok,
-                       int(c.norm_topk_prob), chunk, self.route_ticket, weights[p + "experts.gate_up"],
-                       weights[p + "shared.gate_up"], unit_bytes * c.moe_intermediate_size,
-                       unit_bytes * c.shared_expert_intermediate_size, self.prefetch_budget), stream)
+                       int(c.norm_topk_prob), chunk, self.route_ticket), stream)
         return normed
 
     def router_logits(self, x: rt.DevicePtr, router: rt.DevicePtr, rows: int, stream) -> None:
