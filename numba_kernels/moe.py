@@ -483,11 +483,12 @@ def make_router_route(experts: int):
     ``mma_gemv_normed_keep_store`` of ROUTER_SHAPE, a block per 16 experts) with ``moe_route`` folded
     in. Each block writes its logits and its share of the normalised rows, then takes a ticket
     (``ticket[0]``, zero between launches; the last block resets it); the last block to finish routes
-    for every row, as ``moe_route``'s one block does: one launch a decode MoE layer fewer."""
+    for every row, as ``moe_route``'s one block does: one launch a decode MoE layer fewer. The router's
+    weights are loaded before the grid wait (``make_mma_gemv``'s ``early``, as CudaMoe.early_router's)."""
     T, W, U, TERMS = ROUTER_SHAPE
     assert 32 * W == ROUTE_THREADS  # the GEMM's block routes
     route_block = make_route_block(experts)
-    router = cuda.jit(device=True, inline=True)(make_mma_gemv(True, "store", T, W, U, TERMS, keep=True))
+    router = cuda.jit(device=True, inline=True)(make_mma_gemv(True, "store", T, W, U, TERMS, keep=True, early=True))
 
     def moe_router_route(logits, x, router_w, norm_w, rows, n_experts, hidden, eps, normed, chunks, n_chunks,
                          pair_row, pair_weight, row_pair, topk_ids, topk_w, shared_gate, top_k, renormalise, chunk,

@@ -76,7 +76,7 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
         else:  # the router normalises x and the combine adds into the residual stream: no norm launch
             assert "moe_combine_residual" in launched and not launched & {"rmsnorm", "add_rmsnorm", "moe_combine"}
-            assert moe.ROUTER_NORMED_DECODE_GEMM in launched and moe.ROUTER_DECODE_GEMM not in launched
+            assert moe.EARLY_ROUTER_GEMM in launched and moe.ROUTER_DECODE_GEMM not in launched
 
 
 def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():
@@ -135,10 +135,11 @@ def test_decode_routing_takes_every_decode_row():
 
 
 def test_early_router_takes_the_router_gemm_launch():
-    """``CudaMoe.early_router``: a decode MoE layer's normalising router GEMM is the build that loads its
-    weights before the wait, on the same grid and arguments."""
+    """``CudaMoe.early_router`` (the default): a decode MoE layer's normalising router GEMM is the build
+    that loads its weights before the wait, on the plain build's grid and arguments."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
+    fwd.moe.early_router = False
     decode_launches(fwd, 1)
     plain = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == moe.ROUTER_NORMED_DECODE_GEMM]
     fwd.moe.early_router = True
@@ -185,14 +186,16 @@ def test_folded_combine_replaces_the_combine_launch():
 
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
 def test_split_rule_replaces_the_rule_launch(name):
-    """``rule_splits = n``: a decode DeltaNet layer runs ``deltanet_rule_s{n}`` over (value heads, rows,
-    n) from ``mixed`` into ``core``, with the buffers' partial sums and tickets (one a lane and value
-    head), instead of ``deltanet_rule``; every split of RULE_SPLITS is built for head dim 128; prefill
-    never launches it."""
-    from ninfer.backends.cuda.hybrid_forward import RULE_SPLITS
+    """``rule_splits = n``: a decode DeltaNet layer of up to SPLIT_RULE_ROWS rows runs
+    ``deltanet_rule_s{n}`` over (value heads, rows, n) from ``mixed`` into ``core``, with the buffers'
+    partial sums and tickets (one a lane and value head), instead of ``deltanet_rule``; every split of
+    RULE_SPLITS is built for head dim 128; the MoE model splits in two by default, the dense one not;
+    more rows and prefill never launch it."""
+    from ninfer.backends.cuda.hybrid_forward import MOE_RULE_SPLITS, RULE_SPLITS, SPLIT_RULE_ROWS
 
     config = CONFIGS[name]
     fwd = forward(config)
+    assert fwd.rule_splits == (MOE_RULE_SPLITS if MOE in config.mlp_types else 0)
     assert sorted(fwd.split_rule_names) == list(RULE_SPLITS)
     n_v = config.linear_num_v_heads
     assert fwd.b.rule_tickets.nbytes >= MAX_BATCH * n_v * 4
@@ -200,7 +203,8 @@ def test_split_rule_replaces_the_rule_launch(name):
     for splits in RULE_SPLITS:
         fwd.rule_splits = splits
         split = fwd.split_rule_names[splits]
-        for rows in (1, 8):
+        assert fwd.rule_name in decode_launches(fwd, SPLIT_RULE_ROWS + 1) and split not in decode_launches(fwd, 8)
+        for rows in (1, SPLIT_RULE_ROWS):
             launched = decode_launches(fwd, rows)
             assert launched.count(split) == config.layer_types.count(LINEAR) and fwd.rule_name not in launched
             for kernel, grid, args in fwd.k.log:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
+from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
 from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, combine_gemm  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
@@ -264,9 +265,10 @@ def ablations(args, forward) -> list[tuple]:
         chosen.append((f"decode_merged_attention_{value}", f"merged_attention {value}",
                        [(forward, "merged_attention", value)]))
     for splits in filter(None, args.rule_splits_ablation.split(",")):  # the delta rule's columns over N blocks
-        name = forward.split_rule_names[int(splits)]
-        forward.k[name]  # loaded now: not during capture
-        chosen.append((f"decode_rule_splits_{splits}", f"rule_splits {splits}", [(forward, "rule_splits", int(splits))]))
+        if int(splits):
+            forward.k[forward.split_rule_names[int(splits)]]  # loaded now: not during capture
+        chosen.append((f"decode_rule_splits_{splits}", f"rule_splits {splits} (at most {SPLIT_RULE_ROWS} rows)",
+                       [(forward, "rule_splits", int(splits))]))
     for fold in ("route", "combine"):  # CudaMoe.fold_route / fold_combine flipped
         option = f"fold_{fold}"
         if getattr(args, f"{option}_ablation") and moe is not None:
@@ -409,8 +411,8 @@ def main(argv=None) -> int:
     parser.add_argument("--merged-attention-ablation", action="store_true",
                         help="decode again with the gated attention merging its own splits (or not, if it does)")
     parser.add_argument("--rule-splits-ablation", default="", metavar="N[,N...]",
-                        help="decode again with each head's delta-rule state columns over N blocks "
-                             "(HybridForward.rule_splits)")
+                        help="decode again with each head's delta-rule state columns over N blocks, 0: one "
+                             "(HybridForward.rule_splits, steps of at most SPLIT_RULE_ROWS rows)")
     parser.add_argument("--early-router-ablation", action="store_true",
                         help="decode again with the MoE router GEMM loading its weights before the wait (or not, "
                              "if it does)")

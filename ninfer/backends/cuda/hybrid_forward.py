@@ -48,6 +48,8 @@ CONV_KERNEL = 4
 DELTANET_HEAD_DIMS = (16, 32, 64, 128)
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
 RULE_SPLITS = (2, 4, 8)  # deltanet_rule_s{n}'s builds, where a block keeps whole warps (numba_kernels/deltanet.py)
+MOE_RULE_SPLITS = 2  # HybridForward.rule_splits of a MoE hybrid
+SPLIT_RULE_ROWS = 4  # the most rows a decode step splits its delta rule for (batch 8 measured level or slower)
 ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -163,10 +165,13 @@ class HybridForward(Forward):
     # last split of each (row, head) merges, as ``gated_combine`` would): bit for bit the pair in the
     # simulator. Off until timed on the GPU (tools/gpu_bench_hybrid.py --merged-attention-ablation).
     merged_attention = False
-    # A decode step's delta rule with each head's state columns split over this many blocks
-    # (``deltanet_rule_s{n}``, one of RULE_SPLITS; 0: ``deltanet_rule``, a block a head): a batch-1 step
-    # otherwise streams the states from one SM a value head. Off until timed on the GPU
-    # (tools/gpu_bench_hybrid.py --rule-splits-ablation N).
+    # A decode step of at most SPLIT_RULE_ROWS rows runs its delta rule with each head's state columns
+    # split over this many blocks (``deltanet_rule_s{n}``, one of RULE_SPLITS; 0: ``deltanet_rule``, a
+    # block a head), each loading its columns before the grid wait. Set per model in __init__: on an
+    # H100 (three runs each, tools/gpu_bench_hybrid.py --rule-splits-ablation 2,4) two splits took the
+    # 35B-A3B's batch-1 decode 288.7 -> 296.7 tok/s and batch 4 795.8 -> 805.9 (batch 8 -0.6%), but
+    # the 27B's batch 1 -1% and batch 8 -1.3%: its steps are the weights' stream, which the early
+    # state loads only share; the MoE model's steps are latency, where they fill idle memory.
     rule_splits = 0
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
@@ -178,6 +183,8 @@ class HybridForward(Forward):
         self.step_name = f"deltanet_step_k{dk}_v{dv}"
         self.split_rule_names = {n: f"deltanet_rule_s{n}_k{dk}_v{dv}" for n in RULE_SPLITS
                                  if f"deltanet_rule_s{n}_k{dk}_v{dv}" in kernels.entries}  # whole warps a block
+        if MOE in c.mlp_types and MOE_RULE_SPLITS in self.split_rule_names:
+            self.rule_splits = MOE_RULE_SPLITS
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
@@ -256,7 +263,7 @@ class HybridForward(Forward):
                     (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, b.inputs.d_lanes, seq_rows,
                      c.conv_dim, w[p + "conv"]), stream)
         state = conv_state.at(self.conv_floats * 4)
-        if decode and self.rule_splits:
+        if decode and self.rule_splits and rows <= SPLIT_RULE_ROWS:
             rule = k[self.split_rule_names[self.rule_splits]]
             rule.launch((c.linear_num_v_heads, seqs, self.rule_splits), (rule.meta["threads"],),
                         (b.mixed, b.proj, b.core, state, slot_floats, b.inputs.d_lanes, c.linear_num_k_heads,

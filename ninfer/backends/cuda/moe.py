@@ -133,9 +133,10 @@ class CudaMoe:
     # Off until it has run on the GPU, as ``fold_route``.
     fold_combine = False
     # A decode step's normalising router GEMM streams its weights (1 MiB on a 35B-A3B) before it waits
-    # for the kernel before it (EARLY_ROUTER_GEMM), when launches overlap (Forward.overlaps). Off until
-    # timed on the GPU (tools/gpu_bench_hybrid.py --early-router-ablation).
-    early_router = False
+    # for the kernel before it (EARLY_ROUTER_GEMM), when launches overlap (Forward.overlaps): an H100's
+    # 35B-A3B decode +2.5% at batch 1, +1% at 4, level at 8 (two runs of tools/gpu_bench_hybrid.py
+    # --early-router-ablation, docs/benchmarks.md).
+    early_router = True
 
     @staticmethod
     def kernel_names() -> list[str]:
