@@ -30,13 +30,14 @@ from ninfer.engine.errors import ContextCostPresetsError
 GENERIC_TRANSFER_SECONDS_PER_BYTE = 1.0 / 12e9
 GENERIC_PREFILL_SECONDS_PER_TOKEN = 1.0 / 20e3
 
-# Compiled defaults, measured on the project's H200 host (docs/benchmarks.md): seconds a byte of a
-# pinned host <-> device round trip, by backend (tools/bench_host_link.py; none measured yet, so the
-# transfer stays generic), and seconds a token of chunked prefill, by (backend, model signature).
+# Compiled defaults, measured on the project's GPU hosts (docs/benchmarks.md): seconds a byte of a
+# pinned host <-> device round trip, by backend (tools/bench_host_link.py on an H100 host: 256 MiB
+# copies, the size of a few thousand tokens' KV, 54.9 GB/s down and 54.6 up), and seconds a token of
+# chunked prefill, by (backend, model signature) on the H200.
 # The signature is the CUDA runner's Qwen3-8B shape with a bf16 pool (`--random-weights qwen3-8b` or
 # a converted Qwen3-8B; a test keeps it equal to the preset's): 8192 tokens in chunks of 1024 took
 # 225.6 ms (`tools/gpu_bench.py` TTFT, fifteenth session).
-COMPILED_TRANSFER: dict[str, float] = {}
+COMPILED_TRANSFER: dict[str, float] = {"cuda": 1.827e-11}
 COMPILED_PREFILL: dict[tuple[str, str], float] = {
     ("cuda", "Qwen3ForCausalLM-h4096-l36-bfloat16-1d9341cf5be3"): 0.2256 / 8192,
 }

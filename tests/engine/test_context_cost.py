@@ -107,15 +107,18 @@ def test_the_dense_config_fields_the_signature_counts_exist():
 
 def test_compiled_defaults_match_the_measured_shape_and_yield_to_the_file(tmp_path):
     """Spec: coefficients resolve from generic defaults, matching compiled values, then the file. The
-    compiled prefill value belongs to the CUDA runner's Qwen3-8B shape (the preset the measurement ran)."""
+    compiled prefill value belongs to the CUDA runner's Qwen3-8B shape (the preset the measurement ran);
+    the compiled transfer value to the CUDA backend, any model."""
     from ninfer.convert.random_model import LARGE_PRESETS
-    from ninfer.engine.context_cost import COMPILED_PREFILL
+    from ninfer.engine.context_cost import COMPILED_PREFILL, COMPILED_TRANSFER
 
     sig = signature_of(attrs.asdict(LARGE_PRESETS["qwen3-8b"], recurse=True), "bfloat16")
     assert ("cuda", sig) in COMPILED_PREFILL
     cost = load(None, "cuda", sig)
     assert cost.prefill_seconds_per_token == COMPILED_PREFILL["cuda", sig]
-    assert cost.source == f"generic transfer, compiled prefill (hardware cuda, model {sig})"
+    assert cost.transfer_seconds_per_byte == COMPILED_TRANSFER["cuda"] != GENERIC_TRANSFER_SECONDS_PER_BYTE
+    assert cost.source == f"compiled transfer, compiled prefill (hardware cuda, model {sig})"
+    assert load(None, "reference", sig).transfer_seconds_per_byte == GENERIC_TRANSFER_SECONDS_PER_BYTE
     # Another model, or the same shape on another backend or KV dtype, keeps the generic value.
     for hardware, model in (("cuda", signature_of(attrs.asdict(LARGE_PRESETS["qwen3-8b"]), "float32")),
                             ("reference", sig), ("cuda", None)):
@@ -123,6 +126,6 @@ def test_compiled_defaults_match_the_measured_shape_and_yield_to_the_file(tmp_pa
     presets = write(tmp_path, {"prefill": [{"hardware": "cuda", "seconds_per_token": 1e-4}]})
     cost = load(presets, "cuda", sig)
     assert cost.prefill_seconds_per_token == 1e-4
-    assert cost.source == f"{presets}: prefill[0], generic transfer (hardware cuda, model {sig})"
+    assert cost.source == f"{presets}: prefill[0], compiled transfer (hardware cuda, model {sig})"
     assert load(write(tmp_path, {}), "cuda", sig).source == (
-        f"{tmp_path / 'presets.json'}: no matching entry (generic transfer, compiled prefill) (hardware cuda, model {sig})")
+        f"{tmp_path / 'presets.json'}: no matching entry (compiled transfer, compiled prefill) (hardware cuda, model {sig})")
