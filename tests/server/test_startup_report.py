@@ -69,7 +69,7 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
                                  "nodes_per_graph": 321, "capture_seconds": 1.234}
     assert rec["cuda"] == {"device": 0, "name": "NVIDIA H200", "sync": "blocking", "prefill_gemm": "cublaslt",
                            "weights_upload_gb_per_s": 21.5, "weights_random_fill_s": None}
-    assert rec["context_cost_source"].startswith("generic (hardware cuda, model Qwen3ForCausalLM-h64")
+    assert rec["context_cost_source"].startswith("compiled transfer, generic prefill (hardware cuda, model Qwen3ForCausalLM-h64")
     assert rec["context_cache"]["device_state_capacity_slots"] == 4  # C + H, H defaulting to C
 
 
