@@ -126,6 +126,24 @@ def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channe
     states[base + 2 * channels] = s2
 
 
+def make_half_column(DK, DV):
+    """(load, store): a thread's half of a state column, ``DK // 2`` rows ``DV`` floats apart from
+    ``base``, between the StateImage and the thread's registers (``rule``, ``rule_split``, ``step``)."""
+    HALF = DK // 2
+
+    @cuda.jit(device=True, inline=True)
+    def load(col, states, base):
+        for i in range(HALF):
+            col[i] = states[base + i * DV]
+
+    @cuda.jit(device=True, inline=True)
+    def store(states, base, col):
+        for i in range(HALF):
+            states[base + i * DV] = col[i]
+
+    return load, store
+
+
 def make_token(DK, DV):
     """One token of the delta rule for the thread's half column (``rule``'s loop body, shared with
     ``step``): q, k L2-normalised by block sums into shared memory, the decayed state's delta write,
@@ -172,6 +190,7 @@ def make_token(DK, DV):
 def make_rule(DK, DV):
     HALF = DK // 2  # state rows per thread: two threads (adjacent lanes) share a column
     token = make_token(DK, DV)
+    load_column, store_column = make_half_column(DK, DV)
 
     def rule(mixed, proj, out, states, slot_stride, lanes, seq_rows, n_k, n_v, in_stride, dt_bias, a_log,
              norm_w, eps):
@@ -192,8 +211,7 @@ def make_rule(DK, DV):
         row0 = half * HALF
         base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + row0 * DV + j
         col = cuda.local.array(HALF, float32)
-        for i in range(HALF):
-            col[i] = states[base + i * DV]
+        load_column(col, states, base)
         w = norm_w[j]
         neg_a = -math.exp(a_log[head])
         bias = dt_bias[head]
@@ -220,8 +238,7 @@ def make_rule(DK, DV):
                 b_next = proj[n * in_stride + b_col]
                 a_next = proj[n * in_stride + b_col + n_v]
             token(col, q, k, v, z, b, a, neg_a, bias, w, eps, out, r * value_dim + head * DV + j)
-        for i in range(HALF):
-            states[base + i * DV] = col[i]
+        store_column(states, base, col)
 
     return rule
 
@@ -242,6 +259,7 @@ def make_rule_split(DK, DV, S):
     HALF = DK // 2
     scale = float32(np.float32(DK) ** np.float32(-0.5))
     assert C * S == DV and THREADS >= 32 and THREADS % 32 == 0  # block_sum's warps are whole
+    load_column, store_column = make_half_column(DK, DV)
 
     def rule_split(mixed, proj, out, states, slot_stride, lanes, n_k, n_v, in_stride, dt_bias, a_log, norm_w, eps,
                    partials, tickets):
@@ -256,8 +274,7 @@ def make_rule_split(DK, DV, S):
         row0 = half * HALF
         base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + row0 * DV + j
         col = cuda.local.array(HALF, float32)
-        for i in range(HALF):
-            col[i] = states[base + i * DV]
+        load_column(col, states, base)
         w = norm_w[j]
         neg_a = -math.exp(a_log[head])
         bias = dt_bias[head]
@@ -296,8 +313,7 @@ def make_rule_split(DK, DV, S):
             col[i] += sh_k[row0 + i] * d
             o += sh_q[row0 + i] * col[i]
         o = (o + cuda.shfl_xor_sync(0xFFFFFFFF, o, 1)) * q_scale
-        for i in range(HALF):
-            states[base + i * DV] = col[i]
+        store_column(states, base, col)
         at = int64(seq) * value_dim + head * DV
         if owner:
             out[at + j] = o * w * (z * sigmoid(z))
@@ -332,6 +348,7 @@ def make_step(DK, DV):
     resets it); the last to arrive, whose fence follows every block's reads, writes the new tail."""
     HALF = DK // 2
     token = make_token(DK, DV)
+    load_column, store_column = make_half_column(DK, DV)
 
     def step(proj, out, states, slot_stride, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w, eps,
              tickets):
@@ -355,8 +372,7 @@ def make_step(DK, DV):
         row = int64(seq) * in_stride
         base = slot + (CONV_KERNEL - 1) * conv_dim + int64(head) * DK * DV + half * HALF * DV + j
         col = cuda.local.array(HALF, float32)
-        for i in range(HALF):
-            col[i] = states[base + i * DV]
+        load_column(col, states, base)
         x_v = proj[row + v_col]
         v, v1, v2 = conv_channel(states, slot + v_col, conv_dim, x_v, conv_w, v_col)
         q = k = q1 = q2 = x_q = k1 = k2 = x_k = float32(0.0)
@@ -374,8 +390,7 @@ def make_step(DK, DV):
                 shift_tail(states, slot + k_col, conv_dim, k1, k2, x_k)
         token(col, q, k, v, proj[row + z_col], proj[row + b_col], proj[row + b_col + n_v], -math.exp(a_log[head]),
               dt_bias[head], norm_w[j], eps, out, int64(seq) * value_dim + head * DV + j)
-        for i in range(HALF):
-            states[base + i * DV] = col[i]
+        store_column(states, base, col)
 
     return step
 
