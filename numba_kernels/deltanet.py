@@ -127,14 +127,18 @@ def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channe
 
 
 def make_half_column(DK, DV):
-    """(load, store): a thread's half of a state column, ``DK // 2`` rows ``DV`` floats apart from
-    ``base``, between the StateImage and the thread's registers (``rule``, ``rule_split``, ``step``)."""
+    """(load, store): a thread's half of a state column between the StateImage and the thread's
+    registers (``rule``, ``rule_split``, ``step``). ``load(col, states, state, head, half, j)``: rows
+    ``half * DK / 2 ..`` of column ``j`` of ``head``'s ``[DK, DV]`` state, the heads' states from
+    ``state``; returns where they start, for ``store(states, base, col)``."""
     HALF = DK // 2
 
     @cuda.jit(device=True, inline=True)
-    def load(col, states, base):
+    def load(col, states, state, head, half, j):
+        base = state + int64(head) * DK * DV + half * HALF * DV + j
         for i in range(HALF):
             col[i] = states[base + i * DV]
+        return base
 
     @cuda.jit(device=True, inline=True)
     def store(states, base, col):
@@ -208,10 +212,8 @@ def make_rule(DK, DV):
         v_col = 2 * key_dim + head * DV + j
         z_col = conv_dim + head * DV + j
         b_col = conv_dim + value_dim + head
-        row0 = half * HALF
-        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + row0 * DV + j
         col = cuda.local.array(HALF, float32)
-        load_column(col, states, base)
+        base = load_column(col, states, int64(lanes[seq]) * slot_stride, head, half, j)
         w = norm_w[j]
         neg_a = -math.exp(a_log[head])
         bias = dt_bias[head]
@@ -272,9 +274,8 @@ def make_rule_split(DK, DV, S):
         half = tid & 1
         owner = half == 0
         row0 = half * HALF
-        base = int64(lanes[seq]) * slot_stride + int64(head) * DK * DV + row0 * DV + j
         col = cuda.local.array(HALF, float32)
-        load_column(col, states, base)
+        base = load_column(col, states, int64(lanes[seq]) * slot_stride, head, half, j)
         w = norm_w[j]
         neg_a = -math.exp(a_log[head])
         bias = dt_bias[head]
@@ -370,9 +371,8 @@ def make_step(DK, DV):
         b_col = conv_dim + value_dim + head
         slot = int64(lanes[seq]) * slot_stride
         row = int64(seq) * in_stride
-        base = slot + (CONV_KERNEL - 1) * conv_dim + int64(head) * DK * DV + half * HALF * DV + j
         col = cuda.local.array(HALF, float32)
-        load_column(col, states, base)
+        base = load_column(col, states, slot + (CONV_KERNEL - 1) * conv_dim, head, half, j)
         x_v = proj[row + v_col]
         v, v1, v2 = conv_channel(states, slot + v_col, conv_dim, x_v, conv_w, v_col)
         q = k = q1 = q2 = x_q = k1 = k2 = x_k = float32(0.0)
