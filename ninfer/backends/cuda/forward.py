@@ -334,9 +334,10 @@ class Forward:
         # tools/bench_decode_step.py, ms a step: b4/512 5.056 -> 4.996, b8/512 5.256 -> 5.180, b8/4096
         # 6.323 -> 6.223, b4/8192 6.225 -> 6.154 (every launch overlapped at b8/512: 8.14).
         self.attention_overlap = True
-        # Tensor-core decode steps pass each norm on from a residual GEMM (``chains``). Off until the
-        # whole-model GPU tests have run with it: its kernels passed their own GPU tests in an earlier
-        # form (shared-memory sums) that measured b8/512 5.074 ms a step against 5.143 unchained.
+        # Tensor-core decode steps pass each norm on from a residual GEMM (``chains``). Off: an earlier
+        # form (shared-memory sums) measured b8/512 5.074 ms a step against 5.143 unchained on the H200,
+        # but this one lost on an H100 (b3/512 6.337 vs 6.309 ms, b8/512 6.671 vs 6.567; its kernels'
+        # GPU tests pass; tools/bench_decode_step.py --only 'norms chained', docs/benchmarks.md).
         self.chain_norm = False
         self.kv_prefetch_bytes = KV_PREFETCH_BYTES  # 0: never (tools/bench_decode_step.py)
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]

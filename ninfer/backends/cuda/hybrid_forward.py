@@ -163,7 +163,8 @@ class HybridForward(Forward):
     fused_step = False
     # A decode step's gated attention and its split merge in one launch (``gated_attention_merged``: the
     # last split of each (row, head) merges, as ``gated_combine`` would): bit for bit the pair in the
-    # simulator. Off until timed on the GPU (tools/gpu_bench_hybrid.py --merged-attention-ablation).
+    # simulator. Off: on an H100 it measured level or slower (tools/gpu_bench_hybrid.py
+    # --merged-attention-ablation, docs/benchmarks.md).
     merged_attention = False
     # A decode step of at most SPLIT_RULE_ROWS rows runs its delta rule with each head's state columns
     # split over this many blocks (``deltanet_rule_s{n}``, one of RULE_SPLITS; 0: ``deltanet_rule``, a

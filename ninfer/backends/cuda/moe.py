@@ -125,12 +125,12 @@ class CudaMoe:
     decode_gemms = DECODE_GEMMS  # per instance, so a benchmark can try other shapes
     prefill_gemms = PREFILL_GEMMS
     # A normalising decode router routes in its last block (``moe_router_route``) instead of launching
-    # ``moe_route``. Off until it has run on the GPU (tests/cuda/test_cuda_moe.py, and
-    # tools/gpu_bench_hybrid.py --fold-route-ablation for what it gains).
+    # ``moe_route``. Off: bit for bit on an H100 (tests/cuda/test_cuda_moe.py), but level or slower there
+    # (tools/gpu_bench_hybrid.py --fold-route-ablation, docs/benchmarks.md).
     fold_route = False
     # A decode step's down GEMM adds the MoE into the residual stream itself (``combine_gemm``: each
     # column tile's last block sums the tile's pairs) instead of launching ``moe_combine_residual``.
-    # Off until it has run on the GPU, as ``fold_route``.
+    # Off: bit for bit on an H100, level or slower there (--fold-combine-ablation), as ``fold_route``.
     fold_combine = False
     # A decode step's normalising router GEMM streams its weights (1 MiB on a 35B-A3B) before it waits
     # for the kernel before it (EARLY_ROUTER_GEMM), when launches overlap (Forward.overlaps): an H100's
