@@ -746,8 +746,8 @@ KERNELS = {
                              {"threads": COMBINE_THREADS, "grid_wait": 1}),
 }
 ROUTE_SIG = (I32P, I32P, I32P, F32P, I32P, I32P, F32P, F32P, F32P, U16P, int32, int32, int32, int32, int32, int32)
-ROUTER_ROUTE_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P, I32P, F32P, I32P, I32P, F32P,
-                    U16P, int32, int32, int32, I32P)
+ROUTER_ROUTE_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, float32, F32P, I32P, I32P, I32P, F32P, I32P, I32P,
+                    F32P, U16P, int32, int32, int32, I32P)
 for _experts in ROUTE_EXPERTS:
     KERNELS[f"moe_route_e{_experts}"] = (make_route(_experts), ROUTE_SIG, {
         "threads": ROUTE_THREADS, "max_experts": _experts, "max_rows": ROUTE_ROWS, "grid_wait": 1})

@@ -204,7 +204,8 @@ class HybridForward(Forward):
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
-        names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name, *self.prefill_rule_names, *self.chunked_rule_names,
+        names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
+                  *self.prefill_rule_names, *self.chunked_rule_names,
                   self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])

@@ -141,8 +141,8 @@ class CudaMoe:
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
-        return [*(f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS), "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual",
-                ROUTER_DECODE_GEMM,
+        routes = [f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS]
+        return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM]
 
