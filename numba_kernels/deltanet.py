@@ -22,7 +22,10 @@ the head, fused so ``o`` never leaves the block. Grid ``(v_heads, n_seqs)``. Dec
 serves a prefill sequence too, but one block per head walks every token with seven barriers each.
 ``deltanet_step_k{DK}_v{DV}`` is a decode step's conv and rule in one launch on the rule's grid
 (``make_step``: each block convolves the channels it reads; tickets order the shared q/k tails'
-update after every reader), the same results bit for bit.
+update after every reader), the same results (bit for bit in the simulator, to fp32 rounding on the
+GPU). ``deltanet_rule_s{S}_k{DK}_v{DV}`` is a decode step's rule with each head's columns over S
+blocks (``make_rule_split``: grid ``(v_heads, n_seqs, S)``, the gated norm's scale applied by the
+head's last block), to fp32 rounding.
 
 Prefill takes three launches instead, so the sequential part does only the recurrence:
 ``deltanet_prep_k{DK}`` (grid ``(rows, k_heads + 1)``) writes the normalised q | k ``[rows, 2
