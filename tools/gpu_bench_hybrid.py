@@ -16,7 +16,9 @@ time alone), with achieved GB/s and % of roofline, where a step reads every weig
 layers the router, the shared expert and the distinct experts the batch routes to, expected count
 under uniform routing), each lane's StateImage once and writes it once, and its KV; prefill tok/s of
 one ``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
-conversation prefilled) and reused (the checkpointed StateImage copied back, the KV pages kept); then
+conversation prefilled) and reused (the checkpointed StateImage copied back, the KV pages kept). Each
+``--*-ablation`` decodes again with one option changed, and after them the defaults once more (the
+run's drift: a 35B-A3B batch-1 step's tok/s moves about 2% from run to run, its GPU time less); then
 transformers (``qwen3_5`` / ``qwen3_5_moe`` text models, random init, bf16, eager, its own DeltaNet
 fallback when flash-linear-attention is absent) on the same measurements.
 torch makes the random weights on the GPU and runs the peer; NInfer itself runs through cuda.bindings
@@ -212,7 +214,10 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
               " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
               flush=True)
-    for key, label, settings in ablations(args, runner.forward):  # the same steps again
+    variants = ablations(args, runner.forward)
+    if variants:  # and the defaults once more at the end: the drift over the run, against which to read them
+        variants.append(("decode_defaults_again", "defaults again", []))
+    for key, label, settings in variants:  # the same steps again
         was = [(target, option, getattr(target, option)) for target, option, _ in settings]
         for target, option, value in settings:
             setattr(target, option, value)
@@ -221,8 +226,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         for batch in batches:
             r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
             report[key].append(r)
-            print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s, {pct_roofline:.1f}% of "
-                  "roofline".format(**r), flush=True)
+            print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s (gpu {gpu_step_ms:.2f} ms), "
+                  "{pct_roofline:.1f}% of roofline".format(**r), flush=True)
         for target, option, value in was:
             setattr(target, option, value)
         recapture(runner)
