@@ -25,7 +25,8 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   pairs of lower experts and the earlier pairs of its own (a count over all picks: no counters to
   clear, no atomics), a barrier, then each expert's first pair writes its chunks; two barriers in
   all. Launch: grid ``(1,)``, block ``ROUTE_THREADS``. Built per most experts (``moe_route_e256``,
-  ``moe_route_e1024``: ninfer/backends/cuda/moe.py ``route_name``), since a round's cost grows with a lane's slots.
+  ``moe_route_e1024``: ninfer/backends/cuda/moe.py ``route_capacity`` picks one), since a round's cost
+  grows with a lane's slots.
 - ``moe_{gate_up,down}_{d,p}``: the grouped GEMM, one block per (output tile, chunk), the chunk's
   expert weights streamed once for all its pairs. It is ``mma.sync`` m16n8k16 with the weights as
   the A operand (16 output features x 16 k) and up to 8 pairs' activations as B (k x 8 pairs); the

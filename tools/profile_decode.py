@@ -138,9 +138,10 @@ def main(argv=None) -> int:
         target = runner.forward
         for owner in owners:
             target = getattr(target, owner)
-        if isinstance(getattr(target, option), bool) and not number:
+        value = getattr(target, option)
+        if isinstance(value, bool) and not number:
             setattr(target, option, True)
-        elif isinstance(getattr(target, option), int) and number.isdigit():
+        elif isinstance(value, int) and not isinstance(value, bool) and number.isdigit():
             setattr(target, option, int(number))
         else:
             raise SystemExit(f"--enable {setting}: not an on/off option (OPTION) or a count (OPTION=N) of the forward")
