@@ -134,6 +134,22 @@ load_u32x4 = _vector_load(ir.IntType(32), 4, uint32)  # 8 bf16; 16-byte aligned
 
 
 @intrinsic
+def load_i32_l2(typingctx, ptr, index):
+    """``ptr[index]`` (int32) from L2 (``ld.global.cg``), whatever line of it this SM's L1 still holds:
+    for a value an earlier kernel of the step wrote, read before this kernel's grid wait (PDL below)."""
+    sig = int32(ptr, index)
+
+    def codegen(context, builder, signature, args):
+        base, idx = args
+        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(64)])
+        # side_effect: stays on its side of the wait (an asm statement with a memory clobber)
+        return builder.call(ir.InlineAsm(fnty, "ld.global.cg.s32 $0, [$1];", "=r,l", side_effect=True), [addr])
+
+    return sig, codegen
+
+
+@intrinsic
 def store_u32x4(typingctx, ptr, index, a, b, c, d):
     """One aligned 16-byte store (st.v4.u32) of four words at element ``index`` of ``ptr`` (any
     element type; the caller guarantees 16-byte alignment): 8 bf16 a lane, a warp's 512 bytes whole."""
@@ -198,6 +214,10 @@ def last_to_finish(counters, index, arrivals):
 #   "my predecessor is done" implies "every kernel before it is done";
 # - ``launch_dependents`` only lets the next kernel's blocks be scheduled once every block of this
 #   one has issued it; it says nothing about memory. Without the launch attribute both are no-ops.
+# - one exception: a kernel whose predecessor issues ``launch_dependents`` only after its own wait
+#   starts after every kernel before that predecessor has finished, so it may read their outputs
+#   before its wait, through ``load_i32_l2`` (an SM's L1 may keep an older line of them). The MoE's
+#   ``e`` builds: gate/up triggers late, and down reads the routing's plan and loads its weights early.
 
 def asm_statement(asm: str):
     """An intrinsic taking no arguments that emits ``asm`` (a PTX statement) where it is called."""

@@ -49,7 +49,7 @@ from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  last_to_finish, launch_dependents, load_f32x4, load_u32x2, load_u64x2,
+                                  last_to_finish, launch_dependents, load_f32x4, load_i32_l2, load_u32x2, load_u64x2,
                                   warp_max, warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
@@ -328,16 +328,28 @@ def warp_argmax(p, e):
 
 
 @cuda.jit(device=True)
-def gate_partials(part, x, shared_gate, rows, hidden):
+def first_gate_words(shared_gate, hidden):
+    """The thread's first 4 shared-gate weights (``gate_partials``' first step): weights, so a kernel
+    loads them before its grid wait."""
+    h = GATE_SPAN * cuda.threadIdx.x
+    if h < hidden:
+        return load_u32x2(shared_gate, h)  # h % 4 == 0: 8-byte aligned
+    return uint32(0), uint32(0)
+
+
+@cuda.jit(device=True)
+def gate_partials(part, x, shared_gate, rows, hidden, w01, w23):
     """This thread's share of every row's ``shared_gate . x``: 4 elements a step over the whole
-    block, the gate's 4 read once for all rows. Every row's load goes out before the first use; rows
-    past ``rows`` reread the last row (no branch, a valid address) and their sums go unused."""
+    block, the gate's 4 read once for all rows (``w01, w23``: the first step's, ``first_gate_words``).
+    Every row's load goes out before the first use; rows past ``rows`` reread the last row (no
+    branch, a valid address) and their sums go unused."""
     xs = cuda.local.array((ROUTE_ROWS, GATE_SPAN), float32)
     for r in range(ROUTE_ROWS):
         part[r] = float32(0.0)
     h = GATE_SPAN * cuda.threadIdx.x
     while h < hidden:  # not a stepped range: its trip count costs a 64-bit division before the loads
-        w01, w23 = load_u32x2(shared_gate, h)  # h % 4 == 0: 8-byte aligned
+        if h != GATE_SPAN * cuda.threadIdx.x:  # the first step's are in hand
+            w01, w23 = load_u32x2(shared_gate, h)
         for r in range(ROUTE_ROWS):  # hidden % 8 == 0: 16-byte aligned
             xs[r, 0], xs[r, 1], xs[r, 2], xs[r, 3] = load_f32x4(x, int64(min(r, rows - 1)) * hidden + h)
         g0, g1, g2, g3 = bf16_lo(w01), bf16_hi(w01), bf16_lo(w23), bf16_hi(w23)
@@ -432,7 +444,8 @@ def make_route_block(experts: int):
 
     @cuda.jit(device=True, inline=True)
     def route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
-                    n_experts, hidden, top_k, renormalise, chunk):
+                    n_experts, hidden, top_k, renormalise, chunk, w01, w23):
+        """``w01, w23``: the thread's ``first_gate_words``."""
         gate_red = cuda.shared.array((ROUTE_WARPS, ROUTE_ROWS), float32)
         pick_ids = cuda.shared.array(ROUTE_PICKS, int32)
         pick_w = cuda.shared.array(ROUTE_PICKS, float32)
@@ -444,7 +457,7 @@ def make_route_block(experts: int):
         if warp < rows:  # warp r routes row r; its logit loads are in flight during the gate's
             load_logits(probs, logits, warp, lane, n_experts)
         part = cuda.local.array(ROUTE_ROWS, float32)
-        gate_partials(part, x, shared_gate, rows, hidden)
+        gate_partials(part, x, shared_gate, rows, hidden, w01, w23)
         store_gate_partials(gate_red, part, warp, lane)
         if warp < rows:
             softmax_slots(probs, lane, n_experts)
@@ -471,10 +484,11 @@ def make_route(experts: int):
 
     def moe_route(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate, rows,
                   n_experts, hidden, top_k, renormalise, chunk):
+        w01, w23 = first_gate_words(shared_gate, hidden)  # weights: before the wait
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, x, shared_gate,
-                    rows, n_experts, hidden, top_k, renormalise, chunk)
+                    rows, n_experts, hidden, top_k, renormalise, chunk, w01, w23)
 
     return moe_route
 
@@ -496,13 +510,14 @@ def make_router_route(experts: int):
                          ticket):
         router(logits, x, router_w, norm_w, rows, n_experts, hidden, n_experts, eps, normed)
         if last_to_finish(ticket, 0, cuda.gridDim.x):  # every block's logits and normalised columns are out
+            w01, w23 = first_gate_words(shared_gate, hidden)
             route_block(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w, logits, normed, shared_gate,
-                        rows, n_experts, hidden, top_k, renormalise, chunk)
+                        rows, n_experts, hidden, top_k, renormalise, chunk, w01, w23)
 
     return moe_router_route
 
 
-def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False):
+def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False, early: bool = False):
     """Grouped GEMM over chunks: T tiles of 16 weight rows, W warps on K, U k-steps in flight, P x 8 pairs.
 
     ``kind``: "gate_up", "down", or "router": one dense matrix (``w_shared``, n = ``n_shared``, k =
@@ -514,8 +529,16 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
 
     ``hold`` (name suffix ``h``): each round's first MMA waits for every weight and activation word of
     the round (``make_mma_gemv``'s waits for the weights): ptxas otherwise issues three of a round's
-    loads, MMAs on them, then the rest."""
+    loads, MMAs on them, then the rest.
+
+    ``early`` (name suffix ``e``, decode: CudaMoe.early_down): a gate_up block issues
+    ``launch_dependents`` after its grid wait, not before, so the down GEMM after it starts only once the
+    routing has finished; a down block then reads its chunk from the plan and loads its first round of
+    weights before its own wait (``load_i32_l2``: common.py's PDL rules), in gate/up's tail."""
+    assert not early or kind in ("gate_up", "down")
     COMBINE = kind == "down_combine"
+    TRIGGER_LATE = early and kind == "gate_up"
+    LOAD_EARLY = early and kind == "down"
     swiglu = kind == "gate_up"
     DENSE = kind == "router"
     THREADS = 32 * W
@@ -524,24 +547,31 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
     OUTS = T * COLS * PAIRS
     MATRICES = 2 if swiglu else 1  # gate_up holds 2n rows per expert
     load_weights = make_weight_fragments(T, load_u64x2)
+    plan_entry = load_i32_l2 if LOAD_EARLY else plain_entry  # the plan before the wait: from L2
 
     @cuda.jit(device=True, inline=True)
     def grouped_block(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                       k_routed, k_shared, ldy, ldx):
         """The block's (chunk, column tile); False if it has none (past the chunks or the columns)."""
-        launch_dependents()  # programmatic dependent launch: common.py
-        grid_dependency_wait()
+        if TRIGGER_LATE:  # programmatic dependent launch: common.py
+            grid_dependency_wait()
+            launch_dependents()
+        elif not LOAD_EARLY:
+            launch_dependents()
+            grid_dependency_wait()
         ci = cuda.blockIdx.y
         if DENSE:
             expert = -1
             start = ci * PAIRS
             count = min(PAIRS, n_routed - start)
         else:
-            if ci >= n_chunks[0]:
+            if ci >= plan_entry(n_chunks, 0):
+                if LOAD_EARLY:
+                    grid_dependency_wait()  # before any return: common.py
                 return False
-            expert = chunks[3 * ci]
-            start = chunks[3 * ci + 1]
-            count = chunks[3 * ci + 2]
+            expert = plan_entry(chunks, 3 * ci)
+            start = plan_entry(chunks, 3 * ci + 1)
+            count = plan_entry(chunks, 3 * ci + 2)
         if expert >= 0:
             n = n_routed
             k = k_routed
@@ -554,6 +584,8 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
             w_base = int64(0)
         col_base = cuda.blockIdx.x * T * COLS
         if col_base >= n:
+            if LOAD_EARLY:
+                grid_dependency_wait()
             return False
         red = cuda.shared.array((W, T, P, 16, 8), float32)
         tid = cuda.threadIdx.x
@@ -570,6 +602,12 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
                 else:
                     f = col_base + tt * 16 + g + 8 * h
                     row_at[tt, h] = w_base + int64(f) * k if f < n else int64(-1)
+        wr = cuda.local.array((U, T, 2, 4), uint32)
+        if LOAD_EARLY:  # the first round's weights in flight while the gate/up GEMM finishes
+            for u in range(U):
+                load_weights(w, row_at, k, (warp + u * W) * 32 + 8 * t, u, wr)
+            launch_dependents()
+            grid_dependency_wait()
         x_at = cuda.local.array(P, int64)  # element offset of the lane's pairs' activations, -1 past count
         for pp in range(P):
             q = g + 8 * pp
@@ -583,14 +621,14 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
             for pp in range(P):
                 for e in range(4):
                     acc[tt, pp, e] = float32(0.0)
-        wr = cuda.local.array((U, T, 2, 4), uint32)
         xr = cuda.local.array((U, P, 8), float32)
         steps = (k + 31) >> 5
         for s0 in range(warp, steps, W * U):
             for u in range(U):  # every load of U steps before the first MMA
                 kk = (s0 + u * W) * 32 + 8 * t
                 inside = kk < k
-                load_weights(w, row_at, k, kk, u, wr)
+                if not LOAD_EARLY or s0 != warp:  # the first round's are in flight already
+                    load_weights(w, row_at, k, kk, u, wr)
                 for pp in range(P):
                     if inside and x_at[pp] >= 0:
                         x0, x1, x2, x3 = load_f32x4(x, x_at[pp] + kk)
@@ -717,8 +755,13 @@ def make_combine(residual: bool):
     return moe_combine
 
 
-def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False) -> str:
-    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}{'h' if hold else ''}"
+@cuda.jit(device=True, inline=True)
+def plain_entry(array, index):
+    return array[index]
+
+
+def grouped_name(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bool = False, early: bool = False) -> str:
+    return f"moe_{kind}_t{T}w{W}u{U}p{P}s{TERMS}{'h' if hold else ''}{'e' if early else ''}"
 
 
 # Candidates (kind, tiles, warps, steps in flight, pair groups of 8, activation terms): decode ones
@@ -763,7 +806,14 @@ HOLD_SHAPES = [(kind, 1, w, u, 1, 3) for kind, w, u in (
     ("gate_up", 8, 2), ("gate_up", 8, 4), ("gate_up", 16, 4), ("gate_up", 4, 4),
     ("down", 4, 2), ("down", 8, 2), ("down", 4, 4),
     ("down_combine", 4, 2), ("down_combine", 8, 2), ("down_combine", 4, 4))]
-for (_kind, _T, _W, _U, _P, _terms), _hold in [(_s, False) for _s in GROUPED_SHAPES] + [(_s, True) for _s in HOLD_SHAPES]:
-    KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold)] = (
-        make_grouped(_kind, _T, _W, _U, _P, _terms, _hold), GROUPED_SIG + (COMBINE_SIG if _kind == "down_combine" else ()),
-        {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms, "grid_wait": 1})
+# The ``early`` builds (CudaMoe.early_down): the decode gate/up shape triggering after its wait, and down
+# shapes loading their first round before it (4 warps of 4 steps: a 512-wide row's whole K).
+EARLY_SHAPES = [("gate_up", 1, 8, 2, 1, 3), ("down", 1, 4, 2, 1, 3), ("down", 1, 4, 4, 1, 3)]
+_BUILDS = ([(_s, False, False) for _s in GROUPED_SHAPES] + [(_s, True, False) for _s in HOLD_SHAPES]
+           + [(_s, False, True) for _s in EARLY_SHAPES])
+for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
+    KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (
+        make_grouped(_kind, _T, _W, _U, _P, _terms, _hold, _early),
+        GROUPED_SIG + (COMBINE_SIG if _kind == "down_combine" else ()),
+        {"threads": 32 * _W, "cols": _T * (8 if _kind == "gate_up" else 16), "pairs": 8 * _P, "terms": _terms,
+         "early": int(_early), "grid_wait": 1})

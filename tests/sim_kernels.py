@@ -152,8 +152,8 @@ def case_chain(rows: int) -> dict:
 def case_moe(rows: int) -> dict:
     """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
     of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs, the routing's build for
-    MAX_EXPERTS and the router GEMM loading its weights before the wait (``early_router``), over one
-    tiny MoE layer."""
+    MAX_EXPERTS, the router GEMM loading its weights before the wait (``early_router``) and the ``early``
+    grouped GEMMs (down reading the plan and its first weights before its wait), over one tiny MoE layer."""
     from ninfer.artifact.bf16 import to_float32
     from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, CudaMoe
     from ninfer.backends.reference.hybrid import HybridForward
@@ -190,12 +190,13 @@ def case_moe(rows: int) -> dict:
     plain = moe.decode_gemms
     held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", plain[2])  # numba_kernels/moe.py HOLD_SHAPES
     wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
+    early_gemms = ("moe_gate_up_t1w8u2p1s3e", "moe_down_t1w4u4p1s3e", plain[2])  # numba_kernels/moe.py EARLY_SHAPES
     runs, launches = [], []
     fits, most = moe.route_experts, ROUTE_EXPERTS[-1]  # the routing's build for the model, the largest
     for setting in ((False, False, plain, 0, fits), (True, False, plain, 0, fits), (False, True, plain, 0, fits),
                     (True, True, plain, 0, fits), (True, True, plain, 0, fits), (False, False, held, 0, fits),
                     (True, True, held, 0, fits), (True, True, wide, 0, fits), (False, False, plain, 0, most),
-                    (True, False, plain, 0, most), (False, False, plain, 1, fits)):
+                    (True, False, plain, 0, most), (False, False, plain, 1, fits), (False, False, early_gemms, 1, fits)):
         moe.fold_route, moe.fold_combine, moe.decode_gemms, early, moe.route_experts = setting
         moe.early_router = bool(early)
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
@@ -204,15 +205,22 @@ def case_moe(rows: int) -> dict:
         launches.append(gpu.kernels.launches[first:])
         runs.append([gpu.get(d_y, np.float32, (rows, H)), gpu.get(d_normed, np.float32, (rows, H)),
                      gpu.get(moe.topk_ids, np.int32, (rows, K)), gpu.get(moe.topk_w, np.float32, (rows, K))])
+    refusals = []  # an early down after a gate/up that triggers its dependents before the routing is done
+    moe.decode_gemms = (plain[0], early_gemms[1], plain[2])
+    try:
+        moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
+    except ValueError as error:
+        refusals.append(str(error))
     model = HybridForward.__new__(HybridForward)  # _moe reads only the config
     model.config = config
     h = rms_normed(x, norm_w)
     return {
         "launches": [len(run) for run in launches],
-        "held_launched": held[0] in launches[6] and wide[0] in launches[7],
+        "held_launched": held[0] in launches[6] and wide[0] in launches[7] and early_gemms[1] in launches[11],
         "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9],
                             EARLY_ROUTER_GEMM in launches[10]],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],
+        "refusals": refusals,
         "tickets_zero": bool(not gpu.get(moe.route_ticket, np.int32, (1,)).any()
                              and not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),
         "normed": rel(runs[0][1], h),

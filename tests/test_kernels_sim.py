@@ -71,13 +71,14 @@ def test_chained_norm_matches_the_normed_kernels(rows):
 @pytest.mark.parametrize("rows", [3, 8])
 def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
     """``CudaMoe.fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs, the routing's build for
-    MAX_EXPERTS (more slots a lane than the tiny model's) and the early-loading router GEMM (8 rows: a
-    full chunk of pairs; 3: six picks): the MoE added into the residual stream, the normalised rows
-    and the picks equal the five-launch path's, launch after launch (the tickets reset themselves), in
-    three launches with both folds."""
+    MAX_EXPERTS (more slots a lane than the tiny model's), the early-loading router GEMM and the
+    ``early`` grouped GEMMs (8 rows: a full chunk of pairs; 3: six picks): the MoE added into the
+    residual stream, the normalised rows and the picks equal the five-launch path's, launch after
+    launch (the tickets reset themselves), in three launches with both folds."""
     result = simulate("moe", rows)
-    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3, 5, 4, 5]
+    assert result["launches"] == [5, 4, 4, 3, 3, 5, 3, 3, 5, 4, 5, 5]
     assert result["held_launched"] and all(result["builds_launched"])
+    assert len(result["refusals"]) == 1 and "early gate/up" in result["refusals"][0]
     assert all(result["identical"]), result["identical"]
     assert result["tickets_zero"]
     assert result["normed"] < TOL and result["moe"] < TOL, result

@@ -170,9 +170,10 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     ``fold_combine``: the down GEMM's last block of each column tile adds the tile into the residual
     stream; the grouped GEMMs' ``hold`` builds (a +0.0 that waits for a round's loads); the routing's
     build for MAX_EXPERTS (more slots a lane than the model needs); the router GEMM loading its weights
-    before the wait (``early_router``). The MoE added
-    into the residual stream, the picks and the normalised rows are bit for bit those of the separate
-    launches, and stay so launch after launch (the tickets reset themselves)."""
+    before the wait (``early_router``); the ``early`` grouped GEMMs (down reading the plan and its first
+    weights before its wait), launched overlapped. The MoE added into the residual stream, the picks and the normalised rows
+    are bit for bit those of the separate launches, and stay so launch after launch (the tickets reset
+    themselves)."""
     from ninfer.backends.cuda import runtime as rt
     from ninfer.backends.cuda.moe import ROUTE_EXPERTS
     from ninfer.backends.reference.forward import rms_norm
@@ -183,20 +184,29 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     x = rng.standard_normal((rows, config.hidden_size), dtype=np.float32)
     weight = (1 + 0.1 * rng.standard_normal(config.hidden_size)).astype(np.float32)
     d_x, d_w, d_y, normed = gpu.put(x), gpu.put(weight), gpu.empty(rows_h * 4), gpu.empty(rows_h * 4)
+    d_spare = gpu.empty(rows_h * 4)
     for tickets in (moe.route_ticket, moe.combine_tickets):  # as HybridBuffers.init leaves them
         rt.memset32(tickets, 0, tickets.nbytes // 4, gpu.stream)
     runs, fits = [], moe.route_experts
     try:
         held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", moe.decode_gemms[2])  # numba_kernels/moe.py hold
+        early = [("moe_gate_up_t1w8u2p1s3e", down, moe.decode_gemms[2])  # numba_kernels/moe.py EARLY_SHAPES
+                 for down in ("moe_down_t1w4u2p1s3e", "moe_down_t1w4u4p1s3e")]
         plain, most = moe.decode_gemms, ROUTE_EXPERTS[-1]
         for setting in ((False, False, plain, fits), (True, False, plain, fits), (False, True, plain, fits),
                         (True, True, plain, fits), (True, True, plain, fits), (False, False, held, fits),
                         (True, True, held, fits), (False, False, plain, most), (True, False, plain, most),
-                        (False, False, plain, -fits)):
+                        (False, False, plain, -fits), (False, False, early[0], -fits), (True, False, early[1], fits)):
             moe.fold_route, moe.fold_combine, moe.decode_gemms, experts = setting
             moe.route_experts, moe.early_router = abs(experts), experts < 0  # negative: the early router too
             rt.memset32(d_y, 0, rows_h, gpu.stream)
-            moe.forward(d_y, d_x, block.device, layer, rows, gpu.stream, residual=True, norm=(d_w, 1e-6, normed))
+            args = (d_x, block.device, layer, rows, gpu.stream)
+            if moe.k[moe.decode_gemms[1]].meta.get("early"):  # overlapped, as in a decode step, after a kernel
+                moe.forward(d_spare, *args, residual=True, norm=(d_w, 1e-6, normed))
+                with moe.k.overlapped():
+                    moe.forward(d_y, *args, residual=True, norm=(d_w, 1e-6, normed))
+            else:
+                moe.forward(d_y, *args, residual=True, norm=(d_w, 1e-6, normed))
             runs.append([gpu.get(d_y, np.float32, (rows, config.hidden_size)),
                          gpu.get(normed, np.float32, (rows, config.hidden_size)),
                          gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
@@ -204,7 +214,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
     finally:
         del moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.early_router  # the class's defaults again
         moe.route_experts = fits
-        for ptr in (d_x, d_w, d_y, normed):
+        for ptr in (d_x, d_w, d_y, normed, d_spare):
             gpu.device.free(ptr)
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):

@@ -177,6 +177,7 @@ class CudaMoe:
         H, top_k = c.hidden_size, c.num_experts_per_tok
         decode = rows <= GEMV_MAX_ROWS
         gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
+        self.check_gemms(gate_up, down, decode and residual and self.fold_combine)
         if norm is None:
             self.router_logits(x, weights[p + "router"], rows, stream)
             self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
@@ -200,6 +201,16 @@ class CudaMoe:
             combine = k["moe_combine_residual" if residual else "moe_combine"]
             threads = combine.meta["threads"]
             combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
+
+    def check_gemms(self, gate_up: str, down: str, fold_combine: bool) -> None:
+        """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
+        before its grid wait, which is safe only after the gate/up build that triggers late; and it has
+        no build with the combine folded in."""
+        if self.k[down].meta.get("early"):
+            if not self.k[gate_up].meta.get("early"):
+                raise ValueError(f"{down} loads before its grid wait: it needs an early gate/up build, not {gate_up}")
+            if fold_combine:
+                raise ValueError(f"fold_combine has no build of {down}: turn one of them off")
 
     def route(self, x: rt.DevicePtr, shared_gate: rt.DevicePtr, rows: int, chunk: int, stream) -> None:
         """Top-k picks and the expert-sorted plan from ``logits``; the shared expert's gate from x."""
