@@ -292,7 +292,7 @@ def ablations(args, forward) -> list[tuple]:
         if moe is None:
             break
         gate_up, down = pair.split(",")
-        for name in (gate_up, down, combine_gemm(down)):
+        for name in (gate_up, down) + ((combine_gemm(down),) if moe.fold_combine else ()):
             forward.k[name]  # loaded now: not during capture
         chosen.append((f"decode_moe_gemms_{gate_up}_{down}", f"MoE GEMMs {gate_up} {down}",
                        [(moe, "decode_gemms", (gate_up, down, moe.decode_gemms[2]))]))

@@ -9,8 +9,10 @@ decode step is captured as a CUDA Graph and replayed under torch.profiler, whose
 kernel node's start and end (torch shares our primary context; it only observes). Prints, per role in
 the step (each decode GEMM by its matrix and shape, every other kernel by name): microseconds a step, per
 launch, and for the GEMMs the weight bytes over kernel time; then the step's span, the sum of kernel
-times and the idle time between consecutive kernels (negative: kernels overlapped). ``--trace``
-keeps the Chrome traces.
+times and the idle time between consecutive kernels (negative: kernels overlapped). "Advances the
+step" is how far each role's kernels moved the step's latest end: with overlapped launches a kernel's
+own time counts its wait for the one before, so this is its share of the critical path (the shares
+add up to the span). ``--trace`` keeps the Chrome traces.
 """
 
 from __future__ import annotations
@@ -76,20 +78,26 @@ def profile_case(runner, batch: int, reps: int, trace: Path) -> dict:
     if len(events) != reps * len(roles):
         raise RuntimeError(f"trace holds {len(events)} kernels, expected {reps} x {len(roles)}")
     per_role: dict[str, list[float]] = defaultdict(list)
+    advances: dict[str, float] = defaultdict(float)
     bytes_of: dict[str, int] = {}
     gaps, spans = [], []
     for step in range(reps):
         chunk = events[step * len(roles):(step + 1) * len(roles)]
+        frontier = chunk[0]["ts"]  # the latest end so far: what the step has finished
         for (role, nbytes), event in zip(roles, chunk):
             per_role[role].append(event["dur"])
             bytes_of[role] = nbytes
+            end = event["ts"] + event["dur"]
+            advances[role] += max(0.0, end - frontier)
+            frontier = max(frontier, end)
         gaps.append(sum(b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(chunk, chunk[1:])))
         spans.append(chunk[-1]["ts"] + chunk[-1]["dur"] - chunk[0]["ts"])
     report = {"span_us": float(np.mean(spans)), "gaps_us": float(np.mean(gaps)), "kernels": len(roles), "roles": {}}
     report["busy_us"] = sum(sum(v) for v in per_role.values()) / reps
     for role, durations in sorted(per_role.items(), key=lambda kv: -sum(kv[1])):
         launches = len(durations) // reps
-        entry = {"us_per_step": sum(durations) / reps, "launches": launches, "us_per_launch": float(np.mean(durations))}
+        entry = {"us_per_step": sum(durations) / reps, "launches": launches, "us_per_launch": float(np.mean(durations)),
+                 "advance_us_per_step": advances[role] / reps}
         if bytes_of[role]:
             entry["gb_s"] = bytes_of[role] / (entry["us_per_launch"] * 1e-6) / 1e9
         report["roles"][role] = entry
@@ -162,8 +170,8 @@ def main(argv=None) -> int:
               f"between kernels {r['gaps_us']:.0f} us ({r['kernels']} kernels)", flush=True)
         for role, e in r["roles"].items():
             rate = f", {e['gb_s']:.0f} GB/s" if "gb_s" in e else ""
-            print(f"  {role:40s} {e['us_per_step']:8.1f} us/step  {e['launches']:3d} x {e['us_per_launch']:7.2f} us{rate}",
-                  flush=True)
+            print(f"  {role:40s} {e['us_per_step']:8.1f} us/step  {e['launches']:3d} x {e['us_per_launch']:7.2f} us{rate}"
+                  f"; advances the step {e['advance_us_per_step']:.1f} us", flush=True)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))
     runner.close()
