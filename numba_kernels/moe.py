@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
                                   last_to_finish, launch_dependents, load_f32x4, load_i32_l2, load_u32x2, load_u64x2,
                                   warp_max, warp_max_i32, warp_min_i32, warp_sum)
-from numba_kernels.gemm import ROUTER_SHAPE, make_mma_gemv, make_weight_fragments, split3_bf16x2
+from numba_kernels.gemm import ROUTER_SHAPE, load_weights_u64x2, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
@@ -755,6 +755,127 @@ def make_combine(residual: bool):
     return moe_combine
 
 
+def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int):
+    """The grouped GEMM of a decode step of at most ``M`` rows in fp32 on the CUDA cores, as the dense
+    batch-1 GEMV (``gemm.py`` ``make_gemv``) streams: one block per (chunk, ``COLS`` weight rows), its
+    ``THREADS`` threads walking K together in 16-byte steps, the next step's weights loaded as soon as
+    a step's are used. A chunk holds at most M pairs (a decode chunk holds its expert's rows, so at
+    most ``rows``). Same arguments and outputs as ``make_grouped``'s kernel of ``kind`` ("gate_up": the
+    block's first COLS / 2 rows are gate rows, the rest the matching up rows; "down": scaled by the
+    pair weight); the sums run in another order, so it agrees with the MMA build to fp32 rounding."""
+    SWIGLU = kind == "gate_up"
+    assert kind in ("gate_up", "down") and THREADS % 32 == 0 and (COLS % 2 == 0 or not SWIGLU)
+    OUT = COLS // 2 if SWIGLU else COLS
+    WARPS = THREADS // 32
+    MATRICES = 2 if SWIGLU else 1
+
+    @cuda.jit(device=True, inline=True)
+    def load_step(w, row_of, words, steps, j, raw):
+        for c in range(COLS):
+            if j < steps and row_of[c] >= 0:
+                a, b = load_weights_u64x2(w, row_of[c] * words + 2 * j)
+                raw[c, 0] = uint32(a & uint64(0xFFFFFFFF))
+                raw[c, 1] = uint32(a >> uint64(32))
+                raw[c, 2] = uint32(b & uint64(0xFFFFFFFF))
+                raw[c, 3] = uint32(b >> uint64(32))
+            else:
+                for e in range(4):
+                    raw[c, e] = uint32(0)
+
+    def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                     k_routed, k_shared, ldy, ldx):
+        launch_dependents()  # programmatic dependent launch: common.py (the weights wait for the plan)
+        grid_dependency_wait()
+        ci = cuda.blockIdx.y
+        if ci >= n_chunks[0]:
+            return
+        expert = chunks[3 * ci]
+        start = chunks[3 * ci + 1]
+        count = chunks[3 * ci + 2]
+        if expert >= 0:
+            n = n_routed
+            k = k_routed
+            w = w_experts
+            first_row = int64(expert) * MATRICES * n  # the expert's first weight row
+        else:
+            n = n_shared
+            k = k_shared
+            w = w_shared
+            first_row = int64(0)
+        if cuda.blockIdx.x * OUT >= n:
+            return
+        red = cuda.shared.array((WARPS, M, COLS), float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
+        for c in range(COLS):
+            if SWIGLU:
+                j = cuda.blockIdx.x * OUT + c % OUT
+                row_of[c] = first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
+            else:
+                f = cuda.blockIdx.x * COLS + c
+                row_of[c] = first_row + int64(f) if f < n else int64(-1)
+        x_at = cuda.local.array(M, int64)  # each pair's activation row (-1: past the chunk)
+        for q in range(M):
+            if q < count:
+                x_at[q] = int64(pair_row[start + q] if SWIGLU else start + q) * ldx
+            else:
+                x_at[q] = int64(-1)
+        acc = cuda.local.array((M, COLS), float32)
+        for q in range(M):
+            for c in range(COLS):
+                acc[q, c] = float32(0.0)
+        raw = cuda.local.array((COLS, 4), uint32)
+        xr = cuda.local.array((M, 8), float32)
+        steps = k >> 3  # 16-byte steps of a weight row: 8 bf16 weights, 8 fp32 activations
+        words = k >> 2
+        load_step(w, row_of, words, steps, tid, raw)
+        for j in range(tid, steps, THREADS):
+            for q in range(M):  # the step's activations first, their loads out together
+                if x_at[q] >= 0:
+                    xr[q, 0], xr[q, 1], xr[q, 2], xr[q, 3] = load_f32x4(x, x_at[q] + 8 * j)
+                    xr[q, 4], xr[q, 5], xr[q, 6], xr[q, 7] = load_f32x4(x, x_at[q] + 8 * j + 4)
+                else:
+                    for e in range(8):
+                        xr[q, e] = float32(0.0)
+            for c in range(COLS):
+                w0, w1 = bf16_lo(raw[c, 0]), bf16_hi(raw[c, 0])
+                w2, w3 = bf16_lo(raw[c, 1]), bf16_hi(raw[c, 1])
+                w4, w5 = bf16_lo(raw[c, 2]), bf16_hi(raw[c, 2])
+                w6, w7 = bf16_lo(raw[c, 3]), bf16_hi(raw[c, 3])
+                for q in range(M):
+                    acc[q, c] += (xr[q, 0] * w0 + xr[q, 1] * w1 + xr[q, 2] * w2 + xr[q, 3] * w3
+                                  + xr[q, 4] * w4 + xr[q, 5] * w5 + xr[q, 6] * w6 + xr[q, 7] * w7)
+            load_step(w, row_of, words, steps, j + THREADS, raw)  # the registers are free again
+        for q in range(M):
+            for c in range(COLS):
+                red[warp, q, c] = warp_sum(acc[q, c])
+        cuda.syncthreads()
+        if tid < M * OUT:
+            q = tid // OUT
+            c = tid % OUT
+            col = cuda.blockIdx.x * OUT + c
+            if q < count and col < n:
+                total = float32(0.0)
+                for wp in range(WARPS):
+                    total += red[wp, q, c]
+                at = int64(start + q) * ldy + col
+                if SWIGLU:
+                    up = float32(0.0)
+                    for wp in range(WARPS):
+                        up += red[wp, q, c + OUT]
+                    y[at] = total * (float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * total)) * up
+                else:
+                    y[at] = pair_weight[start + q] * total
+
+    return grouped_gemv
+
+
+def gemv_name(kind: str, M: int, COLS: int, THREADS: int) -> str:
+    return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}"
+
+
 @cuda.jit(device=True, inline=True)
 def plain_entry(array, index):
     return array[index]
@@ -811,6 +932,13 @@ HOLD_SHAPES = [(kind, 1, w, u, 1, 3) for kind, w, u in (
 EARLY_SHAPES = [("gate_up", 1, 8, 2, 1, 3), ("down", 1, 4, 2, 1, 3), ("down", 1, 4, 4, 1, 3)]
 _BUILDS = ([(_s, False, False) for _s in GROUPED_SHAPES] + [(_s, True, False) for _s in HOLD_SHAPES]
            + [(_s, False, True) for _s in EARLY_SHAPES])
+# The fp32 grouped GEMVs of decode steps of one or two rows (CudaMoe.gemv_gemms): (kind, rows, weight rows a
+# block, threads). gate/up's 2048-wide rows take 128 threads two steps, down's 512-wide ones 64 threads one.
+GEMV_SHAPES = [(kind, m, cols, threads) for m in (1, 2) for kind, cols, threads in (
+    ("gate_up", 4, 128), ("gate_up", 8, 128), ("down", 8, 64), ("down", 4, 64))]
+for _kind, _m, _cols, _threads in GEMV_SHAPES:
+    KERNELS[gemv_name(_kind, _m, _cols, _threads)] = (make_grouped_gemv(_kind, _m, _cols, _threads), GROUPED_SIG, {
+        "threads": _threads, "cols": _cols // 2 if _kind == "gate_up" else _cols, "pairs": _m, "grid_wait": 1})
 for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms, _hold, _early),

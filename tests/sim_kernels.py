@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -149,14 +150,13 @@ def case_chain(rows: int) -> dict:
     return result
 
 
-def case_moe(rows: int) -> dict:
-    """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
-    of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs, the routing's build for
-    MAX_EXPERTS, the router GEMM loading its weights before the wait (``early_router``) and the ``early``
-    grouped GEMMs (down reading the plan and its first weights before its wait), over one tiny MoE layer."""
+def moe_layer(rows: int) -> SimpleNamespace:
+    """One tiny MoE layer on the simulated GPU (random bf16 weights, a ``CudaMoe`` of 8 rows, its
+    tickets zeroed) and ``rows`` rows of input, norm weights and residual stream, with ``run()``: the
+    decode ``forward`` into the residual stream, normalising its input; returns (y, normed, picks, pick
+    weights) and keeps each run's launches."""
     from ninfer.artifact.bf16 import to_float32
-    from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, CudaMoe
-    from ninfer.backends.reference.hybrid import HybridForward
+    from ninfer.backends.cuda.moe import CudaMoe
     from ninfer.backends.reference.hybrid_weights import DenseMlpWeights, MoeWeights
     from ninfer.convert.random_model import HYBRID_PRESETS
     from ninfer.models.hybrid import MOE, tensor_names
@@ -187,11 +187,42 @@ def case_moe(rows: int) -> dict:
     norm_w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
     resid = rng.standard_normal((rows, H)).astype(np.float32)
     d_x, d_w, d_y, d_normed = gpu.put(x), gpu.put(norm_w), gpu.empty(rows * H * 4), gpu.empty(rows * H * 4)
+    launches = []
+
+    def run() -> list:
+        gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
+        first = len(gpu.kernels.launches)
+        moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
+        launches.append(gpu.kernels.launches[first:])
+        return [gpu.get(d_y, np.float32, (rows, H)), gpu.get(d_normed, np.float32, (rows, H)),
+                gpu.get(moe.topk_ids, np.int32, (rows, K)), gpu.get(moe.topk_w, np.float32, (rows, K))]
+
+    def reference_moe() -> np.ndarray:
+        """The reference backend's MoE of the normalised rows: what ``run()`` adds to the residual stream."""
+        from ninfer.backends.reference.hybrid import HybridForward
+
+        model = HybridForward.__new__(HybridForward)  # _moe reads only the config
+        model.config = config
+        return model._moe(reference, rms_normed(x, norm_w).astype(np.float32))
+
+    return SimpleNamespace(gpu=gpu, moe=moe, x=x, norm_w=norm_w, resid=resid, run=run, launches=launches,
+                           reference_moe=reference_moe)
+
+
+def case_moe(rows: int) -> dict:
+    """``CudaMoe.forward`` (decode, into the residual stream, normalising its input) with every setting
+    of ``fold_route`` / ``fold_combine``, the ``hold`` grouped GEMMs, the routing's build for
+    MAX_EXPERTS, the router GEMM loading its weights before the wait (``early_router``) and the ``early``
+    grouped GEMMs (down reading the plan and its first weights before its wait), over one tiny MoE layer."""
+    from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS
+
+    t = moe_layer(rows)
+    moe, launches = t.moe, t.launches
     plain = moe.decode_gemms
     held = ("moe_gate_up_t1w8u2p1s3h", "moe_down_t1w4u2p1s3h", plain[2])  # numba_kernels/moe.py HOLD_SHAPES
     wide = ("moe_gate_up_t1w16u4p1s3h", "moe_down_t1w8u2p1s3h", plain[2])  # the ablation's other pair
     early_gemms = ("moe_gate_up_t1w8u2p1s3e", "moe_down_t1w4u4p1s3e", plain[2])  # numba_kernels/moe.py EARLY_SHAPES
-    runs, launches = [], []
+    runs = []
     fits, most = moe.route_experts, ROUTE_EXPERTS[-1]  # the routing's build for the model, the largest
     for setting in ((False, False, plain, 0, fits), (True, False, plain, 0, fits), (False, True, plain, 0, fits),
                     (True, True, plain, 0, fits), (True, True, plain, 0, fits), (False, False, held, 0, fits),
@@ -199,33 +230,49 @@ def case_moe(rows: int) -> dict:
                     (True, False, plain, 0, most), (False, False, plain, 1, fits), (False, False, early_gemms, 1, fits)):
         moe.fold_route, moe.fold_combine, moe.decode_gemms, early, moe.route_experts = setting
         moe.early_router = bool(early)
-        gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
-        first = len(gpu.kernels.launches)
-        moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
-        launches.append(gpu.kernels.launches[first:])
-        runs.append([gpu.get(d_y, np.float32, (rows, H)), gpu.get(d_normed, np.float32, (rows, H)),
-                     gpu.get(moe.topk_ids, np.int32, (rows, K)), gpu.get(moe.topk_w, np.float32, (rows, K))])
+        runs.append(t.run())
     refusals = []  # an early down after a gate/up that triggers its dependents before the routing is done
     moe.decode_gemms = (plain[0], early_gemms[1], plain[2])
     try:
-        moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
+        t.run()
     except ValueError as error:
         refusals.append(str(error))
-    model = HybridForward.__new__(HybridForward)  # _moe reads only the config
-    model.config = config
-    h = rms_normed(x, norm_w)
     return {
-        "launches": [len(run) for run in launches],
+        "launches": [len(run) for run in launches[:len(runs)]],
         "held_launched": held[0] in launches[6] and wide[0] in launches[7] and early_gemms[1] in launches[11],
         "builds_launched": [f"moe_route_e{fits}" in launches[0], f"moe_router_route_e{most}" in launches[9],
                             EARLY_ROUTER_GEMM in launches[10]],
         "identical": [all(np.array_equal(a, b) for a, b in zip(run, runs[0])) for run in runs],
         "refusals": refusals,
-        "tickets_zero": bool(not gpu.get(moe.route_ticket, np.int32, (1,)).any()
-                             and not gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),
-        "normed": rel(runs[0][1], h),
-        "moe": rel(runs[0][0] - resid, model._moe(reference, h.astype(np.float32))),
+        "tickets_zero": bool(not t.gpu.get(moe.route_ticket, np.int32, (1,)).any()
+                             and not t.gpu.get(moe.combine_tickets, np.int32, (moe.combine_tickets.nbytes // 4,)).any()),
+        "normed": rel(runs[0][1], rms_normed(t.x, t.norm_w)),
+        "moe": rel(runs[0][0] - t.resid, t.reference_moe()),
     }
+
+
+def case_moe_gemv(rows: int) -> dict:
+    """``CudaMoe.gemv_rows``: a decode step of ``rows`` (1 or 2) rows with the expert GEMMs as fp32 GEMVs
+    (every shape of numba_kernels/moe.py GEMV_SHAPES for the row count) against the tensor-core grouped
+    GEMMs: the same picks and normalised rows, the MoE to fp32 rounding, and both against the reference."""
+    from numba_kernels.moe import GEMV_SHAPES, gemv_name
+
+    t = moe_layer(rows)
+    moe = t.moe
+    mma = t.run()
+    gate_ups = [gemv_name(*s) for s in GEMV_SHAPES if s[0] == "gate_up" and s[1] == rows]
+    downs = [gemv_name(*s) for s in GEMV_SHAPES if s[0] == "down" and s[1] == rows]
+    moe.gemv_rows = rows
+    want = t.reference_moe()
+    result = {"mma": rel(mma[0] - t.resid, want)}
+    for gate_up, down in zip(gate_ups, downs):
+        moe.gemv_gemms = {rows: (gate_up, down)}
+        got = t.run()
+        assert gate_up in t.launches[-1] and down in t.launches[-1]
+        result[f"{gate_up},{down}"] = {"vs_mma": rel(got[0] - t.resid, mma[0] - t.resid),
+                                       "vs_reference": rel(got[0] - t.resid, want),
+                                       "routing_identical": all(np.array_equal(a, b) for a, b in zip(got[1:], mma[1:]))}
+    return result
 
 
 def case_decode(rows: int) -> dict:
@@ -484,7 +531,7 @@ def case_hybrid_decode(rows: int) -> dict:
                                  and not gpu.get(buffers.attention_tickets, np.int32, (8 * config.num_heads,)).any())}
 
 
-CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "decode": case_decode,
+CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
          "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine}
 
 

@@ -84,6 +84,21 @@ def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
     assert result["normed"] < TOL and result["moe"] < TOL, result
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_moe_gemv_builds_are_the_mma_ones_to_rounding(rows):
+    """``CudaMoe.gemv_rows``: the expert GEMMs of one or two rows as fp32 GEMVs, every shape for the row
+    count: the same picks and normalised rows as the tensor-core grouped GEMMs, the MoE to fp32
+    rounding of theirs and of the reference."""
+    result = simulate("moe_gemv", rows)
+    assert result["mma"] < TOL
+    shapes = [name for name in result if name != "mma"]
+    assert len(shapes) == 2
+    for name in shapes:
+        checks = result[name]
+        assert checks["routing_identical"], name
+        assert checks["vs_mma"] < TOL and checks["vs_reference"] < TOL, (name, checks)
+
+
 @pytest.mark.parametrize("rows", [3, 8])
 def test_decode_step_with_chained_norms_is_the_unchained_one(rows):
     """A whole ``Forward.decode`` step (two layers, bf16 KV pool holding keys, greedy sampling) with

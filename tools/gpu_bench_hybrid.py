@@ -42,7 +42,7 @@ from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
-from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, ROUTE_EXPERTS, combine_gemm  # noqa: E402
+from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, GEMV_GEMMS, ROUTE_EXPERTS, combine_gemm  # noqa: E402
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
 
@@ -296,6 +296,16 @@ def ablations(args, forward) -> list[tuple]:
             forward.k[name]  # loaded now: not during capture
         chosen.append((f"decode_moe_gemms_{gate_up}_{down}", f"MoE GEMMs {gate_up} {down}",
                        [(moe, "decode_gemms", (gate_up, down, moe.decode_gemms[2]))]))
+    for pairs in filter(None, args.moe_gemv_ablation.split(";")):  # the expert GEMMs of 1-2 rows as fp32 GEMVs
+        if moe is None:
+            break
+        gemms = dict(GEMV_GEMMS)
+        if pairs != "default":  # the batch-1 pair named
+            gemms[1] = tuple(pairs.split(","))
+        for name in (n for pair in gemms.values() for n in pair):
+            forward.k[name]  # loaded now: not during capture
+        chosen.append((f"decode_moe_gemv_{'_'.join(gemms[1])}", f"MoE GEMVs {' '.join(gemms[1])} (1-2 rows)",
+                       [(moe, "gemv_rows", 2), (moe, "gemv_gemms", gemms)]))
     return chosen
 
 
@@ -425,6 +435,9 @@ def main(argv=None) -> int:
                         help="decode again with the MoE routing's build for the most experts (more slots a lane)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
                         help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
+    parser.add_argument("--moe-gemv-ablation", default="", metavar="default|GATE_UP,DOWN[;...]",
+                        help="decode again with the expert GEMMs of 1-2 rows as fp32 GEMVs (CudaMoe.gemv_rows 2): "
+                             "'default' for moe.GEMV_GEMMS, or the batch-1 pair named")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")

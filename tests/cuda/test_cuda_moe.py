@@ -133,6 +133,27 @@ def test_decode_rows_match_reference(gpu, case, rows):
     assert rel_err(got, _reference(config, block.reference, x)) < DECODE_TOL
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_builds_match_reference(gpu, case, rows):
+    """``CudaMoe.gemv_rows``: the expert GEMMs of one or two rows as fp32 GEMVs, every shape of
+    numba_kernels/moe.py GEMV_SHAPES for the row count (an A3B expert's rows take gate/up two steps a
+    thread), against the reference."""
+    from numba_kernels.moe import GEMV_SHAPES, gemv_name
+
+    name, config, layer, block, moe = case
+    x = np.random.default_rng(70 + rows).standard_normal((rows, config.hidden_size), dtype=np.float32)
+    want = _reference(config, block.reference, x)
+    shapes = [gemv_name(*s) for s in GEMV_SHAPES if s[1] == rows]
+    try:
+        moe.gemv_rows = rows
+        for gate_up, down in zip([n for n in shapes if "gate_up" in n], [n for n in shapes if "down" in n]):
+            moe.gemv_gemms = {rows: (gate_up, down)}
+            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, (gate_up, down)
+    finally:
+        for option in ("gemv_rows", "gemv_gemms"):
+            moe.__dict__.pop(option, None)  # the class's defaults again
+
+
 def test_prefill_chunk_matches_reference(gpu, case):
     name, config, layer, block, moe = case
     x = np.random.default_rng(99).standard_normal((PREFILL_ROWS[name], config.hidden_size), dtype=np.float32)

@@ -37,6 +37,10 @@ from ninfer.models.hybrid import MOE, HybridConfig
 # GROUPED_SHAPES: a chunk holds 8 * P pairs; both kernels of a mode read the same plan).
 DECODE_GEMMS = ("moe_gate_up_t1w8u2p1s3", "moe_down_t1w4u2p1s3", 8)
 PREFILL_GEMMS = ("moe_gate_up_t4w4u1p2s2", "moe_down_t4w4u1p2s2", 16)  # H200, 512 rows: 670 us a layer vs 792 (t2 p4)
+# The fp32 grouped GEMVs (numba_kernels/moe.py make_grouped_gemv) of a decode step of 1 or 2 rows, where
+# ``CudaMoe.gemv_rows`` allows them: (gate_up, down) by row count.
+GEMV_GEMMS = {1: ("moe_gate_up_gemv_m1c4x128", "moe_down_gemv_m1c8x64"),
+              2: ("moe_gate_up_gemv_m2c4x128", "moe_down_gemv_m2c8x64")}
 MIN_CHUNK = 8  # P >= 1: the most chunks a plan can hold is bounded with 8 pairs a chunk
 MAX_EXPERTS = 1024  # moe_plan's shared-memory tables
 MAX_TOP_K = 32  # moe_topk: one lane of the row's warp per pick
@@ -137,6 +141,11 @@ class CudaMoe:
     # 35B-A3B decode +2.5% at batch 1, +1% at 4, level at 8 (two runs of tools/gpu_bench_hybrid.py
     # --early-router-ablation, docs/benchmarks.md).
     early_router = True
+    # Decode steps of at most this many rows (0, 1 or 2) run the expert GEMMs as fp32 GEMVs on the CUDA
+    # cores (``gemv_gemms``), streamed as the dense batch-1 GEMVs are, instead of the tensor-core
+    # grouped GEMMs. Off until timed (tools/gpu_bench_hybrid.py --moe-gemv-ablation).
+    gemv_rows = 0
+    gemv_gemms = GEMV_GEMMS
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -144,7 +153,7 @@ class CudaMoe:
         routes = [f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS]
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
-                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM]
+                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p)]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -177,6 +186,8 @@ class CudaMoe:
         H, top_k = c.hidden_size, c.num_experts_per_tok
         decode = rows <= GEMV_MAX_ROWS
         gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
+        if rows <= self.gemv_rows:
+            gate_up, down = self.gemv_gemms[rows]
         self.check_gemms(gate_up, down, decode and residual and self.fold_combine)
         if norm is None:
             self.router_logits(x, weights[p + "router"], rows, stream)
@@ -204,13 +215,12 @@ class CudaMoe:
 
     def check_gemms(self, gate_up: str, down: str, fold_combine: bool) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
-        before its grid wait, which is safe only after the gate/up build that triggers late; and it has
-        no build with the combine folded in."""
-        if self.k[down].meta.get("early"):
-            if not self.k[gate_up].meta.get("early"):
-                raise ValueError(f"{down} loads before its grid wait: it needs an early gate/up build, not {gate_up}")
-            if fold_combine:
-                raise ValueError(f"fold_combine has no build of {down}: turn one of them off")
+        before its grid wait, which is safe only after the gate/up build that triggers late;
+        ``fold_combine`` needs a build of ``down`` with the combine folded in."""
+        if self.k[down].meta.get("early") and not self.k[gate_up].meta.get("early"):
+            raise ValueError(f"{down} loads before its grid wait: it needs an early gate/up build, not {gate_up}")
+        if fold_combine and combine_gemm(down) not in self.k.entries:
+            raise ValueError(f"fold_combine has no build of {down}: turn one of them off")
 
     def route(self, x: rt.DevicePtr, shared_gate: rt.DevicePtr, rows: int, chunk: int, stream) -> None:
         """Top-k picks and the expert-sorted plan from ``logits``; the shared expert's gate from x."""
