@@ -27,8 +27,9 @@ SCRIPT = Path(__file__).resolve().parent / "sim_kernels.py"
 TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums in float64
 # Every (case, rows) the tests below ask for: the first test to ask starts them all, as many at once
 # as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
-CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("decode", 3), ("decode", 8),
-         ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3), ("gated_combine", 3)]
+CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
+         ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
+         ("gated_combine", 3)]
 _runs: dict = {}
 
 
