@@ -934,8 +934,11 @@ _BUILDS = ([(_s, False, False) for _s in GROUPED_SHAPES] + [(_s, True, False) fo
            + [(_s, False, True) for _s in EARLY_SHAPES])
 # The fp32 grouped GEMVs of decode steps of one or two rows (CudaMoe.gemv_gemms): (kind, rows, weight rows a
 # block, threads). gate/up's 2048-wide rows take 128 threads two steps, down's 512-wide ones 64 threads one.
+# Fewer threads a block take more steps each (gate/up 32 threads: eight) and let every block of a step be
+# resident at once (no second wave): candidates for one row.
 GEMV_SHAPES = [(kind, m, cols, threads) for m in (1, 2) for kind, cols, threads in (
-    ("gate_up", 4, 128), ("gate_up", 8, 128), ("down", 8, 64), ("down", 4, 64))]
+    ("gate_up", 4, 128), ("gate_up", 8, 128), ("down", 8, 64), ("down", 4, 64))] + [
+    ("gate_up", 1, 4, 64), ("gate_up", 1, 4, 32), ("down", 1, 8, 32), ("down", 1, 4, 32)]
 for _kind, _m, _cols, _threads in GEMV_SHAPES:
     KERNELS[gemv_name(_kind, _m, _cols, _threads)] = (make_grouped_gemv(_kind, _m, _cols, _threads), GROUPED_SIG, {
         "threads": _threads, "cols": _cols // 2 if _kind == "gate_up" else _cols, "pairs": _m, "grid_wait": 1})

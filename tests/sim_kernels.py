@@ -265,7 +265,7 @@ def case_moe_gemv(rows: int) -> dict:
     moe.gemv_rows = rows
     want = t.reference_moe()
     result = {"mma": rel(mma[0] - t.resid, want)}
-    for gate_up, down in zip(gate_ups, downs):
+    for gate_up, down in zip(gate_ups, downs):  # every shape once
         moe.gemv_gemms = {rows: (gate_up, down)}
         got = t.run()
         assert gate_up in t.launches[-1] and down in t.launches[-1]

@@ -299,6 +299,9 @@ def ablations(args, forward) -> list[tuple]:
     for pairs in filter(None, args.moe_gemv_ablation.split(";")):  # the expert GEMMs of 1-2 rows as fp32 GEMVs
         if moe is None:
             break
+        if pairs == "off":  # the tensor-core grouped GEMMs at every row count
+            chosen.append(("decode_moe_gemv_off", "MoE GEMVs off", [(moe, "gemv_rows", 0)]))
+            continue
         gemms = dict(GEMV_GEMMS)
         if pairs != "default":  # the batch-1 pair named
             gemms[1] = tuple(pairs.split(","))
@@ -435,9 +438,9 @@ def main(argv=None) -> int:
                         help="decode again with the MoE routing's build for the most experts (more slots a lane)")
     parser.add_argument("--moe-gemms-ablation", default="", metavar="GATE_UP,DOWN[;...]",
                         help="decode again with each pair of grouped MoE decode GEMMs (e.g. the 'h' builds)")
-    parser.add_argument("--moe-gemv-ablation", default="", metavar="default|GATE_UP,DOWN[;...]",
+    parser.add_argument("--moe-gemv-ablation", default="", metavar="off|default|GATE_UP,DOWN[;...]",
                         help="decode again with the expert GEMMs of 1-2 rows as fp32 GEMVs (CudaMoe.gemv_rows 2): "
-                             "'default' for moe.GEMV_GEMMS, or the batch-1 pair named")
+                             "'default' for moe.GEMV_GEMMS, or the batch-1 pair named; 'off': none (gemv_rows 0)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")

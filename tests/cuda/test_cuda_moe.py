@@ -144,11 +144,12 @@ def test_gemv_builds_match_reference(gpu, case, rows):
     x = np.random.default_rng(70 + rows).standard_normal((rows, config.hidden_size), dtype=np.float32)
     want = _reference(config, block.reference, x)
     shapes = [gemv_name(*s) for s in GEMV_SHAPES if s[1] == rows]
+    gate_up, down = moe.gemv_gemms[rows]
     try:
         moe.gemv_rows = rows
-        for gate_up, down in zip([n for n in shapes if "gate_up" in n], [n for n in shapes if "down" in n]):
-            moe.gemv_gemms = {rows: (gate_up, down)}
-            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, (gate_up, down)
+        for kernel in shapes:  # each with the default other half
+            moe.gemv_gemms = {rows: (kernel, down) if "gate_up" in kernel else (gate_up, kernel)}
+            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, kernel
     finally:
         for option in ("gemv_rows", "gemv_gemms"):
             moe.__dict__.pop(option, None)  # the class's defaults again

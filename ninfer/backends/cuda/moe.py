@@ -143,8 +143,10 @@ class CudaMoe:
     early_router = True
     # Decode steps of at most this many rows (0, 1 or 2) run the expert GEMMs as fp32 GEMVs on the CUDA
     # cores (``gemv_gemms``), streamed as the dense batch-1 GEMVs are, instead of the tensor-core
-    # grouped GEMMs. Off until timed (tools/gpu_bench_hybrid.py --moe-gemv-ablation).
-    gemv_rows = 0
+    # grouped GEMMs: an H100's 35B-A3B batch-1 step 3.26-3.27 -> 3.21-3.22 ms of GPU time (gate/up 16.8
+    # -> 15.2 us a layer, down 10.0 -> 8.7; tools/gpu_bench_hybrid.py --moe-gemv-ablation,
+    # docs/benchmarks.md). Two rows are tested, not timed.
+    gemv_rows = 1
     gemv_gemms = GEMV_GEMMS
 
     @staticmethod
