@@ -221,6 +221,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
                         (False, False, plain, -fits), (False, False, early[0], -fits), (True, False, early[1], fits)):
             moe.fold_route, moe.fold_combine, moe.decode_gemms, experts = setting
             moe.route_experts, moe.early_router = abs(experts), experts < 0  # negative: the early router too
+            moe.gemv_rows = 0  # the tensor-core grouped GEMMs at every row count: the builds under test
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             args = (d_x, block.device, layer, rows, gpu.stream)
             if moe.k[moe.decode_gemms[1]].meta.get("early"):  # overlapped, as in a decode step, after a kernel
@@ -234,7 +235,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
                          gpu.get(moe.topk_ids, np.int32, (rows, config.num_experts_per_tok)),
                          gpu.get(moe.topk_w, np.float32, (rows, config.num_experts_per_tok))])
     finally:
-        del moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.early_router  # the class's defaults again
+        del moe.fold_route, moe.fold_combine, moe.decode_gemms, moe.early_router, moe.gemv_rows  # the defaults
         moe.route_experts = fits
         for ptr in (d_x, d_w, d_y, normed, d_spare):
             gpu.device.free(ptr)
@@ -263,6 +264,7 @@ def test_hold_builds_match_reference(gpu, case, rows):
     held = [grouped_name(*shape, hold=True) for shape in HOLD_SHAPES if shape[0] != "down_combine"]
     rt.memset32(moe.combine_tickets, 0, moe.combine_tickets.nbytes // 4, gpu.stream)
     d_x, d_y = gpu.put(x), gpu.empty(x.nbytes)
+    moe.gemv_rows = 0  # the tensor-core grouped GEMMs at every row count: the builds under test
     try:
         for kernel in held:
             moe.decode_gemms = (kernel, down, chunk) if "gate_up" in kernel else (gate_up, kernel, chunk)
@@ -274,7 +276,7 @@ def test_hold_builds_match_reference(gpu, case, rows):
                 moe.fold_combine = False
                 assert rel_err(gpu.get(d_y, np.float32, x.shape), want) < DECODE_TOL, kernel
     finally:
-        for option in ("decode_gemms", "fold_combine"):
+        for option in ("decode_gemms", "fold_combine", "gemv_rows"):
             moe.__dict__.pop(option, None)  # the class's defaults again
         for ptr in (d_x, d_y):
             gpu.device.free(ptr)

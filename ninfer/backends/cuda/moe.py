@@ -133,8 +133,9 @@ class CudaMoe:
     # (tools/gpu_bench_hybrid.py --fold-route-ablation, docs/benchmarks.md).
     fold_route = False
     # A decode step's down GEMM adds the MoE into the residual stream itself (``combine_gemm``: each
-    # column tile's last block sums the tile's pairs) instead of launching ``moe_combine_residual``.
-    # Off: bit for bit on an H100, level or slower there (--fold-combine-ablation), as ``fold_route``.
+    # column tile's last block sums the tile's pairs) instead of launching ``moe_combine_residual``,
+    # where its down build has such a form (not the GEMVs nor the ``e`` builds). Off: bit for bit on
+    # an H100, level or slower there (--fold-combine-ablation), as ``fold_route``.
     fold_combine = False
     # A decode step's normalising router GEMM streams its weights (1 MiB on a 35B-A3B) before it waits
     # for the kernel before it (EARLY_ROUTER_GEMM), when launches overlap (Forward.overlaps): an H100's
@@ -190,7 +191,7 @@ class CudaMoe:
         gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
         if rows <= self.gemv_rows:
             gate_up, down = self.gemv_gemms[rows]
-        self.check_gemms(gate_up, down, decode and residual and self.fold_combine)
+        self.check_gemms(gate_up, down)
         if norm is None:
             self.router_logits(x, weights[p + "router"], rows, stream)
             self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
@@ -206,7 +207,8 @@ class CudaMoe:
                       self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H))
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
-        if decode and residual and self.fold_combine:  # each column tile's last block adds the tile into y
+        if decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
+            # last block adds the tile into y (the GEMVs and the early builds have no such build)
             self.grouped(combine_gemm(down), chunks, H, stream,
                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets))
         else:
@@ -215,14 +217,11 @@ class CudaMoe:
             threads = combine.meta["threads"]
             combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
 
-    def check_gemms(self, gate_up: str, down: str, fold_combine: bool) -> None:
+    def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
-        before its grid wait, which is safe only after the gate/up build that triggers late;
-        ``fold_combine`` needs a build of ``down`` with the combine folded in."""
+        before its grid wait, which is safe only after the gate/up build that triggers late."""
         if self.k[down].meta.get("early") and not self.k[gate_up].meta.get("early"):
             raise ValueError(f"{down} loads before its grid wait: it needs an early gate/up build, not {gate_up}")
-        if fold_combine and combine_gemm(down) not in self.k.entries:
-            raise ValueError(f"fold_combine has no build of {down}: turn one of them off")
 
     def route(self, x: rt.DevicePtr, shared_gate: rt.DevicePtr, rows: int, chunk: int, stream) -> None:
         """Top-k picks and the expert-sorted plan from ``logits``; the shared expert's gate from x."""
