@@ -755,14 +755,21 @@ def make_combine(residual: bool):
     return moe_combine
 
 
-def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int):
+def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: bool = False):
     """The grouped GEMM of a decode step of at most ``M`` rows in fp32 on the CUDA cores, as the dense
     batch-1 GEMV (``gemm.py`` ``make_gemv``) streams: one block per (chunk, ``COLS`` weight rows), its
     ``THREADS`` threads walking K together in 16-byte steps, the next step's weights loaded as soon as
     a step's are used. A chunk holds at most M pairs (a decode chunk holds its expert's rows, so at
     most ``rows``). Same arguments and outputs as ``make_grouped``'s kernel of ``kind`` ("gate_up": the
     block's first COLS / 2 rows are gate rows, the rest the matching up rows; "down": scaled by the
-    pair weight); the sums run in another order, so it agrees with the MMA build to fp32 rounding."""
+    pair weight); the sums run in another order, so it agrees with the MMA build to fp32 rounding.
+
+    ``SHARED_EARLY`` (``M == 1``, name suffix ``s``): a one-row step's plan has ``top_k`` routed chunks
+    and then the shared expert's, the grid's last row of blocks, so those blocks load their first
+    step of the shared expert's weights before the grid wait (the weights of a routed expert wait
+    for the routing); after it the plan is read as ever, and a block whose chunk turns out not to be
+    the shared one loads again."""
+    assert not SHARED_EARLY or M == 1
     SWIGLU = kind == "gate_up"
     assert kind in ("gate_up", "down") and THREADS % 32 == 0 and (COLS % 2 == 0 or not SWIGLU)
     OUT = COLS // 2 if SWIGLU else COLS
@@ -782,9 +789,27 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int):
                 for e in range(4):
                     raw[c, e] = uint32(0)
 
+    @cuda.jit(device=True, inline=True)
+    def weight_rows(row_of, n, first_row):
+        """The block's weight rows of a matrix of n output rows from ``first_row`` (-1: past it)."""
+        for c in range(COLS):
+            if SWIGLU:
+                j = cuda.blockIdx.x * OUT + c % OUT
+                row_of[c] = first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
+            else:
+                f = cuda.blockIdx.x * COLS + c
+                row_of[c] = first_row + int64(f) if f < n else int64(-1)
+
     def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                      k_routed, k_shared, ldy, ldx):
-        launch_dependents()  # programmatic dependent launch: common.py (the weights wait for the plan)
+        tid = cuda.threadIdx.x
+        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
+        raw = cuda.local.array((COLS, 4), uint32)
+        guessed = SHARED_EARLY and cuda.blockIdx.y == cuda.gridDim.y - 1
+        if guessed:  # the shared expert's chunk in a one-row step: its weights need no routing
+            weight_rows(row_of, n_shared, int64(0))
+            load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
+        launch_dependents()  # programmatic dependent launch: common.py (the routed weights wait for the plan)
         grid_dependency_wait()
         ci = cuda.blockIdx.y
         if ci >= n_chunks[0]:
@@ -805,17 +830,13 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int):
         if cuda.blockIdx.x * OUT >= n:
             return
         red = cuda.shared.array((WARPS, M, COLS), float32)
-        tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
-        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
-        for c in range(COLS):
-            if SWIGLU:
-                j = cuda.blockIdx.x * OUT + c % OUT
-                row_of[c] = first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
-            else:
-                f = cuda.blockIdx.x * COLS + c
-                row_of[c] = first_row + int64(f) if f < n else int64(-1)
+        steps = k >> 3  # 16-byte steps of a weight row: 8 bf16 weights, 8 fp32 activations
+        words = k >> 2
+        if not guessed or expert >= 0:
+            weight_rows(row_of, n, first_row)
+            load_step(w, row_of, words, steps, tid, raw)
         x_at = cuda.local.array(M, int64)  # each pair's activation row (-1: past the chunk)
         for q in range(M):
             if q < count:
@@ -826,11 +847,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int):
         for q in range(M):
             for c in range(COLS):
                 acc[q, c] = float32(0.0)
-        raw = cuda.local.array((COLS, 4), uint32)
         xr = cuda.local.array((M, 8), float32)
-        steps = k >> 3  # 16-byte steps of a weight row: 8 bf16 weights, 8 fp32 activations
-        words = k >> 2
-        load_step(w, row_of, words, steps, tid, raw)
         for j in range(tid, steps, THREADS):
             for q in range(M):  # the step's activations first, their loads out together
                 if x_at[q] >= 0:
@@ -872,8 +889,8 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int):
     return grouped_gemv
 
 
-def gemv_name(kind: str, M: int, COLS: int, THREADS: int) -> str:
-    return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}"
+def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = False) -> str:
+    return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -936,12 +953,15 @@ _BUILDS = ([(_s, False, False) for _s in GROUPED_SHAPES] + [(_s, True, False) fo
 # block, threads). gate/up's 2048-wide rows take 128 threads two steps, down's 512-wide ones 64 threads one.
 # Fewer threads a block take more steps each (gate/up 32 threads: eight) and let every block of a step be
 # resident at once (no second wave): candidates for one row.
-GEMV_SHAPES = [(kind, m, cols, threads) for m in (1, 2) for kind, cols, threads in (
+# The ``s`` builds load the shared expert's weights before the wait (``SHARED_EARLY``, one row).
+GEMV_SHAPES = [(kind, m, cols, threads, False) for m in (1, 2) for kind, cols, threads in (
     ("gate_up", 4, 128), ("gate_up", 8, 128), ("down", 8, 64), ("down", 4, 64))] + [
-    ("gate_up", 1, 4, 64), ("gate_up", 1, 4, 32), ("down", 1, 8, 32), ("down", 1, 4, 32)]
-for _kind, _m, _cols, _threads in GEMV_SHAPES:
-    KERNELS[gemv_name(_kind, _m, _cols, _threads)] = (make_grouped_gemv(_kind, _m, _cols, _threads), GROUPED_SIG, {
-        "threads": _threads, "cols": _cols // 2 if _kind == "gate_up" else _cols, "pairs": _m, "grid_wait": 1})
+    ("gate_up", 1, 4, 64, False), ("gate_up", 1, 4, 32, False), ("down", 1, 8, 32, False), ("down", 1, 4, 32, False),
+    ("gate_up", 1, 4, 128, True), ("down", 1, 8, 64, True)]
+for _kind, _m, _cols, _threads, _early in GEMV_SHAPES:
+    KERNELS[gemv_name(_kind, _m, _cols, _threads, _early)] = (
+        make_grouped_gemv(_kind, _m, _cols, _threads, _early), GROUPED_SIG,
+        {"threads": _threads, "cols": _cols // 2 if _kind == "gate_up" else _cols, "pairs": _m, "grid_wait": 1})
 for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms, _hold, _early),

@@ -259,6 +259,7 @@ def case_moe_gemv(rows: int) -> dict:
 
     t = moe_layer(rows)
     moe = t.moe
+    moe.gemv_rows = 0
     mma = t.run()
     gate_ups = [gemv_name(*s) for s in GEMV_SHAPES if s[0] == "gate_up" and s[1] == rows]
     downs = [gemv_name(*s) for s in GEMV_SHAPES if s[0] == "down" and s[1] == rows]

@@ -93,7 +93,7 @@ def test_moe_gemv_builds_are_the_mma_ones_to_rounding(rows):
     result = simulate("moe_gemv", rows)
     assert result["mma"] < TOL
     shapes = [name for name in result if name != "mma"]
-    assert len(shapes) == (4 if rows == 1 else 2)
+    assert len(shapes) == (5 if rows == 1 else 2)
     for name in shapes:
         checks = result[name]
         assert checks["routing_identical"], name
