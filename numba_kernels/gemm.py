@@ -68,6 +68,41 @@ def load_activations(x, at, norm_w, norm_at, normed, xr, i):
     return squares
 
 
+def make_gemv_step(M: int, COLS: int):
+    """(load, accumulate): one 16-byte step of ``COLS`` weight rows against ``M`` activation rows, the
+    fp32 GEMVs' inner loop (``make_gemv``, numba_kernels/moe.py ``make_grouped_gemv``)."""
+
+    @cuda.jit(device=True, inline=True)
+    def load(w, row_of, words, chunks, j, raw):
+        """16-byte chunk ``j`` of each weight row (``row_of``: rows of ``words`` u64 words) as raw bf16
+        pairs (zero past the matrix or past k). They widen to fp32 only where they are multiplied: that
+        keeps the dense GEMV at 64 registers, two more blocks an SM than widening them here."""
+        for c in range(COLS):
+            if j < chunks and row_of[c] >= 0:
+                a, b = load_weights_u64x2(w, row_of[c] * words + 2 * j)
+                raw[c, 0] = uint32(a & uint64(0xFFFFFFFF))
+                raw[c, 1] = uint32(a >> uint64(32))
+                raw[c, 2] = uint32(b & uint64(0xFFFFFFFF))
+                raw[c, 3] = uint32(b >> uint64(32))
+            else:
+                for e in range(4):
+                    raw[c, e] = uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate(acc, raw, xr):
+        """``acc[r, c] += xr[r] . weights of row c`` over the step's 8 k, in fp32."""
+        for c in range(COLS):
+            w0, w1 = bf16_lo(raw[c, 0]), bf16_hi(raw[c, 0])
+            w2, w3 = bf16_lo(raw[c, 1]), bf16_hi(raw[c, 1])
+            w4, w5 = bf16_lo(raw[c, 2]), bf16_hi(raw[c, 2])
+            w6, w7 = bf16_lo(raw[c, 3]), bf16_hi(raw[c, 3])
+            for r in range(M):
+                acc[r, c] += (xr[r, 0] * w0 + xr[r, 1] * w1 + xr[r, 2] * w2 + xr[r, 3] * w3
+                              + xr[r, 4] * w4 + xr[r, 5] * w5 + xr[r, 6] * w6 + xr[r, 7] * w7)
+
+    return load, accumulate
+
+
 def make_gemv(M, COLS, normed=False, epilogue="store"):
     """``COLS`` weight rows per block: each x value loaded serves that many rows.
 
@@ -79,22 +114,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
     prefetching the block's rows into L2 one or two steps ahead (8-12% slower)."""
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
-
-    @cuda.jit(device=True, inline=True)
-    def load_weights(w, row_of, words, chunks, j, raw):
-        """16-byte chunk ``j`` of each of the block's weight rows as raw bf16 pairs (zero past the
-        matrix or past k). They widen to fp32 only where they are multiplied: that keeps the kernel
-        at 64 registers, two more blocks an SM than widening them here."""
-        for c in range(COLS):
-            if j < chunks and row_of[c] >= 0:
-                a, b = load_weights_u64x2(w, row_of[c] * words + 2 * j)
-                raw[c, 0] = uint32(a & uint64(0xFFFFFFFF))
-                raw[c, 1] = uint32(a >> uint64(32))
-                raw[c, 2] = uint32(b & uint64(0xFFFFFFFF))
-                raw[c, 3] = uint32(b >> uint64(32))
-            else:
-                for e in range(4):
-                    raw[c, e] = uint32(0)
+    load_weights, accumulate = make_gemv_step(M, COLS)
 
     def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
@@ -135,14 +155,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
                 else:
                     for e in range(8):
                         xr[r, e] = float32(0.0)
-            for c in range(COLS):
-                w0, w1 = bf16_lo(raw[c, 0]), bf16_hi(raw[c, 0])
-                w2, w3 = bf16_lo(raw[c, 1]), bf16_hi(raw[c, 1])
-                w4, w5 = bf16_lo(raw[c, 2]), bf16_hi(raw[c, 2])
-                w6, w7 = bf16_lo(raw[c, 3]), bf16_hi(raw[c, 3])
-                for r in range(M):
-                    acc[r, c] += (xr[r, 0] * w0 + xr[r, 1] * w1 + xr[r, 2] * w2 + xr[r, 3] * w3
-                                  + xr[r, 4] * w4 + xr[r, 5] * w5 + xr[r, 6] * w6 + xr[r, 7] * w7)
+            accumulate(acc, raw, xr)
             # The registers are free again: the next step's weights go out now.
             load_weights(w, row_of, words, chunks, j + GEMV_THREADS, raw)
         for r in range(M):

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
                                   last_to_finish, launch_dependents, load_f32x4, load_i32_l2, load_u32x2, load_u64x2,
                                   warp_max, warp_max_i32, warp_min_i32, warp_sum)
-from numba_kernels.gemm import ROUTER_SHAPE, load_weights_u64x2, make_mma_gemv, make_weight_fragments, split3_bf16x2
+from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
@@ -776,18 +776,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
     WARPS = THREADS // 32
     MATRICES = 2 if SWIGLU else 1
 
-    @cuda.jit(device=True, inline=True)
-    def load_step(w, row_of, words, steps, j, raw):
-        for c in range(COLS):
-            if j < steps and row_of[c] >= 0:
-                a, b = load_weights_u64x2(w, row_of[c] * words + 2 * j)
-                raw[c, 0] = uint32(a & uint64(0xFFFFFFFF))
-                raw[c, 1] = uint32(a >> uint64(32))
-                raw[c, 2] = uint32(b & uint64(0xFFFFFFFF))
-                raw[c, 3] = uint32(b >> uint64(32))
-            else:
-                for e in range(4):
-                    raw[c, e] = uint32(0)
+    load_step, accumulate = make_gemv_step(M, COLS)
 
     @cuda.jit(device=True, inline=True)
     def weight_rows(row_of, n, first_row):
@@ -830,7 +819,6 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
         if cuda.blockIdx.x * OUT >= n:
             return
         red = cuda.shared.array((WARPS, M, COLS), float32)
-        lane = tid & 31
         warp = tid >> 5
         steps = k >> 3  # 16-byte steps of a weight row: 8 bf16 weights, 8 fp32 activations
         words = k >> 2
@@ -856,14 +844,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
                 else:
                     for e in range(8):
                         xr[q, e] = float32(0.0)
-            for c in range(COLS):
-                w0, w1 = bf16_lo(raw[c, 0]), bf16_hi(raw[c, 0])
-                w2, w3 = bf16_lo(raw[c, 1]), bf16_hi(raw[c, 1])
-                w4, w5 = bf16_lo(raw[c, 2]), bf16_hi(raw[c, 2])
-                w6, w7 = bf16_lo(raw[c, 3]), bf16_hi(raw[c, 3])
-                for q in range(M):
-                    acc[q, c] += (xr[q, 0] * w0 + xr[q, 1] * w1 + xr[q, 2] * w2 + xr[q, 3] * w3
-                                  + xr[q, 4] * w4 + xr[q, 5] * w5 + xr[q, 6] * w6 + xr[q, 7] * w7)
+            accumulate(acc, raw, xr)
             load_step(w, row_of, words, steps, j + THREADS, raw)  # the registers are free again
         for q in range(M):
             for c in range(COLS):
