@@ -16,7 +16,8 @@ Routing never leaves the device, so a decode step's MoE can be captured in a CUD
    GEMM's last block to finish runs them, ``moe_router_route``);
 4. ``moe_gate_up_*`` then ``moe_down_*``: one block per (chunk, output tile), so each distinct
    expert's weights are streamed once per chunk (once a step in decode, where a chunk holds all its
-   rows); mma.sync with fp32-faithful split activations; the down epilogue scales by the pair weight;
+   rows); mma.sync with fp32-faithful split activations; the down epilogue scales by the pair weight
+   (a step of at most ``gemv_rows`` rows: fp32 GEMVs on the CUDA cores, ``GEMV_GEMMS``);
 5. ``moe_combine``: each row sums its k routed pairs in slot order plus its shared pair (with
    ``fold_combine`` a decode step's down GEMM does it, each column tile's last block:
    ``DOWN_COMBINE_GEMM``).
