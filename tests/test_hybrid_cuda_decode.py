@@ -164,16 +164,20 @@ def test_folded_routing_replaces_the_route_launch():
             if kernel.name == "moe_router_route_e256":
                 assert grid == (config.num_experts // 16,) and args[4] == rows and args[8] is fwd.b.h
                 gate_up = fwd.k.log[i + 1]
-                assert gate_up[0].name == moe.DECODE_GEMMS[0] and gate_up[2][1] is fwd.b.h
+                want = moe.GEMV_GEMMS[1][0] if rows <= fwd.moe.gemv_rows else moe.DECODE_GEMMS[0]
+                assert gate_up[0].name == want and gate_up[2][1] is fwd.b.h
 
 
 def test_folded_combine_replaces_the_combine_launch():
     """With ``CudaMoe.fold_combine`` a decode MoE layer's down GEMM adds into the residual stream: one
-    DOWN_COMBINE_GEMM a layer over the down GEMM's grid, no ``moe_combine_residual``."""
+    DOWN_COMBINE_GEMM a layer over the down GEMM's grid, no ``moe_combine_residual``; a one-row step's
+    down GEMV has no such form and keeps the combine launch."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     fwd.moe.fold_combine = True
-    for rows in (1, 8):
+    launched = decode_launches(fwd, 1)
+    assert launched.count(moe.GEMV_GEMMS[1][1]) == launched.count("moe_combine_residual") == config.num_layers
+    for rows in (2, 8):
         launched = decode_launches(fwd, rows)
         assert launched.count(moe.DOWN_COMBINE_GEMM) == config.num_layers
         assert "moe_combine_residual" not in launched and moe.DECODE_GEMMS[1] not in launched
@@ -182,6 +186,26 @@ def test_folded_combine_replaces_the_combine_launch():
                 assert grid[0] * kernel.meta["cols"] == config.hidden_size  # a ticket per column tile
                 assert args[14] is fwd.b.x and args[16] == rows and args[18] is fwd.moe.combine_tickets
                 assert fwd.moe.combine_tickets.nbytes >= grid[0] * 4
+
+
+def test_one_row_steps_run_the_expert_gemvs():
+    """``CudaMoe.gemv_rows`` (1 by default): a one-row decode step's experts run as fp32 GEMVs over the
+    grouped GEMMs' grid shape (a block per chunk and its columns: 8 routed chunks and the shared one),
+    two rows and more the tensor-core grouped GEMMs; with ``gemv_rows`` 2 two rows take the ``m2`` GEMVs."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    gate_up, down = moe.GEMV_GEMMS[1]
+    launched = decode_launches(fwd, 1)
+    assert launched.count(gate_up) == launched.count(down) == config.num_layers
+    assert moe.DECODE_GEMMS[0] not in launched and moe.DECODE_GEMMS[1] not in launched
+    for kernel, grid, args in fwd.k.log:
+        if kernel.name == gate_up:
+            assert grid == (config.moe_intermediate_size // kernel.meta["cols"], config.num_experts_per_tok + 1)
+        if kernel.name == down:
+            assert grid == (config.hidden_size // kernel.meta["cols"], config.num_experts_per_tok + 1)
+    assert gate_up not in decode_launches(fwd, 2) and moe.DECODE_GEMMS[0] in decode_launches(fwd, 2)
+    fwd.moe.gemv_rows = 2
+    assert decode_launches(fwd, 2).count(moe.GEMV_GEMMS[2][0]) == config.num_layers
 
 
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
