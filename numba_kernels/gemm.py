@@ -68,9 +68,22 @@ def load_activations(x, at, norm_w, norm_at, normed, xr, i):
     return squares
 
 
-def make_gemv_step(M: int, COLS: int):
-    """(load, accumulate): one 16-byte step of ``COLS`` weight rows against ``M`` activation rows, the
-    fp32 GEMVs' inner loop (``make_gemv``, numba_kernels/moe.py ``make_grouped_gemv``)."""
+def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
+    """(weight_rows, load, accumulate): the fp32 GEMVs' block of ``COLS`` weight rows (with ``SWIGLU``
+    the first COLS / 2 are gate rows, the rest the matching up rows) and one 16-byte step of them
+    against ``M`` activation rows (``make_gemv``, numba_kernels/moe.py ``make_grouped_gemv``)."""
+    OUT = COLS // 2 if SWIGLU else COLS
+
+    @cuda.jit(device=True, inline=True)
+    def weight_rows(row_of, n, first_row):
+        """The block's weight rows of a matrix of n output rows from ``first_row`` (-1: past it)."""
+        for c in range(COLS):
+            if SWIGLU:
+                j = cuda.blockIdx.x * OUT + c % OUT
+                row_of[c] = first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
+            else:
+                f = cuda.blockIdx.x * COLS + c
+                row_of[c] = first_row + int64(f) if f < n else int64(-1)
 
     @cuda.jit(device=True, inline=True)
     def load(w, row_of, words, chunks, j, raw):
@@ -100,7 +113,7 @@ def make_gemv_step(M: int, COLS: int):
                 acc[r, c] += (xr[r, 0] * w0 + xr[r, 1] * w1 + xr[r, 2] * w2 + xr[r, 3] * w3
                               + xr[r, 4] * w4 + xr[r, 5] * w5 + xr[r, 6] * w6 + xr[r, 7] * w7)
 
-    return load, accumulate
+    return weight_rows, load, accumulate
 
 
 def make_gemv(M, COLS, normed=False, epilogue="store"):
@@ -114,7 +127,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
     prefetching the block's rows into L2 one or two steps ahead (8-12% slower)."""
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
-    load_weights, accumulate = make_gemv_step(M, COLS)
+    weight_rows, load_weights, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
     def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
@@ -128,15 +141,8 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
             ss[r] = float32(0.0)
             for c in range(COLS):
                 acc[r, c] = float32(0.0)
-        # Weight row of each block column (-1: past the matrix).
-        row_of = cuda.local.array(COLS, int64)
-        for c in range(COLS):
-            if SWIGLU:
-                j = cuda.blockIdx.x * OUT_COLS + c % OUT_COLS
-                row_of[c] = int64(j) + (int64(n) if c >= OUT_COLS else int64(0)) if j < n else int64(-1)
-            else:
-                f = cuda.blockIdx.x * COLS + c
-                row_of[c] = int64(f) if f < n else int64(-1)
+        row_of = cuda.local.array(COLS, int64)  # weight row of each block column (-1: past the matrix)
+        weight_rows(row_of, n, int64(0))
         raw = cuda.local.array((COLS, 4), uint32)
         xr = cuda.local.array((M, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)

@@ -37,6 +37,9 @@ row's shared-expert use; pairs ``[0, rows * top_k)`` are the routed ones in expe
   gate rows, 8..15 the matching up rows); ``down`` reads the pair's activation and writes
   ``weight * (act @ down.T)``. Named by shape (``grouped_name``); a chunk holds ``8 * P`` pairs.
   Launch: grid ``(ceil(max(n) / cols), max_chunks)``, block ``32 * warps`` (the manifest's meta).
+- ``moe_{gate_up,down}_gemv_*``: the same two GEMMs for decode steps of one or two rows, in fp32 on
+  the CUDA cores (``make_grouped_gemv``: a block per chunk and a few weight rows, streamed as the
+  dense batch-1 GEMV); same arguments and grid shape.
 - ``moe_combine``: ``y[row] = sum over slots of out[row_pair[row, slot]] + out[shared pair of row]``;
   ``moe_combine_residual`` adds that sum into ``y``. Launch: grid ``(ceil(hidden / 256), rows)``, block 256.
 """
@@ -531,7 +534,7 @@ def make_grouped(kind: str, T: int, W: int, U: int, P: int, TERMS: int, hold: bo
     the round (``make_mma_gemv``'s waits for the weights): ptxas otherwise issues three of a round's
     loads, MMAs on them, then the rest.
 
-    ``early`` (name suffix ``e``, decode: CudaMoe.early_down): a gate_up block issues
+    ``early`` (name suffix ``e``, decode; named in CudaMoe.decode_gemms): a gate_up block issues
     ``launch_dependents`` after its grid wait, not before, so the down GEMM after it starts only once the
     routing has finished; a down block then reads its chunk from the plan and loads its first round of
     weights before its own wait (``load_i32_l2``: common.py's PDL rules), in gate/up's tail."""
@@ -775,19 +778,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
     OUT = COLS // 2 if SWIGLU else COLS
     WARPS = THREADS // 32
     MATRICES = 2 if SWIGLU else 1
-
-    load_step, accumulate = make_gemv_step(M, COLS)
-
-    @cuda.jit(device=True, inline=True)
-    def weight_rows(row_of, n, first_row):
-        """The block's weight rows of a matrix of n output rows from ``first_row`` (-1: past it)."""
-        for c in range(COLS):
-            if SWIGLU:
-                j = cuda.blockIdx.x * OUT + c % OUT
-                row_of[c] = first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
-            else:
-                f = cuda.blockIdx.x * COLS + c
-                row_of[c] = first_row + int64(f) if f < n else int64(-1)
+    weight_rows, load_step, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
     def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                      k_routed, k_shared, ldy, ldx):
@@ -925,7 +916,7 @@ HOLD_SHAPES = [(kind, 1, w, u, 1, 3) for kind, w, u in (
     ("gate_up", 8, 2), ("gate_up", 8, 4), ("gate_up", 16, 4), ("gate_up", 4, 4),
     ("down", 4, 2), ("down", 8, 2), ("down", 4, 4),
     ("down_combine", 4, 2), ("down_combine", 8, 2), ("down_combine", 4, 4))]
-# The ``early`` builds (CudaMoe.early_down): the decode gate/up shape triggering after its wait, and down
+# The ``early`` builds (candidates for CudaMoe.decode_gemms): the decode gate/up shape triggering after its wait, and down
 # shapes loading their first round before it (4 warps of 4 steps: a 512-wide row's whole K).
 EARLY_SHAPES = [("gate_up", 1, 8, 2, 1, 3), ("down", 1, 4, 2, 1, 3), ("down", 1, 4, 4, 1, 3)]
 _BUILDS = ([(_s, False, False) for _s in GROUPED_SHAPES] + [(_s, True, False) for _s in HOLD_SHAPES]
