@@ -216,8 +216,8 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
 
 def make_row_picks(experts: int):
     """A warp's routing of one row over at most ``experts`` experts (a multiple of 32, at most
-    MAX_EXPERTS): (load_logits, softmax_slots, pick_row), each lane holding ``experts // 32`` slots.
-    The slot count is fixed at build time because a pick round's cost is linear in it: the lane that
+    MAX_EXPERTS): (load_logits, softmax_slots, pick_rounds, pick_row), each lane holding ``experts // 32``
+    slots. The slot count is fixed at build time because a pick round's cost is linear in it: the lane that
     loses its best reruns a tournament over all its slots, and 256 experts need 8, not MAX_EXPERTS' 32."""
     slots = experts // 32
     group = min(SLOT_GROUP, slots)
@@ -291,10 +291,11 @@ def make_row_picks(experts: int):
             probs[i] = KNOCKED if i == slot else probs[i]
 
     @cuda.jit(device=True)
-    def pick_row(probs, r, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w):
-        """Row ``r``'s ``top_k`` picks from the warp's probabilities: each round the warp argmax of the
-        lanes' bests, then the owner knocks its winner out and finds its next best. Lane j keeps pick j
-        and writes it to global memory (the result) and to shared memory (the plan's input)."""
+    def pick_rounds(probs, lane, top_k):
+        """The row's ``top_k`` picks from the warp's probabilities: each round the warp argmax of the
+        lanes' bests, then the owner knocks its winner out and finds its next best. Returns lane j's
+        pick j (probability, expert; zeros past top_k) and the picks' sum, in pick order as
+        ``route_row`` sums."""
         best_p, best_e = lane_best(probs, lane)
         total = float32(0.0)
         mine_p = float32(0.0)
@@ -304,10 +305,17 @@ def make_row_picks(experts: int):
             if lane == slot:
                 mine_p = p
                 mine_e = e
-            total += p  # in pick order, as route_row sums
+            total += p
             if (e & 31) == lane:
                 knock_out(probs, e >> 5)
                 best_p, best_e = lane_best(probs, lane)
+        return mine_p, mine_e, total
+
+    @cuda.jit(device=True)
+    def pick_row(probs, r, lane, top_k, renormalise, topk_ids, topk_w, pick_ids, pick_w):
+        """Row ``r``'s picks (``pick_rounds``): lane j writes pick j to global memory (the result) and
+        to shared memory (the plan's input)."""
+        mine_p, mine_e, total = pick_rounds(probs, lane, top_k)
         if lane < top_k:
             at = r * top_k + lane
             w = mine_p / total if renormalise != 0 else mine_p
@@ -316,7 +324,7 @@ def make_row_picks(experts: int):
             pick_ids[at] = mine_e
             pick_w[at] = w
 
-    return load_logits, softmax_slots, pick_row
+    return load_logits, softmax_slots, pick_rounds, pick_row
 
 
 @cuda.jit(device=True)
@@ -442,7 +450,7 @@ def write_chunks(p, mine, lower, count, first, pick_ids, first_chunks, chunks, n
 def make_route_block(experts: int):
     """``moe_route``'s work for at most ``experts`` experts (``make_row_picks``), by one block of
     ``ROUTE_THREADS``."""
-    load_logits, softmax_slots, pick_row = make_row_picks(experts)
+    load_logits, softmax_slots, _, pick_row = make_row_picks(experts)
     slots = experts // 32
 
     @cuda.jit(device=True, inline=True)
@@ -758,70 +766,24 @@ def make_combine(residual: bool):
     return moe_combine
 
 
-def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: bool = False):
-    """The grouped GEMM of a decode step of at most ``M`` rows in fp32 on the CUDA cores, as the dense
-    batch-1 GEMV (``gemm.py`` ``make_gemv``) streams: one block per (chunk, ``COLS`` weight rows), its
-    ``THREADS`` threads walking K together in 16-byte steps, the next step's weights loaded as soon as
-    a step's are used. A chunk holds at most M pairs (a decode chunk holds its expert's rows, so at
-    most ``rows``). Same arguments and outputs as ``make_grouped``'s kernel of ``kind`` ("gate_up": the
-    block's first COLS / 2 rows are gate rows, the rest the matching up rows; "down": scaled by the
-    pair weight); the sums run in another order, so it agrees with the MMA build to fp32 rounding.
-
-    ``SHARED_EARLY`` (``M == 1``, name suffix ``s``): a one-row step's plan has ``top_k`` routed chunks
-    and then the shared expert's, the grid's last row of blocks, so those blocks load their first
-    step of the shared expert's weights before the grid wait (the weights of a routed expert wait
-    for the routing); after it the plan is read as ever, and a block whose chunk turns out not to be
-    the shared one loads again."""
-    assert not SHARED_EARLY or M == 1
+def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
+    """(weight_rows, load_step, gemv_chunk): the block of ``COLS`` weight rows of a grouped GEMV and its
+    work on one chunk once the block's first step of weights is in ``raw`` (``load_step`` at step
+    ``tid``): every step against the chunk's activation rows ``x_at`` (element offsets, -1 past the
+    chunk; the next step's weights loaded as soon as a step's are used), the warps' sums in a fixed
+    order, then the epilogue into pair rows ``start ..`` of y."""
     SWIGLU = kind == "gate_up"
-    assert kind in ("gate_up", "down") and THREADS % 32 == 0 and (COLS % 2 == 0 or not SWIGLU)
     OUT = COLS // 2 if SWIGLU else COLS
     WARPS = THREADS // 32
-    MATRICES = 2 if SWIGLU else 1
     weight_rows, load_step, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
-    def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                     k_routed, k_shared, ldy, ldx):
+    @cuda.jit(device=True, inline=True)
+    def gemv_chunk(y, x, w, row_of, raw, x_at, n, k, start, count, pair_weight, ldy):
         tid = cuda.threadIdx.x
-        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
-        raw = cuda.local.array((COLS, 4), uint32)
-        guessed = SHARED_EARLY and cuda.blockIdx.y == cuda.gridDim.y - 1
-        if guessed:  # the shared expert's chunk in a one-row step: its weights need no routing
-            weight_rows(row_of, n_shared, int64(0))
-            load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
-        launch_dependents()  # programmatic dependent launch: common.py (the routed weights wait for the plan)
-        grid_dependency_wait()
-        ci = cuda.blockIdx.y
-        if ci >= n_chunks[0]:
-            return
-        expert = chunks[3 * ci]
-        start = chunks[3 * ci + 1]
-        count = chunks[3 * ci + 2]
-        if expert >= 0:
-            n = n_routed
-            k = k_routed
-            w = w_experts
-            first_row = int64(expert) * MATRICES * n  # the expert's first weight row
-        else:
-            n = n_shared
-            k = k_shared
-            w = w_shared
-            first_row = int64(0)
-        if cuda.blockIdx.x * OUT >= n:
-            return
         red = cuda.shared.array((WARPS, M, COLS), float32)
         warp = tid >> 5
         steps = k >> 3  # 16-byte steps of a weight row: 8 bf16 weights, 8 fp32 activations
         words = k >> 2
-        if not guessed or expert >= 0:
-            weight_rows(row_of, n, first_row)
-            load_step(w, row_of, words, steps, tid, raw)
-        x_at = cuda.local.array(M, int64)  # each pair's activation row (-1: past the chunk)
-        for q in range(M):
-            if q < count:
-                x_at[q] = int64(pair_row[start + q] if SWIGLU else start + q) * ldx
-            else:
-                x_at[q] = int64(-1)
         acc = cuda.local.array((M, COLS), float32)
         for q in range(M):
             for c in range(COLS):
@@ -858,11 +820,189 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
                 else:
                     y[at] = pair_weight[start + q] * total
 
+    return weight_rows, load_step, gemv_chunk
+
+
+def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: bool = False):
+    """The grouped GEMM of a decode step of at most ``M`` rows in fp32 on the CUDA cores, as the dense
+    batch-1 GEMV (``gemm.py`` ``make_gemv``) streams: one block per (chunk, ``COLS`` weight rows), its
+    ``THREADS`` threads walking K together in 16-byte steps (``make_gemv_chunk``). A chunk holds at
+    most M pairs (a decode chunk holds its expert's rows, so at most ``rows``). Same arguments and
+    outputs as ``make_grouped``'s kernel of ``kind`` ("gate_up": the block's first COLS / 2 rows are
+    gate rows, the rest the matching up rows; "down": scaled by the pair weight); the sums run in
+    another order, so it agrees with the MMA build to fp32 rounding.
+
+    ``SHARED_EARLY`` (``M == 1``, name suffix ``s``): a one-row step's plan has ``top_k`` routed chunks
+    and then the shared expert's, the grid's last row of blocks, so those blocks load their first
+    step of the shared expert's weights before the grid wait (the weights of a routed expert wait
+    for the routing); after it the plan is read as ever, and a block whose chunk turns out not to be
+    the shared one loads again."""
+    assert not SHARED_EARLY or M == 1
+    SWIGLU = kind == "gate_up"
+    assert kind in ("gate_up", "down") and THREADS % 32 == 0 and (COLS % 2 == 0 or not SWIGLU)
+    OUT = COLS // 2 if SWIGLU else COLS
+    MATRICES = 2 if SWIGLU else 1
+    weight_rows, load_step, gemv_chunk = make_gemv_chunk(kind, M, COLS, THREADS)
+
+    def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                     k_routed, k_shared, ldy, ldx):
+        tid = cuda.threadIdx.x
+        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
+        raw = cuda.local.array((COLS, 4), uint32)
+        guessed = SHARED_EARLY and cuda.blockIdx.y == cuda.gridDim.y - 1
+        if guessed:  # the shared expert's chunk in a one-row step: its weights need no routing
+            weight_rows(row_of, n_shared, int64(0))
+            load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
+        launch_dependents()  # programmatic dependent launch: common.py (the routed weights wait for the plan)
+        grid_dependency_wait()
+        ci = cuda.blockIdx.y
+        if ci >= n_chunks[0]:
+            return
+        expert = chunks[3 * ci]
+        start = chunks[3 * ci + 1]
+        count = chunks[3 * ci + 2]
+        if expert >= 0:
+            n = n_routed
+            k = k_routed
+            w = w_experts
+            first_row = int64(expert) * MATRICES * n  # the expert's first weight row
+        else:
+            n = n_shared
+            k = k_shared
+            w = w_shared
+            first_row = int64(0)
+        if cuda.blockIdx.x * OUT >= n:
+            return
+        if not guessed or expert >= 0:
+            weight_rows(row_of, n, first_row)
+            load_step(w, row_of, k >> 2, k >> 3, tid, raw)
+        x_at = cuda.local.array(M, int64)  # each pair's activation row (-1: past the chunk)
+        for q in range(M):
+            if q < count:
+                x_at[q] = int64(pair_row[start + q] if SWIGLU else start + q) * ldx
+            else:
+                x_at[q] = int64(-1)
+        gemv_chunk(y, x, w, row_of, raw, x_at, n, k, start, count, pair_weight, ldy)
+
     return grouped_gemv
+
+
+def make_routed_gemv(COLS: int, THREADS: int, experts: int):
+    """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
+    routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
+    which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
+    (the plan is in expert order), chunk ``top_k`` the shared expert. So the shared blocks load their
+    first step before the grid wait, and each routed block's first warp routes the row from the router
+    logits after it (``make_row_picks``: the same picks and weights as ``moe_route``, every block the
+    same) and takes its chunk's expert by rank. The blocks of column tile 0 write what ``moe_route``
+    writes for one row (the plan, ``row_pair``, the picks; the shared pair's weight ``sigmoid(shared_gate
+    . x)`` summed in another order, so to fp32 rounding), read by the down GEMM and the combine after
+    this grid. Arguments: ``make_grouped_gemv``'s, then row_pair, topk_ids, topk_w, logits, shared_gate,
+    n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``."""
+    OUT = COLS // 2
+    weight_rows, load_step, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
+    load_logits, softmax_slots, pick_rounds, _ = make_row_picks(experts)
+    SLOTS = experts // 32
+
+    def routed_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                    k_routed, k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts, top_k,
+                    renormalise):
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        ci = cuda.blockIdx.y
+        shared = ci == top_k
+        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
+        raw = cuda.local.array((COLS, 4), uint32)
+        w01, w23 = uint32(0), uint32(0)
+        if shared:  # its weights need no routing
+            weight_rows(row_of, n_shared, int64(0))
+            load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
+            w01, w23 = first_gate_words(shared_gate, k_shared)
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        if ci > top_k:
+            return
+        if shared:
+            if cuda.blockIdx.x == 0:  # the shared pair and the plan's shared chunk and count
+                gate = shared_gate_dot(x, shared_gate, k_shared, w01, w23)
+                if tid == 0:
+                    pair_row[top_k] = 0
+                    pair_weight[top_k] = float32(0.5) + float32(0.5) * math.tanh(float32(0.5) * gate)
+                    chunks[3 * top_k] = -1
+                    chunks[3 * top_k + 1] = top_k
+                    chunks[3 * top_k + 2] = 1
+                    n_chunks[0] = top_k + 1
+            n = n_shared
+            k = k_shared
+            w = w_shared
+        else:
+            picked = cuda.shared.array(1, int32)
+            if tid < 32:
+                probs = cuda.local.array(SLOTS, float32)
+                load_logits(probs, logits, 0, lane, n_experts)
+                softmax_slots(probs, lane, n_experts)
+                mine_p, mine_e, total = pick_rounds(probs, lane, top_k)
+                rank = int32(0)  # lane j < top_k holds pick j: its expert's place among the picks
+                for j in range(top_k):
+                    if cuda.shfl_sync(0xFFFFFFFF, mine_e, j) < mine_e:
+                        rank += 1
+                if lane < top_k and rank == ci:
+                    picked[0] = mine_e
+                    if cuda.blockIdx.x == 0:  # moe_route's outputs for this pick
+                        weight = mine_p / total if renormalise != 0 else mine_p
+                        topk_ids[lane] = mine_e
+                        topk_w[lane] = weight
+                        row_pair[lane] = ci
+                        pair_row[ci] = 0
+                        pair_weight[ci] = weight
+                        chunks[3 * ci] = mine_e
+                        chunks[3 * ci + 1] = ci
+                        chunks[3 * ci + 2] = 1
+            cuda.syncthreads()
+            n = n_routed
+            k = k_routed
+            w = w_experts
+            if cuda.blockIdx.x * OUT < n:
+                weight_rows(row_of, n, int64(picked[0]) * 2 * n)
+                load_step(w, row_of, k >> 2, k >> 3, tid, raw)
+        if cuda.blockIdx.x * OUT >= n:
+            return
+        x_at = cuda.local.array(1, int64)
+        x_at[0] = int64(0)
+        gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
+
+    return routed_gemv
+
+
+@cuda.jit(device=True)
+def shared_gate_dot(x, shared_gate, hidden, w01, w23):
+    """``shared_gate . x[0]`` over the block, 4 elements a thread a step (``w01, w23``: the thread's
+    ``first_gate_words``); warp sums, then the warps' in order. Every thread returns it."""
+    red = cuda.shared.array(32, float32)
+    part = float32(0.0)
+    h = GATE_SPAN * cuda.threadIdx.x
+    while h < hidden:
+        if h != GATE_SPAN * cuda.threadIdx.x:  # the first step's are in hand
+            w01, w23 = load_u32x2(shared_gate, h)
+        x0, x1, x2, x3 = load_f32x4(x, h)
+        part += x0 * bf16_lo(w01) + x1 * bf16_hi(w01) + x2 * bf16_lo(w23) + x3 * bf16_hi(w23)
+        h += GATE_SPAN * cuda.blockDim.x
+    part = warp_sum(part)
+    if (cuda.threadIdx.x & 31) == 0:
+        red[cuda.threadIdx.x >> 5] = part
+    cuda.syncthreads()
+    total = float32(0.0)
+    for wp in range(cuda.blockDim.x >> 5):
+        total += red[wp]
+    return total
 
 
 def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = False) -> str:
     return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
+
+
+def routed_gemv_name(COLS: int, THREADS: int, experts: int) -> str:
+    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -934,6 +1074,13 @@ for _kind, _m, _cols, _threads, _early in GEMV_SHAPES:
     KERNELS[gemv_name(_kind, _m, _cols, _threads, _early)] = (
         make_grouped_gemv(_kind, _m, _cols, _threads, _early), GROUPED_SIG,
         {"threads": _threads, "cols": _cols // 2 if _kind == "gate_up" else _cols, "pairs": _m, "grid_wait": 1})
+# The one-row gate/up GEMVs that route the row themselves (CudaMoe.gemv_routes), for at most 256 experts.
+ROUTED_GEMV_SHAPES = [(4, 128, 256), (4, 64, 256)]
+ROUTED_GEMV_SIG = GROUPED_SIG + (I32P, I32P, F32P, F32P, U16P, int32, int32, int32)
+for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
+    KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
+        make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
+        {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
 for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms, _hold, _early),

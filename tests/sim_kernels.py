@@ -255,6 +255,7 @@ def case_moe_gemv(rows: int) -> dict:
     """``CudaMoe.gemv_rows``: a decode step of ``rows`` (1 or 2) rows with the expert GEMMs as fp32 GEMVs
     (every shape of numba_kernels/moe.py GEMV_SHAPES for the row count) against the tensor-core grouped
     GEMMs: the same picks and normalised rows, the MoE to fp32 rounding, and both against the reference."""
+    from ninfer.backends.cuda.moe import GEMV_GEMMS, ROUTED_GATE_UPS
     from numba_kernels.moe import GEMV_SHAPES, gemv_name
 
     t = moe_layer(rows)
@@ -273,7 +274,38 @@ def case_moe_gemv(rows: int) -> dict:
         result[f"{gate_up},{down}"] = {"vs_mma": rel(got[0] - t.resid, mma[0] - t.resid),
                                        "vs_reference": rel(got[0] - t.resid, want),
                                        "routing_identical": all(np.array_equal(a, b) for a, b in zip(got[1:], mma[1:]))}
+    if rows == 1:  # the gate/up GEMVs that route the row themselves: the same plan as moe_route's
+        moe.gemv_gemms = GEMV_GEMMS
+        plain = t.run()
+        plan = plan_of(t.gpu, moe)
+        for routed in ROUTED_GATE_UPS:
+            moe.routed_gate_up = routed
+            for region in (moe.chunks, moe.n_chunks, moe.pair_row, moe.pair_weight, moe.row_pair, moe.topk_ids,
+                           moe.topk_w):  # moe_route's outputs gone: this run must write them all
+                t.gpu.memset32(region, 0x7FC00007)
+            got = t.run()
+            assert routed in t.launches[-1] and not any(n.startswith("moe_route") for n in t.launches[-1])
+            shared = moe.c.num_experts_per_tok  # the shared pair's weight: another sum order
+            mine = plan_of(t.gpu, moe)
+            result[routed] = {"vs_plain": rel(got[0] - t.resid, plain[0] - t.resid),
+                              "vs_reference": rel(got[0] - t.resid, want),
+                              "routing_identical": all(np.array_equal(a, b) for a, b in zip(got[1:], plain[1:])),
+                              "plan_identical": all(np.array_equal(mine[name], plan[name]) for name in plan
+                                                    if name != "pair_weight"),
+                              "routed_weights_identical": np.array_equal(mine["pair_weight"][:shared],
+                                                                         plan["pair_weight"][:shared]),
+                              "shared_weight": rel(mine["pair_weight"][shared:], plan["pair_weight"][shared:])}
+        moe.routed_gate_up = None
     return result
+
+
+def plan_of(gpu, moe) -> dict:
+    """A one-row step's plan as the routing left it: chunks, their count, the pairs, row_pair."""
+    k = moe.c.num_experts_per_tok
+    return {"chunks": gpu.get(moe.chunks, np.int32, (3 * (k + 1),)), "n_chunks": gpu.get(moe.n_chunks, np.int32, (1,)),
+            "pair_row": gpu.get(moe.pair_row, np.int32, (k + 1,)),
+            "pair_weight": gpu.get(moe.pair_weight, np.float32, (k + 1,)),
+            "row_pair": gpu.get(moe.row_pair, np.int32, (k,))}
 
 
 def case_decode(rows: int) -> dict:

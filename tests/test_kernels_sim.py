@@ -89,15 +89,22 @@ def test_folded_moe_launches_are_the_separate_ones_bit_for_bit(rows):
 def test_moe_gemv_builds_are_the_mma_ones_to_rounding(rows):
     """``CudaMoe.gemv_rows``: the expert GEMMs of one or two rows as fp32 GEMVs, every shape for the row
     count: the same picks and normalised rows as the tensor-core grouped GEMMs, the MoE to fp32
-    rounding of theirs and of the reference."""
+    rounding of theirs and of the reference. One row: the gate/up GEMVs that route the row themselves
+    write moe_route's plan (the shared pair's weight to rounding) and the same MoE."""
     result = simulate("moe_gemv", rows)
     assert result["mma"] < TOL
-    shapes = [name for name in result if name != "mma"]
+    shapes = [name for name in result if name != "mma" and not name.endswith("r256")]
     assert len(shapes) == (5 if rows == 1 else 2)
     for name in shapes:
         checks = result[name]
         assert checks["routing_identical"], name
         assert checks["vs_mma"] < TOL and checks["vs_reference"] < TOL, (name, checks)
+    routed = [name for name in result if name.endswith("r256")]  # CudaMoe.routed_gate_up: no moe_route launch
+    assert len(routed) == (2 if rows == 1 else 0)
+    for name in routed:
+        checks = result[name]
+        assert checks["routing_identical"] and checks["plan_identical"] and checks["routed_weights_identical"], name
+        assert checks["shared_weight"] < TOL and checks["vs_plain"] < TOL and checks["vs_reference"] < TOL, checks
 
 
 @pytest.mark.parametrize("rows", [3, 8])

@@ -309,6 +309,13 @@ def ablations(args, forward) -> list[tuple]:
             forward.k[name]  # loaded now: not during capture
         chosen.append((f"decode_moe_gemv_{'_'.join(gemms[1])}", f"MoE GEMVs {' '.join(gemms[1])} (1-2 rows)",
                        [(moe, "gemv_rows", 2), (moe, "gemv_gemms", gemms)]))
+    for name in filter(None, args.routed_gate_up_ablation.split(";")):  # a one-row gate/up that routes itself
+        if moe is None:
+            break
+        value = None if name == "off" else name
+        if value:
+            forward.k[value]  # loaded now: not during capture
+        chosen.append((f"decode_routed_gate_up_{name}", f"MoE routed gate/up {name}", [(moe, "routed_gate_up", value)]))
     return chosen
 
 
@@ -441,6 +448,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-gemv-ablation", default="", metavar="off|default|GATE_UP,DOWN[;...]",
                         help="decode again with the expert GEMMs of 1-2 rows as fp32 GEMVs (CudaMoe.gemv_rows 2): "
                              "'default' for moe.GEMV_GEMMS, or the batch-1 pair named; 'off': none (gemv_rows 0)")
+    parser.add_argument("--routed-gate-up-ablation", default="", metavar="off|NAME[;...]",
+                        help="decode again with CudaMoe.routed_gate_up set to each build named (a one-row step's "
+                             "gate/up GEMV routing the row itself, no moe_route launch), or 'off' (None)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")

@@ -1,7 +1,7 @@
 """Where a decode step's device time goes: every kernel of the captured CUDA Graph, timed by CUPTI.
 
     python3 tools/profile_decode.py [--model 8b|27b|a3b] [--cases 1x512,8x512] [--reps 5] [--overlap yes|no]
-                                    [--enable chain_norm|moe.fold_route|rule_splits=4,...] [--trace DIR]
+                                    [--enable chain_norm|moe.fold_route|rule_splits=4|moe.routed_gate_up=NAME,...] [--trace DIR]
 
 Qwen3-8B shape with random bf16 weights (as tools/gpu_bench.py), or a hybrid shape of
 tools/gpu_bench_hybrid.py (``--model 27b|a3b``). For each (batch x context) case the
@@ -151,8 +151,11 @@ def main(argv=None) -> int:
             setattr(target, option, True)
         elif isinstance(value, int) and not isinstance(value, bool) and number.isdigit():
             setattr(target, option, int(number))
+        elif number and (value is None or isinstance(value, str)):  # a kernel's name
+            setattr(target, option, number)
         else:
-            raise SystemExit(f"--enable {setting}: not an on/off option (OPTION) or a count (OPTION=N) of the forward")
+            raise SystemExit(f"--enable {setting}: not an on/off option (OPTION), a count (OPTION=N) or a kernel "
+                             "(OPTION=NAME) of the forward")
     for name in runner.forward.kernel_names():  # module loads are not allowed during capture
         runner.kernels[name]
     trace_dir = args.trace or Path(tempfile.mkdtemp())

@@ -155,6 +155,28 @@ def test_gemv_builds_match_reference(gpu, case, rows):
             moe.__dict__.pop(option, None)  # the class's defaults again
 
 
+def test_routed_gate_up_matches_reference(gpu, case):
+    """``CudaMoe.routed_gate_up``: a one-row step whose gate/up GEMV routes the row itself (no
+    ``moe_route`` launch) writes the picks and the plan the down GEMM and the combine read, from a
+    scratch that holds none of them, and the MoE agrees with the reference, for every build."""
+    from ninfer.backends.cuda import runtime as rt
+    from ninfer.backends.cuda.moe import ROUTED_GATE_UPS
+
+    name, config, layer, block, moe = case
+    x = np.random.default_rng(80).standard_normal((1, config.hidden_size), dtype=np.float32)
+    want = _reference(config, block.reference, x)
+    try:
+        for routed in ROUTED_GATE_UPS:
+            moe.routed_gate_up = routed
+            for region in (moe.chunks, moe.n_chunks, moe.pair_row, moe.pair_weight, moe.row_pair, moe.topk_ids,
+                           moe.topk_w):
+                rt.memset32(region, 0x7FC00007, region.nbytes // 4, gpu.stream)
+            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, routed
+            _check_routing(gpu, moe, config, block, x)
+    finally:
+        moe.__dict__.pop("routed_gate_up", None)
+
+
 def test_prefill_chunk_matches_reference(gpu, case):
     name, config, layer, block, moe = case
     x = np.random.default_rng(99).standard_normal((PREFILL_ROWS[name], config.hidden_size), dtype=np.float32)

@@ -58,6 +58,8 @@ ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
 ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
 # Its build that loads the router's weights before waiting for the kernel before it (CudaMoe.early_router).
 EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
+# The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
+ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
 
 
 def combine_gemm(down: str) -> str:
@@ -150,6 +152,11 @@ class CudaMoe:
     # docs/benchmarks.md). Two rows are tested, not timed.
     gemv_rows = 1
     gemv_gemms = GEMV_GEMMS
+    # A one-row step's gate/up GEMV of this build routes the row itself (numba_kernels/moe.py
+    # ``make_routed_gemv``: every block routes from the logits and takes its chunk's expert), so no
+    # ``moe_route`` launch precedes it; None launches ``moe_route``. Used where the experts fit the build
+    # and ``gemv_rows`` allows one-row GEMVs.
+    routed_gate_up: str | None = None
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -157,7 +164,8 @@ class CudaMoe:
         routes = [f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS]
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
-                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p)]
+                *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
+                *ROUTED_GATE_UPS]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -192,20 +200,27 @@ class CudaMoe:
         gate_up, down, chunk = self.decode_gemms if decode else self.prefill_gemms
         if rows <= self.gemv_rows:
             gate_up, down = self.gemv_gemms[rows]
-        self.check_gemms(gate_up, down)
-        if norm is None:
-            self.router_logits(x, weights[p + "router"], rows, stream)
-            self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
-        elif self.fold_route:  # the router GEMM also routes, in its last block
+        routed = self.routed_gemv(rows)
+        self.check_gemms(routed or gate_up, down)
+        if norm is not None and self.fold_route and not routed:  # the router GEMM also routes, in its last block
             x = self.normed_router_route(x, weights, p, norm, rows, chunk, stream)
         else:
-            x = self.normed_router_logits(x, weights[p + "router"], norm, rows, stream)
-            self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
+            if norm is None:
+                self.router_logits(x, weights[p + "router"], rows, stream)
+            else:
+                x = self.normed_router_logits(x, weights[p + "router"], norm, rows, stream)
+            if not routed:  # else the gate/up GEMV routes
+                self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
         chunks = max_chunks(c, rows, chunk)
         I, S, width = c.moe_intermediate_size, c.shared_expert_intermediate_size, _act_width(c)
-        self.grouped(gate_up, chunks, max(I, S), stream,
-                     (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
-                      self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H))
+        gate_up_args = (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
+                        self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H)
+        if routed:
+            self.grouped(routed, chunks, max(I, S), stream,
+                         gate_up_args + (self.row_pair, self.topk_ids, self.topk_w, self.logits,
+                                         weights[p + "shared_gate"], c.num_experts, top_k, int(c.norm_topk_prob)))
+        else:
+            self.grouped(gate_up, chunks, max(I, S), stream, gate_up_args)
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
         if decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
@@ -217,6 +232,13 @@ class CudaMoe:
             combine = k["moe_combine_residual" if residual else "moe_combine"]
             threads = combine.meta["threads"]
             combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
+
+    def routed_gemv(self, rows: int) -> str | None:
+        """The gate/up build that routes a step of ``rows`` rows itself (``routed_gate_up``), if it may."""
+        name = self.routed_gate_up
+        if name is None or rows != 1 or self.gemv_rows < 1:
+            return None
+        return name if self.c.num_experts <= self.k[name].meta["max_experts"] else None
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
