@@ -974,7 +974,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int):
     return routed_gemv
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def shared_gate_dot(x, shared_gate, hidden, w01, w23):
     """``shared_gate . x[0]`` over the block, 4 elements a thread a step (``w01, w23``: the thread's
     ``first_gate_words``); warp sums, then the warps' in order. Every thread returns it."""
