@@ -767,29 +767,26 @@ def make_combine(residual: bool):
 
 
 def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
-    """(weight_rows, load_step, gemv_chunk): the block of ``COLS`` weight rows of a grouped GEMV and its
-    work on one chunk once the block's first step of weights is in ``raw`` (``load_step`` at step
-    ``tid``): every step against the chunk's activation rows ``x_at`` (element offsets, -1 past the
-    chunk; the next step's weights loaded as soon as a step's are used), the warps' sums in a fixed
-    order, then the epilogue into pair rows ``start ..`` of y."""
+    """(weight_rows, load_step, stream_steps, gemv_chunk): the block of ``COLS`` weight rows of a
+    grouped GEMV and its work on one chunk once the first step of weights is in ``raw`` (``load_step``
+    at step ``t``, the thread's place among the chunk's ``THREADS``). ``stream_steps``: every step
+    against the chunk's activation rows ``x_at`` (element offsets, -1 past the chunk; the next step's
+    weights loaded as soon as a step's are used) into the thread's ``acc``; ``gemv_chunk``: that, the
+    warps' sums in a fixed order, then the epilogue into pair rows ``start ..`` of y."""
     SWIGLU = kind == "gate_up"
     OUT = COLS // 2 if SWIGLU else COLS
     WARPS = THREADS // 32
     weight_rows, load_step, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
     @cuda.jit(device=True, inline=True)
-    def gemv_chunk(y, x, w, row_of, raw, x_at, n, k, start, count, pair_weight, ldy):
-        tid = cuda.threadIdx.x
-        red = cuda.shared.array((WARPS, M, COLS), float32)
-        warp = tid >> 5
+    def stream_steps(acc, x, w, row_of, raw, x_at, k, t):
         steps = k >> 3  # 16-byte steps of a weight row: 8 bf16 weights, 8 fp32 activations
         words = k >> 2
-        acc = cuda.local.array((M, COLS), float32)
         for q in range(M):
             for c in range(COLS):
                 acc[q, c] = float32(0.0)
         xr = cuda.local.array((M, 8), float32)
-        for j in range(tid, steps, THREADS):
+        for j in range(t, steps, THREADS):
             for q in range(M):  # the step's activations first, their loads out together
                 if x_at[q] >= 0:
                     xr[q, 0], xr[q, 1], xr[q, 2], xr[q, 3] = load_f32x4(x, x_at[q] + 8 * j)
@@ -799,6 +796,14 @@ def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
                         xr[q, e] = float32(0.0)
             accumulate(acc, raw, xr)
             load_step(w, row_of, words, steps, j + THREADS, raw)  # the registers are free again
+
+    @cuda.jit(device=True, inline=True)
+    def gemv_chunk(y, x, w, row_of, raw, x_at, n, k, start, count, pair_weight, ldy):
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array((WARPS, M, COLS), float32)
+        warp = tid >> 5
+        acc = cuda.local.array((M, COLS), float32)
+        stream_steps(acc, x, w, row_of, raw, x_at, k, tid)
         for q in range(M):
             for c in range(COLS):
                 red[warp, q, c] = warp_sum(acc[q, c])
@@ -820,7 +825,7 @@ def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
                 else:
                     y[at] = pair_weight[start + q] * total
 
-    return weight_rows, load_step, gemv_chunk
+    return weight_rows, load_step, stream_steps, gemv_chunk
 
 
 def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: bool = False):
@@ -842,7 +847,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
     assert kind in ("gate_up", "down") and THREADS % 32 == 0 and (COLS % 2 == 0 or not SWIGLU)
     OUT = COLS // 2 if SWIGLU else COLS
     MATRICES = 2 if SWIGLU else 1
-    weight_rows, load_step, gemv_chunk = make_gemv_chunk(kind, M, COLS, THREADS)
+    weight_rows, load_step, _, gemv_chunk = make_gemv_chunk(kind, M, COLS, THREADS)
 
     def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                      k_routed, k_shared, ldy, ldx):
@@ -900,7 +905,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int):
     this grid. Arguments: ``make_grouped_gemv``'s, then row_pair, topk_ids, topk_w, logits, shared_gate,
     n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``."""
     OUT = COLS // 2
-    weight_rows, load_step, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
+    weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     load_logits, softmax_slots, pick_rounds, _ = make_row_picks(experts)
     SLOTS = experts // 32
 
@@ -972,6 +977,72 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int):
         gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
 
     return routed_gemv
+
+
+def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int):
+    """``moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}``: a one-row step's down GEMV with
+    ``moe_combine_residual`` folded in, no ticket needed: a block per ``COLS`` output columns, its
+    ``GROUPS`` groups of ``THREADS`` threads one chunk each (group g chunk g: at most GROUPS chunks, so
+    ``top_k + 1 <= GROUPS``), each streaming its chunk as ``make_grouped_gemv``'s block does. The
+    pairs' columns stay in shared memory, and the block adds their sum (slots in order, then the
+    shared pair, as ``moe_combine_residual``) into the residual stream: bit for bit the down GEMV
+    and the combine launched apart. Arguments: ``make_grouped`` "down_combine"'s; grid ``(tiles,)``."""
+    WARPS = THREADS // 32
+    weight_rows, load_step, stream_steps, _ = make_gemv_chunk("down", 1, COLS, THREADS)
+
+    def combined_down(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                      k_routed, k_shared, ldy, ldx, residual, row_pair, rows, top_k, tickets):
+        red = cuda.shared.array((GROUPS, WARPS, COLS), float32)
+        outs = cuda.shared.array((GROUPS, COLS), float32)  # by pair: a one-row pair's weighted columns
+        tid = cuda.threadIdx.x
+        group = tid // THREADS
+        t = tid % THREADS
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        live = group < n_chunks[0]
+        start = 0
+        acc = cuda.local.array((1, COLS), float32)
+        for c in range(COLS):
+            acc[0, c] = float32(0.0)
+        if live:
+            expert = chunks[3 * group]
+            start = chunks[3 * group + 1]
+            k = k_shared
+            w = w_shared
+            first_row = int64(0)
+            if expert >= 0:
+                k = k_routed
+                w = w_experts
+                first_row = int64(expert) * n_routed
+            row_of = cuda.local.array(COLS, int64)
+            raw = cuda.local.array((COLS, 4), uint32)
+            weight_rows(row_of, n_routed, first_row)  # n_routed == n_shared == hidden
+            load_step(w, row_of, k >> 2, k >> 3, t, raw)
+            x_at = cuda.local.array(1, int64)
+            x_at[0] = int64(start) * ldx
+            stream_steps(acc, x, w, row_of, raw, x_at, k, t)
+        for c in range(COLS):
+            red[group, t >> 5, c] = warp_sum(acc[0, c])
+        cuda.syncthreads()
+        if live and t < COLS:
+            total = float32(0.0)
+            for wp in range(WARPS):
+                total += red[group, wp, t]
+            outs[start, t] = pair_weight[start] * total
+        cuda.syncthreads()
+        col = cuda.blockIdx.x * COLS + tid
+        if tid < COLS and col < n_routed:
+            total = float32(0.0)
+            for slot in range(top_k):
+                total += outs[row_pair[slot], tid]
+            total += outs[top_k, tid]
+            residual[col] += total
+
+    return combined_down
+
+
+def combined_down_name(COLS: int, THREADS: int, GROUPS: int) -> str:
+    return f"moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1081,6 +1152,13 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
     KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
         make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
         {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
+# The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
+# (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
+COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]
+for _cols, _threads, _groups in COMBINED_DOWN_SHAPES:
+    KERNELS[combined_down_name(_cols, _threads, _groups)] = (
+        make_combined_down_gemv(_cols, _threads, _groups), GROUPED_SIG + COMBINE_SIG,
+        {"threads": _threads * _groups, "cols": _cols, "pairs": 1, "groups": _groups, "grid_wait": 1})
 for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms, _hold, _early),

@@ -255,7 +255,7 @@ def case_moe_gemv(rows: int) -> dict:
     """``CudaMoe.gemv_rows``: a decode step of ``rows`` (1 or 2) rows with the expert GEMMs as fp32 GEMVs
     (every shape of numba_kernels/moe.py GEMV_SHAPES for the row count) against the tensor-core grouped
     GEMMs: the same picks and normalised rows, the MoE to fp32 rounding, and both against the reference."""
-    from ninfer.backends.cuda.moe import GEMV_GEMMS, ROUTED_GATE_UPS
+    from ninfer.backends.cuda.moe import COMBINED_DOWNS, GEMV_GEMMS, ROUTED_GATE_UPS
     from numba_kernels.moe import GEMV_SHAPES, gemv_name
 
     t = moe_layer(rows)
@@ -296,6 +296,17 @@ def case_moe_gemv(rows: int) -> dict:
                                                                          plan["pair_weight"][:shared]),
                               "shared_weight": rel(mine["pair_weight"][shared:], plan["pair_weight"][shared:])}
         moe.routed_gate_up = None
+        for combined in COMBINED_DOWNS:  # the down GEMV adding into the residual stream itself: bit for bit
+            moe.combined_down = combined
+            for routed in (None, ROUTED_GATE_UPS[0]):
+                moe.routed_gate_up = routed
+                got = t.run()
+                assert combined in t.launches[-1] and "moe_combine_residual" not in t.launches[-1]
+                result[f"{combined},{routed}"] = {
+                    "launches": len(t.launches[-1]),
+                    "identical": bool(np.array_equal(got[0], plain[0])) if routed is None
+                    else rel(got[0] - t.resid, plain[0] - t.resid)}
+        moe.combined_down = moe.routed_gate_up = None
     return result
 
 

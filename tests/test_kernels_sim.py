@@ -90,10 +90,11 @@ def test_moe_gemv_builds_are_the_mma_ones_to_rounding(rows):
     """``CudaMoe.gemv_rows``: the expert GEMMs of one or two rows as fp32 GEMVs, every shape for the row
     count: the same picks and normalised rows as the tensor-core grouped GEMMs, the MoE to fp32
     rounding of theirs and of the reference. One row: the gate/up GEMVs that route the row themselves
-    write moe_route's plan (the shared pair's weight to rounding) and the same MoE."""
+    write moe_route's plan (the shared pair's weight to rounding) and the same MoE; the down GEMVs with
+    the combine folded in give the launched-apart result bit for bit."""
     result = simulate("moe_gemv", rows)
     assert result["mma"] < TOL
-    shapes = [name for name in result if name != "mma" and not name.endswith("r256")]
+    shapes = [name for name in result if name != "mma" and not name.endswith("r256") and "combine" not in name]
     assert len(shapes) == (5 if rows == 1 else 2)
     for name in shapes:
         checks = result[name]
@@ -105,6 +106,13 @@ def test_moe_gemv_builds_are_the_mma_ones_to_rounding(rows):
         checks = result[name]
         assert checks["routing_identical"] and checks["plan_identical"] and checks["routed_weights_identical"], name
         assert checks["shared_weight"] < TOL and checks["vs_plain"] < TOL and checks["vs_reference"] < TOL, checks
+    combined = {name: checks for name, checks in result.items() if "combine" in name}  # CudaMoe.combined_down
+    assert len(combined) == (4 if rows == 1 else 0)
+    for name, checks in combined.items():  # router, (route,) gate/up, down with the combine
+        if name.endswith(",None"):
+            assert checks == {"launches": 4, "identical": True}, name
+        else:
+            assert checks["launches"] == 3 and checks["identical"] < TOL, name
 
 
 @pytest.mark.parametrize("rows", [3, 8])

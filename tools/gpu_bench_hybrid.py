@@ -309,13 +309,19 @@ def ablations(args, forward) -> list[tuple]:
             forward.k[name]  # loaded now: not during capture
         chosen.append((f"decode_moe_gemv_{'_'.join(gemms[1])}", f"MoE GEMVs {' '.join(gemms[1])} (1-2 rows)",
                        [(moe, "gemv_rows", 2), (moe, "gemv_gemms", gemms)]))
-    for name in filter(None, args.routed_gate_up_ablation.split(";")):  # a one-row gate/up that routes itself
+    for spec in filter(None, args.moe_builds_ablation.split(";")):  # CudaMoe's optional one-row builds
         if moe is None:
             break
-        value = None if name == "off" else name
-        if value:
-            forward.k[value]  # loaded now: not during capture
-        chosen.append((f"decode_routed_gate_up_{name}", f"MoE routed gate/up {name}", [(moe, "routed_gate_up", value)]))
+        settings = []
+        for part in spec.split("+"):
+            option, _, name = part.partition("=")
+            if option not in ("routed_gate_up", "combined_down"):
+                raise SystemExit(f"--moe-builds-ablation: {option} is not routed_gate_up or combined_down")
+            value = None if name == "off" else name
+            if value:
+                forward.k[value]  # loaded now: not during capture
+            settings.append((moe, option, value))
+        chosen.append((f"decode_moe_builds_{spec}", f"MoE {spec}", settings))
     return chosen
 
 
@@ -448,9 +454,10 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-gemv-ablation", default="", metavar="off|default|GATE_UP,DOWN[;...]",
                         help="decode again with the expert GEMMs of 1-2 rows as fp32 GEMVs (CudaMoe.gemv_rows 2): "
                              "'default' for moe.GEMV_GEMMS, or the batch-1 pair named; 'off': none (gemv_rows 0)")
-    parser.add_argument("--routed-gate-up-ablation", default="", metavar="off|NAME[;...]",
-                        help="decode again with CudaMoe.routed_gate_up set to each build named (a one-row step's "
-                             "gate/up GEMV routing the row itself, no moe_route launch), or 'off' (None)")
+    parser.add_argument("--moe-builds-ablation", default="", metavar="OPTION=NAME|off[+...][;...]",
+                        help="decode again with CudaMoe's one-row builds set: routed_gate_up (a gate/up GEMV "
+                             "routing the row itself, no moe_route launch), combined_down (the down GEMV adding "
+                             "into the residual stream, no combine launch); 'off' for None")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")

@@ -177,6 +177,39 @@ def test_routed_gate_up_matches_reference(gpu, case):
         moe.__dict__.pop("routed_gate_up", None)
 
 
+def test_combined_down_is_the_down_gemv_and_combine(gpu, case):
+    """``CudaMoe.combined_down``: a one-row step adding into the residual stream, whose down GEMV sums
+    the pairs itself (no ``moe_combine_residual``), gives the GEMV and combine launched apart bit for
+    bit, and with the routed gate/up the reference's MoE."""
+    from ninfer.backends.cuda.moe import COMBINED_DOWNS, ROUTED_GATE_UPS
+
+    name, config, layer, block, moe = case
+    x = np.random.default_rng(81).standard_normal((1, config.hidden_size), dtype=np.float32)
+    resid = np.random.default_rng(82).standard_normal((1, config.hidden_size), dtype=np.float32)
+    want = _reference(config, block.reference, x)
+
+    def run() -> np.ndarray:
+        d_x, d_y = gpu.put(x), gpu.put(resid)
+        moe.forward(d_y, d_x, block.device, layer, 1, gpu.stream, residual=True)
+        got = gpu.get(d_y, np.float32, (1, config.hidden_size))
+        for ptr in (d_x, d_y):
+            gpu.device.free(ptr)
+        return got
+
+    apart = run()
+    assert rel_err(apart - resid, want) < DECODE_TOL
+    try:
+        for combined in COMBINED_DOWNS:
+            moe.combined_down = combined
+            np.testing.assert_array_equal(run(), apart)
+            moe.routed_gate_up = ROUTED_GATE_UPS[0]
+            assert rel_err(run() - resid, want) < DECODE_TOL, combined
+            del moe.routed_gate_up
+    finally:
+        for option in ("combined_down", "routed_gate_up"):
+            moe.__dict__.pop(option, None)
+
+
 def test_prefill_chunk_matches_reference(gpu, case):
     name, config, layer, block, moe = case
     x = np.random.default_rng(99).standard_normal((PREFILL_ROWS[name], config.hidden_size), dtype=np.float32)

@@ -60,6 +60,8 @@ ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
 EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
 ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
+# The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
+COMBINED_DOWNS = ("moe_down_combine_gemv_m1c8x64g9", "moe_down_combine_gemv_m1c8x32g9")
 
 
 def combine_gemm(down: str) -> str:
@@ -157,6 +159,12 @@ class CudaMoe:
     # ``moe_route`` launch precedes it; None launches ``moe_route``. Used where the experts fit the build
     # and ``gemv_rows`` allows one-row GEMVs.
     routed_gate_up: str | None = None
+    # A one-row step that adds into the residual stream runs its down GEMV as this build with the
+    # combine folded in (numba_kernels/moe.py ``make_combined_down_gemv``: a block per column tile takes
+    # every chunk, so it sums the pairs itself, no ticket), one launch fewer; None launches the GEMV and
+    # ``moe_combine_residual``. Used where ``gemv_rows`` allows one-row GEMVs and ``top_k + 1`` chunks
+    # fit the build's groups.
+    combined_down: str | None = None
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -165,7 +173,7 @@ class CudaMoe:
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
-                *ROUTED_GATE_UPS]
+                *ROUTED_GATE_UPS, *COMBINED_DOWNS]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -223,7 +231,12 @@ class CudaMoe:
             self.grouped(gate_up, chunks, max(I, S), stream, gate_up_args)
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
-        if decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
+        combined = self.combined_gemv(rows) if residual else None
+        if combined:  # a block per column tile runs every chunk and adds their sum into y
+            kernel = k[combined]
+            kernel.launch((-(-H // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets), stream)
+        elif decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
             # last block adds the tile into y (the GEMVs and the early builds have no such build)
             self.grouped(combine_gemm(down), chunks, H, stream,
                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets))
@@ -239,6 +252,13 @@ class CudaMoe:
         if name is None or rows != 1 or self.gemv_rows < 1:
             return None
         return name if self.c.num_experts <= self.k[name].meta["max_experts"] else None
+
+    def combined_gemv(self, rows: int) -> str | None:
+        """The down build with the combine folded in for a step of ``rows`` rows (``combined_down``), if it may."""
+        name = self.combined_down
+        if name is None or rows != 1 or self.gemv_rows < 1:
+            return None
+        return name if self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"] else None
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
