@@ -198,11 +198,17 @@ def test_combined_down_is_the_down_gemv_and_combine(gpu, case):
 
     apart = run()
     assert rel_err(apart - resid, want) < DECODE_TOL
+    late = next(name for name in ROUTED_GATE_UPS if moe.k[name].meta["early"])  # triggers after its wait
     try:
         for combined in COMBINED_DOWNS:
             moe.combined_down = combined
-            np.testing.assert_array_equal(run(), apart)
-            moe.routed_gate_up = ROUTED_GATE_UPS[0]
+            if moe.k[combined].meta["early"]:  # routes before its wait: only after the late gate/up
+                with pytest.raises(ValueError, match="early gate/up"):
+                    run()
+                moe.routed_gate_up = late
+            else:
+                np.testing.assert_array_equal(run(), apart)
+                moe.routed_gate_up = ROUTED_GATE_UPS[0]
             assert rel_err(run() - resid, want) < DECODE_TOL, combined
             del moe.routed_gate_up
     finally:

@@ -59,9 +59,10 @@ ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
 # Its build that loads the router's weights before waiting for the kernel before it (CudaMoe.early_router).
 EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
-ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
+ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256", "moe_gate_up_gemv_m1c4x128r256l")
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
-COMBINED_DOWNS = ("moe_down_combine_gemv_m1c8x64g9", "moe_down_combine_gemv_m1c8x32g9")
+COMBINED_DOWNS = ("moe_down_combine_gemv_m1c8x64g9", "moe_down_combine_gemv_m1c8x32g9",
+                  "moe_down_combine_gemv_m1c8x32g9r256")
 
 
 def combine_gemm(down: str) -> str:
@@ -209,7 +210,8 @@ class CudaMoe:
         if rows <= self.gemv_rows:
             gate_up, down = self.gemv_gemms[rows]
         routed = self.routed_gemv(rows)
-        self.check_gemms(routed or gate_up, down)
+        combined = self.combined_gemv(rows) if residual else None
+        self.check_gemms(routed or gate_up, combined or down)
         if norm is not None and self.fold_route and not routed:  # the router GEMM also routes, in its last block
             x = self.normed_router_route(x, weights, p, norm, rows, chunk, stream)
         else:
@@ -231,11 +233,11 @@ class CudaMoe:
             self.grouped(gate_up, chunks, max(I, S), stream, gate_up_args)
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
-        combined = self.combined_gemv(rows) if residual else None
         if combined:  # a block per column tile runs every chunk and adds their sum into y
             kernel = k[combined]
+            routes = (self.logits, c.num_experts) if kernel.meta["max_experts"] else ()  # it routes too
             kernel.launch((-(-H // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets), stream)
+                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets) + routes, stream)
         elif decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
             # last block adds the tile into y (the GEMVs and the early builds have no such build)
             self.grouped(combine_gemm(down), chunks, H, stream,
@@ -258,7 +260,10 @@ class CudaMoe:
         name = self.combined_down
         if name is None or rows != 1 or self.gemv_rows < 1:
             return None
-        return name if self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"] else None
+        meta = self.k[name].meta
+        fits = self.c.num_experts_per_tok + 1 <= meta["groups"] and self.c.num_experts <= (meta["max_experts"]
+                                                                                          or self.c.num_experts)
+        return name if fits else None
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
