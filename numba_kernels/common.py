@@ -150,20 +150,6 @@ def load_i32_l2(typingctx, ptr, index):
 
 
 @intrinsic
-def load_f32_l2(typingctx, ptr, index):
-    """``load_i32_l2``'s float32 twin: ``ptr[index]`` from L2 (``ld.global.cg``)."""
-    sig = float32(ptr, index)
-
-    def codegen(context, builder, signature, args):
-        base, idx = args
-        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
-        fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(64)])
-        return builder.call(ir.InlineAsm(fnty, "ld.global.cg.f32 $0, [$1];", "=f,l", side_effect=True), [addr])
-
-    return sig, codegen
-
-
-@intrinsic
 def store_u32x4(typingctx, ptr, index, a, b, c, d):
     """One aligned 16-byte store (st.v4.u32) of four words at element ``index`` of ``ptr`` (any
     element type; the caller guarantees 16-byte alignment): 8 bf16 a lane, a warp's 512 bytes whole."""

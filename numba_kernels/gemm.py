@@ -750,14 +750,6 @@ for _chain, _epilogue, (_t, _w, _u, _terms), _hold in CHAIN_KERNELS:
         MMA_SIG + ((F32P, F32P) if _chain == "out" else (F32P, int32)),
         {"threads": 32 * (_w + 1 if _chain == "in" else _w), "cols": _t * (8 if _epilogue == "swiglu" else 16),
          "epilogue": _epilogue, "normed": 0, "chain": _chain, "terms": _terms, "max_rows": 8, "grid_wait": 1})
-# Batched decode's q/k/v and o shapes loading their first round of weights before the grid wait (``early``),
-# candidates for forward.DECODE_GEMMS (tools/bench_decode_step.py --gemms qkv=t1w8u2s3e).
-EARLY_DECODE = [(True, "store", (1, 8, 2, 3)), (False, "residual", (1, 8, 2, 3)), (False, "residual", (1, 16, 4, 3))]
-for _normed, _epilogue, (_t, _w, _u, _terms) in EARLY_DECODE:
-    KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, early=True)] = (
-        make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, early=True), MMA_SIG,
-        {"threads": 32 * _w, "cols": _t * 16, "epilogue": _epilogue, "normed": int(_normed), "terms": _terms,
-         "max_rows": 8, "grid_wait": 1})
 # The MoE router's decode GEMM (ninfer/backends/cuda/moe.py ROUTER_NORMED_DECODE_GEMM): normalises x
 # itself and keeps the normalised rows for the routing and the expert GEMMs. 16 warps of 4 steps load
 # a 2048-wide row in one round: 35B-A3B b1 329.5-331.0 tok/s against 317.9-320.0 with (1, 8, 2), four

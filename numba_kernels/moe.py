@@ -52,8 +52,7 @@ from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  last_to_finish, launch_dependents, load_f32_l2, load_f32x4, load_i32_l2, load_u32x2,
-                                  load_u64x2,
+                                  last_to_finish, launch_dependents, load_f32x4, load_i32_l2, load_u32x2, load_u64x2,
                                   warp_max, warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
@@ -215,12 +214,11 @@ def moe_plan(chunks, n_chunks, pair_row, pair_weight, row_pair, topk_ids, topk_w
 
 # -- moe_route: decode routing and plan in one block -------------------------------------------------
 
-def make_row_picks(experts: int, L2: bool = False):
+def make_row_picks(experts: int):
     """A warp's routing of one row over at most ``experts`` experts (a multiple of 32, at most
     MAX_EXPERTS): (load_logits, softmax_slots, pick_rounds, pick_row), each lane holding ``experts // 32``
     slots. The slot count is fixed at build time because a pick round's cost is linear in it: the lane that
-    loses its best reruns a tournament over all its slots, and 256 experts need 8, not MAX_EXPERTS' 32.
-    ``L2``: the logits are read from L2 (``load_f32_l2``), by a kernel that routes before its grid wait."""
+    loses its best reruns a tournament over all its slots, and 256 experts need 8, not MAX_EXPERTS' 32."""
     slots = experts // 32
     group = min(SLOT_GROUP, slots)
     groups = slots // group
@@ -240,8 +238,7 @@ def make_row_picks(experts: int, L2: bool = False):
                 for j in range(group):
                     i = group * g + j
                     e = lane + 32 * i
-                    at = base + min(e, n_experts - 1)
-                    v = load_f32_l2(logits, at) if L2 else logits[at]
+                    v = logits[base + min(e, n_experts - 1)]
                     probs[i] = v if e < n_experts else NEG_BIG
 
     @cuda.jit(device=True)
@@ -895,11 +892,11 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
     return grouped_gemv
 
 
-def make_ranked_picks(experts: int, L2: bool = False):
+def make_ranked_picks(experts: int):
     """``ranked_picks(logits, n_experts, top_k, lane)`` for one warp: row 0's picks as ``moe_route``
     makes them (``make_row_picks``), lane j < top_k returning pick j (probability, expert), the picks'
     sum, and its expert's place among the picks by id (a one-row plan's chunk of that pick)."""
-    load_logits, softmax_slots, pick_rounds, _ = make_row_picks(experts, L2)
+    load_logits, softmax_slots, pick_rounds, _ = make_row_picks(experts)
     SLOTS = experts // 32
 
     @cuda.jit(device=True, inline=True)
@@ -917,7 +914,7 @@ def make_ranked_picks(experts: int, L2: bool = False):
     return ranked_picks
 
 
-def make_routed_gemv(COLS: int, THREADS: int, experts: int, LATE: bool = False):
+def make_routed_gemv(COLS: int, THREADS: int, experts: int):
     """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
     routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
     which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
@@ -928,10 +925,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, LATE: bool = False):
     writes for one row (the plan, ``row_pair``, the picks; the shared pair's weight ``sigmoid(shared_gate
     . x)`` summed in another order, so to fp32 rounding), read by the down GEMM and the combine after
     this grid. Arguments: ``make_grouped_gemv``'s, then row_pair, topk_ids, topk_w, logits, shared_gate,
-    n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``.
-
-    ``LATE`` (name suffix ``l``): the next kernel may launch only once every block is past its grid
-    wait (the router is done), so a down build that routes before its own wait reads final logits."""
+    n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``."""
     OUT = COLS // 2
     weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     ranked_picks = make_ranked_picks(experts)
@@ -950,11 +944,8 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, LATE: bool = False):
             weight_rows(row_of, n_shared, int64(0))
             load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
             w01, w23 = first_gate_words(shared_gate, k_shared)
-        if not LATE:
-            launch_dependents()  # programmatic dependent launch: common.py
+        launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
-        if LATE:
-            launch_dependents()
         if ci > top_k:
             return
         if shared:
@@ -1002,20 +993,14 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, LATE: bool = False):
     return routed_gemv
 
 
-def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int, ROUTES: int = 0):
+def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int):
     """``moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}``: a one-row step's down GEMV with
     ``moe_combine_residual`` folded in, no ticket needed: a block per ``COLS`` output columns, its
     ``GROUPS`` groups of ``THREADS`` threads one chunk each (group g chunk g: at most GROUPS chunks, so
     ``top_k + 1 <= GROUPS``), each streaming its chunk as ``make_grouped_gemv``'s block does. The
     pairs' columns stay in shared memory, and the block adds their sum (slots in order, then the
     shared pair, as ``moe_combine_residual``) into the residual stream: bit for bit the down GEMV
-    and the combine launched apart. Arguments: ``make_grouped`` "down_combine"'s; grid ``(tiles,)``.
-
-    ``ROUTES`` (name suffix ``r{ROUTES}``, at most that many experts; two more arguments ``logits,
-    n_experts``): before its grid wait each routed group's first warp routes the row from the logits
-    (read from L2) and the group loads its first step of its chunk's weights (a one-row plan's chunk c
-    holds the pick of c-th lowest expert id, chunk ``top_k`` the shared expert); only after the gate/up
-    build that triggers late (``make_routed_gemv``'s ``LATE``), whose launch means the router is done."""
+    and the combine launched apart. Arguments: ``make_grouped`` "down_combine"'s; grid ``(tiles,)``."""
     WARPS = THREADS // 32
     weight_rows, load_step, stream_steps, _ = make_gemv_chunk("down", 1, COLS, THREADS)
 
@@ -1074,46 +1059,11 @@ def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int, ROUTES: int = 
             load_step(w, row_of, k >> 2, k >> 3, cuda.threadIdx.x % THREADS, raw)
         stream_and_combine(x, w, row_of, raw, k, live, pair, pair_weight, ldx, residual, row_pair, top_k, n_routed)
 
-    if not ROUTES:
-        return combined_down
-    ranked_picks = make_ranked_picks(ROUTES, L2=True)
-
-    def routing_combined_down(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed,
-                              n_shared, k_routed, k_shared, ldy, ldx, residual, row_pair, rows, top_k, tickets,
-                              logits, n_experts):
-        expert_of = cuda.shared.array(GROUPS, int32)
-        group = cuda.threadIdx.x // THREADS
-        t = cuda.threadIdx.x % THREADS
-        if group < top_k and t < 32:  # the group's pick, before the wait: the router is done (LATE gate/up)
-            mine_p, mine_e, total, rank = ranked_picks(logits, n_experts, top_k, t)
-            for j in range(top_k):  # every lane shuffles (full mask); lane 0 keeps the pick of rank ``group``
-                rank_j = cuda.shfl_sync(0xFFFFFFFF, rank, j)
-                expert_j = cuda.shfl_sync(0xFFFFFFFF, mine_e, j)
-                if rank_j == group and t == 0:
-                    expert_of[group] = expert_j
-        cuda.syncthreads()
-        live = group <= top_k  # chunk g holds pair g
-        k = k_shared
-        w = w_shared
-        first_row = int64(0)
-        if group < top_k:
-            k = k_routed
-            w = w_experts
-            first_row = int64(expert_of[group]) * n_routed
-        row_of = cuda.local.array(COLS, int64)
-        raw = cuda.local.array((COLS, 4), uint32)
-        if live:
-            weight_rows(row_of, n_routed, first_row)  # n_routed == n_shared == hidden
-            load_step(w, row_of, k >> 2, k >> 3, t, raw)
-        launch_dependents()  # programmatic dependent launch: common.py
-        grid_dependency_wait()
-        stream_and_combine(x, w, row_of, raw, k, live, group, pair_weight, ldx, residual, row_pair, top_k, n_routed)
-
-    return routing_combined_down
+    return combined_down
 
 
-def combined_down_name(COLS: int, THREADS: int, GROUPS: int, ROUTES: int = 0) -> str:
-    return f"moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}{f'r{ROUTES}' if ROUTES else ''}"
+def combined_down_name(COLS: int, THREADS: int, GROUPS: int) -> str:
+    return f"moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1143,8 +1093,8 @@ def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = F
     return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
 
 
-def routed_gemv_name(COLS: int, THREADS: int, experts: int, late: bool = False) -> str:
-    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'l' if late else ''}"
+def routed_gemv_name(COLS: int, THREADS: int, experts: int) -> str:
+    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1217,25 +1167,19 @@ for _kind, _m, _cols, _threads, _early in GEMV_SHAPES:
         make_grouped_gemv(_kind, _m, _cols, _threads, _early), GROUPED_SIG,
         {"threads": _threads, "cols": _cols // 2 if _kind == "gate_up" else _cols, "pairs": _m, "grid_wait": 1})
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.gemv_routes), for at most 256 experts.
-# The ``l`` build lets the next kernel launch only after its grid wait, for the down build that routes early.
-ROUTED_GEMV_SHAPES = [(4, 128, 256, False), (4, 64, 256, False), (4, 128, 256, True)]
+ROUTED_GEMV_SHAPES = [(4, 128, 256), (4, 64, 256)]
 ROUTED_GEMV_SIG = GROUPED_SIG + (I32P, I32P, F32P, F32P, U16P, int32, int32, int32)
-for _cols, _threads, _experts, _late in ROUTED_GEMV_SHAPES:
-    KERNELS[routed_gemv_name(_cols, _threads, _experts, _late)] = (
-        make_routed_gemv(_cols, _threads, _experts, _late), ROUTED_GEMV_SIG,
-        {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "early": int(_late),
-         "grid_wait": 1})
+for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
+    KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
+        make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
+        {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
 # The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
 # (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
-# The ``r256`` build routes before its wait (after the ``l`` routed gate/up only: meta "early", as the
-# grouped GEMMs' early builds).
-COMBINED_DOWN_SHAPES = [(8, 64, 9, 0), (8, 32, 9, 0), (8, 32, 9, 256)]
-for _cols, _threads, _groups, _routes in COMBINED_DOWN_SHAPES:
-    KERNELS[combined_down_name(_cols, _threads, _groups, _routes)] = (
-        make_combined_down_gemv(_cols, _threads, _groups, _routes),
-        GROUPED_SIG + COMBINE_SIG + ((F32P, int32) if _routes else ()),
-        {"threads": _threads * _groups, "cols": _cols, "pairs": 1, "groups": _groups, "max_experts": _routes,
-         "early": int(bool(_routes)), "grid_wait": 1})
+COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]
+for _cols, _threads, _groups in COMBINED_DOWN_SHAPES:
+    KERNELS[combined_down_name(_cols, _threads, _groups)] = (
+        make_combined_down_gemv(_cols, _threads, _groups), GROUPED_SIG + COMBINE_SIG,
+        {"threads": _threads * _groups, "cols": _cols, "pairs": 1, "groups": _groups, "grid_wait": 1})
 for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (
         make_grouped(_kind, _T, _W, _U, _P, _terms, _hold, _early),

@@ -344,7 +344,6 @@ _SIMULATED = {
     "atomic_add_i32": lambda env: _atomic_add_i32,
     "prefetch_l2": lambda env: _prefetch_l2,
     "load_i32_l2": lambda env: (lambda ptr, index: _elements(ptr, index, np.int32, 1)[0]),
-    "load_f32_l2": lambda env: (lambda ptr, index: _elements(ptr, index, np.float32, 1)[0]),
     "global_timer": lambda env: (lambda: np.uint64(time.monotonic_ns())),
     "copy_async_16": lambda env: _copy_async_16,
     "shared_address": lambda env: _shared_address,

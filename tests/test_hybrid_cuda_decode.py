@@ -75,7 +75,8 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
         if MOE not in config.mlp_types:
             assert not launched & {"rmsnorm", "add_rmsnorm", "silu_mul", f"gemv_m{rows}_c4"}
         else:  # the router normalises x and the combine adds into the residual stream: no norm launch
-            assert "moe_combine_residual" in launched and not launched & {"rmsnorm", "add_rmsnorm", "moe_combine"}
+            combine = fwd.moe.combined_down if rows == 1 else "moe_combine_residual"  # one row: the down GEMV's
+            assert combine in launched and not launched & {"rmsnorm", "add_rmsnorm", "moe_combine"}
             assert moe.EARLY_ROUTER_GEMM in launched and moe.ROUTER_DECODE_GEMM not in launched
 
 
@@ -131,7 +132,7 @@ def test_decode_routing_takes_every_decode_row():
             assert meta["max_rows"] >= GEMV_MAX_ROWS and meta["max_experts"] == experts
     assert [moe.route_capacity(n) for n in (8, 128, 256, 257, 1024)] == [256, 256, 256, 1024, 1024]
     fwd = forward(CONFIGS["35b-a3b"])  # 256 experts
-    assert "moe_route_e256" in decode_launches(fwd, 1) and "moe_route_e1024" not in decode_launches(fwd, 8)
+    assert "moe_route_e256" in decode_launches(fwd, 2) and "moe_route_e1024" not in decode_launches(fwd, 8)
 
 
 def test_early_router_takes_the_router_gemm_launch():
@@ -156,6 +157,7 @@ def test_folded_routing_replaces_the_route_launch():
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     fwd.moe.fold_route = True
+    fwd.moe.routed_gate_up = None  # else a one-row step's gate/up routes
     for rows in (1, 5, 8):
         launched = decode_launches(fwd, rows)
         assert launched.count("moe_router_route_e256") == config.num_layers
@@ -171,10 +173,11 @@ def test_folded_routing_replaces_the_route_launch():
 def test_folded_combine_replaces_the_combine_launch():
     """With ``CudaMoe.fold_combine`` a decode MoE layer's down GEMM adds into the residual stream: one
     DOWN_COMBINE_GEMM a layer over the down GEMM's grid, no ``moe_combine_residual``; a one-row step's
-    down GEMV has no such form and keeps the combine launch."""
+    down GEMV has no such form and keeps the combine launch (without ``combined_down``)."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     fwd.moe.fold_combine = True
+    fwd.moe.combined_down = None
     launched = decode_launches(fwd, 1)
     assert launched.count(moe.GEMV_GEMMS[1][1]) == launched.count("moe_combine_residual") == config.num_layers
     for rows in (2, 8):
@@ -194,6 +197,7 @@ def test_one_row_steps_run_the_expert_gemvs():
     two rows and more the tensor-core grouped GEMMs; with ``gemv_rows`` 2 two rows take the ``m2`` GEMVs."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
+    fwd.moe.routed_gate_up = fwd.moe.combined_down = None  # the one-row builds that route and combine: below
     gate_up, down = moe.GEMV_GEMMS[1]
     launched = decode_launches(fwd, 1)
     assert launched.count(gate_up) == launched.count(down) == config.num_layers
@@ -206,6 +210,31 @@ def test_one_row_steps_run_the_expert_gemvs():
     assert gate_up not in decode_launches(fwd, 2) and moe.DECODE_GEMMS[0] in decode_launches(fwd, 2)
     fwd.moe.gemv_rows = 2
     assert decode_launches(fwd, 2).count(moe.GEMV_GEMMS[2][0]) == config.num_layers
+
+
+def test_one_row_steps_route_in_gate_up_and_combine_in_down():
+    """By default a one-row MoE layer is three launches: the router, the gate/up GEMV that routes the row
+    itself (``routed_gate_up``: no ``moe_route``, a block per chunk and columns, the routing's inputs
+    and outputs passed) and the down GEMV that adds into the residual stream (``combined_down``: a
+    block per column tile, no ``moe_combine_residual``); two rows route and combine apart again."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    routed, combined = fwd.moe.routed_gate_up, fwd.moe.combined_down
+    assert routed in moe.ROUTED_GATE_UPS and combined in moe.COMBINED_DOWNS
+    launched = decode_launches(fwd, 1)
+    assert launched.count(routed) == launched.count(combined) == config.num_layers
+    assert not {"moe_route_e256", "moe_combine_residual", *moe.GEMV_GEMMS[1]} & set(launched)
+    for kernel, grid, args in fwd.k.log:
+        if kernel.name == routed:
+            assert grid == (config.moe_intermediate_size // kernel.meta["cols"], config.num_experts_per_tok + 1)
+            assert args[14] is fwd.moe.row_pair and args[17] is fwd.moe.logits and args[19:] == (
+                config.num_experts, config.num_experts_per_tok, int(config.norm_topk_prob))
+        if kernel.name == combined:
+            assert grid == (config.hidden_size // kernel.meta["cols"],)
+            assert args[14] is fwd.b.x and args[15] is fwd.moe.row_pair and args[16:18] == (1, 8)
+    launched = decode_launches(fwd, 2)
+    assert routed not in launched and combined not in launched
+    assert {"moe_route_e256", "moe_combine_residual"} <= set(launched)
 
 
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])

@@ -147,11 +147,12 @@ def test_gemv_builds_match_reference(gpu, case, rows):
     gate_up, down = moe.gemv_gemms[rows]
     try:
         moe.gemv_rows = rows
+        moe.routed_gate_up = None  # the plain gate/up builds under test at one row too
         for kernel in shapes:  # each with the default other half
             moe.gemv_gemms = {rows: (kernel, down) if "gate_up" in kernel else (gate_up, kernel)}
             assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, kernel
     finally:
-        for option in ("gemv_rows", "gemv_gemms"):
+        for option in ("gemv_rows", "gemv_gemms", "routed_gate_up"):
             moe.__dict__.pop(option, None)  # the class's defaults again
 
 
@@ -196,23 +197,20 @@ def test_combined_down_is_the_down_gemv_and_combine(gpu, case):
             gpu.device.free(ptr)
         return got
 
-    apart = run()
-    assert rel_err(apart - resid, want) < DECODE_TOL
-    late = next(name for name in ROUTED_GATE_UPS if moe.k[name].meta["early"])  # triggers after its wait
+    gate_up = moe.gemv_gemms[1][0]
     try:
         for combined in COMBINED_DOWNS:
+            meta = moe.k[combined].meta
+            moe.combined_down = moe.routed_gate_up = None
+            moe.gemv_gemms = {1: (gate_up, f"moe_down_gemv_m1c{meta['cols']}x{meta['threads'] // meta['groups']}")}
+            apart = run()  # the down GEMV summing in the same order, then the combine
+            assert rel_err(apart - resid, want) < DECODE_TOL
             moe.combined_down = combined
-            if moe.k[combined].meta["early"]:  # routes before its wait: only after the late gate/up
-                with pytest.raises(ValueError, match="early gate/up"):
-                    run()
-                moe.routed_gate_up = late
-            else:
-                np.testing.assert_array_equal(run(), apart)
-                moe.routed_gate_up = ROUTED_GATE_UPS[0]
+            np.testing.assert_array_equal(run(), apart)
+            moe.routed_gate_up = ROUTED_GATE_UPS[0]
             assert rel_err(run() - resid, want) < DECODE_TOL, combined
-            del moe.routed_gate_up
     finally:
-        for option in ("combined_down", "routed_gate_up"):
+        for option in ("combined_down", "routed_gate_up", "gemv_gemms"):
             moe.__dict__.pop(option, None)
 
 

@@ -22,6 +22,10 @@ Routing never leaves the device, so a decode step's MoE can be captured in a CUD
    ``fold_combine`` a decode step's down GEMM does it, each column tile's last block:
    ``DOWN_COMBINE_GEMM``).
 
+A one-row decode step (the default ``routed_gate_up`` / ``combined_down``) is three launches: the
+router, a gate/up GEMV that also does 2 and 3 (the one row's plan is fixed but for the experts), and
+a down GEMV that also does 5.
+
 Weights are read under their canonical artifact names (``hybrid_weights.device_layout``: bf16
 ``router [E, H]``, ``experts.gate_up [E, 2I, H]``, ``experts.down [E, H, I]``, ``shared.gate_up
 [2S, H]``, ``shared.down [H, S]``, ``shared_gate [1, H]``). Scratch is one region carved at
@@ -59,10 +63,9 @@ ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
 # Its build that loads the router's weights before waiting for the kernel before it (CudaMoe.early_router).
 EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
-ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256", "moe_gate_up_gemv_m1c4x128r256l")
+ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
-COMBINED_DOWNS = ("moe_down_combine_gemv_m1c8x64g9", "moe_down_combine_gemv_m1c8x32g9",
-                  "moe_down_combine_gemv_m1c8x32g9r256")
+COMBINED_DOWNS = ("moe_down_combine_gemv_m1c8x32g9", "moe_down_combine_gemv_m1c8x64g9")
 
 
 def combine_gemm(down: str) -> str:
@@ -158,14 +161,15 @@ class CudaMoe:
     # A one-row step's gate/up GEMV of this build routes the row itself (numba_kernels/moe.py
     # ``make_routed_gemv``: every block routes from the logits and takes its chunk's expert), so no
     # ``moe_route`` launch precedes it; None launches ``moe_route``. Used where the experts fit the build
-    # and ``gemv_rows`` allows one-row GEMVs.
-    routed_gate_up: str | None = None
-    # A one-row step that adds into the residual stream runs its down GEMV as this build with the
-    # combine folded in (numba_kernels/moe.py ``make_combined_down_gemv``: a block per column tile takes
-    # every chunk, so it sums the pairs itself, no ticket), one launch fewer; None launches the GEMV and
-    # ``moe_combine_residual``. Used where ``gemv_rows`` allows one-row GEMVs and ``top_k + 1`` chunks
-    # fit the build's groups.
-    combined_down: str | None = None
+    # and ``gemv_rows`` allows one-row GEMVs. A one-row step that adds into the residual stream runs its
+    # down GEMV as the ``combined_down`` build, with the combine folded in (``make_combined_down_gemv``:
+    # a block per column tile takes every chunk, so it sums the pairs itself, no ticket), one launch
+    # fewer; None launches the GEMV and ``moe_combine_residual``. Used where ``gemv_rows`` allows one-row
+    # GEMVs and ``top_k + 1`` chunks fit the build's groups. Together: an H100's 35B-A3B batch-1 step
+    # 3.21-3.22 -> 3.04-3.05 ms of GPU time (-5%; routing alone 3.10, combining alone 3.16;
+    # tools/gpu_bench_hybrid.py --moe-builds-ablation, docs/benchmarks.md).
+    routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256"
+    combined_down: str | None = "moe_down_combine_gemv_m1c8x32g9"
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -211,7 +215,7 @@ class CudaMoe:
             gate_up, down = self.gemv_gemms[rows]
         routed = self.routed_gemv(rows)
         combined = self.combined_gemv(rows) if residual else None
-        self.check_gemms(routed or gate_up, combined or down)
+        self.check_gemms(gate_up, down)
         if norm is not None and self.fold_route and not routed:  # the router GEMM also routes, in its last block
             x = self.normed_router_route(x, weights, p, norm, rows, chunk, stream)
         else:
@@ -235,9 +239,8 @@ class CudaMoe:
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
         if combined:  # a block per column tile runs every chunk and adds their sum into y
             kernel = k[combined]
-            routes = (self.logits, c.num_experts) if kernel.meta["max_experts"] else ()  # it routes too
             kernel.launch((-(-H // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets) + routes, stream)
+                          down_args + (y, self.row_pair, rows, top_k, self.combine_tickets), stream)
         elif decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
             # last block adds the tile into y (the GEMVs and the early builds have no such build)
             self.grouped(combine_gemm(down), chunks, H, stream,
@@ -260,10 +263,7 @@ class CudaMoe:
         name = self.combined_down
         if name is None or rows != 1 or self.gemv_rows < 1:
             return None
-        meta = self.k[name].meta
-        fits = self.c.num_experts_per_tok + 1 <= meta["groups"] and self.c.num_experts <= (meta["max_experts"]
-                                                                                          or self.c.num_experts)
-        return name if fits else None
+        return name if self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"] else None
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
