@@ -116,8 +116,13 @@ def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     return weight_rows, load, accumulate
 
 
-def make_gemv(M, COLS, normed=False, epilogue="store"):
+def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
     """``COLS`` weight rows per block: each x value loaded serves that many rows.
+
+    ``PRELOAD`` (name suffix ``p{PRELOAD}``): each thread's first PRELOAD steps of weights, not one, are
+    in flight before the wait for the previous kernel. The registers cost blocks an SM, so it pays only
+    where every block of the grid is resident at once anyway and the kernel before leaves DRAM idle
+    (the MoE hybrid's one-row o projection, after the delta rule or attention: HybridForward.preload_o).
 
     ``normed`` / ``epilogue`` are the decode fusions of ``mma_gemv`` below (same meaning; with
     "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows).
@@ -128,6 +133,17 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
     SWIGLU = epilogue == "swiglu"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
     weight_rows, load_weights, accumulate = make_gemv_step(M, COLS, SWIGLU)
+
+    @cuda.jit(device=True, inline=True)
+    def held_activations(x, norm_w, rows, k, j, chunks, ss, xr):
+        """A held step j's activations of every row (zeros past ``rows`` or past k); adds each row's
+        squares to ``ss``."""
+        for r in range(M):
+            if r < rows and j < chunks:
+                ss[r] += load_activations(x, int64(r) * k + 8 * j, norm_w, 8 * j, normed, xr, r)
+            else:
+                for e in range(8):
+                    xr[r, e] = float32(0.0)
 
     def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
@@ -151,9 +167,27 @@ def make_gemv(M, COLS, normed=False, epilogue="store"):
         # first step's weights are in flight before the wait for the previous kernel (common.py,
         # "programmatic dependent launch"): weights never depend on it.
         launch_dependents()
-        load_weights(w, row_of, words, chunks, tid, raw)
-        grid_dependency_wait()
-        for j in range(tid, chunks, GEMV_THREADS):
+        first = tid
+        if PRELOAD > 1:  # the first PRELOAD steps' (constant indices: registers), consumed after the wait
+            held = cuda.local.array((PRELOAD, COLS, 4), uint32)
+            for s in range(PRELOAD):
+                load_weights(w, row_of, words, chunks, tid + s * GEMV_THREADS, raw)
+                for c in range(COLS):
+                    for e in range(4):
+                        held[s, c, e] = raw[c, e]
+            grid_dependency_wait()
+            for s in range(PRELOAD):
+                for c in range(COLS):
+                    for e in range(4):
+                        raw[c, e] = held[s, c, e]
+                held_activations(x, norm_w, rows, k, tid + s * GEMV_THREADS, chunks, ss, xr)
+                accumulate(acc, raw, xr)
+            first = tid + PRELOAD * GEMV_THREADS
+            load_weights(w, row_of, words, chunks, first, raw)
+        else:
+            load_weights(w, row_of, words, chunks, tid, raw)
+            grid_dependency_wait()
+        for j in range(first, chunks, GEMV_THREADS):
             # The step's activations first, their loads out together (x and norm_w sit in L2).
             for r in range(M):
                 if r < rows:
@@ -769,3 +803,9 @@ for _m in GEMV_ROWS:
             make_gemv(_m, 4, _normed, _epilogue), MMA_SIG,
             {"threads": GEMV_THREADS, "cols": 2 if _epilogue == "swiglu" else 4, "epilogue": _epilogue,
              "normed": int(_normed), "terms": 0, "max_rows": _m, "grid_wait": 1})
+# The one-row residual GEMV holding its first 4 steps before the wait (a 4096-wide row's whole share a
+# thread): HybridForward.preload_o.
+PRELOADED_GEMV = "gemv_residual_m1p4"
+KERNELS[PRELOADED_GEMV] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {
+    "threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "terms": 0, "max_rows": 1,
+    "preload": 4, "grid_wait": 1})

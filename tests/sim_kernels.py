@@ -106,6 +106,16 @@ def case_gemv(rows: int) -> dict:
             got = gemv(gpu, name, x, bits, norm, y0, n)
             want = h @ w.T + (y0 if epilogue == "residual" else 0)
         result[name] = rel(got, want)
+    if rows == 1:  # the fp32 GEMV holding 4 steps before its wait, over 4 steps a thread and a remainder
+        from ninfer.backends.cuda.forward import PRELOADED_O_GEMV
+
+        k, n = 8 * (4 * 128 + 1), 8
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        bits, w = bf16_matrix(rng, n, k)
+        plain = gemv(gpu, "gemv_residual_m1", x, bits, norm, y0[:, :n], n)
+        held = gemv(gpu, PRELOADED_O_GEMV, x, bits, norm, y0[:, :n], n)
+        result[PRELOADED_O_GEMV] = {"vs_numpy": rel(held, x @ w.T + y0[:, :n]),
+                                    "identical": bool(np.array_equal(held, plain))}
     return result
 
 

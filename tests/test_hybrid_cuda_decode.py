@@ -307,3 +307,22 @@ def test_fused_decode_kernels_replace_their_launches(name, option):
     fwd.layers(20, None)  # a prefill chunk
     launched = [kernel.name for kernel, _, _ in fwd.k.log]
     assert fused not in launched
+
+
+def test_preload_o_takes_the_one_row_o_gemv():
+    """``Forward.preload_o``: a one-row step's o projections (the DeltaNet out and the attention o) run
+    the GEMV that holds its first steps before its wait, on the plain one's grid and arguments; two
+    rows keep theirs."""
+    from ninfer.backends.cuda.forward import PRELOADED_O_GEMV
+
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    plain = decode_launches(fwd, 1)
+    fwd.preload_o = True
+    held = decode_launches(fwd, 1)
+    assert held.count(PRELOADED_O_GEMV) == plain.count("gemv_residual_m1") == config.num_layers
+    assert "gemv_residual_m1" not in held and len(held) == len(plain)
+    for kernel, grid, args in fwd.k.log:
+        if kernel.name == PRELOADED_O_GEMV:
+            assert grid == (config.hidden_size // 4,) and args[0] is fwd.b.x and args[4] == 1
+    assert PRELOADED_O_GEMV not in decode_launches(fwd, 2)

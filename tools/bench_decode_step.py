@@ -118,6 +118,10 @@ def main(argv=None) -> int:
             chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention
             measure(f"fused, {attention}")
             runner.forward.decode_attention_name = chosen_attention
+        if batch == 1:  # Forward.preload_o flipped
+            runner.forward.preload_o = not runner.forward.preload_o
+            measure(f"fused, preload_o {runner.forward.preload_o}")
+            runner.forward.preload_o = not runner.forward.preload_o
         if fw.chains_norms(batch):  # Forward.chain_norm flipped (a chained step overlaps every launch)
             chained = runner.forward.chain_norm
             runner.forward.chain_norm = not chained

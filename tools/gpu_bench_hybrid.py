@@ -279,6 +279,9 @@ def ablations(args, forward) -> list[tuple]:
         if getattr(args, f"{option}_ablation") and moe is not None:
             value = not getattr(moe, option)
             chosen.append((f"decode_{option}_{value}", f"MoE {option} {value}", [(moe, option, value)]))
+    if args.preload_o_ablation:  # Forward.preload_o flipped: the one-row o GEMV holds 4 steps before its wait
+        chosen.append((f"decode_preload_o_{not forward.preload_o}", f"preload_o {not forward.preload_o}",
+                       [(forward, "preload_o", not forward.preload_o)]))
     if args.early_router_ablation and moe is not None:  # the router GEMM streams its weights before the wait
         forward.k[EARLY_ROUTER_GEMM]  # loaded now: not during capture
         chosen.append(("decode_early_router", "MoE early router", [(moe, "early_router", not moe.early_router)]))
@@ -454,6 +457,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-gemv-ablation", default="", metavar="off|default|GATE_UP,DOWN[;...]",
                         help="decode again with the expert GEMMs of 1-2 rows as fp32 GEMVs (CudaMoe.gemv_rows 2): "
                              "'default' for moe.GEMV_GEMMS, or the batch-1 pair named; 'off': none (gemv_rows 0)")
+    parser.add_argument("--preload-o-ablation", action="store_true",
+                        help="decode again with Forward.preload_o flipped (a one-row step's o GEMV holding its "
+                             "first four steps of weights before its wait)")
     parser.add_argument("--moe-builds-ablation", default="", metavar="OPTION=NAME|off[+...][;...]",
                         help="decode again with CudaMoe's one-row builds set: routed_gate_up (a gate/up GEMV "
                              "routing the row itself, no moe_route launch), combined_down (the down GEMV adding "

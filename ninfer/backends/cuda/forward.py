@@ -121,6 +121,7 @@ DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else shape for rows in range(
 # at 512 keys 5.371 -> 5.355 / 5.432 -> 5.404 ms, 8 rows at 4096 keys 9.006 -> 8.960; 5 and 6 rows
 # lose 0.8-1.8% (tools/bench_decode_step.py --gemms down=t1w8u1s3r3, two runs).
 DECODE_GEMMS["down"].update({7: "t1w8u1s3r3", 8: "t1w8u1s3r3"})
+PRELOADED_O_GEMV = "gemv_residual_m1p4"  # Forward.preload_o (numba_kernels/gemm.py make_gemv's PRELOAD)
 
 
 # The chained norm (numba_kernels/gemm.py ``make_mma_gemv``'s ``chain``) of a step whose GEMMs are all
@@ -340,6 +341,9 @@ class Forward:
         # GPU tests pass; tools/bench_decode_step.py --only 'norms chained', docs/benchmarks.md).
         self.chain_norm = False
         self.kv_prefetch_bytes = KV_PREFETCH_BYTES  # 0: never (tools/bench_decode_step.py)
+        # A one-row step's o projection holds its first four steps of weights before its wait
+        # (PRELOADED_O_GEMV), while the kernel before it (attention, the delta rule) leaves DRAM idle.
+        self.preload_o = False
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
     def kernel_names(self) -> list[str]:
@@ -353,7 +357,7 @@ class Forward:
         names += [decode_gemm_name(matrix, epilogue, normed, m, "in" if normed else "out")
                   for m in range(1, GEMV_MAX_ROWS + 1) if chains_norms(m)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
-        return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)]
+        return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)] + [PRELOADED_O_GEMV]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
         if rows <= GEMV_MAX_ROWS:
@@ -517,7 +521,10 @@ class Forward:
         ``chain`` "out" (a residual GEMM): also write the next norm's input into ``xn`` (``norm``: that
         norm's weights) and its partial sums; "in" (a normed GEMM): read them instead of x and ``norm``."""
         epilogue, normed = DECODE_FUSIONS[matrix]
-        kernel = self.k[decode_gemm_name(matrix, epilogue, normed, rows, chain)]
+        name = decode_gemm_name(matrix, epilogue, normed, rows, chain)
+        if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
+            name = PRELOADED_O_GEMV
+        kernel = self.k[name]
         b, eps = self.b, float(self.c.rms_norm_eps)
         args = (y, x, w, norm if normed or chain == "out" else b.cos, rows, n, k, n, eps)
         if chain == "out":
