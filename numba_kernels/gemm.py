@@ -165,8 +165,9 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
         words = k >> 2
         # The whole block walks K together: 128 threads read 2 KiB of each weight row per step. The
         # first step's weights are in flight before the wait for the previous kernel (common.py,
-        # "programmatic dependent launch"): weights never depend on it.
-        launch_dependents()
+        # "programmatic dependent launch"): weights never depend on it. They are issued before
+        # ``launch_dependents``: issued after it, ptxas sank them below the wait (the SASS had every
+        # LDG after ACQBULK), as it does not for loads that precede the trigger.
         first = tid
         if PRELOAD > 1:  # the first PRELOAD steps' (constant indices: registers), consumed after the wait
             held = cuda.local.array((PRELOAD, COLS, 4), uint32)
@@ -175,6 +176,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
                 for c in range(COLS):
                     for e in range(4):
                         held[s, c, e] = raw[c, e]
+            launch_dependents()
             grid_dependency_wait()
             for s in range(PRELOAD):
                 for c in range(COLS):
@@ -186,6 +188,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
             load_weights(w, row_of, words, chunks, first, raw)
         else:
             load_weights(w, row_of, words, chunks, tid, raw)
+            launch_dependents()
             grid_dependency_wait()
         for j in range(first, chunks, GEMV_THREADS):
             # The step's activations first, their loads out together (x and norm_w sit in L2).
