@@ -310,16 +310,20 @@ def test_fused_decode_kernels_replace_their_launches(name, option):
 
 
 def test_preload_o_takes_the_one_row_o_gemv():
-    """``Forward.preload_o``: a one-row step's o projections (the DeltaNet out and the attention o) run
-    the GEMV that holds its first steps before its wait, on the plain one's grid and arguments; two
-    rows keep theirs."""
+    """``Forward.preload_o`` (on for a MoE hybrid, off for a dense one): a one-row step's o projections
+    (the DeltaNet out and the attention o) run the GEMV that holds its first steps before its wait, on
+    the plain one's grid and arguments; two rows keep theirs."""
     from ninfer.backends.cuda.forward import PRELOADED_O_GEMV
 
+    assert not forward(CONFIGS["27b"]).preload_o
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
+    assert fwd.preload_o
+    held = decode_launches(fwd, 1)
+    fwd.preload_o = False
     plain = decode_launches(fwd, 1)
     fwd.preload_o = True
-    held = decode_launches(fwd, 1)
+    decode_launches(fwd, 1)
     assert held.count(PRELOADED_O_GEMV) == plain.count("gemv_residual_m1") == config.num_layers
     assert "gemv_residual_m1" not in held and len(held) == len(plain)
     for kernel, grid, args in fwd.k.log:
