@@ -1,7 +1,8 @@
 """Where a decode step's device time goes: every kernel of the captured CUDA Graph, timed by CUPTI.
 
     python3 tools/profile_decode.py [--model 8b|27b|a3b] [--cases 1x512,8x512] [--reps 5] [--overlap yes|no]
-                                    [--enable chain_norm|moe.fold_route|rule_splits=4|moe.routed_gate_up=NAME,...] [--trace DIR]
+                                    [--enable chain_norm|moe.fold_route|rule_splits=4|moe.routed_gate_up=NAME,...]
+                                    [--trace DIR]
 
 Qwen3-8B shape with random bf16 weights (as tools/gpu_bench.py), or a hybrid shape of
 tools/gpu_bench_hybrid.py (``--model 27b|a3b``). For each (batch x context) case the
