@@ -122,7 +122,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
     ``PRELOAD`` (name suffix ``p{PRELOAD}``): each thread's first PRELOAD steps of weights, not one, are
     in flight before the wait for the previous kernel. The registers cost blocks an SM, so it pays only
     where every block of the grid is resident at once anyway and the kernel before leaves DRAM idle
-    (the MoE hybrid's one-row o projection, after the delta rule or attention: HybridForward.preload_o).
+    (the MoE hybrid's one-row o projection, after the delta rule or attention: Forward.preload_o).
 
     ``normed`` / ``epilogue`` are the decode fusions of ``mma_gemv`` below (same meaning; with
     "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows).
@@ -807,8 +807,7 @@ for _m in GEMV_ROWS:
             {"threads": GEMV_THREADS, "cols": 2 if _epilogue == "swiglu" else 4, "epilogue": _epilogue,
              "normed": int(_normed), "terms": 0, "max_rows": _m, "grid_wait": 1})
 # The one-row residual GEMV holding its first 4 steps before the wait (a 4096-wide row's whole share a
-# thread): HybridForward.preload_o.
-PRELOADED_GEMV = "gemv_residual_m1p4"
-KERNELS[PRELOADED_GEMV] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {
+# thread): Forward.preload_o (ninfer/backends/cuda/forward.py PRELOADED_O_GEMV), on for MoE hybrids.
+KERNELS["gemv_residual_m1p4"] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {
     "threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "terms": 0, "max_rows": 1,
-    "preload": 4, "grid_wait": 1})
+    "grid_wait": 1})

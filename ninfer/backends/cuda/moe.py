@@ -251,19 +251,22 @@ class CudaMoe:
             threads = combine.meta["threads"]
             combine.launch((-(-H // threads), rows), (threads,), (y, self.out, self.row_pair, rows, top_k, H), stream)
 
+    def one_row_build(self, name: str | None, rows: int) -> bool:
+        """Whether a one-row build (``routed_gate_up``, ``combined_down``) named ``name`` may take a step
+        of ``rows`` rows: one row, run as GEMVs."""
+        return name is not None and rows == 1 and self.gemv_rows >= 1
+
     def routed_gemv(self, rows: int) -> str | None:
         """The gate/up build that routes a step of ``rows`` rows itself (``routed_gate_up``), if it may."""
         name = self.routed_gate_up
-        if name is None or rows != 1 or self.gemv_rows < 1:
-            return None
-        return name if self.c.num_experts <= self.k[name].meta["max_experts"] else None
+        fits = self.one_row_build(name, rows) and self.c.num_experts <= self.k[name].meta["max_experts"]
+        return name if fits else None
 
     def combined_gemv(self, rows: int) -> str | None:
         """The down build with the combine folded in for a step of ``rows`` rows (``combined_down``), if it may."""
         name = self.combined_down
-        if name is None or rows != 1 or self.gemv_rows < 1:
-            return None
-        return name if self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"] else None
+        fits = self.one_row_build(name, rows) and self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"]
+        return name if fits else None
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
