@@ -180,6 +180,24 @@ def atomic_add_i32(typingctx, ptr, index, value):
     return sig, codegen
 
 
+@intrinsic
+def ticket_acq_rel(typingctx, ptr, index):
+    """``old = ptr[index]; ptr[index] += 1`` (int32) as one acquire-release device-scope atomic: taken by
+    one thread after a block barrier, it publishes what the whole block wrote before the barrier and,
+    for the block that takes the last ticket, makes what the other blocks published visible to the
+    threads past the next barrier (the barrier carries the ordering both ways; no ``threadfence``)."""
+    sig = int32(ptr, index)
+
+    def codegen(context, builder, signature, args):
+        base, idx = args
+        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(64)])
+        return builder.call(ir.InlineAsm(fnty, "atom.acq_rel.gpu.global.add.s32 $0, [$1], 1;", "=r,l",
+                                         side_effect=True), [addr])
+
+    return sig, codegen
+
+
 @cuda.jit(device=True, inline=True)
 def last_to_finish(counters, index, arrivals):
     """Whether this block is the last of ``arrivals`` blocks to finish, each taking a ticket from
@@ -252,6 +270,19 @@ def prefetch_l2(typingctx, ptr, index, nbytes):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def prefetch_block_share(ptr, nbytes):
+    """Ask L2 for this block's share of the first ``nbytes`` of ``ptr`` (a uint32 pointer, 16-byte
+    aligned): the grid's blocks in launch order take 16-byte multiples, one request a block (called by
+    one of its threads). The next kernel's weights, while this one leaves DRAM time unused."""
+    blocks = cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z
+    block = (cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x
+    share = ((nbytes + blocks - 1) // blocks + 15) & ~15
+    at = block * share
+    if at < nbytes:
+        prefetch_l2(ptr, at >> 2, min(share, nbytes - at))
 
 
 # -- asynchronous copies into shared memory ---------------------------------------------------------

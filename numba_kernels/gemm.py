@@ -21,9 +21,9 @@ from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import (F32P, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, cp_async16, cp_async_commit,
+from numba_kernels.common import (F32P, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32, cp_async16, cp_async_commit,
                                   cp_async_wait, global_address, grid_dependency_wait, launch_dependents, lds_u32x4,
-                                  load_f32x4, shared_address, warp_sum)
+                                  load_f32x4, prefetch_block_share, shared_address, warp_sum)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
@@ -376,7 +376,7 @@ def make_weight_fragments(T: int, load):
 
 
 def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False, RING: int = 0,
-                  chain: str = "", hold: bool = False, early: bool = False):
+                  chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False):
     """``chain`` passes the next GEMM's RMSNorm from a residual GEMM to its consumer (batched decode):
     "out" (epilogue "residual"; last arguments ``xn, part``): besides ``y += .`` the block writes
     ``xn = y * norm_w`` (``norm_w``: the next norm's weights) and, per row, the sum of squares of its
@@ -402,8 +402,13 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     ``cp.async`` RING slots ahead: the weight rows as whole 128-byte lines (8 lanes a row, 4 rows an
     instruction, where the register path's lanes read 64 bytes of each of 16 rows), the slot's
     activations (zeros past ``rows``) and norm weights; then reads its fragments back after a warp
-    barrier. The first RING slots' weights go out before the wait for the previous kernel."""
+    barrier. The first RING slots' weights go out before the wait for the previous kernel.
+
+    ``NEXT`` (last arguments ``next_w, next_bytes``): once warp 0 has streamed its share, thread 0 asks
+    L2 for the block's share of the first ``next_bytes`` of ``next_w``, the next GEMM's weights, which
+    then stream in over this kernel's tail and the launch gap."""
     assert normed or not keep
+    assert not (NEXT and (keep or chain))
     assert chain in ("", "in", "out") and not (chain == "in" and normed) and (chain != "out" or epilogue == "residual")
     assert chain != "out" or (T == 1 and W >= 4)  # NORM_OUT: an output a thread, a row's columns a half-warp
     NORM_IN = chain == "in"
@@ -616,7 +621,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             inv[lane] = float32(1.0) / math.sqrt(total[lane] / float32(k) + eps)
 
     @cuda.jit(device=True, inline=True)
-    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept, xn, part, parts):
+    def body(y, x, w, norm_w, rows, n, k, ldy, eps, kept, xn, part, parts, next_w, next_bytes):
         red = cuda.shared.array((W, T, 16, 8), float32)
         red_ss = cuda.shared.array((W, 8), float32)
         inv = cuda.shared.array(8, float32)
@@ -638,6 +643,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             ss = ring_loop(acc, w, x, norm_w, rows, n, k, warp, lane)
         else:
             ss = register_loop(acc, w, x, norm_w, rows, n, k, warp, lane)
+        if NEXT and tid == 0:
+            prefetch_block_share(next_w, next_bytes)
         if not NORM_IN or warp < W:
             for tt in range(T):
                 red[warp, tt, g, 2 * t] = acc[tt, 0]
@@ -710,16 +717,19 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
 
     if keep:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, kept):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, kept, y, y, 0)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, kept, y, y, 0, y, 0)
     elif NORM_OUT:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, xn, part):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, xn, part, 0)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, xn, part, 0, y, 0)
     elif NORM_IN:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, part, parts):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, part, parts)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, part, parts, y, 0)
+    elif NEXT:
+        def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, next_w, next_bytes):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, y, 0, next_w, next_bytes)
     else:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, y, 0)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, y, 0, y, 0)
 
     return mma_gemv
 
@@ -728,8 +738,8 @@ MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
-                    RING: int = 0, chain: str = "", hold: bool = False, early: bool = False) -> str:
-    ring = f"r{RING}" if RING else "h" if hold else "e" if early else ""
+                    RING: int = 0, chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False) -> str:
+    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("n" if NEXT else "")
     norm = "normed_" if normed else "normin_" if chain == "in" else ""
     fusion = f"{norm}{'keep_' if keep else ''}{epilogue}{'_normout' if chain == 'out' else ''}"
     return f"mma_gemv_{fusion}_t{T}w{W}u{U}s{TERMS}{ring}"
@@ -770,6 +780,17 @@ for _shape in [_s + (0,) for _s in MMA_SHAPES] + RING_SHAPES:
             _meta["shared"] = ring_bytes(_normed, _t, _w, _ring)
         KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring)] = (
             make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring), MMA_SIG, _meta)
+# Batched decode's q/k/v, o, gate/up and down shapes (forward.DECODE_GEMMS) asking L2 for the next GEMM's
+# first weights at their tail (``NEXT``; forward.Forward.gemm_prefetch).
+NEXT_GEMMS = [(True, "store", (1, 8, 2, 3, 0)), (False, "residual", (1, 16, 4, 3, 0)),
+              (True, "swiglu", (4, 4, 1, 3, 0)), (False, "residual", (1, 8, 1, 3, 3))]
+for _normed, _epilogue, (_t, _w, _u, _terms, _ring) in NEXT_GEMMS:
+    _meta = {"threads": 32 * _w, "cols": _t * (8 if _epilogue == "swiglu" else 16), "epilogue": _epilogue,
+             "normed": int(_normed), "terms": _terms, "max_rows": 8, "grid_wait": 1, "next": 1}
+    if _ring:
+        _meta["shared"] = ring_bytes(_normed, _t, _w, _ring)
+    KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring, NEXT=True)] = (
+        make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring, NEXT=True), MMA_SIG + (U32P, int32), _meta)
 # The chained norm of batched decode (``make_mma_gemv``'s ``chain``; forward.CHAIN_IN_GEMMS): the
 # residual GEMMs that write the next norm's input (o, down) and the GEMMs that read it (q/k/v, gate/up,
 # LM head). ``tools/bench_decode_gemm.py --rows 8`` on the H200, GB/s, the normed kernel it replaces in

@@ -58,10 +58,14 @@ def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *extra)
     """A fused decode GEMM's launch (its arguments as ``Forward.decode_gemm`` passes them) stays inside
     its buffers, covers its n outputs, and has K % 8 == 0; a ``keep`` kernel's normalised rows (its
     last argument) fit theirs and are not its input; a chained norm's input and partial sums (a
-    producer's ``xn, part``, a consumer's ``part, parts``) fit theirs."""
+    producer's ``xn, part``, a consumer's ``part, parts``) fit theirs; a ``next`` kernel's prefetch
+    stays inside the next GEMM's weights."""
     meta, f32 = kernel.meta, 4
     chain = meta.get("chain")
-    assert len(extra) == (2 if chain else meta.get("keep", 0)), kernel.name
+    assert len(extra) == (2 if chain or meta.get("next") else meta.get("keep", 0)), kernel.name
+    if meta.get("next"):  # the next GEMM's weights and how many of their first bytes L2 is asked for
+        then, ahead = extra
+        assert 0 < ahead <= then.nbytes and ahead % 16 == 0 and then.addr != w.addr, kernel.name
     if meta.get("keep"):
         assert extra[0].nbytes >= rows * k * f32 and extra[0].addr != x.addr, kernel.name
     if chain == "out":

@@ -342,6 +342,7 @@ _SIMULATED = {
     "asm_statement.<locals>.statement": _statement,
     "store_u32x4": lambda env: _store_u32x4,
     "atomic_add_i32": lambda env: _atomic_add_i32,
+    "ticket_acq_rel": lambda env: (lambda ptr, index: _atomic_add_i32(ptr, index, 1)),
     "prefetch_l2": lambda env: _prefetch_l2,
     "load_i32_l2": lambda env: (lambda ptr, index: _elements(ptr, index, np.int32, 1)[0]),
     "global_timer": lambda env: (lambda: np.uint64(time.monotonic_ns())),

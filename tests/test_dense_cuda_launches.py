@@ -154,3 +154,55 @@ def test_tensor_core_steps_chain_their_norms():
     fwd.k.log.clear()
     fwd.decode(MAX_BATCH, None)
     assert not any(kernel.meta.get("chain") for kernel, _, _ in fwd.k.log)
+
+
+def test_decode_attention_asks_l2_for_a_share_of_its_o_projection():
+    """Each layer's ``decode_attention`` gets that layer's o projection and the first
+    ``attention_prefetch`` of its bf16 bytes (a multiple of 16, inside the matrix); the step input's
+    bits ask for it wherever the share is set, and for the keys only where ``kv_prefetch`` is on and a
+    layer of them fits the budget."""
+    fwd = forward()
+    o_bytes = CONFIG.hidden_size * CONFIG.q_size * 2
+    fwd.decode(4, None)
+    launches = [args for kernel, _, args in fwd.k.log if kernel.name.startswith("decode_attention")]
+    assert len(launches) == CONFIG.num_layers
+    for i, args in enumerate(launches):
+        target, nbytes = args[-2:]
+        assert target is fwd.w[f"layers.{i}.o"] and target.nbytes == o_bytes
+        assert nbytes == o_bytes * fwd.attention_prefetch // 16 * 16 and 0 < nbytes <= o_bytes and nbytes % 16 == 0
+    fits = fwd.kv_prefetch_bytes // fwd.layer_kv_bytes_per_key
+    assert fwd.decode_prefetch(fits) == fw.PREFETCH_O  # the keys are not asked for by default
+    fwd.kv_prefetch = True
+    assert fwd.decode_prefetch(fits) == fw.PREFETCH_KEYS | fw.PREFETCH_O
+    assert fwd.decode_prefetch(fits + 1) == fw.PREFETCH_O
+    fwd.attention_prefetch = 0.0
+    assert fwd.decode_prefetch(fits + 1) == 0
+
+
+def test_batched_gemms_ask_l2_for_the_next_gemms_weights_where_set():
+    """With ``gemm_prefetch`` set, a tensor-core step's q/k/v, o, gate/up and down launch their NEXT
+    builds with the weights of the GEMM that follows them (o, gate/up, down, the next layer's q/k/v or
+    the LM head) and at most the bytes asked; one- and two-row steps (fp32 GEMVs) and unset matrices
+    keep the plain kernels."""
+    fwd = forward()
+    fwd.gemm_prefetch = {"o": 3 << 20, "gate_up": 1 << 40, "down": 5000}
+    L, w = CONFIG.num_layers, fwd.w
+    following = {"o": [w[f"layers.{i}.gate_up"] for i in range(L)], "gate_up": [w[f"layers.{i}.down"] for i in range(L)],
+                 "down": [w[f"layers.{i + 1}.qkv"] for i in range(L - 1)] + [fwd.lm_head]}
+    for rows in range(1, MAX_BATCH + 1):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        seen = {"o": [], "gate_up": [], "down": []}
+        for kernel, _, args in fwd.k.log:
+            if kernel.meta.get("next"):
+                matrix = "gate_up" if kernel.meta["epilogue"] == "swiglu" else "o" if args[1] is fwd.b.attn else "down"
+                seen[matrix].append(args[-2:])
+            elif "epilogue" in kernel.meta and rows > 2 and kernel.meta["epilogue"] != "store":
+                raise AssertionError(f"{kernel.name}: no NEXT build at {rows} rows")
+        if rows <= 2:
+            assert not any(seen.values()), rows
+            continue
+        for matrix, launches in seen.items():
+            assert [then for then, _ in launches] == following[matrix], (rows, matrix)
+            asked = fwd.gemm_prefetch[matrix]
+            assert all(ahead == min(asked, then.nbytes) // 16 * 16 for then, ahead in launches), (rows, matrix)

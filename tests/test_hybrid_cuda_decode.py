@@ -114,6 +114,7 @@ def test_kv_prefetch_only_while_a_layer_of_keys_fits_the_budget():
     fwd = forward(CONFIGS["27b"])
     assert fwd.layer_kv_bytes_per_key == 2 * 4 * 256 * 2
     fits = KV_PREFETCH_BYTES // fwd.layer_kv_bytes_per_key
+    fwd.kv_prefetch = True  # off by default (Forward.kv_prefetch)
     assert fwd.decode_prefetch(fits) and not fwd.decode_prefetch(fits + 1)
     fwd.kv_prefetch_bytes = 0
     assert not fwd.decode_prefetch(1)

@@ -1,7 +1,7 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
-                                       [--only 'splits of,no attention']
+                                       [--only 'splits of,no attention'] [--prefetch-o 0.125,0.25]
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
@@ -13,7 +13,7 @@ norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), launche
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
 (tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
 overlapping, the KV prefetch flipped
-(``forward.KV_PREFETCH_BYTES``), decode attention in the
+(``forward.KV_PREFETCH_BYTES``), shares of the o projection asked of L2 by attention with and without the KV prefetch (``--prefetch-o``), decode attention in the
 prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
 in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
@@ -61,6 +61,11 @@ def main(argv=None) -> int:
                         "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3)")
     parser.add_argument("--attention", default="", help="the decode attention kernel of every variant (a "
                         "variant built into ptx/ under another name); the step with the default one is timed too")
+    parser.add_argument("--prefetch-o", default="", help="comma-separated shares of each o projection that "
+                        "decode_attention asks L2 for (Forward.attention_prefetch), each with and without the KV prefetch")
+    parser.add_argument("--gemm-prefetch", default="", help="comma-separated Forward.gemm_prefetch settings to "
+                        "time, each as matrix=MiB joined by '+' (the next GEMM's weights a decode GEMM asks L2 for), "
+                        "or none")
     parser.add_argument("--splits", default="32,64,128,256,512,1024,2048",
                         help="other attention split lengths to time (keys, multiples of 32)")
     args = parser.parse_args(argv)
@@ -114,6 +119,12 @@ def main(argv=None) -> int:
             measure_gemms(label, {matrix: {r: choice for r in table} for matrix, table in fw.DECODE_GEMMS.items()})
         for spec in filter(None, args.gemms.split(",")):  # per-matrix kernels: qkv=fp32+o=t1w16u4s3+...
             measure_gemms(spec, {matrix: {batch: choice} for matrix, choice in (p.split("=") for p in spec.split("+"))})
+            label = f"o overlap {runner.forward.o_overlap}"
+            measure(f"fused, {label}")
+            for spec in filter(None, args.gemms.split(",")):
+                measure_gemms(f"{label}, {spec}", {matrix: {batch: choice}
+                                                  for matrix, choice in (p.split("=") for p in spec.split("+"))})
+            runner.forward.o_overlap = not runner.forward.o_overlap
         if attention != runner.forward.decode_attention_name:
             chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention
             measure(f"fused, {attention}")
@@ -122,6 +133,23 @@ def main(argv=None) -> int:
             runner.forward.preload_o = not runner.forward.preload_o
             measure(f"fused, preload_o {runner.forward.preload_o}")
             runner.forward.preload_o = not runner.forward.preload_o
+        chosen_gemm_prefetch = runner.forward.gemm_prefetch
+        for spec in filter(None, args.gemm_prefetch.split(",")):  # qkv=4+o=8+...: MiB each GEMM asks L2 for; none
+            runner.forward.gemm_prefetch = {m: int(float(mib) * (1 << 20))
+                                            for m, mib in (p.split("=") for p in spec.split("+") if p != "none")}
+            measure(f"fused, gemm prefetch {spec}")
+        runner.forward.gemm_prefetch = chosen_gemm_prefetch
+        inp = runner.buffers.inputs
+        chosen_share, bits = runner.forward.attention_prefetch, int(inp.split[1])
+        for share in filter(None, args.prefetch_o.split(",")):  # with the step's keys asked of L2 or not
+            runner.forward.attention_prefetch = float(share)
+            for keys in (0, fw.PREFETCH_KEYS):
+                inp.split[1] = keys | fw.PREFETCH_O
+                inp.upload(runner.stream)
+                measure(f"fused, o prefetched {share}{', keys prefetched' if keys else ''}")
+        runner.forward.attention_prefetch = chosen_share
+        inp.split[1] = bits
+        inp.upload(runner.stream)
         if fw.chains_norms(batch):  # Forward.chain_norm flipped (a chained step overlaps every launch)
             chained = runner.forward.chain_norm
             runner.forward.chain_norm = not chained
@@ -156,9 +184,9 @@ def main(argv=None) -> int:
             measure(f"fused, grid of {needed} splits")
             del runner.forward.n_splits
         prefetch = int(inp.split[1])
-        inp.split[1] = 1 - prefetch
+        inp.split[1] = prefetch ^ fw.PREFETCH_KEYS
         inp.upload(runner.stream)
-        measure(f"fused, {'no ' if prefetch else ''}KV prefetch")
+        measure(f"fused, {'no ' if prefetch & fw.PREFETCH_KEYS else ''}KV prefetch")
         inp.split[1] = prefetch
         inp.upload(runner.stream)
         runner.forward.attend = lambda *a, **k: None

@@ -152,10 +152,12 @@ def main(argv=None) -> int:
             setattr(target, option, True)
         elif isinstance(value, int) and not isinstance(value, bool) and number.isdigit():
             setattr(target, option, int(number))
+        elif isinstance(value, float) and number:
+            setattr(target, option, float(number))
         elif number and (value is None or isinstance(value, str)):  # a kernel's name
             setattr(target, option, number)
         else:
-            raise SystemExit(f"--enable {setting}: not an on/off option (OPTION), a count (OPTION=N) or a kernel "
+            raise SystemExit(f"--enable {setting}: not an on/off option (OPTION), a number (OPTION=N) or a kernel "
                              "(OPTION=NAME) of the forward")
     for name in runner.forward.kernel_names():  # module loads are not allowed during capture
         runner.kernels[name]

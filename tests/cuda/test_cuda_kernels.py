@@ -104,6 +104,9 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
     elif chain == "out":  # the next norm's weights are per output column
         norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
         extra = (gpu.empty(8 * n * 4), gpu.empty(grid * 8 * 4))
+    elif kernel.meta.get("next"):  # "the next GEMM's weights" asked of L2: a hint that changes nothing
+        then = gpu.put(np.zeros(4096 + 37 * 16, np.uint8))
+        extra = (then, then.nbytes)
     gpu.launch(kernel.name, (grid,), (kernel.meta["threads"],),
                (y, gpu.put(x_in), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *extra))
     got = gpu.get(y, np.float32, (8, n))
@@ -430,8 +433,12 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     counters = gpu.put(np.zeros(rows * KV, np.int32))
     d_qkv, d_tables, d_positions = gpu.put(qkv), gpu.put(tables), gpu.put(positions)
     name = f"decode_attention_g{group}_d{D}_{kv_dtype}"
-    # 768: one split, no merge; 32 again: the tickets were reset. ``prefetch``: pages asked of L2 first.
-    for split, prefetch in ((32, 1), (256, 0), (96, 1), (768, 1), (32, 0)):
+    # 768: one split, no merge; 32 again: the tickets were reset. ``prefetch`` bits: 1, pages asked of L2
+    # first; 2, ``ahead`` bytes of a "next kernel's weights" (the pool itself) asked of L2 after (> 0) or
+    # before the wait. Hints that must change nothing (the last block's share is a short one).
+    pool_bytes = pool.size * itemsize
+    for split, prefetch, ahead in ((32, 1, 0), (256, 2, pool_bytes - 48), (96, 3, -(pool_bytes // 2 + 16)),
+                                   (768, 3, 4096), (32, 0, pool_bytes)):
         n_splits = -(-max_ctx // split)
         part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
         out = gpu.empty(rows * H * D * 4)
@@ -439,7 +446,7 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
                    (d_qkv, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv, layer_kv,
                     pool.size // num_pages, d_tables, max_pages, gpu.put(np.arange(rows, dtype=np.int32)), d_positions,
                     out, part_o, part_ml, counters, H, KV, ps.bit_length() - 1,
-                    gpu.put(np.array([split, prefetch], np.int32)), n_splits, scale, 1, 1, 1e-6))
+                    gpu.put(np.array([split, prefetch], np.int32)), n_splits, scale, 1, 1, 1e-6, pool_dev, ahead))
         got = gpu.get(out, np.float32, (rows, H * D))
         for r in range(rows):
             assert _err(got[r], want[r]) < 1e-4, (split, r)

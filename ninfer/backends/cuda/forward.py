@@ -74,6 +74,7 @@ def decode_split(length: int, row_blocks: int) -> int:
 # that GEMM finishes, and the key loop then waits on L2 instead of DRAM. L2 holds 50 MiB on the H200;
 # more would evict the prefetched pages before they are read.
 KV_PREFETCH_BYTES = 32 << 20
+PREFETCH_KEYS, PREFETCH_O = 1, 2  # bits of a decode step's ``inputs.split[1]`` (Forward.decode_prefetch)
 
 
 def attention_splits(max_context: int) -> dict[str, int]:
@@ -340,7 +341,24 @@ class Forward:
         # but this one lost on an H100 (b3/512 6.337 vs 6.309 ms, b8/512 6.671 vs 6.567; its kernels'
         # GPU tests pass; tools/bench_decode_step.py --only 'norms chained', docs/benchmarks.md).
         self.chain_norm = False
-        self.kv_prefetch_bytes = KV_PREFETCH_BYTES  # 0: never (tools/bench_decode_step.py)
+        # The step's keys asked of L2 before attention waits, where a layer of them fits kv_prefetch_bytes.
+        # Off: on an H100 (tools/bench_decode_step.py, ms a step) b4/512 6.121 -> 6.093, b8/512 6.394 ->
+        # 6.385, b8 at 2048 keys forced on 6.972 -> 7.077, b1 level; with attention_prefetch on, b8/512
+        # 6.380 -> 6.344 without it.
+        self.kv_prefetch = False
+        self.kv_prefetch_bytes = KV_PREFETCH_BYTES
+        # The share of each layer's o projection weights that its decode_attention grid asks L2 for after
+        # its wait, while attention leaves DRAM mostly idle; the o GEMV then finds them there. 0: never.
+        # H100, ms a step, 0 -> 0.25 (keys not prefetched): b1/512 5.324 -> 5.291, b2/512 5.737 -> 5.707,
+        # b4/512 6.121 -> 6.054, b8/512 6.394 -> 6.344, b1/2048 5.418 -> 5.410, b8/2048 6.972 -> 6.956;
+        # 0.125 and 0.375 did no better, the whole matrix worse (attention slows as much as o gains).
+        self.attention_prefetch = 0.25
+        # Bytes of the next GEMM's weights each batched decode GEMM (by matrix: qkv, o, gate_up, down) asks
+        # L2 for at its tail, where its tensor-core shape has a NEXT build (numba_kernels/gemm.py): those
+        # stream while the GEMM's last blocks finish and the next one launches. H100, ms a step, none ->
+        # 8 MiB at o, gate/up and down: b3/512 6.217 -> 6.149, b4/512 6.266 -> 6.198, b8/512 6.549 -> 6.471,
+        # b8/4096 8.011 -> 7.935 (tools/bench_decode_step.py --gemm-prefetch; 4 and 16 MiB did less).
+        self.gemm_prefetch: dict[str, int] = {"o": 8 << 20, "gate_up": 8 << 20, "down": 8 << 20}
         # A one-row step's o projection holds its first four steps of weights before its wait
         # (PRELOADED_O_GEMV), while the kernel before it (attention, the delta rule) leaves DRAM idle.
         # Off for the dense model: Qwen3-8B b1 on an H100 5.443 -> 5.451 ms at 512 keys, 5.696 -> 5.674
@@ -359,6 +377,7 @@ class Forward:
         names += [decode_gemm_name(matrix, epilogue, normed, m, "in" if normed else "out")
                   for m in range(1, GEMV_MAX_ROWS + 1) if chains_norms(m)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
+        names += [name + "n" for name in names if name + "n" in self.k.entries]  # the NEXT builds
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)] + [PRELOADED_O_GEMV]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
@@ -385,9 +404,18 @@ class Forward:
         fp32_only = all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in DECODE_GEMMS)
         return self.overlap and (fp32_only or self.chains(rows))
 
-    def decode_prefetch(self, keys: int) -> bool:
-        """Whether ``decode_attention`` prefetches a step's ``keys`` (summed over its rows) into L2."""
-        return keys * self.layer_kv_bytes_per_key <= self.kv_prefetch_bytes
+    def next_weights(self, i: int) -> tuple[rt.DevicePtr, int]:
+        """(pointer, bytes) of what layer ``i``'s ``decode_attention`` may ask L2 for: the first
+        ``attention_prefetch`` of its o projection's bf16 weights."""
+        total = self.c.hidden_size * self.c.q_size * 2
+        return self.w[f"layers.{i}.o"], int(total * self.attention_prefetch) // 16 * 16
+
+    def decode_prefetch(self, keys: int) -> int:
+        """What ``decode_attention`` asks L2 for in a step of ``keys`` keys (summed over its rows), as the
+        step input's bits: the keys where ``kv_prefetch`` is on and one layer of them fits
+        ``kv_prefetch_bytes``; the o projection's first share wherever ``attention_prefetch`` is set."""
+        fits = self.kv_prefetch and keys * self.layer_kv_bytes_per_key <= self.kv_prefetch_bytes
+        return (PREFETCH_KEYS if fits else 0) | (PREFETCH_O if self.attention_prefetch else 0)
 
     def n_splits(self, rows: int, decode: bool = False) -> int:
         """The attention grid's depth; ``inputs.split`` holds the actual split length. A decode step's
@@ -421,7 +449,7 @@ class Forward:
                              (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
                               inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
                               b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale,
-                              *flags), stream)
+                              *flags, *self.next_weights(i)), stream)
             return b.attn
         rope_args = (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
                      b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)
@@ -517,18 +545,28 @@ class Forward:
         return self.chain_norm and chains_norms(rows)
 
     def decode_gemm(self, matrix: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
-                    k: int, stream, norm: rt.DevicePtr | None = None, chain: str = "") -> None:
+                    k: int, stream, norm: rt.DevicePtr | None = None, chain: str = "",
+                    then: rt.DevicePtr | None = None) -> None:
         """A decode GEMM with its fusion (DECODE_FUSIONS): "normed" = rmsnorm(x) * ``norm`` first;
         epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up]).
         ``chain`` "out" (a residual GEMM): also write the next norm's input into ``xn`` (``norm``: that
-        norm's weights) and its partial sums; "in" (a normed GEMM): read them instead of x and ``norm``."""
+        norm's weights) and its partial sums; "in" (a normed GEMM): read them instead of x and ``norm``.
+        ``then``: the next GEMM's weights, whose first ``gemm_prefetch[matrix]`` bytes a tensor-core
+        shape with a ``NEXT`` build asks L2 for at its tail."""
         epilogue, normed = DECODE_FUSIONS[matrix]
         name = decode_gemm_name(matrix, epilogue, normed, rows, chain)
         if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
             name = PRELOADED_O_GEMV
+        ahead = min(self.gemm_prefetch.get(matrix, 0), then.nbytes) // 16 * 16 if then is not None else 0
+        if ahead and name + "n" in self.k.entries:
+            name += "n"
+        else:
+            ahead = 0
         kernel = self.k[name]
         b, eps = self.b, float(self.c.rms_norm_eps)
         args = (y, x, w, norm if normed or chain == "out" else b.cos, rows, n, k, n, eps)
+        if ahead:
+            args += (then, ahead)
         if chain == "out":
             args += (b.xn, b.norm_part)
         elif chain == "in":  # the producer wrote one partial per block (of the hidden size's columns)
@@ -563,16 +601,17 @@ class Forward:
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
+            last = i + 1 == c.num_layers
             self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
-                             norm=w[p + "attn_norm"], chain=into if i else "")  # the embedding has no chain
+                             norm=w[p + "attn_norm"], chain=into if i else "", then=w[p + "o"])  # embedding: no chain
             self.attend(i, rows, n_splits, stream, decode=True)
             self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
-                             norm=w[p + "mlp_norm"], chain=out)
+                             norm=w[p + "mlp_norm"], chain=out, then=w[p + "gate_up"])
             self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
-                             stream, norm=w[p + "mlp_norm"], chain=into)
-            following = w[f"layers.{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
+                             stream, norm=w[p + "mlp_norm"], chain=into, then=w[p + "down"])
+            following = w["final_norm"] if last else w[f"layers.{i + 1}.attn_norm"]
             self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
-                             stream, norm=following, chain=out)
+                             stream, norm=following, chain=out, then=self.lm_head if last else w[f"layers.{i + 1}.qkv"])
 
     def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False) -> rt.DevicePtr:
         """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or with

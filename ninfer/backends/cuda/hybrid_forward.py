@@ -190,6 +190,7 @@ class HybridForward(Forward):
         # steps before the wait, during the delta rule or attention: an H100's 35B-A3B batch-1 step
         # 3.01-3.02 -> 2.97-2.98 ms of GPU time (tools/gpu_bench_hybrid.py --preload-o-ablation, two runs).
         self.preload_o = MOE in c.mlp_types
+        self.attention_prefetch = 0.0  # decode_attention's o prefetch: the gated attention kernels have none
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
