@@ -51,9 +51,9 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
                                   last_to_finish, launch_dependents, load_f32x4, load_i32_l2, load_u32x2, load_u64x2,
-                                  warp_max, warp_max_i32, warp_min_i32, warp_sum)
+                                  prefetch_l2, warp_max, warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
@@ -914,7 +914,7 @@ def make_ranked_picks(experts: int):
     return ranked_picks
 
 
-def make_routed_gemv(COLS: int, THREADS: int, experts: int):
+def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
     """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
     routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
     which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
@@ -925,14 +925,31 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int):
     writes for one row (the plan, ``row_pair``, the picks; the shared pair's weight ``sigmoid(shared_gate
     . x)`` summed in another order, so to fp32 rounding), read by the down GEMM and the combine after
     this grid. Arguments: ``make_grouped_gemv``'s, then row_pair, topk_ids, topk_w, logits, shared_gate,
-    n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``."""
+    n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``.
+
+    ``NEXT`` (last arguments ``down_experts, down_shared, down_bytes, shared_bytes``): once a block has
+    streamed its columns, its thread 0 asks L2 for the block's share of the first ``down_bytes`` of its
+    chunk's expert's down matrix (``[k_routed, n_routed]`` bf16 each; the shared chunk: ``shared_bytes``
+    of the shared expert's), which the down GEMV after this grid reads: they stream over this grid's
+    tail and the down GEMV's start, when DRAM would wait on the plan."""
     OUT = COLS // 2
     weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     ranked_picks = make_ranked_picks(experts)
 
-    def routed_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
-                    k_routed, k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts, top_k,
-                    renormalise):
+    @cuda.jit(device=True, inline=True)
+    def prefetch_down(down_w, expert, nbytes, matrix_bytes, n):
+        """The block's share (its column tile's among the chunk's ``n / OUT`` tiles) of the first
+        ``nbytes`` of ``expert``'s down matrix of ``matrix_bytes``: one request."""
+        tiles = (n + OUT - 1) // OUT
+        share = ((nbytes + tiles - 1) // tiles + 15) & ~15
+        at = cuda.blockIdx.x * share
+        if at < nbytes:
+            prefetch_l2(down_w, (int64(expert) * matrix_bytes + at) >> 2, min(share, nbytes - at))
+
+    @cuda.jit(device=True, inline=True)
+    def body(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared, k_routed,
+             k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts, top_k, renormalise,
+             down_experts, down_shared, down_bytes, shared_bytes):
         tid = cuda.threadIdx.x
         lane = tid & 31
         ci = cuda.blockIdx.y
@@ -940,6 +957,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int):
         row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
         raw = cuda.local.array((COLS, 4), uint32)
         w01, w23 = uint32(0), uint32(0)
+        expert = int32(0)  # a routed block's pick
         if shared:  # its weights need no routing
             weight_rows(row_of, n_shared, int64(0))
             load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
@@ -978,17 +996,38 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int):
                         chunks[3 * ci + 1] = ci
                         chunks[3 * ci + 2] = 1
             cuda.syncthreads()
+            expert = picked[0]
             n = n_routed
             k = k_routed
             w = w_experts
             if cuda.blockIdx.x * OUT < n:
-                weight_rows(row_of, n, int64(picked[0]) * 2 * n)
+                weight_rows(row_of, n, int64(expert) * 2 * n)
                 load_step(w, row_of, k >> 2, k >> 3, tid, raw)
         if cuda.blockIdx.x * OUT >= n:
             return
         x_at = cuda.local.array(1, int64)
         x_at[0] = int64(0)
         gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
+        if NEXT and tid == 0:
+            if shared:
+                prefetch_down(down_shared, 0, shared_bytes, int64(k_shared) * n_shared * 2, n)
+            else:
+                prefetch_down(down_experts, expert, down_bytes, int64(k_routed) * n_routed * 2, n)
+
+    if NEXT:
+        def routed_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                        k_routed, k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts,
+                        top_k, renormalise, down_experts, down_shared, down_bytes, shared_bytes):
+            body(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared, k_routed,
+                 k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts, top_k, renormalise,
+                 down_experts, down_shared, down_bytes, shared_bytes)
+    else:
+        def routed_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
+                        k_routed, k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts,
+                        top_k, renormalise):
+            body(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared, k_routed,
+                 k_shared, ldy, ldx, row_pair, topk_ids, topk_w, logits, shared_gate, n_experts, top_k, renormalise,
+                 y, y, 0, 0)
 
     return routed_gemv
 
@@ -1093,8 +1132,8 @@ def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = F
     return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
 
 
-def routed_gemv_name(COLS: int, THREADS: int, experts: int) -> str:
-    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}"
+def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False) -> str:
+    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'n' if NEXT else ''}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1173,6 +1212,11 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
     KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
         make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
         {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
+# The first shape asking L2 for its chunk's down weights at its tail (CudaMoe.down_prefetch).
+KERNELS[routed_gemv_name(*ROUTED_GEMV_SHAPES[0], NEXT=True)] = (
+    make_routed_gemv(*ROUTED_GEMV_SHAPES[0], NEXT=True), ROUTED_GEMV_SIG + (U32P, U32P, int32, int32),
+    {"threads": ROUTED_GEMV_SHAPES[0][1], "cols": ROUTED_GEMV_SHAPES[0][0] // 2, "pairs": 1,
+     "max_experts": ROUTED_GEMV_SHAPES[0][2], "grid_wait": 1, "next": 1})
 # The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
 # (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
 COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]

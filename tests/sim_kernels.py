@@ -289,8 +289,10 @@ def case_moe_gemv(rows: int) -> dict:
         moe.gemv_gemms = GEMV_GEMMS
         plain = t.run()
         plan = plan_of(t.gpu, moe)
-        for routed in ROUTED_GATE_UPS:
-            moe.routed_gate_up = routed
+        # each build, and the first asking L2 for the chunks' down weights at its tail (CudaMoe.down_prefetch)
+        for routed, down_prefetch in [(name, 0.0) for name in ROUTED_GATE_UPS] + [(ROUTED_GATE_UPS[0], 1.0)]:
+            moe.routed_gate_up, moe.down_prefetch = routed, down_prefetch
+            routed += "n" if down_prefetch else ""
             for region in (moe.chunks, moe.n_chunks, moe.pair_row, moe.pair_weight, moe.row_pair, moe.topk_ids,
                            moe.topk_w):  # moe_route's outputs gone: this run must write them all
                 t.gpu.memset32(region, 0x7FC00007)
@@ -306,7 +308,7 @@ def case_moe_gemv(rows: int) -> dict:
                               "routed_weights_identical": np.array_equal(mine["pair_weight"][:shared],
                                                                          plan["pair_weight"][:shared]),
                               "shared_weight": rel(mine["pair_weight"][shared:], plan["pair_weight"][shared:])}
-        moe.routed_gate_up = None
+        moe.routed_gate_up, moe.down_prefetch = None, 0.0
         for combined in COMBINED_DOWNS:  # the down GEMV adding into the residual stream itself: bit for bit
             moe.combined_down = combined
             for routed in (None, ROUTED_GATE_UPS[0]):

@@ -216,20 +216,28 @@ def test_one_row_steps_run_the_expert_gemvs():
 def test_one_row_steps_route_in_gate_up_and_combine_in_down():
     """By default a one-row MoE layer is three launches: the router, the gate/up GEMV that routes the row
     itself (``routed_gate_up``: no ``moe_route``, a block per chunk and columns, the routing's inputs
-    and outputs passed) and the down GEMV that adds into the residual stream (``combined_down``: a
-    block per column tile, no ``moe_combine_residual``); two rows route and combine apart again."""
+    and outputs passed; its ``NEXT`` build, given each chunk's down weights and the share of them to ask
+    L2 for, ``down_prefetch``) and the down GEMV that adds into the residual stream (``combined_down``:
+    a block per column tile, no ``moe_combine_residual``); two rows route and combine apart again."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
     routed, combined = fwd.moe.routed_gate_up, fwd.moe.combined_down
-    assert routed in moe.ROUTED_GATE_UPS and combined in moe.COMBINED_DOWNS
+    assert routed in moe.ROUTED_GATE_UPS and combined in moe.COMBINED_DOWNS and fwd.moe.down_prefetch
+    routed += "n"
     launched = decode_launches(fwd, 1)
     assert launched.count(routed) == launched.count(combined) == config.num_layers
     assert not {"moe_route_e256", "moe_combine_residual", *moe.GEMV_GEMMS[1]} & set(launched)
+    H, I, S = config.hidden_size, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    layers = iter(i for i, mlp in enumerate(config.mlp_types) if mlp == MOE)
     for kernel, grid, args in fwd.k.log:
         if kernel.name == routed:
+            p = f"layers.{next(layers)}."
             assert grid == (config.moe_intermediate_size // kernel.meta["cols"], config.num_experts_per_tok + 1)
-            assert args[14] is fwd.moe.row_pair and args[17] is fwd.moe.logits and args[19:] == (
+            assert args[14] is fwd.moe.row_pair and args[17] is fwd.moe.logits and args[19:22] == (
                 config.num_experts, config.num_experts_per_tok, int(config.norm_topk_prob))
+            assert args[22] is fwd.w[p + "experts.down"] and args[23] is fwd.w[p + "shared.down"]
+            assert args[24:] == (int(H * I * 2 * fwd.moe.down_prefetch) // 16 * 16,
+                                 int(H * S * 2 * fwd.moe.down_prefetch) // 16 * 16)
         if kernel.name == combined:
             assert grid == (config.hidden_size // kernel.meta["cols"],)
             assert args[14] is fwd.b.x and args[15] is fwd.moe.row_pair and args[16:18] == (1, 8)

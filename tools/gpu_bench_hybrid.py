@@ -6,7 +6,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
-                                     [--route-experts-ablation]
+                                     [--route-experts-ablation] [--down-prefetch-ablation SHARE[,SHARE...]]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
@@ -282,6 +282,10 @@ def ablations(args, forward) -> list[tuple]:
     if args.preload_o_ablation:  # Forward.preload_o flipped: the one-row o GEMV holds 4 steps before its wait
         chosen.append((f"decode_preload_o_{not forward.preload_o}", f"preload_o {not forward.preload_o}",
                        [(forward, "preload_o", not forward.preload_o)]))
+    for share in filter(None, args.down_prefetch_ablation.split(",")):  # CudaMoe.down_prefetch set to SHARE
+        if moe is not None:
+            chosen.append((f"decode_down_prefetch_{share}", f"down prefetch {share}",
+                           [(moe, "down_prefetch", float(share))]))
     if args.early_router_ablation and moe is not None:  # the router GEMM streams its weights before the wait
         forward.k[EARLY_ROUTER_GEMM]  # loaded now: not during capture
         chosen.append(("decode_early_router", "MoE early router", [(moe, "early_router", not moe.early_router)]))
@@ -457,6 +461,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-gemv-ablation", default="", metavar="off|default|GATE_UP,DOWN[;...]",
                         help="decode again with the expert GEMMs of 1-2 rows as fp32 GEMVs (CudaMoe.gemv_rows 2): "
                              "'default' for moe.GEMV_GEMMS, or the batch-1 pair named; 'off': none (gemv_rows 0)")
+    parser.add_argument("--down-prefetch-ablation", default="", help="comma-separated CudaMoe.down_prefetch "
+                        "shares to time (the routed gate/up asks L2 for each chunk's down weights at its tail)")
     parser.add_argument("--preload-o-ablation", action="store_true",
                         help="decode again with Forward.preload_o flipped (a one-row step's o GEMV holding its "
                              "first four steps of weights before its wait)")

@@ -166,16 +166,17 @@ def test_routed_gate_up_matches_reference(gpu, case):
     name, config, layer, block, moe = case
     x = np.random.default_rng(80).standard_normal((1, config.hidden_size), dtype=np.float32)
     want = _reference(config, block.reference, x)
-    try:
-        for routed in ROUTED_GATE_UPS:
-            moe.routed_gate_up = routed
+    try:  # the last: the build that asks L2 for the chunks' down weights (CudaMoe.down_prefetch), a hint
+        for routed, down_prefetch in [(name, 0.0) for name in ROUTED_GATE_UPS] + [(ROUTED_GATE_UPS[0], 1.0)]:
+            moe.routed_gate_up, moe.down_prefetch = routed, down_prefetch
             for region in (moe.chunks, moe.n_chunks, moe.pair_row, moe.pair_weight, moe.row_pair, moe.topk_ids,
                            moe.topk_w):
                 rt.memset32(region, 0x7FC00007, region.nbytes // 4, gpu.stream)
-            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, routed
+            assert rel_err(_run(gpu, moe, config, layer, block, x), want) < DECODE_TOL, (routed, down_prefetch)
             _check_routing(gpu, moe, config, block, x)
     finally:
         moe.__dict__.pop("routed_gate_up", None)
+        moe.__dict__.pop("down_prefetch", None)
 
 
 def test_combined_down_is_the_down_gemv_and_combine(gpu, case):

@@ -170,6 +170,12 @@ class CudaMoe:
     # tools/gpu_bench_hybrid.py --moe-builds-ablation, docs/benchmarks.md).
     routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256"
     combined_down: str | None = "moe_down_combine_gemv_m1c8x32g9"
+    # The share of each chunk's down matrix that the routed gate/up GEMV (its ``NEXT`` build, the first
+    # of ROUTED_GATE_UPS + "n") asks L2 for at its tail, so the down GEMV, which waits for the plan,
+    # starts on L2; 0: the plain build. H100, 35B-A3B batch 1, GPU ms a step (tools/gpu_bench_hybrid.py
+    # --down-prefetch-ablation): 2.97-2.98 -> 2.93-2.94 at 0.5 (three runs), 2.92 at 0.25, 2.98 at 0.75,
+    # 3.01 at 1 (the whole 19 MB of a layer's down weights crowds the gate/up GEMV's own stream).
+    down_prefetch = 0.5
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -178,7 +184,7 @@ class CudaMoe:
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
-                *ROUTED_GATE_UPS, *COMBINED_DOWNS]
+                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1])]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -230,9 +236,14 @@ class CudaMoe:
         gate_up_args = (self.act, x, weights[p + "experts.gate_up"], weights[p + "shared.gate_up"], self.chunks,
                         self.n_chunks, self.pair_row, self.pair_weight, I, S, H, H, width, H)
         if routed:
-            self.grouped(routed, chunks, max(I, S), stream,
-                         gate_up_args + (self.row_pair, self.topk_ids, self.topk_w, self.logits,
-                                         weights[p + "shared_gate"], c.num_experts, top_k, int(c.norm_topk_prob)))
+            routing = (self.row_pair, self.topk_ids, self.topk_w, self.logits, weights[p + "shared_gate"],
+                       c.num_experts, top_k, int(c.norm_topk_prob))
+            if self.down_prefetch and routed + "n" in k.entries:  # and the chunks' down weights into L2
+                share = self.down_prefetch
+                routed, routing = routed + "n", routing + (
+                    weights[p + "experts.down"], weights[p + "shared.down"], int(H * I * 2 * share) // 16 * 16,
+                    int(H * S * 2 * share) // 16 * 16)
+            self.grouped(routed, chunks, max(I, S), stream, gate_up_args + routing)
         else:
             self.grouped(gate_up, chunks, max(I, S), stream, gate_up_args)
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
