@@ -185,7 +185,8 @@ def test_batched_gemms_ask_l2_for_the_next_gemms_weights_where_set():
     the LM head) and at most the bytes asked; one- and two-row steps (fp32 GEMVs) and unset matrices
     keep the plain kernels."""
     fwd = forward()
-    fwd.gemm_prefetch = {"o": 3 << 20, "gate_up": 1 << 40, "down": 5000}
+    asks = {"o": 3 << 20, "gate_up": 1 << 40, "down": 5000}
+    fwd.gemm_prefetch = {matrix: {rows: nbytes for rows in range(1, MAX_BATCH + 1)} for matrix, nbytes in asks.items()}
     L, w = CONFIG.num_layers, fwd.w
     following = {"o": [w[f"layers.{i}.gate_up"] for i in range(L)], "gate_up": [w[f"layers.{i}.down"] for i in range(L)],
                  "down": [w[f"layers.{i + 1}.qkv"] for i in range(L - 1)] + [fwd.lm_head]}
@@ -204,5 +205,17 @@ def test_batched_gemms_ask_l2_for_the_next_gemms_weights_where_set():
             continue
         for matrix, launches in seen.items():
             assert [then for then, _ in launches] == following[matrix], (rows, matrix)
-            asked = fwd.gemm_prefetch[matrix]
+            asked = asks[matrix]
             assert all(ahead == min(asked, then.nbytes) // 16 * 16 for then, ahead in launches), (rows, matrix)
+
+
+def test_default_gemm_prefetch_by_rows():
+    """The default policy (forward.GEMM_PREFETCH): o and down ask for 8 MiB from 3 rows on, gate/up only
+    up to 6 rows (at 7 and 8 the down GEMM is the ring shape, and it measured faster without)."""
+    fwd = forward()
+    for rows, nexts in ((4, {"o", "gate_up", "down"}), (8, {"o", "down"})):
+        fwd.k.log.clear()
+        fwd.decode(rows, None)
+        epilogues = {kernel.meta["epilogue"] for kernel, _, args in fwd.k.log if kernel.meta.get("next")}
+        assert epilogues == {"residual", "swiglu"} if "gate_up" in nexts else {"residual"}, rows
+        assert all(args[-1] == 8 << 20 for kernel, _, args in fwd.k.log if kernel.meta.get("next"))

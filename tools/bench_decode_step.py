@@ -135,7 +135,7 @@ def main(argv=None) -> int:
             runner.forward.preload_o = not runner.forward.preload_o
         chosen_gemm_prefetch = runner.forward.gemm_prefetch
         for spec in filter(None, args.gemm_prefetch.split(",")):  # qkv=4+o=8+...: MiB each GEMM asks L2 for; none
-            runner.forward.gemm_prefetch = {m: int(float(mib) * (1 << 20))
+            runner.forward.gemm_prefetch = {m: {batch: int(float(mib) * fw.MIB)}
                                             for m, mib in (p.split("=") for p in spec.split("+") if p != "none")}
             measure(f"fused, gemm prefetch {spec}")
         runner.forward.gemm_prefetch = chosen_gemm_prefetch

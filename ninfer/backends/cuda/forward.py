@@ -125,6 +125,18 @@ DECODE_GEMMS["down"].update({7: "t1w8u1s3r3", 8: "t1w8u1s3r3"})
 PRELOADED_O_GEMV = "gemv_residual_m1p4"  # Forward.preload_o (numba_kernels/gemm.py make_gemv's PRELOAD)
 
 
+# Bytes of the next GEMM's weights a batched decode GEMM asks L2 for at its tail (numba_kernels/gemm.py
+# NEXT builds), by matrix and row count: they stream while the GEMM's last blocks finish and the next
+# one launches. o and gate/up ask for the next GEMM's first 8 MiB, down for the next layer's q/k/v's.
+# H100, ms a step (tools/bench_decode_step.py --gemm-prefetch), none -> 8 MiB at o, gate/up and down:
+# b3/512 6.216 -> 6.149, b4/512 6.262 -> 6.195, b6/512 6.342 -> 6.292, b8/512 6.534 -> 6.495, b8/2048
+# 7.209 -> 7.145, b8/4096 8.017 -> 7.939 (4 and 16 MiB did less). From 7 rows (down's ring shape)
+# without gate/up's: b8/512 6.460, b8/2048 7.133.
+MIB = 1 << 20
+GEMM_PREFETCH = {"o": {rows: 8 * MIB for rows in range(3, 9)}, "gate_up": {rows: 8 * MIB for rows in range(3, 7)},
+                 "down": {rows: 8 * MIB for rows in range(3, 9)}}
+
+
 # The chained norm (numba_kernels/gemm.py ``make_mma_gemv``'s ``chain``) of a step whose GEMMs are all
 # on the tensor cores: the residual GEMMs (o, down) write the next norm's input, x * weight, and each
 # block's sums of squares, so the normed GEMMs after them (q/k/v, gate/up, LM head) hold no norm weights
@@ -353,12 +365,7 @@ class Forward:
         # b4/512 6.121 -> 6.054, b8/512 6.394 -> 6.344, b1/2048 5.418 -> 5.410, b8/2048 6.972 -> 6.956;
         # 0.125 and 0.375 did no better, the whole matrix worse (attention slows as much as o gains).
         self.attention_prefetch = 0.25
-        # Bytes of the next GEMM's weights each batched decode GEMM (by matrix: qkv, o, gate_up, down) asks
-        # L2 for at its tail, where its tensor-core shape has a NEXT build (numba_kernels/gemm.py): those
-        # stream while the GEMM's last blocks finish and the next one launches. H100, ms a step, none ->
-        # 8 MiB at o, gate/up and down: b3/512 6.217 -> 6.149, b4/512 6.266 -> 6.198, b8/512 6.549 -> 6.471,
-        # b8/4096 8.011 -> 7.935 (tools/bench_decode_step.py --gemm-prefetch; 4 and 16 MiB did less).
-        self.gemm_prefetch: dict[str, int] = {"o": 8 << 20, "gate_up": 8 << 20, "down": 8 << 20}
+        self.gemm_prefetch = {matrix: dict(table) for matrix, table in GEMM_PREFETCH.items()}
         # A one-row step's o projection holds its first four steps of weights before its wait
         # (PRELOADED_O_GEMV), while the kernel before it (attention, the delta rule) leaves DRAM idle.
         # Off for the dense model: Qwen3-8B b1 on an H100 5.443 -> 5.451 ms at 512 keys, 5.696 -> 5.674
@@ -551,13 +558,14 @@ class Forward:
         epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up]).
         ``chain`` "out" (a residual GEMM): also write the next norm's input into ``xn`` (``norm``: that
         norm's weights) and its partial sums; "in" (a normed GEMM): read them instead of x and ``norm``.
-        ``then``: the next GEMM's weights, whose first ``gemm_prefetch[matrix]`` bytes a tensor-core
-        shape with a ``NEXT`` build asks L2 for at its tail."""
+        ``then``: the next GEMM's weights, whose first ``gemm_prefetch[matrix][rows]`` bytes a
+        tensor-core shape with a ``NEXT`` build asks L2 for at its tail."""
         epilogue, normed = DECODE_FUSIONS[matrix]
         name = decode_gemm_name(matrix, epilogue, normed, rows, chain)
         if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
             name = PRELOADED_O_GEMV
-        ahead = min(self.gemm_prefetch.get(matrix, 0), then.nbytes) // 16 * 16 if then is not None else 0
+        asked = self.gemm_prefetch.get(matrix, {}).get(rows, 0)
+        ahead = min(asked, then.nbytes) // 16 * 16 if then is not None else 0
         if ahead and name + "n" in self.k.entries:
             name += "n"
         else:
