@@ -361,9 +361,9 @@ class Forward:
         self.kv_prefetch_bytes = KV_PREFETCH_BYTES
         # The share of each layer's o projection weights that its decode_attention grid asks L2 for after
         # its wait, while attention leaves DRAM mostly idle; the o GEMV then finds them there. 0: never.
-        # H100, ms a step, 0 -> 0.25 (keys not prefetched): b1/512 5.324 -> 5.291, b2/512 5.737 -> 5.707,
-        # b4/512 6.121 -> 6.054, b8/512 6.394 -> 6.344, b1/2048 5.418 -> 5.410, b8/2048 6.972 -> 6.956;
-        # 0.125 and 0.375 did no better, the whole matrix worse (attention slows as much as o gains).
+        # H100, ms a step, the keys asked for and no o -> 0.25 and no keys: b1/512 5.324 -> 5.291, b2/512
+        # 5.737 -> 5.707, b4/512 6.121 -> 6.054, b8/512 6.394 -> 6.344, b1/2048 5.418 -> 5.410 (H200: b1/512
+        # 4.030 -> 4.020, b8/512 5.120 -> 5.110); 0.125 and 0.375 did no better, the whole matrix worse.
         self.attention_prefetch = 0.25
         self.gemm_prefetch = {matrix: dict(table) for matrix, table in GEMM_PREFETCH.items()}
         # A one-row step's o projection holds its first four steps of weights before its wait
