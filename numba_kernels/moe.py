@@ -51,9 +51,9 @@ import math
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32, grid_dependency_wait,
-                                  last_to_finish, launch_dependents, load_f32x4, load_i32_l2, load_u32x2, load_u64x2,
-                                  prefetch_l2, warp_max, warp_max_i32, warp_min_i32, warp_sum)
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32,
+                                  grid_dependency_wait, last_to_finish, launch_dependents, load_f32x4, load_i32_l2,
+                                  load_u32x2, load_u64x2, prefetch_l2, warp_max, warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 

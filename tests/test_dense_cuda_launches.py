@@ -188,7 +188,8 @@ def test_batched_gemms_ask_l2_for_the_next_gemms_weights_where_set():
     asks = {"o": 3 << 20, "gate_up": 1 << 40, "down": 5000}
     fwd.gemm_prefetch = {matrix: {rows: nbytes for rows in range(1, MAX_BATCH + 1)} for matrix, nbytes in asks.items()}
     L, w = CONFIG.num_layers, fwd.w
-    following = {"o": [w[f"layers.{i}.gate_up"] for i in range(L)], "gate_up": [w[f"layers.{i}.down"] for i in range(L)],
+    following = {"o": [w[f"layers.{i}.gate_up"] for i in range(L)],
+                 "gate_up": [w[f"layers.{i}.down"] for i in range(L)],
                  "down": [w[f"layers.{i + 1}.qkv"] for i in range(L - 1)] + [fwd.lm_head]}
     for rows in range(1, MAX_BATCH + 1):
         fwd.k.log.clear()

@@ -1,7 +1,8 @@
 """Decode-step GPU time of the CUDA backend under variants of the step, on one runner in one process.
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
-                                       [--only 'splits of,no attention'] [--prefetch-o 0.125,0.25]
+                                       [--only 'splits of,no attention'] [--prefetch-o 0,0.25]
+                                       [--gemm-prefetch 'none,o=8+gate_up=8+down=8']
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
@@ -12,9 +13,9 @@ at the case's row count (``--gemms``; variants must be built into ``ptx/``), at 
 norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
 (tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
-overlapping, the KV prefetch flipped
-(``forward.KV_PREFETCH_BYTES``), shares of the o projection asked of L2 by attention with and without the KV prefetch (``--prefetch-o``), decode attention in the
-prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
+overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
+by attention with and without the KV prefetch (``--prefetch-o``), what the batched GEMMs ask L2 for
+of the next GEMM's weights (``--gemm-prefetch``), decode attention in the prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
 in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
 all (wrong tokens, right cost of everything else: the difference is attention's share); with
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="", help="the decode attention kernel of every variant (a "
                         "variant built into ptx/ under another name); the step with the default one is timed too")
     parser.add_argument("--prefetch-o", default="", help="comma-separated shares of each o projection that "
-                        "decode_attention asks L2 for (Forward.attention_prefetch), each with and without the KV prefetch")
+                        "decode_attention asks L2 for (Forward.attention_prefetch), each with and without the "
+                        "KV prefetch")
     parser.add_argument("--gemm-prefetch", default="", help="comma-separated Forward.gemm_prefetch settings to "
                         "time, each as matrix=MiB joined by '+' (the next GEMM's weights a decode GEMM asks L2 for), "
                         "or none")

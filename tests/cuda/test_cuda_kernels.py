@@ -434,10 +434,10 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     d_qkv, d_tables, d_positions = gpu.put(qkv), gpu.put(tables), gpu.put(positions)
     name = f"decode_attention_g{group}_d{D}_{kv_dtype}"
     # 768: one split, no merge; 32 again: the tickets were reset. ``prefetch`` bits: 1, pages asked of L2
-    # first; 2, ``ahead`` bytes of a "next kernel's weights" (the pool itself) asked of L2 after (> 0) or
-    # before the wait. Hints that must change nothing (the last block's share is a short one).
+    # before the wait; 2, the first ``ahead`` bytes of a "next kernel's weights" (the pool itself) asked of
+    # L2 after it. Hints that must change nothing (the last block's share is a short one).
     pool_bytes = pool.size * itemsize
-    for split, prefetch, ahead in ((32, 1, 0), (256, 2, pool_bytes - 48), (96, 3, -(pool_bytes // 2 + 16)),
+    for split, prefetch, ahead in ((32, 1, 0), (256, 2, pool_bytes - 48), (96, 3, pool_bytes // 2 + 16),
                                    (768, 3, 4096), (32, 0, pool_bytes)):
         n_splits = -(-max_ctx // split)
         part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
