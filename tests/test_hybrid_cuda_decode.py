@@ -339,3 +339,27 @@ def test_preload_o_takes_the_one_row_o_gemv():
         if kernel.name == PRELOADED_O_GEMV:
             assert grid == (config.hidden_size // 4,) and args[0] is fwd.b.x and args[4] == 1
     assert PRELOADED_O_GEMV not in decode_launches(fwd, 2)
+
+
+def test_dense_mlp_gemms_ask_l2_for_the_next_gemms_weights():
+    """A batched step of a dense-MLP hybrid runs its o, gate/up and down GEMMs as the NEXT builds where
+    ``gemm_prefetch`` asks (forward.GEMM_PREFETCH up to 6 rows): o with the layer's gate/up weights,
+    gate/up with its down's, down with the next layer's in_proj or qkv, or the LM head's after the last
+    layer. A MoE hybrid's o, a one-row step and an 8-row step ask for nothing."""
+    config = CONFIGS["27b"]
+    fwd = forward(config)
+    w, L = fwd.w, config.num_layers
+    first = [w[f"layers.{i}.{'in_proj' if config.layer_types[i] == LINEAR else 'qkv'}"] for i in range(1, L)]
+    want = [then for i in range(L) for then in (w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"])]
+    for i in range(L):
+        want.insert(3 * i + 2, (first + [fwd.lm_head])[i])
+    decode_launches(fwd, 4)
+    asked = [(args[-2], args[-1]) for kernel, _, args in fwd.k.log if kernel.meta.get("next")]
+    assert [then for then, _ in asked] == want
+    assert all(0 < nbytes <= 8 << 20 for _, nbytes in asked)
+    for rows in (1, 8):
+        decode_launches(fwd, rows)
+        assert not any(kernel.meta.get("next") for kernel, _, _ in fwd.k.log), rows
+    moe_fwd = forward(CONFIGS["35b-a3b"])
+    decode_launches(moe_fwd, 4)
+    assert not any(kernel.meta.get("next") for kernel, _, _ in moe_fwd.k.log)

@@ -7,6 +7,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
                                      [--route-experts-ablation] [--down-prefetch-ablation SHARE[,SHARE...]]
+                                     [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
 
@@ -286,6 +287,8 @@ def ablations(args, forward) -> list[tuple]:
         if moe is not None:
             chosen.append((f"decode_down_prefetch_{share}", f"down prefetch {share}",
                            [(moe, "down_prefetch", float(share))]))
+    if args.gemm_prefetch_ablation:  # Forward.gemm_prefetch emptied: no batched GEMM asks L2 for the next one's
+        chosen.append(("decode_no_gemm_prefetch", "no GEMM prefetch", [(forward, "gemm_prefetch", {})]))
     if args.early_router_ablation and moe is not None:  # the router GEMM streams its weights before the wait
         forward.k[EARLY_ROUTER_GEMM]  # loaded now: not during capture
         chosen.append(("decode_early_router", "MoE early router", [(moe, "early_router", not moe.early_router)]))
@@ -463,6 +466,9 @@ def main(argv=None) -> int:
                              "'default' for moe.GEMV_GEMMS, or the batch-1 pair named; 'off': none (gemv_rows 0)")
     parser.add_argument("--down-prefetch-ablation", default="", help="comma-separated CudaMoe.down_prefetch "
                         "shares to time (the routed gate/up asks L2 for each chunk's down weights at its tail)")
+    parser.add_argument("--gemm-prefetch-ablation", action="store_true",
+                        help="decode again with Forward.gemm_prefetch empty (batched steps' GEMMs asking L2 for "
+                             "nothing of the next GEMM's weights)")
     parser.add_argument("--preload-o-ablation", action="store_true",
                         help="decode again with Forward.preload_o flipped (a one-row step's o GEMV holding its "
                              "first four steps of weights before its wait)")

@@ -35,7 +35,7 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_ATTENTION, Forward,
+from ninfer.backends.cuda.forward import (GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_ATTENTION, Forward,
                                           attention_splits, carve_workspace, check_vocab, norm_threads,
                                           prefill_attention_grid, sampler_regions, split_length,
                                           tensor_core_regions)
@@ -191,6 +191,11 @@ class HybridForward(Forward):
         # 3.01-3.02 -> 2.97-2.98 ms of GPU time (tools/gpu_bench_hybrid.py --preload-o-ablation, two runs).
         self.preload_o = MOE in c.mlp_types
         self.attention_prefetch = 0.0  # decode_attention's o prefetch: the gated attention kernels have none
+        # A dense MLP's GEMMs ask L2 for the next GEMM's first weights (decode_layers) up to 6 rows: the 27B
+        # on an H100, GPU ms a step without -> with (tools/gpu_bench_hybrid.py --gemm-prefetch-ablation):
+        # b3 23.72 -> 22.85, b4 24.28 -> 23.41-23.43, b6 25.53 -> 24.79-24.83, but b8 31.39-31.40 -> 31.51-31.56.
+        self.gemm_prefetch = {matrix: {rows: nbytes for rows, nbytes in table.items() if rows <= 6}
+                              for matrix, table in GEMM_PREFETCH.items()}
         self.prefill_rule_names = (f"deltanet_prep_k{dk}", f"deltanet_scan_k{dk}_v{dv}", f"deltanet_gated_norm_v{dv}")
         self.chunked_rule_names = (f"deltanet_chunk_prep_k{dk}_v{dv}", f"deltanet_chunk_scan_k{dk}_v{dv}")
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
@@ -393,30 +398,41 @@ class HybridForward(Forward):
 
         ``Forward.decode_layers``' fusions around the hybrid mixers: each RMSNorm rides in the GEMM
         that consumes it, each residual add in the GEMM that produces it. in_proj is a normed store
-        like qkv and out a residual like o, so they run under those entries of ``DECODE_GEMMS``.
+        like qkv and out a residual like o, so they run under those entries of ``DECODE_GEMMS`` (and of
+        ``gemm_prefetch``: a dense MLP's o, gate/up and down ask L2 for the next GEMM's first weights).
         ``depth`` is always the one of ``decode_depths``."""
         c, b, w = self.c, self.b, self.w
         self.k["embed"].launch((-(-c.hidden_size // 256), rows), (256,),
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
+            dense = c.mlp_types[i] == DENSE
             if c.layer_types[i] == LINEAR:
                 self.decode_gemm("qkv", b.proj, b.x, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size, stream,
-                                 norm=w[p + "attn_norm"])
+                                 norm=w[p + "attn_norm"], then=w[p + "out"])
                 self.deltanet_core(i, rows, True, stream)
-                self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
+                self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream,
+                                 then=w[p + "gate_up"] if dense else None)
             else:
                 self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
-                                 norm=w[p + "attn_norm"])
+                                 norm=w[p + "attn_norm"], then=w[p + "o"])
                 self.gated_attend(i, rows, stream, decode=True)
-                self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream)
-            if c.mlp_types[i] == DENSE:
+                self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
+                                 then=w[p + "gate_up"] if dense else None)
+            if dense:
                 self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
-                                 stream, norm=w[p + "mlp_norm"])
+                                 stream, norm=w[p + "mlp_norm"], then=w[p + "down"])
                 self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
-                                 stream)
+                                 stream, then=self.first_weights(i + 1))
             else:
                 self.decode_moe(i, rows, stream)
+
+    def first_weights(self, layer: int) -> rt.DevicePtr:
+        """The weights the first GEMM of ``layer`` streams (in_proj or qkv), or past the last layer the LM
+        head's: what a dense MLP's down GEMM asks L2 for at its tail (``gemm_prefetch``)."""
+        if layer == self.c.num_layers:
+            return self.lm_head
+        return self.w[f"layers.{layer}.{'in_proj' if self.c.layer_types[layer] == LINEAR else 'qkv'}"]
 
     def decode_moe(self, layer: int, rows: int, stream) -> None:
         """x += MoE(rmsnorm(x) * mlp_norm): the router GEMM normalises x and leaves the normalised rows
