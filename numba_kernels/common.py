@@ -273,16 +273,23 @@ def prefetch_l2(typingctx, ptr, index, nbytes):
 
 
 @cuda.jit(device=True, inline=True)
+def prefetch_share(ptr, first, nbytes, parts, part):
+    """Ask L2 for share ``part`` of ``parts`` (16-byte multiples, in order) of the ``nbytes`` from byte
+    ``first`` of ``ptr`` (a uint32 pointer; 16-byte aligned there): one request. The next kernel's
+    weights, while this one leaves DRAM time unused."""
+    share = ((nbytes + parts - 1) // parts + 15) & ~15
+    at = part * share
+    if at < nbytes:
+        prefetch_l2(ptr, (first + at) >> 2, min(share, nbytes - at))
+
+
+@cuda.jit(device=True, inline=True)
 def prefetch_block_share(ptr, nbytes):
-    """Ask L2 for this block's share of the first ``nbytes`` of ``ptr`` (a uint32 pointer, 16-byte
-    aligned): the grid's blocks in launch order take 16-byte multiples, one request a block (called by
-    one of its threads). The next kernel's weights, while this one leaves DRAM time unused."""
+    """``prefetch_share`` of the first ``nbytes`` of ``ptr``, the grid's blocks in launch order each
+    taking its share (called by one thread of each block)."""
     blocks = cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z
     block = (cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x
-    share = ((nbytes + blocks - 1) // blocks + 15) & ~15
-    at = block * share
-    if at < nbytes:
-        prefetch_l2(ptr, at >> 2, min(share, nbytes - at))
+    prefetch_share(ptr, 0, nbytes, blocks, block)
 
 
 # -- asynchronous copies into shared memory ---------------------------------------------------------

@@ -53,7 +53,7 @@ from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32,
                                   grid_dependency_wait, last_to_finish, launch_dependents, load_f32x4, load_i32_l2,
-                                  load_u32x2, load_u64x2, prefetch_l2, warp_max, warp_max_i32, warp_min_i32, warp_sum)
+                                  load_u32x2, load_u64x2, prefetch_share, warp_max, warp_max_i32, warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
@@ -939,12 +939,8 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
     @cuda.jit(device=True, inline=True)
     def prefetch_down(down_w, expert, nbytes, matrix_bytes, n):
         """The block's share (its column tile's among the chunk's ``n / OUT`` tiles) of the first
-        ``nbytes`` of ``expert``'s down matrix of ``matrix_bytes``: one request."""
-        tiles = (n + OUT - 1) // OUT
-        share = ((nbytes + tiles - 1) // tiles + 15) & ~15
-        at = cuda.blockIdx.x * share
-        if at < nbytes:
-            prefetch_l2(down_w, (int64(expert) * matrix_bytes + at) >> 2, min(share, nbytes - at))
+        ``nbytes`` of ``expert``'s down matrix of ``matrix_bytes``."""
+        prefetch_share(down_w, int64(expert) * matrix_bytes, nbytes, (n + OUT - 1) // OUT, cuda.blockIdx.x)
 
     @cuda.jit(device=True, inline=True)
     def body(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared, k_routed,
