@@ -350,9 +350,8 @@ def test_dense_mlp_gemms_ask_l2_for_the_next_gemms_weights():
     fwd = forward(config)
     w, L = fwd.w, config.num_layers
     first = [w[f"layers.{i}.{'in_proj' if config.layer_types[i] == LINEAR else 'qkv'}"] for i in range(1, L)]
-    want = [then for i in range(L) for then in (w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"])]
-    for i in range(L):
-        want.insert(3 * i + 2, (first + [fwd.lm_head])[i])
+    first.append(fwd.lm_head)
+    want = [then for i in range(L) for then in (w[f"layers.{i}.gate_up"], w[f"layers.{i}.down"], first[i])]
     decode_launches(fwd, 4)
     asked = [(args[-2], args[-1]) for kernel, _, args in fwd.k.log if kernel.meta.get("next")]
     assert [then for then, _ in asked] == want

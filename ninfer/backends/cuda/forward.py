@@ -609,7 +609,6 @@ class Forward:
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            last = i + 1 == c.num_layers
             self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
                              norm=w[p + "attn_norm"], chain=into if i else "", then=w[p + "o"])  # embedding: no chain
             self.attend(i, rows, n_splits, stream, decode=True)
@@ -617,9 +616,14 @@ class Forward:
                              norm=w[p + "mlp_norm"], chain=out, then=w[p + "gate_up"])
             self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
                              stream, norm=w[p + "mlp_norm"], chain=into, then=w[p + "down"])
-            following = w["final_norm"] if last else w[f"layers.{i + 1}.attn_norm"]
+            following = w[f"layers.{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
-                             stream, norm=following, chain=out, then=self.lm_head if last else w[f"layers.{i + 1}.qkv"])
+                             stream, norm=following, chain=out, then=self.first_weights(i + 1))
+
+    def first_weights(self, layer: int) -> rt.DevicePtr:
+        """The weights the first GEMM of ``layer`` streams, or past the last layer the LM head's: what a
+        layer's down GEMM asks L2 for at its tail (``gemm_prefetch``)."""
+        return self.lm_head if layer == self.c.num_layers else self.w[f"layers.{layer}.qkv"]
 
     def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False) -> rt.DevicePtr:
         """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or with

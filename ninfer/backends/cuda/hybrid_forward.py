@@ -428,11 +428,10 @@ class HybridForward(Forward):
                 self.decode_moe(i, rows, stream)
 
     def first_weights(self, layer: int) -> rt.DevicePtr:
-        """The weights the first GEMM of ``layer`` streams (in_proj or qkv), or past the last layer the LM
-        head's: what a dense MLP's down GEMM asks L2 for at its tail (``gemm_prefetch``)."""
-        if layer == self.c.num_layers:
-            return self.lm_head
-        return self.w[f"layers.{layer}.{'in_proj' if self.c.layer_types[layer] == LINEAR else 'qkv'}"]
+        """``Forward.first_weights``, where a DeltaNet layer's first GEMM is its in_proj."""
+        if layer < self.c.num_layers and self.c.layer_types[layer] == LINEAR:
+            return self.w[f"layers.{layer}.in_proj"]
+        return super().first_weights(layer)
 
     def decode_moe(self, layer: int, rows: int, stream) -> None:
         """x += MoE(rmsnorm(x) * mlp_norm): the router GEMM normalises x and leaves the normalised rows
