@@ -454,3 +454,57 @@ def cp_async16(typingctx, address, source, size):
 cp_async_commit = asm_statement("cp.async.commit_group;")
 # cp_async_wait[n]: every committed group but the newest n has landed
 cp_async_wait = tuple(asm_statement(f"cp.async.wait_group {n};") for n in range(8))
+
+
+# -- thread-block clusters (sm_90) ------------------------------------------------------------------
+# A launch may group its blocks into clusters (``Kernel.launch(..., cluster=)``): the blocks of a
+# cluster run at once on one GPC and may read each other's shared memory (distributed shared memory)
+# after a cluster barrier. A kernel learns at run time whether it was launched so (``cluster_blocks``).
+
+@intrinsic
+def cluster_blocks(typingctx):
+    """Blocks in this block's cluster (``%cluster_nctarank``; 1 for a launch without clusters)."""
+    sig = uint32()
+
+    def codegen(context, builder, signature, args):
+        return inline_asm(ir.FunctionType(I32, []), "mov.u32 $0, %cluster_nctarank;", "=r", [], builder,
+                          side_effect=False)
+
+    return sig, codegen
+
+
+# Every thread of every block of the cluster calls both, in the same order (``.aligned``: the whole
+# warp at once). The release/acquire pair publishes each block's earlier shared-memory writes to the
+# others; the relaxed pair only keeps a block's shared memory alive until the others are done with it.
+cluster_arrive_release = asm_statement("barrier.cluster.arrive.release.aligned;")
+cluster_arrive_relaxed = asm_statement("barrier.cluster.arrive.relaxed.aligned;")
+cluster_wait = asm_statement("barrier.cluster.wait.acquire.aligned;")
+
+
+@intrinsic
+def cluster_load_f32(typingctx, address, rank):
+    """The float at shared byte ``address`` of the cluster's block ``rank`` (``mapa``, then a
+    distributed shared-memory load; volatile, so it stays after the cluster barrier)."""
+    sig = float32(uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.FloatType(), [I32, I32])
+        return inline_asm(fnty, "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
+                          "=f,r,r", args, builder)
+
+    return sig, codegen
+
+
+@intrinsic
+def cluster_load_f32x4(typingctx, address, rank):
+    """Four floats at shared byte ``address`` (16-byte aligned) of the cluster's block ``rank``."""
+    sig = types.UniTuple(float32, 4)(uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [I32, I32])
+        call = inline_asm(fnty, "{ .reg .u32 a; mapa.shared::cluster.u32 a, $4, $5; "
+                          "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [a]; }", "=f,=f,=f,=f,r,r", args, builder)
+        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, i) for i in range(4)])
+
+    return sig, codegen
