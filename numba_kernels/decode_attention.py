@@ -24,10 +24,7 @@ Each block
 4. with one split holding keys, writes the output; else writes its partial, and the last block of
    the (row, kv head) to finish (an atomic ticket in ``counters``, reset by that block) merges every
    split's partial into the output (``merge_splits``: a thread per 4 dims of a head, MERGE_BATCH
-   splits' loads in flight at once). Launched in clusters of the (row, KV head)'s every split
-   (cluster dimensions ``(1, 1, n_splits)``, at most MAX_CLUSTER), the splits instead keep their partials in shared memory, meet at
-   a cluster barrier, and merge from each other's shared memory, each block its share of the pieces:
-   no global partials, no ticket, and the merge's loads do not leave the GPC.
+   splits' loads in flight at once).
 
 ``split_ptr`` (step inputs): the split length, and bits of what the blocks ask L2 for: 1, their split's
 unstaged keys and values, before waiting for the previous kernel; 2, the next kernel's weights (below).
@@ -47,18 +44,14 @@ from numba.cuda import libdevice
 
 from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_f32, load_quad_f32, make_key_fold,
                                      make_key_loop, make_warp_merge)
-from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, bf16_to_f32, cluster_arrive_relaxed,
-                                  cluster_arrive_release, cluster_blocks, cluster_load_f32, cluster_load_f32x4,
-                                  cluster_wait, copy_async_16, copy_async_wait, f32_to_bf16, grid_dependency_wait,
+from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, bf16_to_f32,
+                                  copy_async_16, copy_async_wait, f32_to_bf16, grid_dependency_wait,
                                   global_timer, launch_dependents, load_f32x4, prefetch_block_share, prefetch_l2,
-                                  shared_address, ticket_acq_rel, warp_sum)
+                                  ticket_acq_rel, warp_sum)
 from numba_kernels.decode_attention_mma import make_mma_key_phase
 from numba_kernels.rope import store_bf16, store_f32
 
 MAX_SPLITS = 64  # splits a launch may have (forward.MAX_DECODE_SPLITS; the manifest's ``max_splits``)
-# The largest cluster a launch may ask for (the manifest's ``max_cluster``): 16 blocks, beyond the 8 that
-# every sm_90 part guarantees (``Kernels`` allows the non-portable size for such kernels).
-MAX_CLUSTER = 16
 # Shared memory for the K and V rows of each split's first keys, copied in before the kernel waits for
 # the q/k/v (32 keys of a bf16 head of 128: a whole split at batch 1 and 512 keys).
 STAGE_BYTES = 16 << 10
@@ -188,76 +181,45 @@ def make_decode_attention(G, D, dtype, TRACE=False):
             copy_async_16(dst, dst_at + 4 * i, src, src_at + 4 * i)
 
     @cuda.jit(device=True, inline=True)
-    def fold_batch(o, top, total, ms, ls, pieces):
-        """Folds a batch of splits (maxima ``ms``, sums ``ls`` (0: the split adds nothing), 4-dim pieces
-        of their outputs) into the running output ``o`` of maximum ``top`` and sum ``total``; returns
-        the new (maximum, sum)."""
-        new_top = top
-        for u in range(BATCH):
-            if ls[u] > float32(0.0):
-                new_top = max(new_top, ms[u])
-        f = math.exp(top - new_top)
-        total *= f
-        for i in range(4):
-            o[i] *= f
-        for u in range(BATCH):
-            w = math.exp(ms[u] - new_top) if ls[u] > float32(0.0) else float32(0.0)
-            total += ls[u] * w
+    def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid):
+        """The last block's merge of the ``active`` splits' partials of its heads ``head0 + g`` (cells
+        ``(head0 + g) * n_splits + split``) into ``out``. A thread takes 4 dims of a head and folds the
+        splits BATCH at a time, every load of a batch issued before any use: the merge is a few L2 round
+        trips, with no shared memory and no barrier."""
+        for item in range(tid, G * QUADS, THREADS):
+            g = item // QUADS
+            d = (item - g * QUADS) * 4
+            cell0 = (head0 + g) * n_splits
+            top = NEG_BIG
+            total = float32(0.0)
+            o = cuda.local.array(4, float32)
             for i in range(4):
-                o[i] += w * pieces[u, i]
-        return new_top, total
-
-    @cuda.jit(device=True, inline=True)
-    def load_global(ms, ls, pieces, part_o, part_ml, head, g, d, n_splits, sp0, active):
-        """Splits ``sp0 ...`` of head ``head``'s partials (cells ``head * n_splits + split``) from global
-        memory; past ``active``, the last split again with a zero sum."""
-        for u in range(BATCH):
-            cell = head * n_splits + min(sp0 + u, active - 1)
-            ms[u] = part_ml[cell * 2]
-            ls[u] = part_ml[cell * 2 + 1] if sp0 + u < active else float32(0.0)
-            pieces[u, 0], pieces[u, 1], pieces[u, 2], pieces[u, 3] = load_f32x4(part_o, cell * D + d)
-
-    @cuda.jit(device=True, inline=True)
-    def load_cluster(ms, ls, pieces, o_at, ml_at, head, g, d, n_splits, sp0, active):
-        """The same from the shared memory of the cluster's blocks ``sp0 ...``: partial outputs ``[G, D]``
-        at byte ``o_at``, (maximum, sum) pairs ``[G, 2]`` at ``ml_at``."""
-        for u in range(BATCH):
-            rank = uint32(min(sp0 + u, active - 1))
-            ms[u] = cluster_load_f32(ml_at + uint32(8 * g), rank)
-            total = cluster_load_f32(ml_at + uint32(8 * g + 4), rank)
-            ls[u] = total if sp0 + u < active else float32(0.0)
-            pieces[u, 0], pieces[u, 1], pieces[u, 2], pieces[u, 3] = cluster_load_f32x4(
-                o_at + uint32(4 * (g * D + d)), rank)
-
-    def make_split_merge(load_batch):
-        @cuda.jit(device=True, inline=True)
-        def merge_splits(src_o, src_ml, out, head0, n_splits, active, first, step):
-            """The merge of the ``active`` splits' partials of heads ``head0 + g`` into ``out``, a thread
-            per 4 dims of a head (items ``first``, ``first + step``, ...), folding the splits BATCH at a
-            time, every load of a batch issued before any use: a few round trips, no barrier."""
-            for item in range(first, G * QUADS, step):
-                g = item // QUADS
-                d = (item - g * QUADS) * 4
-                top = NEG_BIG
-                total = float32(0.0)
-                o = cuda.local.array(4, float32)
+                o[i] = float32(0.0)
+            ms = cuda.local.array(BATCH, float32)
+            ls = cuda.local.array(BATCH, float32)
+            pieces = cuda.local.array((BATCH, 4), float32)
+            for sp0 in range(0, active, BATCH):
+                for u in range(BATCH):
+                    cell = cell0 + min(sp0 + u, active - 1)
+                    ms[u] = part_ml[cell * 2]
+                    ls[u] = part_ml[cell * 2 + 1] if sp0 + u < active else float32(0.0)
+                    pieces[u, 0], pieces[u, 1], pieces[u, 2], pieces[u, 3] = load_f32x4(part_o, cell * D + d)
+                new_top = top
+                for u in range(BATCH):
+                    if ls[u] > float32(0.0):
+                        new_top = max(new_top, ms[u])
+                f = math.exp(top - new_top)
+                total *= f
                 for i in range(4):
-                    o[i] = float32(0.0)
-                ms = cuda.local.array(BATCH, float32)
-                ls = cuda.local.array(BATCH, float32)
-                pieces = cuda.local.array((BATCH, 4), float32)
-                for sp0 in range(0, active, BATCH):
-                    load_batch(ms, ls, pieces, src_o, src_ml, head0 + g, g, d, n_splits, sp0, active)
-                    top, total = fold_batch(o, top, total, ms, ls, pieces)
-                for i in range(4):
-                    out[(head0 + g) * D + d + i] = o[i] / total
-
-        return merge_splits
-
-    # The last block to take its ticket merges every split from global memory; a cluster's blocks merge
-    # from each other's shared memory, each taking its share of the pieces.
-    merge_ticketed = make_split_merge(load_global)
-    merge_clustered = make_split_merge(load_cluster)
+                    o[i] *= f
+                for u in range(BATCH):
+                    w = math.exp(ms[u] - new_top) if ls[u] > float32(0.0) else float32(0.0)
+                    total += ls[u] * w
+                    for i in range(4):
+                        o[i] += w * pieces[u, i]
+                top = new_top
+            for i in range(4):
+                out[(head0 + g) * D + d + i] = o[i] / total
 
     @cuda.jit(device=True, inline=True)
     def mark(trace, point):
@@ -275,9 +237,8 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         sh_s = cuda.shared.array(G, float32)  # the new key's scores
         sh_m = cuda.shared.array((WARPS, G), float32)
         sh_l = cuda.shared.array((WARPS, G), float32)
-        sh_o = cuda.shared.array((WARPS, G, D), float32, alignment=16)
+        sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
-        sh_ml = cuda.shared.array((G, 2), float32)  # a clustered launch's partial (maximum, sum) per head
         sh_kv = cuda.shared.array(KV_WORDS, uint32, alignment=16)
         sh_rope = cuda.shared.array(D, float32, alignment=16)  # cos, then sin, at the new position
         sh_norm = cuda.shared.array(NORMS, float32, alignment=16)  # q_norm, then k_norm
@@ -327,17 +288,9 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         mark(trace, 2)
         if (split_ptr[1] & 2) != 0 and tid == 0:  # one request a block (one a thread stalled the warps)
             prefetch_block_share(next_w, next_bytes)
-        active = min(n_splits, (length + split_len - 1) // split_len)  # the splits that hold keys
-        # Launched in clusters of a (row, KV head)'s every split (Forward.cluster_merge: the cluster's
-        # block ``rank`` is split ``rank``), the splits merge through each other's shared memory.
-        clustered = cluster_blocks() > uint32(1) and active > 1
-        if start >= length:  # neither a ticket nor a partial
-            if clustered:  # the cluster barriers of the blocks with keys count every block
-                cluster_arrive_release()
-                cluster_wait()
-                cluster_arrive_relaxed()
-                cluster_wait()
-            return
+        if start >= length:
+            return  # neither a ticket nor a partial: ``active`` counts only the splits that hold keys
+        active = min(n_splits, (length + split_len - 1) // split_len)
         slots = G + 2 if owner else G
         width = (n_heads + 2 * n_kv) * D
         # Every load first, unconditionally (past the rows: the last value again), then the stores: a
@@ -417,11 +370,6 @@ def make_decode_attention(G, D, dtype, TRACE=False):
             h = kvh * G + g
             if active == 1:
                 out[(row * n_heads + h) * D + d] = oo / ll
-            elif clustered:  # into warp 0's state: only this thread reads column (g, d) of it
-                sh_o[0, g, d] = oo
-                if d == 0:
-                    sh_ml[g, 0] = mm
-                    sh_ml[g, 1] = ll
             else:
                 cell = (row * n_heads + h) * n_splits + split
                 part_o[cell * D + d] = oo
@@ -430,17 +378,6 @@ def make_decode_attention(G, D, dtype, TRACE=False):
                     part_ml[cell * 2 + 1] = ll
         mark(trace, 6)
         if active == 1:
-            return
-        head0 = row * n_heads + kvh * G
-        if clustered:  # every partial visible cluster-wide, then each block merges its share of the pieces
-            cluster_arrive_release()
-            cluster_wait()
-            mark(trace, 7)
-            merge_clustered(shared_address(sh_o), shared_address(sh_ml), out, head0, n_splits, active,
-                            split * THREADS + tid, active * THREADS)
-            mark(trace, 8)
-            cluster_arrive_relaxed()  # no block leaves while another may still read its shared memory
-            cluster_wait()
             return
         # The last block to finish merges: publish this block's partial, then take a ticket (the barrier and
         # the acquire-release atomic order the partials; fences by every thread measured 0.1-0.35% slower).
@@ -454,7 +391,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         mark(trace, 7)
         if sh_last[0] == 0:
             return
-        merge_ticketed(part_o, part_ml, out, head0, n_splits, active, tid, THREADS)
+        merge_splits(part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active, tid)
         mark(trace, 8)
 
     def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
@@ -490,5 +427,4 @@ for _g, _d in VARIANTS:
     for _dtype in POOLS:
         KERNELS[f"decode_attention_g{_g}_d{_d}_{_dtype}"] = (
             make_decode_attention(_g, _d, _dtype), signature(_dtype),
-            {"threads": 32 * (TC_WARPS if _dtype == "bf16" else CUDA_WARPS), "grid_wait": 1, "max_splits": MAX_SPLITS,
-             "max_cluster": MAX_CLUSTER})
+            {"threads": 32 * (TC_WARPS if _dtype == "bf16" else CUDA_WARPS), "grid_wait": 1, "max_splits": MAX_SPLITS})

@@ -31,10 +31,9 @@ class Recorded(rt.Kernel):
         super().__init__(name, None, entry["params"], entry.get("meta"), kernels.overlap)
         self.kernels = kernels
 
-    def launch(self, grid, block, args, stream, shared=0, cluster=None):
+    def launch(self, grid, block, args, stream, shared=0):
         self.pack(args)  # the argument count and types of the manifest
         self.kernels.log.append((self, tuple(grid), tuple(args)))
-        self.kernels.clusters.append(self.cluster_dims(grid, cluster))
         self.kernels.overlaps.append(bool(self.overlap.on and self.meta.get("grid_wait")))
 
 
@@ -45,7 +44,6 @@ class FakeKernels:
         self.entries = json.loads((rt.PTX_DIR / "manifest.json").read_text())["kernels"]
         self.log = []
         self.overlaps = []  # per launch in ``log``: would it have overlapped its predecessor
-        self.clusters = []  # per launch in ``log``: its cluster dimensions, or None
         self._kernels = {}
         self.overlap = rt.Overlap()
         self.device = FakeDevice()

@@ -118,33 +118,9 @@ def test_decode_graph_depths_hold_every_split():
             assert depth * split >= length > shallower * split, (rows, length, split, depth)
     for depth in fwd.decode_depths():
         fwd.k.log.clear()
-        fwd.k.clusters.clear()
         fwd.decode(2, None, depth)
-        grids = [(grid, cluster) for (kernel, grid, _), cluster in zip(fwd.k.log, fwd.k.clusters)
-                 if kernel.name.startswith("decode_attention")]
-        assert len(grids) == CONFIG.num_layers and all(grid[2] == depth for grid, _ in grids)
-        # every split of a (row, KV head) in one cluster, which merges them in shared memory
-        assert all(cluster == ((1, 1, depth) if depth > 1 else None) for _, cluster in grids), (depth, grids)
-
-
-def test_decode_attention_clusters_only_the_depths_a_cluster_holds():
-    """Deeper grids than the kernel's ``max_cluster`` keep the ticketed merge, as does ``cluster_merge``
-    off; a cluster that does not divide the grid, or is larger than the kernel allows, is a launch error."""
-    fwd = forward()
-    kernel = fwd.k[fwd.decode_attention_name]
-    limit = kernel.meta["max_cluster"]
-    assert limit == 16
-    assert [fwd.decode_cluster(n) for n in (1, 2, limit, limit + 1, 64)] == [
-        None, (1, 1, 2), (1, 1, limit), None, None]
-    fwd.cluster_merge = False
-    assert fwd.decode_cluster(4) is None
-    for grid, cluster in (((8, 1, 6), (1, 1, 4)), ((8, 1, 32), (1, 1, 32)), ((8, 1, 4), (0, 1, 4))):
-        with pytest.raises(ValueError, match="cluster"):
-            kernel.cluster_dims(grid, cluster)
-    assert kernel.cluster_dims((8, 2, 4), (1, 1, 4)) == (1, 1, 4)
-    assert fwd.k["embed"].meta.get("max_cluster") is None  # other kernels take no clusters
-    with pytest.raises(ValueError, match="max_cluster 1"):
-        fwd.k["embed"].cluster_dims((4, 2), (2, 1))
+        grids = [grid for kernel, grid, _ in fwd.k.log if kernel.name.startswith("decode_attention")]
+        assert len(grids) == CONFIG.num_layers and all(grid[2] == depth for grid in grids)
 
 
 def test_tensor_core_steps_chain_their_norms():

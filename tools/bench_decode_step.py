@@ -13,7 +13,7 @@ at the case's row count (``--gemms``; variants must be built into ``ptx/``), at 
 norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
 (tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
-overlapping, the split merge in clusters flipped (``Forward.cluster_merge``), the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
+overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
 by attention with and without the KV prefetch (``--prefetch-o``), what the batched GEMMs ask L2 for
 of the next GEMM's weights (``--gemm-prefetch``), decode attention in the prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
@@ -164,9 +164,6 @@ def main(argv=None) -> int:
         runner.forward.fused_attention = False
         measure("fused, attention in 3 launches")
         runner.forward.fused_attention = True
-        runner.forward.cluster_merge = not runner.forward.cluster_merge  # the other split merge
-        measure(f"fused, cluster merge {'on' if runner.forward.cluster_merge else 'off'}")
-        runner.forward.cluster_merge = not runner.forward.cluster_merge
         inp = runner.buffers.inputs
         chosen = int(inp.split[0])
         depth = runner.forward.n_splits(batch, decode=True)

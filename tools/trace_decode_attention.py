@@ -1,8 +1,7 @@
 """Where ``decode_attention``'s time goes inside a captured decode step: a traced build of the kernel.
 
     python3 tools/trace_decode_attention.py --build DIR        # here (NVVM 13.0): traced PTX + manifest
-    python3 tools/trace_decode_attention.py --ptx DIR [--cases 1x512,8x512] [--overlap yes|no]
-                                       [--cluster-merge yes,no]                    # on the GPU
+    python3 tools/trace_decode_attention.py --ptx DIR [--cases 1x512,8x512] [--overlap yes|no]   # on the GPU
 
 The traced variant (``make_decode_attention(..., TRACE=True)``) takes one more parameter, a uint64 array
 where thread 0 of every block stamps ``%globaltimer`` at ``TRACE_POINTS``. The decode step of the
@@ -38,7 +37,7 @@ def build(directory: Path) -> None:
     ptx, params = nb.compile_one(KERNEL, func, (*da.signature("bf16"), U64P))
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{KERNEL}.ptx").write_text(ptx)
-    meta = {"threads": 32 * da.TC_WARPS, "grid_wait": 1, "max_cluster": da.MAX_CLUSTER}
+    meta = {"threads": 32 * da.TC_WARPS, "grid_wait": 1}
     manifest = {"kernels": {KERNEL: {"file": f"{KERNEL}.ptx", "symbol": f"ninfer_{KERNEL}", "params": params,
                                      "meta": meta}}}
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -57,13 +56,13 @@ def capture_traced(runner, batch: int, traced, rt):
 
     seen = set()
 
-    def swap(self, grid, block, args, stream, shared=None, cluster=None):
+    def swap(self, grid, block, args, stream, shared=None):
         seen.add(self.name)
         if self.name != KERNEL:
-            return launch(self, grid, block, args, stream, shared, cluster)
+            return launch(self, grid, block, args, stream, shared)
         assert grid[0] * grid[1] * grid[2] == blocks
         arrays.append((free.pop(0), blocks))
-        return launch(traced, grid, block, (*args, arrays[-1][0]), stream, shared, cluster)
+        return launch(traced, grid, block, (*args, arrays[-1][0]), stream, shared)
 
     rt.Kernel.launch = swap
     try:
@@ -94,7 +93,7 @@ def summarize(stamps: list[np.ndarray]) -> dict[str, tuple[float, float]]:
     return {p: (float(np.mean(a)), float(np.mean(b))) for p, (a, b) in rows.items() if a}
 
 
-def run(directory: Path, cases: str, overlap: bool, reps: int, cluster_merge: bool) -> None:
+def run(directory: Path, cases: str, overlap: bool, reps: int) -> None:
     from ninfer.backends.cuda import CudaRunner
     from ninfer.backends.cuda import runtime as rt
     from ninfer.backends.cuda.random_weights import random_device_weights
@@ -111,7 +110,6 @@ def run(directory: Path, cases: str, overlap: bool, reps: int, cluster_merge: bo
                                             num_pages=max_batch * max_pages, max_batch=max_batch,
                                             max_context=max_context, cuda_graph=False)
     runner.forward.overlap = overlap
-    runner.forward.cluster_merge = cluster_merge
     traced_kernels = rt.Kernels(device, directory)
     traced_kernels.overlap = runner.kernels.overlap  # launched inside the runner's overlapped regions
     traced = traced_kernels[KERNEL]
@@ -136,8 +134,7 @@ def run(directory: Path, cases: str, overlap: bool, reps: int, cluster_merge: bo
         graph.destroy()
         period = np.mean([(b[:, 2][b[:, 2] > 0].min() - a[:, 2][a[:, 2] > 0].min()) / 1e3
                           for a, b in zip(stamps[1:], stamps[2:])])
-        print(f"b={batch} ctx={context} splits of {int(runner.buffers.inputs.split[0])}, overlap={overlap}, "
-              f"cluster merge={cluster_merge}: "
+        print(f"b={batch} ctx={context} splits of {int(runner.buffers.inputs.split[0])}, overlap={overlap}: "
               f"layer period {period:.2f} us; us after the first block's wait (max / median over blocks):")
         for point, (top, median) in summarize(stamps).items():
             print(f"  {point:8s} {top:8.2f} {median:8.2f}")
@@ -151,15 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="1x512,8x512")
     parser.add_argument("--overlap", choices=("yes", "no"), default="yes")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--cluster-merge", default="yes",
-                        help="Forward.cluster_merge: yes, no or both (yes,no): splits merged in clusters where "
-                        "the grid is shallow enough")
     args = parser.parse_args(argv)
     if args.build:
         build(args.build)
     if args.ptx:
-        for merge in args.cluster_merge.split(","):
-            run(args.ptx, args.cases, args.overlap == "yes", args.reps, merge == "yes")
+        run(args.ptx, args.cases, args.overlap == "yes", args.reps)
     return 0
 
 

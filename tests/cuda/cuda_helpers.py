@@ -31,8 +31,8 @@ class Gpu:
         rt.check(rt.cu.cuMemcpyDtoH(out.ctypes.data, ptr.addr, out.nbytes), "cuMemcpyDtoH")
         return out
 
-    def launch(self, name, grid, block, args, **options):
-        self.kernels[name].launch(grid, block, args, self.stream, **options)
+    def launch(self, name, grid, block, args):
+        self.kernels[name].launch(grid, block, args, self.stream)
         rt.synchronize(self.stream)
 
 

@@ -399,9 +399,7 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
 
     Four decode rows (each its own sequence, shuffled pages) with 700, 37, 1 and 96 keys: the new
     key alone, a split ending exactly at the new key, one split (direct output) and up to 22 (over
-    the bf16 pool on tensor cores, over the fp32 pool on CUDA cores). Grids of at most 16 splits run
-    again in clusters of a (row, KV head)'s splits, whose shared-memory merge must give the same bits
-    as the ticketed one and leave the tickets alone."""
+    the bf16 pool on tensor cores, over the fp32 pool on CUDA cores)."""
     rng = np.random.default_rng(7 * group + head_dim)
     KV, D, ps, layers, layer = 2, head_dim, 16, 2, 1
     H = KV * group
@@ -439,27 +437,20 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     # before the wait; 2, the first ``ahead`` bytes of a "next kernel's weights" (the pool itself) asked of
     # L2 after it. Hints that must change nothing (the last block's share is a short one).
     pool_bytes = pool.size * itemsize
-    limit = gpu.kernels[name].meta["max_cluster"]
     for split, prefetch, ahead in ((32, 1, 0), (256, 2, pool_bytes - 48), (96, 3, pool_bytes // 2 + 16),
-                                   (768, 3, 4096), (32, 0, pool_bytes), (48, 2, 4096)):
+                                   (768, 3, 4096), (32, 0, pool_bytes)):
         n_splits = -(-max_ctx // split)
-        runs = [None] + ([(1, 1, n_splits)] if 1 < n_splits <= limit else [])
-        outs = []
-        for cluster in runs:
-            part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
-            out = gpu.put(np.full(rows * H * D, np.nan, np.float32))
-            gpu.launch(name, (KV, rows, n_splits), (gpu.kernels[name].meta["threads"],),
-                       (d_qkv, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv,
-                        layer_kv, pool.size // num_pages, d_tables, max_pages, gpu.put(np.arange(rows, dtype=np.int32)),
-                        d_positions, out, part_o, part_ml, counters, H, KV, ps.bit_length() - 1,
-                        gpu.put(np.array([split, prefetch], np.int32)), n_splits, scale, 1, 1, 1e-6, pool_dev, ahead),
-                       cluster=cluster)
-            got = gpu.get(out, np.float32, (rows, H * D))
-            for r in range(rows):
-                assert _err(got[r], want[r]) < 1e-4, (split, cluster, r)
-            assert not gpu.get(counters, np.int32, (rows * KV,)).any(), (split, cluster)
-            outs.append(got)
-        assert all(np.array_equal(other, outs[0]) for other in outs[1:]), split  # the merges fold alike
+        part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
+        out = gpu.empty(rows * H * D * 4)
+        gpu.launch(name, (KV, rows, n_splits), (gpu.kernels[name].meta["threads"],),
+                   (d_qkv, gpu.put(bias), gpu.put(qn), gpu.put(kn), gpu.put(cos), gpu.put(sin), layer_kv, layer_kv,
+                    pool.size // num_pages, d_tables, max_pages, gpu.put(np.arange(rows, dtype=np.int32)), d_positions,
+                    out, part_o, part_ml, counters, H, KV, ps.bit_length() - 1,
+                    gpu.put(np.array([split, prefetch], np.int32)), n_splits, scale, 1, 1, 1e-6, pool_dev, ahead))
+        got = gpu.get(out, np.float32, (rows, H * D))
+        for r in range(rows):
+            assert _err(got[r], want[r]) < 1e-4, (split, r)
+        assert not gpu.get(counters, np.int32, (rows * KV,)).any(), split
     got_pool = gpu.get(pool_dev, np.uint16 if kv_dtype == "bf16" else np.float32, pool.shape)
     got_pool = to_float32(got_pool) if kv_dtype == "bf16" else got_pool
     for r in range(rows):

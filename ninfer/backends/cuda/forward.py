@@ -371,10 +371,6 @@ class Forward:
         # Off for the dense model: Qwen3-8B b1 on an H100 5.443 -> 5.451 ms at 512 keys, 5.696 -> 5.674
         # at 4096 (tools/bench_decode_step.py); on for MoE hybrids (HybridForward).
         self.preload_o = False
-        # A decode launch of at most the kernel's ``max_cluster`` splits runs as clusters of a (row, KV
-        # head)'s splits, which merge through each other's shared memory instead of a ticket and global
-        # partials (numba_kernels/decode_attention.py, ``decode_cluster``).
-        self.cluster_merge = True
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
     def kernel_names(self) -> list[str]:
@@ -428,12 +424,6 @@ class Forward:
         fits = self.kv_prefetch and keys * self.layer_kv_bytes_per_key <= self.kv_prefetch_bytes
         return (PREFETCH_KEYS if fits else 0) | (PREFETCH_O if self.attention_prefetch else 0)
 
-    def decode_cluster(self, n_splits: int) -> tuple[int, int, int] | None:
-        """The cluster dimensions of a ``decode_attention`` launch ``n_splits`` deep: every split of a
-        (row, KV head), where that many fit a cluster and ``cluster_merge`` is on."""
-        limit = self.k[self.decode_attention_name].meta.get("max_cluster", 1)
-        return (1, 1, n_splits) if self.cluster_merge and 1 < n_splits <= limit else None
-
     def n_splits(self, rows: int, decode: bool = False) -> int:
         """The attention grid's depth; ``inputs.split`` holds the actual split length. A decode step's
         rows need at most ``splits["decode"]``; other launches of a few rows may be a short prefill
@@ -466,7 +456,7 @@ class Forward:
                              (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
                               inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
                               b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale,
-                              *flags, *self.next_weights(i)), stream, cluster=self.decode_cluster(n_splits))
+                              *flags, *self.next_weights(i)), stream)
             return b.attn
         rope_args = (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
                      b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)

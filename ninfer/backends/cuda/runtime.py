@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import math
 import os
 import threading
 from pathlib import Path
@@ -250,8 +249,6 @@ _PACK = {
 }
 _RANGES = {"i32": (-(1 << 31), 1 << 31), "i64": (-(1 << 63), 1 << 63), "u64": (0, 1 << 64)}
 _F32_MAX = float(np.finfo(np.float32).max)
-# Cluster sizes every sm_90 part runs; a kernel allowing more opts in (Kernels, ``max_cluster``).
-PORTABLE_CLUSTER = 8
 
 
 class Overlap:
@@ -303,59 +300,34 @@ class Kernel:
                 self._slots[i] = _PACK[kind](int(value))
 
     def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], stream,
-               shared: int | None = None, cluster: Sequence[int] | None = None) -> None:
-        """``shared``: dynamic shared memory bytes; by default the manifest's ``meta["shared"]`` (0 if none).
-        ``cluster``: thread-block cluster dimensions (sm_90), each dividing the grid's, for kernels whose
-        manifest meta gives a ``max_cluster`` at least their product."""
+               shared: int | None = None) -> None:
+        """``shared``: dynamic shared memory bytes; by default the manifest's ``meta["shared"]`` (0 if none)."""
         shared = self.meta.get("shared", 0) if shared is None else shared
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if min(grid) < 1 or min(block) < 1:
             raise ValueError(f"{self.name}: empty launch grid {grid} block {block}")
-        cluster = self.cluster_dims(grid, cluster)
         self.pack(args)
-        overlapped = self.overlap.on and bool(self.meta.get("grid_wait"))
-        if overlapped or cluster is not None:
-            self._launch_ex(grid, block, shared, stream, overlapped, cluster)
+        if self.overlap.on and self.meta.get("grid_wait"):
+            self._launch_overlapped(grid, block, shared, stream)
             return
         check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream,
                                 self._pointers.ctypes.data, 0), f"cuLaunchKernel({self.name})")
 
-    def cluster_dims(self, grid: Sequence[int], cluster: Sequence[int] | None) -> tuple | None:
-        """``cluster`` as three dimensions, checked against the grid and the kernel's ``max_cluster``."""
-        if cluster is None:
-            return None
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        cluster = tuple(cluster) + (1,) * (3 - len(cluster))
-        if min(cluster) < 1 or any(g % c for g, c in zip(grid, cluster)) or math.prod(cluster) > self.meta.get(
-                "max_cluster", 1):
-            raise ValueError(f"{self.name}: cluster {cluster} does not fit grid {grid} or the kernel's "
-                             f"max_cluster {self.meta.get('max_cluster', 1)}")
-        return cluster
-
-    def _launch_ex(self, grid, block, shared: int, stream, overlapped: bool, cluster) -> None:
-        """A launch with attributes. ``overlapped``: it may begin while the stream's previous kernel
-        runs, this kernel's blocks waiting for it in ``griddepcontrol.wait`` (numba_kernels/common.py);
-        under stream capture the driver records a programmatic edge between the two graph nodes.
-        ``cluster``: its blocks run in clusters of these dimensions."""
-        attributes = []
-        if overlapped:
-            attribute = cu.CUlaunchAttribute()
-            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attribute.value.programmaticStreamSerializationAllowed = 1
-            attributes.append(attribute)
-        if cluster is not None:
-            attribute = cu.CUlaunchAttribute()
-            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
-            attributes.append(attribute)
+    def _launch_overlapped(self, grid, block, shared: int, stream) -> None:
+        """A launch that may begin while the stream's previous kernel runs: this kernel's blocks wait
+        for it in ``griddepcontrol.wait`` (numba_kernels/common.py).
+        Under stream capture the driver records a programmatic edge between the two graph nodes."""
+        attribute = cu.CUlaunchAttribute()
+        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared
         config.hStream = stream
-        config.attrs = attributes
-        config.numAttrs = len(attributes)
+        config.attrs = [attribute]
+        config.numAttrs = 1
         check(cu.cuLaunchKernelEx(config, self.function, self._pointers.ctypes.data, 0),
               f"cuLaunchKernelEx({self.name})")
 
@@ -394,9 +366,6 @@ class Kernels:
             if shared:  # opt in to this much dynamic shared memory (static + dynamic past 48 KiB needs it)
                 attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 check(cu.cuFuncSetAttribute(function, attribute, shared), f"cuFuncSetAttribute({name})")
-            if entry.get("meta", {}).get("max_cluster", 1) > PORTABLE_CLUSTER:  # opt in to larger clusters
-                attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-                check(cu.cuFuncSetAttribute(function, attribute, 1), f"cuFuncSetAttribute({name})")
             kernel = self._loaded[name] = Kernel(name, function, entry["params"], entry.get("meta"), self.overlap)
         return kernel
 
