@@ -23,8 +23,8 @@ Each block
    parity runs) through the ``attention_*`` key loop on CUDA cores;
 4. with one split holding keys, writes the output; else writes its partial, and the last block of
    the (row, kv head) to finish (an atomic ticket in ``counters``, reset by that block) merges every
-   split's partial into the output (``merge_splits``: a thread per 4 dims of a head, MERGE_BATCH
-   splits' loads in flight at once).
+   split's partial into the output (``merge_splits``: a warp a head weighs the splits, then a thread
+   per 4 dims of a head sums the weighted pieces, MERGE_BATCH splits' loads in flight at once).
 
 ``split_ptr`` (step inputs): the split length, and bits of what the blocks ask L2 for: 1, their split's
 unstaged keys and values, before waiting for the previous kernel; 2, the next kernel's weights (below).
@@ -47,7 +47,7 @@ from numba_kernels.attention import (VARIANTS, keys_in_flight, load_pair_f32, lo
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, bf16_to_f32,
                                   copy_async_16, copy_async_wait, f32_to_bf16, grid_dependency_wait,
                                   global_timer, launch_dependents, load_f32x4, prefetch_block_share, prefetch_l2,
-                                  ticket_acq_rel, warp_sum)
+                                  ticket_acq_rel, warp_max, warp_sum)
 from numba_kernels.decode_attention_mma import make_mma_key_phase
 from numba_kernels.rope import store_bf16, store_f32
 
@@ -55,9 +55,10 @@ MAX_SPLITS = 64  # splits a launch may have (forward.MAX_DECODE_SPLITS; the mani
 # Shared memory for the K and V rows of each split's first keys, copied in before the kernel waits for
 # the q/k/v (32 keys of a bf16 head of 128: a whole split at batch 1 and 512 keys).
 STAGE_BYTES = 16 << 10
-# Splits the merge folds per round of loads (each thread: that many maxima, sums and 4-dim pieces in
-# registers), by pool: 16 where the key phase needs as many registers anyway (tensor cores), else 4.
-MERGE_BATCH = {"bf16": 16, "f32": 4}
+# Splits whose 4-dim pieces a thread of the merge loads per round, by pool: 8 beside the tensor-core key
+# phase (H100, ms a step with 8 / 16 / 4: b1/512 5.376 / 5.391 / 5.378, b8/512 6.368 / 6.428 / 6.358,
+# b1/2048 5.444 / 5.458 / 5.458), 4 beside the CUDA-core one, which has fewer registers to spare.
+MERGE_BATCH = {"bf16": 8, "f32": 4}
 # Where the traced variant stamps the time (thread 0 of each block; the last two only in split merges).
 TRACE_POINTS = ("start", "staged", "waited", "qkv", "roped", "keys", "partial", "ticket", "merged")
 
@@ -180,46 +181,65 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         for i in range(tid, count >> 2, THREADS):
             copy_async_16(dst, dst_at + 4 * i, src, src_at + 4 * i)
 
+    SLOTS = MAX_SPLITS // 32  # splits a lane weighs
+
     @cuda.jit(device=True, inline=True)
-    def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid):
+    def split_weights(part_ml, sh_w, sh_total, head0, n_splits, active, warp, lane):
+        """A warp a head: each split's weight ``exp(m - top)`` (``top``: the largest maximum of the
+        head's splits with keys; 0 for a split without) into ``sh_w[g, split]`` and the head's
+        reciprocal total ``1 / sum(w * l)`` into ``sh_total[g]``."""
+        for g in range(warp, G, WARPS):
+            cell0 = (head0 + g) * n_splits
+            ms = cuda.local.array(SLOTS, float32)
+            ls = cuda.local.array(SLOTS, float32)
+            for j in range(SLOTS):
+                split = lane + 32 * j
+                cell = cell0 + min(split, active - 1)
+                ms[j] = part_ml[cell * 2]
+                ls[j] = part_ml[cell * 2 + 1] if split < active else float32(0.0)
+            top = NEG_BIG
+            for j in range(SLOTS):
+                if ls[j] > float32(0.0):
+                    top = max(top, ms[j])
+            top = warp_max(top)
+            total = float32(0.0)
+            for j in range(SLOTS):
+                w = math.exp(ms[j] - top) if ls[j] > float32(0.0) else float32(0.0)
+                sh_w[g, lane + 32 * j] = w
+                total += w * ls[j]
+            total = warp_sum(total)
+            if lane == 0:
+                sh_total[g] = float32(1.0) / total
+
+    @cuda.jit(device=True, inline=True)
+    def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid, sh_w, sh_total):
         """The last block's merge of the ``active`` splits' partials of its heads ``head0 + g`` (cells
-        ``(head0 + g) * n_splits + split``) into ``out``. A thread takes 4 dims of a head and folds the
-        splits BATCH at a time, every load of a batch issued before any use: the merge is a few L2 round
-        trips, with no shared memory and no barrier."""
+        ``(head0 + g) * n_splits + split``) into ``out``: the splits' weights first (``split_weights``,
+        a block barrier), then a thread per 4 dims of a head sums the weighted partials, BATCH splits'
+        loads in flight. An exponential per split and head, not per split and thread: the merge was
+        bound by its instructions (H100, ms a step against each thread folding its splits with their
+        exponentials: b1/512 5.376 vs 5.404, b8/512 6.368 vs 6.460, b1/8192 5.813 vs 5.897)."""
+        split_weights(part_ml, sh_w, sh_total, head0, n_splits, active, tid >> 5, tid & 31)
+        cuda.syncthreads()
         for item in range(tid, G * QUADS, THREADS):
             g = item // QUADS
             d = (item - g * QUADS) * 4
             cell0 = (head0 + g) * n_splits
-            top = NEG_BIG
-            total = float32(0.0)
             o = cuda.local.array(4, float32)
             for i in range(4):
                 o[i] = float32(0.0)
-            ms = cuda.local.array(BATCH, float32)
-            ls = cuda.local.array(BATCH, float32)
             pieces = cuda.local.array((BATCH, 4), float32)
             for sp0 in range(0, active, BATCH):
                 for u in range(BATCH):
                     cell = cell0 + min(sp0 + u, active - 1)
-                    ms[u] = part_ml[cell * 2]
-                    ls[u] = part_ml[cell * 2 + 1] if sp0 + u < active else float32(0.0)
                     pieces[u, 0], pieces[u, 1], pieces[u, 2], pieces[u, 3] = load_f32x4(part_o, cell * D + d)
-                new_top = top
                 for u in range(BATCH):
-                    if ls[u] > float32(0.0):
-                        new_top = max(new_top, ms[u])
-                f = math.exp(top - new_top)
-                total *= f
-                for i in range(4):
-                    o[i] *= f
-                for u in range(BATCH):
-                    w = math.exp(ms[u] - new_top) if ls[u] > float32(0.0) else float32(0.0)
-                    total += ls[u] * w
+                    w = sh_w[g, sp0 + u] if sp0 + u < active else float32(0.0)
                     for i in range(4):
                         o[i] += w * pieces[u, i]
-                top = new_top
+            scale = sh_total[g]
             for i in range(4):
-                out[(head0 + g) * D + d + i] = o[i] / total
+                out[(head0 + g) * D + d + i] = o[i] * scale
 
     @cuda.jit(device=True, inline=True)
     def mark(trace, point):
@@ -239,6 +259,8 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
         sh_last = cuda.shared.array(1, int32)
+        sh_w = cuda.shared.array((G, MAX_SPLITS), float32)  # the split merge's weights
+        sh_total = cuda.shared.array(G, float32)
         sh_kv = cuda.shared.array(KV_WORDS, uint32, alignment=16)
         sh_rope = cuda.shared.array(D, float32, alignment=16)  # cos, then sin, at the new position
         sh_norm = cuda.shared.array(NORMS, float32, alignment=16)  # q_norm, then k_norm
@@ -391,7 +413,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         mark(trace, 7)
         if sh_last[0] == 0:
             return
-        merge_splits(part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active, tid)
+        merge_splits(part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active, tid, sh_w, sh_total)
         mark(trace, 8)
 
     def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
