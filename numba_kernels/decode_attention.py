@@ -53,8 +53,10 @@ from numba_kernels.rope import store_bf16, store_f32
 
 MAX_SPLITS = 64  # splits a launch may have (forward.MAX_DECODE_SPLITS; the manifest's ``max_splits``)
 # Shared memory for the K and V rows of each split's first keys, copied in before the kernel waits for
-# the q/k/v (32 keys of a bf16 head of 128: a whole split at batch 1 and 512 keys).
-STAGE_BYTES = 16 << 10
+# the q/k/v: 16 keys of a bf16 head of 128, a tensor-core tile. (H100, ms a step against 32 keys:
+# b8/512 6.163 vs 6.181, b8/1024 6.393 vs 6.404, b1/2048 5.327 vs 5.348, b1/512 level, b1/8192 5.717
+# vs 5.703; 64 keys was slower: b4/512 6.269 vs 6.193.)
+STAGE_BYTES = 8 << 10
 # Splits whose 4-dim pieces a thread of the merge loads per round, by pool: 8 beside the tensor-core key
 # phase (H100, ms a step with 8 / 16 / 4: b1/512 5.376 / 5.391 / 5.378, b8/512 6.368 / 6.428 / 6.358,
 # b1/2048 5.444 / 5.458 / 5.458), 4 beside the CUDA-core one, which has fewer registers to spare.
