@@ -220,10 +220,10 @@ def make_decode_attention(G, D, dtype, TRACE=False):
     SLOTS = MAX_SPLITS // 32  # splits a lane weighs
 
     @cuda.jit(device=True, inline=True)
-    def split_weights(part_ml, sh_w, sh_total, head0, n_splits, active, warp, lane):
+    def split_weights(part_ml, sh_w, sh_scale, head0, n_splits, active, warp, lane):
         """A warp a head: each split's weight ``exp(m - top)`` (``top``: the largest maximum of the
-        head's splits with keys; 0 for a split without) into ``sh_w[g, split]`` and the head's
-        reciprocal total ``1 / sum(w * l)`` into ``sh_total[g]``."""
+        head's splits with keys; 0 for a split without) into ``sh_w[g, split]`` and the scale of the
+        head's weighted sum, ``1 / sum(w * l)``, into ``sh_scale[g]``."""
         for g in range(warp, G, WARPS):
             cell0 = (head0 + g) * n_splits
             ms = cuda.local.array(SLOTS, float32)
@@ -245,17 +245,17 @@ def make_decode_attention(G, D, dtype, TRACE=False):
                 total += w * ls[j]
             total = warp_sum(total)
             if lane == 0:
-                sh_total[g] = float32(1.0) / total
+                sh_scale[g] = float32(1.0) / total
 
     @cuda.jit(device=True, inline=True)
-    def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid, sh_w, sh_total):
+    def merge_splits(part_o, part_ml, out, head0, n_splits, active, tid, sh_w, sh_scale):
         """The last block's merge of the ``active`` splits' partials of its heads ``head0 + g`` (cells
         ``(head0 + g) * n_splits + split``) into ``out``: the splits' weights first (``split_weights``,
         a block barrier), then a thread per 4 dims of a head sums the weighted partials, BATCH splits'
         loads in flight. An exponential per split and head, not per split and thread: the merge was
         bound by its instructions (H100, ms a step against each thread folding its splits with their
         exponentials: b1/512 5.376 vs 5.404, b8/512 6.368 vs 6.460, b1/8192 5.813 vs 5.897)."""
-        split_weights(part_ml, sh_w, sh_total, head0, n_splits, active, tid >> 5, tid & 31)
+        split_weights(part_ml, sh_w, sh_scale, head0, n_splits, active, tid >> 5, tid & 31)
         cuda.syncthreads()
         for item in range(tid, G * QUADS, THREADS):
             g = item // QUADS
@@ -273,7 +273,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
                     w = sh_w[g, sp0 + u] if sp0 + u < active else float32(0.0)
                     for i in range(4):
                         o[i] += w * pieces[u, i]
-            scale = sh_total[g]
+            scale = sh_scale[g]
             for i in range(4):
                 out[(head0 + g) * D + d + i] = o[i] * scale
 
@@ -298,7 +298,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         sh_w = cuda.shared.array((G, MAX_SPLITS), float32)  # the split merge's weights
         sh_f = cuda.shared.array((FACTORS, G), float32)  # each warp's and the new value's factor a head
         sh_ml = cuda.shared.array((G, 2), float32)  # the block's maximum and sum a head
-        sh_total = cuda.shared.array(G, float32)
+        sh_scale = cuda.shared.array(G, float32)  # and each head's 1 / total
         sh_kv = cuda.shared.array(KV_WORDS, uint32, alignment=16)
         sh_rope = cuda.shared.array(D, float32, alignment=16)  # cos, then sin, at the new position
         sh_norm = cuda.shared.array(NORMS, float32, alignment=16)  # q_norm, then k_norm
@@ -446,7 +446,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         mark(trace, 7)
         if sh_last[0] == 0:
             return
-        merge_splits(part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active, tid, sh_w, sh_total)
+        merge_splits(part_o, part_ml, out, row * n_heads + kvh * G, n_splits, active, tid, sh_w, sh_scale)
         mark(trace, 8)
 
     def decode_attention(qkv, bias, q_norm, k_norm, cos_t, sin_t, kc, kw, page_stride, page_tables, max_pages,
