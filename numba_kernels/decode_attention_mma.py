@@ -41,8 +41,9 @@ def make_mma_key_phase(G, D, WARPS, STAGE):
     head_off, v_off, start, staged, end, warp, lane, scale)`` for ``G`` query heads (at most 8) of head
     dim ``D`` (a multiple of 64) over a bf16 pool: q from rows 0..G-1 of ``sh_x``, every warp's tiles
     of the keys ``[start, end)`` (the first ``staged`` in ``sh_kv``, STAGE of them at most, a multiple
-    of TILE), then the warps' states into the shared arrays that attention.py's ``merged`` reads
-    (``sh_m``, ``sh_l``: ``[WARPS, G]``; ``sh_o``: ``[WARPS, G, D]``) and a block sync."""
+    of TILE), then the warps' states into shared arrays laid out as attention.py's ``stash`` writes
+    them (``sh_m``, ``sh_l``: ``[WARPS, G]``; ``sh_o``: ``[WARPS, G, D]``; decode_attention.py's
+    ``head_factors`` reads them) and a block sync."""
     assert G <= 8 and D % 64 == 0 and STAGE % TILE == 0
     KSTEPS = D // 16  # k-steps of the scores; also the m-tiles (16 dims each) of the output
     CHUNKS = D // 32  # 16-byte loads a K row takes per lane (dims 32j + 8c ...)
