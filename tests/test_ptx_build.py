@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,14 +57,57 @@ def test_ptx_is_reproducible_from_numba_kernels():
     assert build.main(["--check"]) == 0  # the command docs/development.md gives
 
 
-def test_ptxas_assembles_every_module():
-    import sys
-
+def _ptx_check():
     sys.path.insert(0, str(ROOT / "tools"))
     import ptx_check
 
-    ptxas = ptx_check.find_ptxas()
-    if ptxas is None:
-        _missing("ptxas")
-    reports = ptx_check.assemble(ptxas, "sm_90a")
+    return ptx_check
+
+
+def _tool(name: str) -> str:
+    path = _ptx_check().find_tool(name)
+    if path is None:
+        _missing(name)
+    return path
+
+
+def test_ptxas_assembles_every_module():
+    reports = _ptx_check().assemble(_tool("ptxas"), "sm_90a")
     assert len(reports) == len(json.loads((ROOT / "ptx" / "manifest.json").read_text())["kernels"])
+
+
+def test_loads_before_the_grid_wait_stay_there():
+    """Every kernel that loads before ``griddepcontrol.wait`` still does in ptxas's machine code."""
+    early = _ptx_check().early_loads(_tool("ptxas"), _tool("nvdisasm"), "sm_90a")  # raises if any sank
+    assert "gemv_residual_m1.ptx" in early and "decode_attention_g4_d128_bf16.ptx" in early
+
+
+# nvdisasm's form of a few instructions: a block that exits at once waits too, and must not count.
+SASS = """
+        /*0070*/                   LDG.E.STRONG.GPU R2, desc[UR10][R2.64] ;
+        /*0090*/              @!P0 BRA `(.L_x_0) ;
+        /*00a0*/                   ACQBULK ;
+        /*00b0*/                   EXIT ;
+.L_x_0:
+        /*05e0*/              @!P5 LDG.E.128 R8, desc[UR10][R20.64] ;
+        /*0600*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR10][R4.64] ;
+        /*0820*/                   PREEXIT ;
+        /*0830*/                   ACQBULK ;
+        /*0d20*/              @!P4 LDG.E.128 R8, desc[UR10][R28.64] ;
+"""
+PTX = """
+	ld.global.nc.L1::no_allocate.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];
+	@%p1 cp.async.cg.shared.global [%r5], [%rd2], 16;
+	cp.async.commit_group;
+	griddepcontrol.launch_dependents;
+	griddepcontrol.wait;
+	ld.global.f32 %f1, [%rd3];
+"""
+
+
+def test_early_load_counting():
+    check = _ptx_check()
+    assert check.ptx_loads_before_wait(PTX) == 2  # the commit is not a load
+    assert check.ptx_loads_before_wait(PTX.replace("griddepcontrol.wait", "")) == 0  # no wait: none early
+    assert check.sass_loads_before_wait(SASS) == 3  # past the early exit's wait, up to the real one
+    assert check.sass_loads_before_wait(SASS.replace("/*0830*/                   ACQBULK ;", "")) == 4

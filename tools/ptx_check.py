@@ -1,29 +1,36 @@
-"""Check the committed PTX: rebuild-and-diff (numba_kernels.build --check) and ptxas on every module.
+"""Check the committed PTX: rebuild-and-diff (numba_kernels.build --check), ptxas on every module, and
+that the loads a kernel issues before its grid wait are still there in the machine code.
 
-    python tools/ptx_check.py [--ptxas PATH] [--arch sm_90a] [--skip-rebuild]
+    python tools/ptx_check.py [--ptxas PATH] [--nvdisasm PATH] [--arch sm_90a] [--skip-rebuild]
 
-ptxas is looked up as given, then on PATH, then in the nvidia-cuda-nvcc wheel. Prints each module's
-register / shared-memory / stack use (spills show up as a non-zero stack frame) and exits non-zero
-when a module fails to assemble or the PTX is out of date.
+ptxas is looked up as given, then on PATH, then in the nvidia-cuda-nvcc wheel; nvdisasm the same way
+(the nvidia-cuda-nvdisasm wheel). Prints each module's register / shared-memory / stack use (spills
+show up as a non-zero stack frame) and exits non-zero when a module fails to assemble, the PTX is out
+of date, or ptxas moved a kernel's early loads below its grid wait (``early_loads``).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PTX_DIR = ROOT / "ptx"
 
 
-def find_ptxas(explicit: str | None = None) -> str | None:
+def find_tool(tool: str, explicit: str | None = None) -> str | None:
+    """``tool`` (ptxas, nvdisasm) as given, else on PATH, else from an NVIDIA wheel's ``bin``."""
     if explicit:
         return explicit
-    found = shutil.which("ptxas")
+    found = shutil.which(tool)
     if found:
         return found
     try:
@@ -31,7 +38,7 @@ def find_ptxas(explicit: str | None = None) -> str | None:
     except ImportError:
         return None
     for base in nvidia.__path__:
-        for candidate in Path(base).glob("*/bin/ptxas"):
+        for candidate in Path(base).glob(f"*/bin/{tool}"):
             return str(candidate)
     return None
 
@@ -53,9 +60,66 @@ def assemble(ptxas: str, arch: str, directory: Path = PTX_DIR) -> dict[str, str]
     return reports
 
 
+# A kernel that loads weights (or stages keys, or asks L2 for bytes) before ``griddepcontrol.wait`` does
+# so to overlap the kernel before it. ptxas may sink such loads below the wait (SASS ``ACQBULK``): it
+# did so to every fp32 GEMV whose loads came after ``launch_dependents``, a 2% slower batch-1 step
+# until the SASS showed it (docs/benchmarks.md, twenty-third session).
+PTX_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|cp\.async\.c[ag]\.shared\.global|cp\.async\.bulk\.prefetch"
+                      r"|cp\.async\.bulk\.shared)")
+SASS_LOAD = re.compile(r"\b(?:LDG|LDGSTS|UBLKPF|UBLKCP)\b")
+SASS_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
+
+
+def ptx_loads_before_wait(ptx: str) -> int:
+    """Global loads, async copies and L2 prefetches written above the module's first grid wait."""
+    count = 0
+    for line in ptx.splitlines():
+        if "griddepcontrol.wait" in line:
+            return count
+        count += bool(PTX_LOAD.match(line))
+    return 0  # no wait: nothing is early
+
+
+def sass_loads_before_wait(sass: str) -> int:
+    """The same in ``nvdisasm`` output, above the first ``ACQBULK`` that is not an early exit's
+    (a block that returns at once still waits first: ``ACQBULK; EXIT``)."""
+    code = [line for line in sass.splitlines() if SASS_INSTRUCTION.match(line)]
+    count = 0
+    for i, line in enumerate(code):
+        if "ACQBULK" in line and not (i + 1 < len(code) and "EXIT" in code[i + 1]):
+            return count
+        count += bool(SASS_LOAD.search(line))
+    return count
+
+
+def early_loads(ptxas: str, nvdisasm: str, arch: str, directory: Path = PTX_DIR) -> dict[str, tuple[int, int]]:
+    """{module file: (loads above the grid wait in the PTX, in the SASS)} for every module with early
+    loads; raises RuntimeError naming the modules whose SASS has fewer (ptxas sank them)."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    files = sorted({entry["file"] for entry in manifest["kernels"].values()})
+    written = {f: ptx_loads_before_wait((directory / f).read_text()) for f in files}
+    early = [f for f in files if written[f]]
+
+    def disassembled(file: str, scratch: str) -> tuple[str, int]:
+        cubin = os.path.join(scratch, file + ".cubin")
+        subprocess.run([ptxas, f"-arch={arch}", str(directory / file), "-o", cubin], check=True,
+                       capture_output=True)
+        sass = subprocess.run([nvdisasm, cubin], check=True, capture_output=True, text=True).stdout
+        return file, sass_loads_before_wait(sass)
+
+    with tempfile.TemporaryDirectory() as scratch, \
+            concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # nvdisasm: ~0.3 s a module
+        issued = dict(pool.map(lambda f: disassembled(f, scratch), early))
+    sunk = [f"{f}: {written[f]} in the PTX, {issued[f]} in the SASS" for f in early if issued[f] < written[f]]
+    if sunk:
+        raise RuntimeError("ptxas moved loads below the grid wait (SASS ACQBULK):\n" + "\n".join(sunk))
+    return {f: (written[f], issued[f]) for f in early}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ptxas")
+    parser.add_argument("--nvdisasm")
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--skip-rebuild", action="store_true")
     args = parser.parse_args(argv)
@@ -65,13 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         from numba_kernels import build
 
         status = build.main(["--check"])
-    ptxas = find_ptxas(args.ptxas)
+    ptxas = find_tool("ptxas", args.ptxas)
     if ptxas is None:
         print("ptxas not found (PATH or nvidia-cuda-nvcc wheel)", file=sys.stderr)
+        return 2
+    nvdisasm = find_tool("nvdisasm", args.nvdisasm)
+    if nvdisasm is None:
+        print("nvdisasm not found (PATH or nvidia-cuda-nvdisasm wheel)", file=sys.stderr)
         return 2
     try:
         for module, report in assemble(ptxas, args.arch).items():
             print(f"{module:28s} {report}")
+        for module, (written, issued) in early_loads(ptxas, nvdisasm, args.arch).items():
+            print(f"{module:28s} loads above the grid wait: {written} in the PTX, {issued} in the SASS")
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
