@@ -93,6 +93,7 @@ SASS = """
         /*0600*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR10][R4.64] ;
         /*0820*/                   PREEXIT ;
         /*0830*/                   ACQBULK ;
+        /*0840*/               @P0 EXIT ;
         /*0d20*/              @!P4 LDG.E.128 R8, desc[UR10][R28.64] ;
 """
 PTX = """
@@ -109,5 +110,5 @@ def test_early_load_counting():
     check = _ptx_check()
     assert check.ptx_loads_before_wait(PTX) == 2  # the commit is not a load
     assert check.ptx_loads_before_wait(PTX.replace("griddepcontrol.wait", "")) == 0  # no wait: none early
-    assert check.sass_loads_before_wait(SASS) == 3  # past the early exit's wait, up to the real one
+    assert check.sass_loads_before_wait(SASS) == 3  # past the early exit's wait, up to the main path's
     assert check.sass_loads_before_wait(SASS.replace("/*0830*/                   ACQBULK ;", "")) == 4

@@ -68,6 +68,7 @@ PTX_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld\.global|cp\.async\.c[ag]\.shar
                       r"|cp\.async\.bulk\.shared)")
 SASS_LOAD = re.compile(r"\b(?:LDG|LDGSTS|UBLKPF|UBLKCP)\b")
 SASS_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/")
+SASS_EXIT = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+EXIT\s*;")  # unpredicated: this path ends here
 
 
 def ptx_loads_before_wait(ptx: str) -> int:
@@ -82,11 +83,12 @@ def ptx_loads_before_wait(ptx: str) -> int:
 
 def sass_loads_before_wait(sass: str) -> int:
     """The same in ``nvdisasm`` output, above the first ``ACQBULK`` that is not an early exit's
-    (a block that returns at once still waits first: ``ACQBULK; EXIT``)."""
+    (a block that returns at once still waits first: ``ACQBULK; EXIT``, where ``ACQBULK; @P0 EXIT``
+    is the main path's wait, some of whose blocks then return)."""
     code = [line for line in sass.splitlines() if SASS_INSTRUCTION.match(line)]
     count = 0
     for i, line in enumerate(code):
-        if "ACQBULK" in line and not (i + 1 < len(code) and "EXIT" in code[i + 1]):
+        if "ACQBULK" in line and not (i + 1 < len(code) and SASS_EXIT.match(code[i + 1])):
             return count
         count += bool(SASS_LOAD.search(line))
     return count
