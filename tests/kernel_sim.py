@@ -355,6 +355,8 @@ _SIMULATED = {
     "sts_u32x4": lambda env: _sts,
     "cp_async16": lambda env: _cp_async16,
     "load_weights_u64x2": lambda env: (lambda ptr, index: tuple(_elements(ptr, index, np.uint64, 2))),
+    "load_weights_policy_u64x2": lambda env: (lambda ptr, index, policy: tuple(_elements(ptr, index, np.uint64, 2))),
+    "l2_policy_evict_first": lambda env: (lambda: np.uint64(0)),  # a cache hint: nothing to simulate
     "mma_bf16_16816": lambda env: mma_bf16_16816,
     "pack_bf16x2": lambda env: pack_bf16x2,
     "movmatrix_trans": lambda env: movmatrix_trans,

@@ -199,10 +199,11 @@ def moe_layer(rows: int) -> SimpleNamespace:
     d_x, d_w, d_y, d_normed = gpu.put(x), gpu.put(norm_w), gpu.empty(rows * H * 4), gpu.empty(rows * H * 4)
     launches = []
 
-    def run() -> list:
+    def run(then=None) -> list:
         gpu.device.bytes(d_y)[:] = resid.view(np.uint8).ravel()
         first = len(gpu.kernels.launches)
-        moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed))
+        moe.forward(d_y, d_x, weights, layer, rows, gpu.stream, residual=True, norm=(d_w, float(EPS), d_normed),
+                    then=then)
         launches.append(gpu.kernels.launches[first:])
         return [gpu.get(d_y, np.float32, (rows, H)), gpu.get(d_normed, np.float32, (rows, H)),
                 gpu.get(moe.topk_ids, np.int32, (rows, K)), gpu.get(moe.topk_w, np.float32, (rows, K))]
@@ -319,8 +320,33 @@ def case_moe_gemv(rows: int) -> dict:
                     "launches": len(t.launches[-1]),
                     "identical": bool(np.array_equal(got[0], plain[0])) if routed is None
                     else rel(got[0] - t.resid, plain[0] - t.resid)}
+        result["next_prefetch"] = next_prefetch(t, ROUTED_GATE_UPS[0], COMBINED_DOWNS[0])
         moe.combined_down = moe.routed_gate_up = None
     return result
+
+
+def next_prefetch(t, routed: str, combined: str) -> dict:
+    """A one-row step (the routing gate/up asking for half of the down weights, the combining down) with
+    the router asking L2 for the first bytes of the next layer's weights (``CudaMoe.next_prefetch``)
+    and the experts' STREAM builds (``stream_weights``), against both off: the same bytes out, the
+    builds launched, and what the simulated device was asked to prefetch."""
+    from ninfer.backends.cuda.moe import NEXT_ROUTER_GEMM
+
+    moe = t.moe
+    moe.routed_gate_up, moe.combined_down, moe.down_prefetch = routed, combined, 0.5
+    then = t.gpu.empty(3 << 10, poison=0)  # the next layer's first weights: 3 KiB, less than asked for
+    plain = t.run(then)
+    before = t.gpu.device.prefetched
+    moe.next_prefetch, moe.stream_weights = 1 << 20, True
+    got = t.run(then)
+    asked = t.gpu.device.prefetched - before
+    moe.next_prefetch, moe.stream_weights = 0, False
+    H, I, S = moe.c.hidden_size, moe.c.moe_intermediate_size, moe.c.shared_expert_intermediate_size
+    down_share = moe.c.num_experts_per_tok * (H * I * 2 // 2 // 16 * 16) + H * S * 2 // 2 // 16 * 16
+    return {"identical": all(np.array_equal(a, b) for a, b in zip(got, plain)),
+            "launched": sorted(set(t.launches[-1]) - set(t.launches[-2])),
+            "plain_launched": sorted(set(t.launches[-2]) - set(t.launches[-1])),
+            "router": NEXT_ROUTER_GEMM, "next_bytes_asked": asked - down_share, "then_bytes": then.nbytes}
 
 
 def plan_of(gpu, moe) -> dict:

@@ -151,6 +151,26 @@ def test_early_router_takes_the_router_gemm_launch():
     assert all(e[0] == p[0] and all(a is b or a == b for a, b in zip(e[1], p[1])) for e, p in zip(early, plain))
 
 
+def test_next_prefetch_and_streamed_experts_take_their_builds():
+    """``CudaMoe.next_prefetch``: a one-row step's early router is its ``n`` build, given the next layer's
+    first GEMM's weights (the LM head's after the last layer) and the bytes to ask L2 for (at most the
+    matrix); ``stream_weights``: the expert GEMVs' ``f`` builds on the same grids and arguments. A
+    two-row step asks for nothing and launches the plain builds."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    plain = decode_launches(fwd, 1)
+    fwd.moe.next_prefetch, fwd.moe.stream_weights = 16 << 20, True
+    launched = decode_launches(fwd, 1)
+    swapped = {moe.EARLY_ROUTER_GEMM: moe.NEXT_ROUTER_GEMM, fwd.moe.routed_gate_up + "n": fwd.moe.routed_gate_up + "nf",
+               fwd.moe.combined_down: fwd.moe.combined_down + "f"}
+    assert launched == [swapped.get(name, name) for name in plain]
+    routers = [args for kernel, _, args in fwd.k.log if kernel.name == moe.NEXT_ROUTER_GEMM]
+    following = [fwd.first_weights(i + 1) for i in range(config.num_layers)]
+    assert [args[10] for args in routers] == following and following[-1] is fwd.lm_head
+    assert all(args[11] == min(16 << 20, then.nbytes) for args, then in zip(routers, following))
+    assert set(decode_launches(fwd, 2)) & set(swapped.values()) == set()
+
+
 def test_folded_routing_replaces_the_route_launch():
     """With ``CudaMoe.fold_route`` a decode MoE layer routes inside its router GEMM: one
     ``moe_router_route_e256`` a layer (a block per 16 experts, the router's rows, the normalised rows

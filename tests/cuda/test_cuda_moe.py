@@ -215,6 +215,40 @@ def test_combined_down_is_the_down_gemv_and_combine(gpu, case):
             moe.__dict__.pop(option, None)
 
 
+def test_next_prefetch_and_streamed_experts_change_no_bit(gpu, case):
+    """``CudaMoe.next_prefetch`` and ``stream_weights``: a one-row step whose normalising router asks L2
+    for the next layer's first weights and whose expert GEMVs stream at L2's evict-first priority is
+    bit for bit the step without them (hints only), and the reference's MoE."""
+    name, config, layer, block, moe = case
+    rng = np.random.default_rng(91)
+    H = config.hidden_size
+    x = rng.standard_normal((1, H), dtype=np.float32)
+    resid = rng.standard_normal((1, H), dtype=np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+    d_w, d_normed = gpu.put(norm_w), gpu.empty(H * 4)
+    then = block.device[f"layers.{layer}.experts.gate_up"]  # any weights: they are only asked of L2
+    normed = (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * norm_w).astype(np.float32)
+    want = _reference(config, block.reference, normed)
+
+    def run() -> np.ndarray:
+        d_x, d_y = gpu.put(x), gpu.put(resid)
+        moe.forward(d_y, d_x, block.device, layer, 1, gpu.stream, residual=True, norm=(d_w, 1e-6, d_normed),
+                    then=then)
+        got = gpu.get(d_y, np.float32, (1, H))
+        for ptr in (d_x, d_y):
+            gpu.device.free(ptr)
+        return got
+
+    try:
+        plain = run()
+        moe.next_prefetch, moe.stream_weights = 16 << 20, True
+        np.testing.assert_array_equal(run(), plain)
+        assert rel_err(plain - resid, want) < DECODE_TOL
+    finally:
+        for option in ("next_prefetch", "stream_weights"):
+            moe.__dict__.pop(option, None)
+
+
 def test_prefill_chunk_matches_reference(gpu, case):
     name, config, layer, block, moe = case
     x = np.random.default_rng(99).standard_normal((PREFILL_ROWS[name], config.hidden_size), dtype=np.float32)

@@ -436,10 +436,11 @@ class HybridForward(Forward):
     def decode_moe(self, layer: int, rows: int, stream) -> None:
         """x += MoE(rmsnorm(x) * mlp_norm): the router GEMM normalises x and leaves the normalised rows
         in ``h`` for the routing and the expert GEMMs; the combine adds into x (the next layer's GEMM
-        normalises x itself)."""
+        normalises x itself). The router may ask L2 for that GEMM's first weights (``CudaMoe.next_prefetch``)."""
         c, b, w = self.c, self.b, self.w
         norm = (w[f"layers.{layer}.mlp_norm"], float(c.rms_norm_eps), b.h)
-        self.moe.forward(b.x, b.x, w, layer, rows, stream, residual=True, norm=norm)
+        self.moe.forward(b.x, b.x, w, layer, rows, stream, residual=True, norm=norm,
+                         then=self.first_weights(layer + 1))
 
     def unfused_layers(self, rows: int, stream) -> None:
         """The prefill kernels with each row its own lane's sequence (``fused_decode`` off)."""

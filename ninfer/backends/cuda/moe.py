@@ -60,8 +60,10 @@ ROUTER_DECODE_GEMM = "mma_gemv_store_t1w8u2s3"
 # the expert GEMMs), so a decode step's MoE layer needs no norm launch before it. 16 warps of 4 k-steps
 # read a row in one round of loads (this GEMM is all latency: 1 MB of weights).
 ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
-# Its build that loads the router's weights before waiting for the kernel before it (CudaMoe.early_router).
+# Its build that loads the router's weights before waiting for the kernel before it (CudaMoe.early_router),
+# and that build asking L2 for the next layer's first weights (CudaMoe.next_prefetch).
 EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
+NEXT_ROUTER_GEMM = EARLY_ROUTER_GEMM + "n"
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
 ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
@@ -176,15 +178,25 @@ class CudaMoe:
     # --down-prefetch-ablation): 2.97-2.98 -> 2.93-2.94 at 0.5 (three runs), 2.92 at 0.25, 2.98 at 0.75,
     # 3.01 at 1 (the whole 19 MB of a layer's down weights crowds the gate/up GEMV's own stream).
     down_prefetch = 0.5
+    # Bytes of the next layer's first GEMM's weights (``forward``'s ``then``) that a one-row step's early
+    # router asks L2 for once its own weights are in (NEXT_ROUTER_GEMM): DRAM idles through the routing,
+    # and that GEMM (the 35B-A3B's 50 MB DeltaNet in_proj) then starts on L2. 0: the plain build. (A
+    # batch's experts, hundreds of MB a layer, would evict them whatever their priority.)
+    # ``stream_weights``: the one-row expert GEMVs' STREAM builds (name suffix ``f``: weights at L2's
+    # evict-first priority), so their 57 MB a layer do not evict those bytes before the next layer
+    # reads them. Both off until timed (tools/gpu_bench_hybrid.py --next-prefetch-ablation).
+    next_prefetch = 0
+    stream_weights = False
 
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
         routes = [f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS]
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
-                ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
+                ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, NEXT_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
-                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1])]
+                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1]),
+                ROUTED_GATE_UPS[0] + "nf", COMBINED_DOWNS[0] + "f"]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -205,11 +217,13 @@ class CudaMoe:
             setattr(self, name, arena.take(nbytes, f"moe.{name}"))
 
     def forward(self, y: rt.DevicePtr, x: rt.DevicePtr, weights: dict[str, rt.DevicePtr], layer: int, rows: int,
-                stream, residual: bool = False, norm: tuple[rt.DevicePtr, float, rt.DevicePtr] | None = None) -> None:
+                stream, residual: bool = False, norm: tuple[rt.DevicePtr, float, rt.DevicePtr] | None = None,
+                then: rt.DevicePtr | None = None) -> None:
         """Enqueue ``y[:rows, :hidden] = MoE_layer(x[:rows])`` (fp32 ``[rows, hidden]`` each, y fully
         written, x untouched; with ``residual`` ``y += ...``, the residual stream) on ``stream``: no host
         sync, fixed addresses, capturable. ``norm = (weight, eps, normed)``, decode rows only: the layer
-        takes rmsnorm(x) * weight instead, which the router GEMM writes into ``normed`` on its way."""
+        takes rmsnorm(x) * weight instead, which the router GEMM writes into ``normed`` on its way.
+        ``then``: the weights the next layer's first GEMM streams (``next_prefetch``, one row)."""
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"MoE of {rows} rows: this CudaMoe takes 1..{self.max_rows}")
         c, k = self.c, self.k
@@ -228,7 +242,7 @@ class CudaMoe:
             if norm is None:
                 self.router_logits(x, weights[p + "router"], rows, stream)
             else:
-                x = self.normed_router_logits(x, weights[p + "router"], norm, rows, stream)
+                x = self.normed_router_logits(x, weights[p + "router"], norm, rows, stream, then)
             if not routed:  # else the gate/up GEMV routes
                 self.route(x, weights[p + "shared_gate"], rows, chunk, stream)
         chunks = max_chunks(c, rows, chunk)
@@ -240,7 +254,8 @@ class CudaMoe:
                        c.num_experts, top_k, int(c.norm_topk_prob))
             if self.down_prefetch and routed + "n" in k.entries:  # and the chunks' down weights into L2
                 share = self.down_prefetch
-                routed, routing = routed + "n", routing + (
+                routed = self.streamed(routed + "n")
+                routing = routing + (
                     weights[p + "experts.down"], weights[p + "shared.down"], int(H * I * 2 * share) // 16 * 16,
                     int(H * S * 2 * share) // 16 * 16)
             self.grouped(routed, chunks, max(I, S), stream, gate_up_args + routing)
@@ -249,7 +264,7 @@ class CudaMoe:
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
         if combined:  # a block per column tile runs every chunk and adds their sum into y
-            kernel = k[combined]
+            kernel = k[self.streamed(combined)]
             kernel.launch((-(-H // kernel.meta["cols"]),), (kernel.meta["threads"],),
                           down_args + (y, self.row_pair, rows, top_k, self.combine_tickets), stream)
         elif decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
@@ -278,6 +293,10 @@ class CudaMoe:
         name = self.combined_down
         fits = self.one_row_build(name, rows) and self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"]
         return name if fits else None
+
+    def streamed(self, name: str) -> str:
+        """``name``'s STREAM build where ``stream_weights`` asks for it and one is built, else ``name``."""
+        return name + "f" if self.stream_weights and name + "f" in self.k.entries else name
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
@@ -333,16 +352,23 @@ class CudaMoe:
                            self.pair_weight, rows, E, H, H, E, H), stream)
 
     def normed_router_logits(self, x: rt.DevicePtr, router: rt.DevicePtr,
-                             norm: tuple[rt.DevicePtr, float, rt.DevicePtr], rows: int, stream) -> rt.DevicePtr:
+                             norm: tuple[rt.DevicePtr, float, rt.DevicePtr], rows: int, stream,
+                             then: rt.DevicePtr | None = None) -> rt.DevicePtr:
         """``logits[:rows] = (rmsnorm(x) * weight) @ router.T``, the normalised rows into ``normed``
-        as well (returned: the rest of the layer reads them)."""
+        as well (returned: the rest of the layer reads them); the early build asks L2 for the first
+        ``next_prefetch`` bytes of ``then``."""
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"the MoE's normalising router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         weight, eps, normed = norm
         E, H = self.c.num_experts, self.c.hidden_size
-        kernel = self.k[EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM]
-        kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                      (self.logits, x, router, weight, rows, E, H, E, eps, normed), stream)
+        args = (self.logits, x, router, weight, rows, E, H, E, eps, normed)
+        ahead = min(self.next_prefetch, then.nbytes) // 16 * 16 if then is not None and rows == 1 else 0
+        if self.early_router and ahead:
+            name, args = NEXT_ROUTER_GEMM, args + (then, ahead)
+        else:
+            name = EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
+        kernel = self.k[name]
+        kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],), args, stream)
         return normed
 
     def grouped(self, name: str, chunks: int, n: int, stream, args: tuple) -> None:
