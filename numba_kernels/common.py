@@ -258,7 +258,8 @@ launch_dependents = asm_statement("griddepcontrol.launch_dependents;")
 @intrinsic
 def prefetch_l2(typingctx, ptr, index, nbytes):
     """Start pulling ``nbytes`` (a multiple of 16) from ``&ptr[index]`` (16-byte aligned) into L2; one
-    thread issues it for the whole range (the SM's bulk-copy unit does the rest). Only a hint."""
+    thread issues it for the whole range (the SM's bulk-copy unit does the rest). Only a hint, and one
+    of 1 MiB or more does nothing on an H100 (ninfer/backends/cuda/forward.py L2_PREFETCH_MAX)."""
     sig = types.void(ptr, index, nbytes)
 
     def codegen(context, builder, signature, args):

@@ -33,60 +33,22 @@ GEMV_THREADS = 128
 GEMV_WARPS = GEMV_THREADS // 32
 
 
-def _weights_load(text: str, operands: int):
-    """A 16-byte weight load ``text`` (PTX: results $0, $1, the address $2, then ``operands - 1`` more
-    64-bit operands) as an intrinsic ``(ptr, index, ...) -> (u64, u64)``."""
-
-    def codegen(context, builder, signature, args):
-        base, idx = args[:2]
-        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
-        i64 = ir.IntType(64)
-        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [i64] * operands)
-        call = builder.call(ir.InlineAsm(fnty, text, "=l,=l" + ",l" * operands), [addr, *args[2:]])
-        parts = [builder.extract_value(call, i) for i in range(2)]
-        return context.make_tuple(builder, signature.return_type, parts)
-
-    return codegen
-
-
 @intrinsic
 def load_weights_u64x2(typingctx, ptr, index):
     """16 bytes of weights, read once per step: non-coherent path, not kept in L1."""
-    text = "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];"
-    return types.UniTuple(uint64, 2)(ptr, index), _weights_load(text, 1)
-
-
-@intrinsic
-def load_weights_policy_u64x2(typingctx, ptr, index, policy):
-    """``load_weights_u64x2`` under an L2 cache ``policy`` (``l2_policy_evict_first``): a 16-byte load takes
-    an eviction priority only so (the ``.L2::evict_*`` qualifier wants 32-byte vectors)."""
-    text = "ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u64 {$0, $1}, [$2], $3;"
-    return types.UniTuple(uint64, 2)(ptr, index, policy), _weights_load(text, 2)
-
-
-@intrinsic
-def l2_policy_evict_first(typingctx):
-    """A cache policy (``createpolicy``) under which the lines an access brings into L2 are the first to
-    go. Pure (no side effects), so the compiler may make it once for every load that uses it."""
+    sig = types.UniTuple(uint64, 2)(ptr, index)
 
     def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(64), [])
-        return builder.call(ir.InlineAsm(fnty, "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l"), [])
+        base, idx = args
+        addr = builder.ptrtoint(builder.gep(base, [idx]), ir.IntType(64))
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [i64])
+        call = builder.call(ir.InlineAsm(fnty, "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];", "=l,=l,l"),
+                            [addr])
+        parts = [builder.extract_value(call, i) for i in range(2)]
+        return context.make_tuple(builder, signature.return_type, parts)
 
-    return uint64(), codegen
-
-
-@cuda.jit(device=True, inline=True)
-def load_streamed_u64x2(ptr, index):
-    """``load_weights_u64x2`` at L2's evict-first priority (name suffix ``f``, STREAM): a weight stream read
-    once a step then gives way first, so what a kernel asked L2 for ahead of the next one (``NEXT``
-    prefetches) is not evicted by the stream that runs beside it."""
-    return load_weights_policy_u64x2(ptr, index, l2_policy_evict_first())
-
-
-def weights_load(stream: bool):
-    """The weight load of a STREAM build (``load_streamed_u64x2``) or of a plain one."""
-    return load_streamed_u64x2 if stream else load_weights_u64x2
+    return sig, codegen
 
 
 @cuda.jit(device=True, inline=True)
@@ -106,13 +68,11 @@ def load_activations(x, at, norm_w, norm_at, normed, xr, i):
     return squares
 
 
-def make_gemv_step(M: int, COLS: int, SWIGLU: bool, STREAM: bool = False):
+def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     """(weight_rows, load, accumulate): the fp32 GEMVs' block of ``COLS`` weight rows (with ``SWIGLU``
     the first COLS / 2 are gate rows, the rest the matching up rows) and one 16-byte step of them
-    against ``M`` activation rows (``make_gemv``, numba_kernels/moe.py ``make_grouped_gemv``); with
-    ``STREAM`` the weights come in at L2's evict-first priority (``weights_load``)."""
+    against ``M`` activation rows (``make_gemv``, numba_kernels/moe.py ``make_grouped_gemv``)."""
     OUT = COLS // 2 if SWIGLU else COLS
-    load_weights_u64x2 = weights_load(STREAM)
 
     @cuda.jit(device=True, inline=True)
     def weight_rows(row_of, n, first_row):

@@ -766,18 +766,17 @@ def make_combine(residual: bool):
     return moe_combine
 
 
-def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int, STREAM: bool = False):
+def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
     """(weight_rows, load_step, stream_steps, gemv_chunk): the block of ``COLS`` weight rows of a
     grouped GEMV and its work on one chunk once the first step of weights is in ``raw`` (``load_step``
     at step ``t``, the thread's place among the chunk's ``THREADS``). ``stream_steps``: every step
     against the chunk's activation rows ``x_at`` (element offsets, -1 past the chunk; the next step's
     weights loaded as soon as a step's are used) into the thread's ``acc``; ``gemv_chunk``: that, the
-    warps' sums in a fixed order, then the epilogue into pair rows ``start ..`` of y. ``STREAM``: the
-    weights at L2's evict-first priority (gemm.py ``weights_load``)."""
+    warps' sums in a fixed order, then the epilogue into pair rows ``start ..`` of y."""
     SWIGLU = kind == "gate_up"
     OUT = COLS // 2 if SWIGLU else COLS
     WARPS = THREADS // 32
-    weight_rows, load_step, accumulate = make_gemv_step(M, COLS, SWIGLU, STREAM)
+    weight_rows, load_step, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
     @cuda.jit(device=True, inline=True)
     def stream_steps(acc, x, w, row_of, raw, x_at, k, t):
@@ -915,7 +914,7 @@ def make_ranked_picks(experts: int):
     return ranked_picks
 
 
-def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, STREAM: bool = False):
+def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
     """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
     routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
     which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
@@ -932,12 +931,9 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     streamed its columns, its thread 0 asks L2 for the block's share of the first ``down_bytes`` of its
     chunk's expert's down matrix (``[k_routed, n_routed]`` bf16 each; the shared chunk: ``shared_bytes``
     of the shared expert's), which the down GEMV after this grid reads: they stream over this grid's
-    tail and the down GEMV's start, when DRAM would wait on the plan.
-
-    ``STREAM`` (name suffix ``f``): the weights at L2's evict-first priority, so the experts' stream
-    does not evict what the router asked L2 for (CudaMoe.next_prefetch), nor the down weights above."""
+    tail and the down GEMV's start, when DRAM would wait on the plan."""
     OUT = COLS // 2
-    weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS, STREAM)
+    weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     ranked_picks = make_ranked_picks(experts)
 
     @cuda.jit(device=True, inline=True)
@@ -1032,17 +1028,16 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     return routed_gemv
 
 
-def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int, STREAM: bool = False):
+def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int):
     """``moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}``: a one-row step's down GEMV with
     ``moe_combine_residual`` folded in, no ticket needed: a block per ``COLS`` output columns, its
     ``GROUPS`` groups of ``THREADS`` threads one chunk each (group g chunk g: at most GROUPS chunks, so
     ``top_k + 1 <= GROUPS``), each streaming its chunk as ``make_grouped_gemv``'s block does. The
     pairs' columns stay in shared memory, and the block adds their sum (slots in order, then the
     shared pair, as ``moe_combine_residual``) into the residual stream: bit for bit the down GEMV
-    and the combine launched apart. Arguments: ``make_grouped`` "down_combine"'s; grid ``(tiles,)``.
-    ``STREAM`` (name suffix ``f``): the weights at L2's evict-first priority, as ``make_routed_gemv``'s."""
+    and the combine launched apart. Arguments: ``make_grouped`` "down_combine"'s; grid ``(tiles,)``."""
     WARPS = THREADS // 32
-    weight_rows, load_step, stream_steps, _ = make_gemv_chunk("down", 1, COLS, THREADS, STREAM)
+    weight_rows, load_step, stream_steps, _ = make_gemv_chunk("down", 1, COLS, THREADS)
 
     @cuda.jit(device=True, inline=True)
     def stream_and_combine(x, w, row_of, raw, k, live, pair, pair_weight, ldx, residual, row_pair, top_k, n):
@@ -1102,8 +1097,8 @@ def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int, STREAM: bool =
     return combined_down
 
 
-def combined_down_name(COLS: int, THREADS: int, GROUPS: int, STREAM: bool = False) -> str:
-    return f"moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}{'f' if STREAM else ''}"
+def combined_down_name(COLS: int, THREADS: int, GROUPS: int) -> str:
+    return f"moe_down_combine_gemv_m1c{COLS}x{THREADS}g{GROUPS}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1133,8 +1128,8 @@ def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = F
     return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
 
 
-def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False, STREAM: bool = False) -> str:
-    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'n' if NEXT else ''}{'f' if STREAM else ''}"
+def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False) -> str:
+    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'n' if NEXT else ''}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1213,20 +1208,17 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
     KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
         make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
         {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
-# The first shape asking L2 for its chunk's down weights at its tail (CudaMoe.down_prefetch), and its
-# STREAM build (CudaMoe.stream_weights).
-for _stream in (False, True):
-    KERNELS[routed_gemv_name(*ROUTED_GEMV_SHAPES[0], NEXT=True, STREAM=_stream)] = (
-        make_routed_gemv(*ROUTED_GEMV_SHAPES[0], NEXT=True, STREAM=_stream),
-        ROUTED_GEMV_SIG + (U32P, U32P, int32, int32),
-        {"threads": ROUTED_GEMV_SHAPES[0][1], "cols": ROUTED_GEMV_SHAPES[0][0] // 2, "pairs": 1,
-         "max_experts": ROUTED_GEMV_SHAPES[0][2], "grid_wait": 1, "next": 1})
+# The first shape asking L2 for its chunk's down weights at its tail (CudaMoe.down_prefetch).
+KERNELS[routed_gemv_name(*ROUTED_GEMV_SHAPES[0], NEXT=True)] = (
+    make_routed_gemv(*ROUTED_GEMV_SHAPES[0], NEXT=True), ROUTED_GEMV_SIG + (U32P, U32P, int32, int32),
+    {"threads": ROUTED_GEMV_SHAPES[0][1], "cols": ROUTED_GEMV_SHAPES[0][0] // 2, "pairs": 1,
+     "max_experts": ROUTED_GEMV_SHAPES[0][2], "grid_wait": 1, "next": 1})
 # The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
 # (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
 COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]
-for _cols, _threads, _groups, _stream in [_s + (False,) for _s in COMBINED_DOWN_SHAPES] + [(8, 32, 9, True)]:
-    KERNELS[combined_down_name(_cols, _threads, _groups, _stream)] = (  # the default's STREAM build too
-        make_combined_down_gemv(_cols, _threads, _groups, _stream), GROUPED_SIG + COMBINE_SIG,
+for _cols, _threads, _groups in COMBINED_DOWN_SHAPES:
+    KERNELS[combined_down_name(_cols, _threads, _groups)] = (
+        make_combined_down_gemv(_cols, _threads, _groups), GROUPED_SIG + COMBINE_SIG,
         {"threads": _threads * _groups, "cols": _cols, "pairs": 1, "groups": _groups, "grid_wait": 1})
 for (_kind, _T, _W, _U, _P, _terms), _hold, _early in _BUILDS:
     KERNELS[grouped_name(_kind, _T, _W, _U, _P, _terms, _hold, _early)] = (

@@ -9,6 +9,7 @@ import json
 import numpy as np
 
 from ninfer.backends.cuda import runtime as rt
+from ninfer.backends.cuda.forward import L2_PREFETCH_MAX
 
 
 class FakeDevice:
@@ -62,10 +63,11 @@ def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *extra)
     stays inside the next GEMM's weights."""
     meta, f32 = kernel.meta, 4
     chain = meta.get("chain")
-    assert len(extra) == (2 if chain or meta.get("next") else meta.get("keep", 0)), kernel.name
+    assert len(extra) == (2 if chain else 0) + 2 * meta.get("next", 0) + meta.get("keep", 0), kernel.name
     if meta.get("next"):  # the next GEMM's weights and how many of their first bytes L2 is asked for
-        then, ahead = extra
+        then, ahead = extra[-2:]
         assert 0 < ahead <= then.nbytes and ahead % 16 == 0 and then.addr != w.addr, kernel.name
+        assert -(-ahead // grid[0]) <= L2_PREFETCH_MAX, kernel.name  # a block's one request
     if meta.get("keep"):
         assert extra[0].nbytes >= rows * k * f32 and extra[0].addr != x.addr, kernel.name
     if chain == "out":

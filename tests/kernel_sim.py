@@ -355,8 +355,6 @@ _SIMULATED = {
     "sts_u32x4": lambda env: _sts,
     "cp_async16": lambda env: _cp_async16,
     "load_weights_u64x2": lambda env: (lambda ptr, index: tuple(_elements(ptr, index, np.uint64, 2))),
-    "load_weights_policy_u64x2": lambda env: (lambda ptr, index, policy: tuple(_elements(ptr, index, np.uint64, 2))),
-    "l2_policy_evict_first": lambda env: (lambda: np.uint64(0)),  # a cache hint: nothing to simulate
     "mma_bf16_16816": lambda env: mma_bf16_16816,
     "pack_bf16x2": lambda env: pack_bf16x2,
     "movmatrix_trans": lambda env: movmatrix_trans,
@@ -533,9 +531,14 @@ class SimDevice:
 
     def prefetch(self, addr: int, nbytes: int) -> None:
         """``cp.async.bulk.prefetch.L2`` (a hint: nothing moves here), checked as the device would not:
-        16-byte aligned, a multiple of 16, inside one allocation."""
+        16-byte aligned, a multiple of 16, inside one allocation, and no larger than a request the
+        device carries out (forward.L2_PREFETCH_MAX: it drops a larger one without a word)."""
+        from ninfer.backends.cuda.forward import L2_PREFETCH_MAX
+
         if addr % 16 or nbytes % 16 or nbytes <= 0:
             raise ValueError(f"L2 prefetch of {nbytes} bytes at 0x{addr:x}: not 16-byte aligned")
+        if nbytes > L2_PREFETCH_MAX:
+            raise ValueError(f"L2 prefetch of {nbytes} bytes in one request: the device would do nothing")
         if not any(first <= addr and addr + nbytes <= end for first, end in self.allocations):
             raise ValueError(f"L2 prefetch of {nbytes} bytes at 0x{addr:x}: outside every allocation")
         with _LOCK:

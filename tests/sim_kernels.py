@@ -328,19 +328,19 @@ def case_moe_gemv(rows: int) -> dict:
 def next_prefetch(t, routed: str, combined: str) -> dict:
     """A one-row step (the routing gate/up asking for half of the down weights, the combining down) with
     the router asking L2 for the first bytes of the next layer's weights (``CudaMoe.next_prefetch``)
-    and the experts' STREAM builds (``stream_weights``), against both off: the same bytes out, the
-    builds launched, and what the simulated device was asked to prefetch."""
+    against one without: the same bytes out, the router's build launched, and what the simulated device
+    was asked to prefetch."""
     from ninfer.backends.cuda.moe import NEXT_ROUTER_GEMM
 
     moe = t.moe
     moe.routed_gate_up, moe.combined_down, moe.down_prefetch = routed, combined, 0.5
     then = t.gpu.empty(3 << 10, poison=0)  # the next layer's first weights: 3 KiB, less than asked for
+    moe.next_prefetch = 0
     plain = t.run(then)
     before = t.gpu.device.prefetched
-    moe.next_prefetch, moe.stream_weights = 1 << 20, True
+    moe.next_prefetch = 1 << 20
     got = t.run(then)
     asked = t.gpu.device.prefetched - before
-    moe.next_prefetch, moe.stream_weights = 0, False
     H, I, S = moe.c.hidden_size, moe.c.moe_intermediate_size, moe.c.shared_expert_intermediate_size
     down_share = moe.c.num_experts_per_tok * (H * I * 2 // 2 // 16 * 16) + H * S * 2 // 2 // 16 * 16
     return {"identical": all(np.array_equal(a, b) for a, b in zip(got, plain)),

@@ -77,7 +77,8 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
         else:  # the router normalises x and the combine adds into the residual stream: no norm launch
             combine = fwd.moe.combined_down if rows == 1 else "moe_combine_residual"  # one row: the down GEMV's
             assert combine in launched and not launched & {"rmsnorm", "add_rmsnorm", "moe_combine"}
-            assert moe.EARLY_ROUTER_GEMM in launched and moe.ROUTER_DECODE_GEMM not in launched
+            router = moe.NEXT_ROUTER_GEMM if rows == 1 else moe.EARLY_ROUTER_GEMM  # one row: CudaMoe.next_prefetch
+            assert router in launched and moe.ROUTER_DECODE_GEMM not in launched
 
 
 def test_decode_overlaps_the_kernels_that_wait_for_their_predecessor():
@@ -141,7 +142,7 @@ def test_early_router_takes_the_router_gemm_launch():
     that loads its weights before the wait, on the plain build's grid and arguments."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
-    fwd.moe.early_router = False
+    fwd.moe.early_router, fwd.moe.next_prefetch = False, 0
     decode_launches(fwd, 1)
     plain = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == moe.ROUTER_NORMED_DECODE_GEMM]
     fwd.moe.early_router = True
@@ -151,24 +152,29 @@ def test_early_router_takes_the_router_gemm_launch():
     assert all(e[0] == p[0] and all(a is b or a == b for a, b in zip(e[1], p[1])) for e, p in zip(early, plain))
 
 
-def test_next_prefetch_and_streamed_experts_take_their_builds():
-    """``CudaMoe.next_prefetch``: a one-row step's early router is its ``n`` build, given the next layer's
-    first GEMM's weights (the LM head's after the last layer) and the bytes to ask L2 for (at most the
-    matrix); ``stream_weights``: the expert GEMVs' ``f`` builds on the same grids and arguments. A
-    two-row step asks for nothing and launches the plain builds."""
+def test_next_prefetch_takes_the_router_launch():
+    """``CudaMoe.next_prefetch`` (the default): a one-row step's early router is its ``n`` build, on the
+    plain build's grid and arguments, given the next layer's first GEMM's weights (the LM head's after
+    the last layer) and the bytes to ask L2 for, at most the matrix and under a megabyte a block
+    (forward.L2_PREFETCH_MAX). A two-row step asks for nothing."""
+    from ninfer.backends.cuda.forward import L2_PREFETCH_MAX
+
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
-    plain = decode_launches(fwd, 1)
-    fwd.moe.next_prefetch, fwd.moe.stream_weights = 16 << 20, True
+    assert fwd.moe.next_prefetch
     launched = decode_launches(fwd, 1)
-    swapped = {moe.EARLY_ROUTER_GEMM: moe.NEXT_ROUTER_GEMM, fwd.moe.routed_gate_up + "n": fwd.moe.routed_gate_up + "nf",
-               fwd.moe.combined_down: fwd.moe.combined_down + "f"}
-    assert launched == [swapped.get(name, name) for name in plain]
-    routers = [args for kernel, _, args in fwd.k.log if kernel.name == moe.NEXT_ROUTER_GEMM]
+    fwd.moe.next_prefetch = 0
+    plain = decode_launches(fwd, 1)
+    assert launched == [moe.NEXT_ROUTER_GEMM if name == moe.EARLY_ROUTER_GEMM else name for name in plain]
+    fwd.moe.next_prefetch = 64 << 20  # more than 16 blocks may ask for
+    decode_launches(fwd, 1)
+    routers = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == moe.NEXT_ROUTER_GEMM]
     following = [fwd.first_weights(i + 1) for i in range(config.num_layers)]
-    assert [args[10] for args in routers] == following and following[-1] is fwd.lm_head
-    assert all(args[11] == min(16 << 20, then.nbytes) for args, then in zip(routers, following))
-    assert set(decode_launches(fwd, 2)) & set(swapped.values()) == set()
+    assert [args[10] for _, args in routers] == following and following[-1] is fwd.lm_head
+    for (grid, args), then in zip(routers, following):
+        assert args[11] == min(then.nbytes, grid[0] * L2_PREFETCH_MAX) // 16 * 16
+        assert -(-args[11] // grid[0]) <= L2_PREFETCH_MAX
+    assert moe.NEXT_ROUTER_GEMM not in decode_launches(fwd, 2)
 
 
 def test_folded_routing_replaces_the_route_launch():

@@ -10,7 +10,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
-                                     [--next-prefetch-ablation MIB[s][,...]]
+                                     [--next-prefetch-ablation MIB[,MIB...]]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
@@ -320,13 +320,11 @@ def ablations(args, forward) -> list[tuple]:
             forward.k[name]  # loaded now: not during capture
         chosen.append((f"decode_moe_gemv_{'_'.join(gemms[1])}", f"MoE GEMVs {' '.join(gemms[1])} (1-2 rows)",
                        [(moe, "gemv_rows", 2), (moe, "gemv_gemms", gemms)]))
-    for spec in filter(None, args.next_prefetch_ablation.split(",")):  # CudaMoe.next_prefetch; "s": stream_weights
+    for mib in filter(None, args.next_prefetch_ablation.split(",")):  # CudaMoe.next_prefetch set to MIB MiB
         if moe is None:
             break
-        mib, streamed = float(spec.removesuffix("s")), spec.endswith("s")
-        label = f"MoE router asks L2 for {mib:g} MiB of the next layer" + (", experts streamed" if streamed else "")
-        chosen.append((f"decode_next_prefetch_{spec}", label,
-                       [(moe, "next_prefetch", int(mib * (1 << 20))), (moe, "stream_weights", streamed)]))
+        chosen.append((f"decode_next_prefetch_{mib}", f"MoE router asks L2 for {float(mib):g} MiB of the next layer",
+                       [(moe, "next_prefetch", int(float(mib) * (1 << 20)))]))
     for spec in filter(None, args.moe_builds_ablation.split(";")):  # CudaMoe's optional one-row builds
         if moe is None:
             break
@@ -484,10 +482,9 @@ def main(argv=None) -> int:
                         help="decode again with CudaMoe's one-row builds set: routed_gate_up (a gate/up GEMV "
                              "routing the row itself, no moe_route launch), combined_down (the down GEMV adding "
                              "into the residual stream, no combine launch); 'off' for None")
-    parser.add_argument("--next-prefetch-ablation", default="", metavar="MIB[s][,...]",
-                        help="decode again with the MoE router asking L2 for the first MIB MiB of the next layer's "
-                             "first GEMM (CudaMoe.next_prefetch); a trailing 's' also streams the one-row expert "
-                             "GEMVs' weights at L2's evict-first priority (CudaMoe.stream_weights): e.g. 0s,8,8s,16s")
+    parser.add_argument("--next-prefetch-ablation", default="", metavar="MIB[,MIB...]",
+                        help="decode again with a one-row step's MoE router asking L2 for the first MIB MiB of the "
+                             "next layer's first GEMM (CudaMoe.next_prefetch; 0: nothing)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")

@@ -215,10 +215,9 @@ def test_combined_down_is_the_down_gemv_and_combine(gpu, case):
             moe.__dict__.pop(option, None)
 
 
-def test_next_prefetch_and_streamed_experts_change_no_bit(gpu, case):
-    """``CudaMoe.next_prefetch`` and ``stream_weights``: a one-row step whose normalising router asks L2
-    for the next layer's first weights and whose expert GEMVs stream at L2's evict-first priority is
-    bit for bit the step without them (hints only), and the reference's MoE."""
+def test_next_prefetch_changes_no_bit(gpu, case):
+    """``CudaMoe.next_prefetch``: a one-row step whose normalising router asks L2 for the next layer's
+    first weights is bit for bit the step without it (a hint), and the reference's MoE."""
     name, config, layer, block, moe = case
     rng = np.random.default_rng(91)
     H = config.hidden_size
@@ -240,13 +239,13 @@ def test_next_prefetch_and_streamed_experts_change_no_bit(gpu, case):
         return got
 
     try:
+        moe.next_prefetch = 0
         plain = run()
-        moe.next_prefetch, moe.stream_weights = 16 << 20, True
+        moe.next_prefetch = 8 << 20
         np.testing.assert_array_equal(run(), plain)
         assert rel_err(plain - resid, want) < DECODE_TOL
     finally:
-        for option in ("next_prefetch", "stream_weights"):
-            moe.__dict__.pop(option, None)
+        moe.__dict__.pop("next_prefetch", None)
 
 
 def test_prefill_chunk_matches_reference(gpu, case):

@@ -75,6 +75,16 @@ def decode_split(length: int, row_blocks: int) -> int:
 # more would evict the prefetched pages before they are read.
 KV_PREFETCH_BYTES = 32 << 20
 PREFETCH_KEYS, PREFETCH_O = 1, 2  # bits of a decode step's ``inputs.split[1]`` (Forward.decode_prefetch)
+# The most bytes one L2 prefetch request (numba_kernels/common.py ``prefetch_l2``, one a block) may ask for:
+# on an H100 a request of 1020 KiB was fetched and ones of 1 MiB and 1028 KiB did nothing at all (the
+# 35B-A3B router's CudaMoe.next_prefetch over its 16 blocks, docs/benchmarks.md).
+L2_PREFETCH_MAX = (1 << 20) - 16
+
+
+def prefetch_bytes(nbytes: int, blocks: int) -> int:
+    """``nbytes`` to ask L2 for over a grid of ``blocks`` blocks, each asking for its share in one request
+    (``prefetch_block_share``): capped so that no share passes L2_PREFETCH_MAX; whole 16-byte units."""
+    return min(nbytes, blocks * L2_PREFETCH_MAX) // 16 * 16
 
 
 def attention_splits(max_context: int) -> dict[str, int]:
@@ -411,11 +421,11 @@ class Forward:
         fp32_only = all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in DECODE_GEMMS)
         return self.overlap and (fp32_only or self.chains(rows))
 
-    def next_weights(self, i: int) -> tuple[rt.DevicePtr, int]:
-        """(pointer, bytes) of what layer ``i``'s ``decode_attention`` may ask L2 for: the first
-        ``attention_prefetch`` of its o projection's bf16 weights."""
+    def next_weights(self, i: int, blocks: int) -> tuple[rt.DevicePtr, int]:
+        """(pointer, bytes) of what layer ``i``'s ``decode_attention`` grid of ``blocks`` blocks may ask L2
+        for: the first ``attention_prefetch`` of its o projection's bf16 weights."""
         total = self.c.hidden_size * self.c.q_size * 2
-        return self.w[f"layers.{i}.o"], int(total * self.attention_prefetch) // 16 * 16
+        return self.w[f"layers.{i}.o"], prefetch_bytes(int(total * self.attention_prefetch), blocks)
 
     def decode_prefetch(self, keys: int) -> int:
         """What ``decode_attention`` asks L2 for in a step of ``keys`` keys (summed over its rows), as the
@@ -456,7 +466,7 @@ class Forward:
                              (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
                               inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
                               b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale,
-                              *flags, *self.next_weights(i)), stream)
+                              *flags, *self.next_weights(i, KV * rows * n_splits)), stream)
             return b.attn
         rope_args = (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
                      b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)
@@ -571,17 +581,18 @@ class Forward:
         else:
             ahead = 0
         kernel = self.k[name]
+        blocks = -(-n // kernel.meta["cols"])
         b, eps = self.b, float(self.c.rms_norm_eps)
         args = (y, x, w, norm if normed or chain == "out" else b.cos, rows, n, k, n, eps)
         if ahead:
-            args += (then, ahead)
+            args += (then, prefetch_bytes(ahead, blocks))
         if chain == "out":
             args += (b.xn, b.norm_part)
         elif chain == "in":  # the producer wrote one partial per block (of the hidden size's columns)
             producer = CHAIN_PRODUCERS[matrix]
             producer = self.k[decode_gemm_name(producer, *DECODE_FUSIONS[producer], rows, "out")]
             args = (y, b.xn, w, b.cos, rows, n, k, n, eps, b.norm_part, -(-k // producer.meta["cols"]))
-        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],), args, stream)
+        kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
 
     def decode_depths(self) -> tuple[int, ...]:
         """The attention grid depths (splits per row) a decode step is captured at, shallowest first:

@@ -35,7 +35,7 @@ construction; addresses never change.
 from __future__ import annotations
 
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import GEMV_MAX_ROWS
+from ninfer.backends.cuda.forward import GEMV_MAX_ROWS, prefetch_bytes
 from ninfer.models.hybrid import MOE, HybridConfig
 
 # The grouped GEMMs (gate_up, down) and pairs per chunk of each mode (numba_kernels/moe.py
@@ -179,14 +179,14 @@ class CudaMoe:
     # 3.01 at 1 (the whole 19 MB of a layer's down weights crowds the gate/up GEMV's own stream).
     down_prefetch = 0.5
     # Bytes of the next layer's first GEMM's weights (``forward``'s ``then``) that a one-row step's early
-    # router asks L2 for once its own weights are in (NEXT_ROUTER_GEMM): DRAM idles through the routing,
-    # and that GEMM (the 35B-A3B's 50 MB DeltaNet in_proj) then starts on L2. 0: the plain build. (A
-    # batch's experts, hundreds of MB a layer, would evict them whatever their priority.)
-    # ``stream_weights``: the one-row expert GEMVs' STREAM builds (name suffix ``f``: weights at L2's
-    # evict-first priority), so their 57 MB a layer do not evict those bytes before the next layer
-    # reads them. Both off until timed (tools/gpu_bench_hybrid.py --next-prefetch-ablation).
-    next_prefetch = 0
-    stream_weights = False
+    # router asks L2 for once its own weights are in (NEXT_ROUTER_GEMM), a share a block: DRAM idles
+    # through the routing, and that GEMM (the 35B-A3B's 50 MB DeltaNet in_proj) then starts on L2. 0: the
+    # plain build. H100, 35B-A3B batch 1, GPU ms a step (tools/gpu_bench_hybrid.py --next-prefetch-ablation,
+    # three runs): 2.93-2.95 -> 2.90 at 8 MiB, 2.91 at 4, 2.90 at 12 and 15.9. A block's request must stay
+    # under 1 MiB (common.py PREFETCH_MAX_BYTES): 16 MiB over the router's 16 blocks measured as nothing.
+    # With the expert GEMVs' weights at L2's evict-first priority it was the same (2.90). A batch's experts,
+    # hundreds of MB a layer, would evict the bytes before the next layer reads them: one row only.
+    next_prefetch = 8 << 20
 
     @staticmethod
     def kernel_names() -> list[str]:
@@ -195,8 +195,7 @@ class CudaMoe:
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, NEXT_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
-                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1]),
-                ROUTED_GATE_UPS[0] + "nf", COMBINED_DOWNS[0] + "f"]
+                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1])]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
@@ -254,8 +253,7 @@ class CudaMoe:
                        c.num_experts, top_k, int(c.norm_topk_prob))
             if self.down_prefetch and routed + "n" in k.entries:  # and the chunks' down weights into L2
                 share = self.down_prefetch
-                routed = self.streamed(routed + "n")
-                routing = routing + (
+                routed, routing = routed + "n", routing + (
                     weights[p + "experts.down"], weights[p + "shared.down"], int(H * I * 2 * share) // 16 * 16,
                     int(H * S * 2 * share) // 16 * 16)
             self.grouped(routed, chunks, max(I, S), stream, gate_up_args + routing)
@@ -264,7 +262,7 @@ class CudaMoe:
         down_args = (self.out, self.act, weights[p + "experts.down"], weights[p + "shared.down"], self.chunks,
                      self.n_chunks, self.pair_row, self.pair_weight, H, H, I, S, H, width)
         if combined:  # a block per column tile runs every chunk and adds their sum into y
-            kernel = k[self.streamed(combined)]
+            kernel = k[combined]
             kernel.launch((-(-H // kernel.meta["cols"]),), (kernel.meta["threads"],),
                           down_args + (y, self.row_pair, rows, top_k, self.combine_tickets), stream)
         elif decode and residual and self.fold_combine and combine_gemm(down) in k.entries:  # each column tile's
@@ -293,10 +291,6 @@ class CudaMoe:
         name = self.combined_down
         fits = self.one_row_build(name, rows) and self.c.num_experts_per_tok + 1 <= self.k[name].meta["groups"]
         return name if fits else None
-
-    def streamed(self, name: str) -> str:
-        """``name``'s STREAM build where ``stream_weights`` asks for it and one is built, else ``name``."""
-        return name + "f" if self.stream_weights and name + "f" in self.k.entries else name
 
     def check_gemms(self, gate_up: str, down: str) -> None:
         """An ``e`` build of down (numba_kernels/moe.py ``make_grouped``'s ``early``) reads the plan
@@ -362,13 +356,13 @@ class CudaMoe:
         weight, eps, normed = norm
         E, H = self.c.num_experts, self.c.hidden_size
         args = (self.logits, x, router, weight, rows, E, H, E, eps, normed)
-        ahead = min(self.next_prefetch, then.nbytes) // 16 * 16 if then is not None and rows == 1 else 0
+        name = EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
+        blocks = -(-E // self.k[name].meta["cols"])
+        ahead = prefetch_bytes(min(self.next_prefetch, then.nbytes), blocks) if then is not None and rows == 1 else 0
         if self.early_router and ahead:
             name, args = NEXT_ROUTER_GEMM, args + (then, ahead)
-        else:
-            name = EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
         kernel = self.k[name]
-        kernel.launch((-(-E // kernel.meta["cols"]),), (kernel.meta["threads"],), args, stream)
+        kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
         return normed
 
     def grouped(self, name: str, chunks: int, n: int, stream, args: tuple) -> None:
