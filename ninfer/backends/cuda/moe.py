@@ -183,7 +183,7 @@ class CudaMoe:
     # through the routing, and that GEMM (the 35B-A3B's 50 MB DeltaNet in_proj) then starts on L2. 0: the
     # plain build. H100, 35B-A3B batch 1, GPU ms a step (tools/gpu_bench_hybrid.py --next-prefetch-ablation,
     # three runs): 2.93-2.95 -> 2.90 at 8 MiB, 2.91 at 4, 2.90 at 12 and 15.9. A block's request must stay
-    # under 1 MiB (common.py PREFETCH_MAX_BYTES): 16 MiB over the router's 16 blocks measured as nothing.
+    # under 1 MiB (forward.L2_PREFETCH_MAX): 16 MiB over the router's 16 blocks measured as nothing.
     # With the expert GEMVs' weights at L2's evict-first priority it was the same (2.90). A batch's experts,
     # hundreds of MB a layer, would evict the bytes before the next layer reads them: one row only.
     next_prefetch = 8 << 20
@@ -358,7 +358,9 @@ class CudaMoe:
         args = (self.logits, x, router, weight, rows, E, H, E, eps, normed)
         name = EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
         blocks = -(-E // self.k[name].meta["cols"])
-        ahead = prefetch_bytes(min(self.next_prefetch, then.nbytes), blocks) if then is not None and rows == 1 else 0
+        ahead = 0
+        if then is not None and rows == 1:  # a batch's expert streams would evict the bytes first
+            ahead = prefetch_bytes(min(self.next_prefetch, then.nbytes), blocks)
         if self.early_router and ahead:
             name, args = NEXT_ROUTER_GEMM, args + (then, ahead)
         kernel = self.k[name]
