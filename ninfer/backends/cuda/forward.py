@@ -128,10 +128,14 @@ _MMA_FROM_3 = {"qkv": "t1w8u2s3", "o": "t1w16u4s3", "gate_up": "t4w4u1s3", "down
                "lm_head": "t4w8u1s3"}
 DECODE_GEMMS = {matrix: {rows: "fp32" if rows <= 2 else shape for rows in range(1, GEMV_MAX_ROWS + 1)}
                 for matrix, shape in _MMA_FROM_3.items()}
-# down through the ring of shared memory (``mma_gemv`` RING shapes) from 7 rows: a step of 7 / 8 rows
-# at 512 keys 5.371 -> 5.355 / 5.432 -> 5.404 ms, 8 rows at 4096 keys 9.006 -> 8.960; 5 and 6 rows
-# lose 0.8-1.8% (tools/bench_decode_step.py --gemms down=t1w8u1s3r3, two runs).
-DECODE_GEMMS["down"].update({7: "t1w8u1s3r3", 8: "t1w8u1s3r3"})
+# down and o through the ring of shared memory (``mma_gemv`` RING shapes) from 7 rows. down: a step of 7 /
+# 8 rows at 512 keys 5.371 -> 5.355 / 5.432 -> 5.404 ms, 8 rows at 4096 keys 9.006 -> 8.960; 5 and 6
+# rows lose 0.8-1.8% (tools/bench_decode_step.py --gemms down=t1w8u1s3r3, two runs). o (H100, three
+# calls): 8 rows at 512 keys 6.168-6.175 -> 6.120-6.134 ms, 7 rows 6.114-6.119 -> 6.077-6.084, 8 rows at
+# 2048 / 4096 keys 6.802 -> 6.774 / 7.612 -> 7.590; 3-6 rows lose 0.2-0.5%; rings of 2 or 4 slots, or of
+# 16 or 4 warps, did less.
+for _matrix in ("down", "o"):
+    DECODE_GEMMS[_matrix].update({7: "t1w8u1s3r3", 8: "t1w8u1s3r3"})
 PRELOADED_O_GEMV = "gemv_residual_m1p4"  # Forward.preload_o (numba_kernels/gemm.py make_gemv's PRELOAD)
 
 
@@ -152,7 +156,8 @@ GEMM_PREFETCH = {"o": {rows: 8 * MIB for rows in range(3, 9)}, "gate_up": {rows:
 # block's sums of squares, so the normed GEMMs after them (q/k/v, gate/up, LM head) hold no norm weights
 # (the normed q/k/v shape takes 104 registers at 16 warps, the plain one 48). The shapes those read with:
 CHAIN_IN_GEMMS = {"qkv": "t1w8u2s3", "gate_up": "t4w4u1s3h", "lm_head": "t4w4u1s3h"}
-CHAIN_OUT_GEMMS = {"down": "t1w16u4s3"}  # the ring shape's epilogue is the slower one with the chain
+# the ring shape's epilogue is the slower one with the chain (down), and it has no chained build (o)
+CHAIN_OUT_GEMMS = {"down": "t1w16u4s3", "o": "t1w16u4s3"}
 CHAIN_PRODUCERS = {"qkv": "down", "gate_up": "o", "lm_head": "down"}  # whose partial sums each reads
 
 
