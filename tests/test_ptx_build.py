@@ -71,14 +71,21 @@ def _tool(name: str) -> str:
     return path
 
 
-def test_ptxas_assembles_every_module():
-    reports = _ptx_check().assemble(_tool("ptxas"), "sm_90a")
+@pytest.fixture(scope="module")
+def assembled(tmp_path_factory):
+    """(ptxas's report a module, the folder of its machine code), every module assembled once."""
+    cubins = tmp_path_factory.mktemp("cubins")
+    return _ptx_check().assemble(_tool("ptxas"), "sm_90a", cubins=cubins), cubins
+
+
+def test_ptxas_assembles_every_module(assembled):
+    reports, _ = assembled
     assert len(reports) == len(json.loads((ROOT / "ptx" / "manifest.json").read_text())["kernels"])
 
 
-def test_loads_before_the_grid_wait_stay_there():
+def test_loads_before_the_grid_wait_stay_there(assembled):
     """Every kernel that loads before ``griddepcontrol.wait`` still does in ptxas's machine code."""
-    early = _ptx_check().early_loads(_tool("ptxas"), _tool("nvdisasm"), "sm_90a")  # raises if any sank
+    early = _ptx_check().early_loads(_tool("nvdisasm"), assembled[1])  # raises if any sank
     assert "gemv_residual_m1.ptx" in early and "decode_attention_g4_d128_bf16.ptx" in early
 
 

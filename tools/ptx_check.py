@@ -43,13 +43,15 @@ def find_tool(tool: str, explicit: str | None = None) -> str | None:
     return None
 
 
-def assemble(ptxas: str, arch: str, directory: Path = PTX_DIR) -> dict[str, str]:
-    """{module file: ptxas resource report}; raises RuntimeError listing the modules that failed."""
+def assemble(ptxas: str, arch: str, directory: Path = PTX_DIR, cubins: Path | None = None) -> dict[str, str]:
+    """{module file: ptxas resource report}; raises RuntimeError listing the modules that failed. With
+    ``cubins`` (a folder) the machine code is kept there, ``<module file>.cubin``, for ``early_loads``."""
     manifest = json.loads((directory / "manifest.json").read_text())
     reports, failures = {}, []
     for name, entry in sorted(manifest["kernels"].items()):
-        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", str(directory / entry["file"]),
-                               "-o", "/dev/null"], capture_output=True, text=True)
+        out = str(cubins / (entry["file"] + ".cubin")) if cubins else "/dev/null"
+        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", str(directory / entry["file"]), "-o", out],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             failures.append(f"{entry['file']}: {proc.stderr.strip()}")
         reports[entry["file"]] = " ".join(line.split(":", 1)[-1].strip()
@@ -94,24 +96,22 @@ def sass_loads_before_wait(sass: str) -> int:
     return count
 
 
-def early_loads(ptxas: str, nvdisasm: str, arch: str, directory: Path = PTX_DIR) -> dict[str, tuple[int, int]]:
+def early_loads(nvdisasm: str, cubins: Path, directory: Path = PTX_DIR) -> dict[str, tuple[int, int]]:
     """{module file: (loads above the grid wait in the PTX, in the SASS)} for every module with early
-    loads; raises RuntimeError naming the modules whose SASS has fewer (ptxas sank them)."""
+    loads, read from the machine code ``assemble`` kept in ``cubins``; raises RuntimeError naming the
+    modules whose SASS has fewer (ptxas sank them)."""
     manifest = json.loads((directory / "manifest.json").read_text())
     files = sorted({entry["file"] for entry in manifest["kernels"].values()})
     written = {f: ptx_loads_before_wait((directory / f).read_text()) for f in files}
     early = [f for f in files if written[f]]
 
-    def disassembled(file: str, scratch: str) -> tuple[str, int]:
-        cubin = os.path.join(scratch, file + ".cubin")
-        subprocess.run([ptxas, f"-arch={arch}", str(directory / file), "-o", cubin], check=True,
-                       capture_output=True)
-        sass = subprocess.run([nvdisasm, cubin], check=True, capture_output=True, text=True).stdout
+    def disassembled(file: str) -> tuple[str, int]:
+        sass = subprocess.run([nvdisasm, str(cubins / (file + ".cubin"))], check=True, capture_output=True,
+                              text=True).stdout
         return file, sass_loads_before_wait(sass)
 
-    with tempfile.TemporaryDirectory() as scratch, \
-            concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # nvdisasm: ~0.3 s a module
-        issued = dict(pool.map(lambda f: disassembled(f, scratch), early))
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # nvdisasm: ~0.3 s a module
+        issued = dict(pool.map(disassembled, early))
     sunk = [f"{f}: {written[f]} in the PTX, {issued[f]} in the SASS" for f in early if issued[f] < written[f]]
     if sunk:
         raise RuntimeError("ptxas moved loads below the grid wait (SASS ACQBULK):\n" + "\n".join(sunk))
@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         print("nvdisasm not found (PATH or nvidia-cuda-nvdisasm wheel)", file=sys.stderr)
         return 2
     try:
-        for module, report in assemble(ptxas, args.arch).items():
-            print(f"{module:28s} {report}")
-        for module, (written, issued) in early_loads(ptxas, nvdisasm, args.arch).items():
-            print(f"{module:28s} loads above the grid wait: {written} in the PTX, {issued} in the SASS")
+        with tempfile.TemporaryDirectory() as cubins:
+            for module, report in assemble(ptxas, args.arch, cubins=Path(cubins)).items():
+                print(f"{module:28s} {report}")
+            for module, (written, issued) in early_loads(nvdisasm, Path(cubins)).items():
+                print(f"{module:28s} loads above the grid wait: {written} in the PTX, {issued} in the SASS")
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1
