@@ -326,27 +326,25 @@ def case_moe_gemv(rows: int) -> dict:
 
 
 def next_prefetch(t, routed: str, combined: str) -> dict:
-    """A one-row step (the routing gate/up asking for half of the down weights, the combining down) with
-    the router asking L2 for the first bytes of the next layer's weights (``CudaMoe.next_prefetch``)
-    against one without: the same bytes out, the router's build launched, and what the simulated device
-    was asked to prefetch."""
+    """A one-row step (the routing gate/up, the combining down; no down prefetch, so the router's is the
+    only request) with the router asking L2 for the first bytes of the next layer's weights
+    (``CudaMoe.next_prefetch``) against one without: the same bytes out, the router's build launched,
+    and what the simulated device was asked to prefetch."""
     from ninfer.backends.cuda.moe import NEXT_ROUTER_GEMM
 
     moe = t.moe
-    moe.routed_gate_up, moe.combined_down, moe.down_prefetch = routed, combined, 0.5
+    moe.routed_gate_up, moe.combined_down, moe.down_prefetch = routed, combined, 0.0
     then = t.gpu.empty(3 << 10, poison=0)  # the next layer's first weights: 3 KiB, less than asked for
     moe.next_prefetch = 0
     plain = t.run(then)
     before = t.gpu.device.prefetched
     moe.next_prefetch = 1 << 20
     got = t.run(then)
-    asked = t.gpu.device.prefetched - before
-    H, I, S = moe.c.hidden_size, moe.c.moe_intermediate_size, moe.c.shared_expert_intermediate_size
-    down_share = moe.c.num_experts_per_tok * (H * I * 2 // 2 // 16 * 16) + H * S * 2 // 2 // 16 * 16
     return {"identical": all(np.array_equal(a, b) for a, b in zip(got, plain)),
             "launched": sorted(set(t.launches[-1]) - set(t.launches[-2])),
             "plain_launched": sorted(set(t.launches[-2]) - set(t.launches[-1])),
-            "router": NEXT_ROUTER_GEMM, "next_bytes_asked": asked - down_share, "then_bytes": then.nbytes}
+            "router": NEXT_ROUTER_GEMM, "next_bytes_asked": t.gpu.device.prefetched - before,
+            "then_bytes": then.nbytes}
 
 
 def plan_of(gpu, moe) -> dict:
