@@ -13,8 +13,8 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--next-prefetch-ablation MIB[,MIB...]]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
-roofline's denominator); decode tok/s at each batch (CUDA Graph replay, host step time and device
-time alone), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE
+roofline's denominator); decode tok/s at each batch (one step at a time, pipelined as the engine runs a steady
+batch, and device time alone: the CUDA Graph replayed back to back), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE
 layers the router, the shared expert and the distinct experts the batch routes to, expected count
 under uniform routing), each lane's StateImage once and writes it once, and its KV; prefill tok/s of
 one ``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
@@ -45,7 +45,8 @@ from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS  # noqa: E402
 from ninfer.backends.cuda.hybrid_weights import device_layout  # noqa: E402
 from ninfer.backends.cuda.moe import EARLY_ROUTER_GEMM, GEMV_GEMMS, ROUTE_EXPERTS, combine_gemm  # noqa: E402
-from ninfer.backends.runner import DecodeBatch, PrefillChunk, SamplingRow  # noqa: E402
+from ninfer.backends.runner import PrefillChunk, SamplingRow  # noqa: E402
+from ninfer.commands import runner_timing  # noqa: E402
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa: E402
 
 PAGE = 16
@@ -125,32 +126,11 @@ def _forget_states(runner) -> None:
 
 
 def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float) -> dict:
-    _forget_states(runner)
-    lanes = np.arange(batch, dtype=np.int32)
-    tables = _tables(runner, lanes)
-    tokens = np.full(batch, 7, np.int32)
-    times = []
-    for step in range(steps + 3):
-        positions = np.full(batch, context + step, np.int32)
-        t0 = time.perf_counter()
-        out = runner.decode(DecodeBatch(lanes=lanes, tokens=tokens, positions=positions, page_tables=tables,
-                                        sampling=[SamplingRow()] * batch))
-        times.append(time.perf_counter() - t0)
-        tokens = out.tokens
-    step_s = float(np.median(times[3:]))
-    dev, stream = runner.device, runner.stream
-    start, stop = dev.event(timing=True), dev.event(timing=True)
-    graph = runner.replay_graph(batch)
-    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-    for _ in range(steps):  # device time alone: the graph replayed back to back
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-    rt.synchronize(stream)
-    gpu_s = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3 / steps
-    nbytes = step_bytes(config, batch, context + steps // 2)
-    return {"batch": batch, "context": context, "tok_s": batch / step_s, "step_ms": step_s * 1e3,
-            "gpu_step_ms": gpu_s * 1e3, "achieved_gb_s": nbytes / gpu_s / 1e9,
-            "roofline_tok_s": batch * copy_bw / nbytes, "pct_roofline": 100 * nbytes / copy_bw / step_s}
+    """runner_timing's decode figures (one step at a time, pipelined as the engine runs a steady batch,
+    the graph alone) with this model's step bytes; each pass over the positions trusts the lanes' states."""
+    return runner_timing.bench_decode(runner, config, batch, context, steps, copy_bw,
+                                      step_bytes=lambda rows, kv_tokens: step_bytes(config, rows, kv_tokens),
+                                      rewind=lambda: _forget_states(runner))
 
 
 def _prompt(n: int, salt: int = 0) -> np.ndarray:
@@ -214,8 +194,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
         report["decode"].append(r)
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
-              " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s)".format(**r),
-              flush=True)
+              " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s); pipelined"
+              " {pipelined_tok_s:.1f} tok/s, {pipelined_pct_roofline:.1f}% of roofline".format(**r), flush=True)
     variants = ablations(args, runner.forward)
     if variants:  # and the defaults once more at the end: the drift over the run, against which to read them
         variants.append(("decode_defaults_again", "defaults again", []))
@@ -229,7 +209,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
             r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
             report[key].append(r)
             print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s (gpu {gpu_step_ms:.2f} ms), "
-                  "{pct_roofline:.1f}% of roofline".format(**r), flush=True)
+                  "{pct_roofline:.1f}% of roofline; pipelined {pipelined_tok_s:.1f} tok/s, {pipelined_pct_roofline:.1f}%"
+                  .format(**r), flush=True)
         for target, option, value in was:
             setattr(target, option, value)
         recapture(runner)

@@ -104,12 +104,17 @@ def _max_pages(info) -> int:
 
 
 def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float | None,
-                 sampling: SamplingRow = SamplingRow(), pipelined: bool = True) -> dict:
+                 sampling: SamplingRow = SamplingRow(), pipelined: bool = True, step_bytes=None,
+                 rewind=None) -> dict:
     """Decode steps as the engine drives them: one at a time (``decode``: inputs, launch, wait, tokens)
     and, with ``pipelined``, the next step launched before this one's tokens are read (as the engine
     does while the batch stays the same); on the CUDA runner then its graph replayed back to back:
     device time alone. Row i decodes at positions ``context``.. of its own pages. Figures that a
-    runner cannot give (the device time of one without graphs, a roofline without ``copy_bw``) are None."""
+    runner cannot give (the device time of one without graphs, a roofline without ``copy_bw``) are None.
+
+    ``step_bytes(batch, kv_tokens)``: what a step must move, where ``decode_step_bytes`` does not know the
+    model (tools/gpu_bench_hybrid.py); ``rewind()``: called before each pass over the positions, for a
+    runner that checks each step continues the last (the hybrids' recurrent state)."""
     info = runner.info
     max_pages = _max_pages(info)
     tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
@@ -123,6 +128,8 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     tokens = np.full(batch, 7, np.int32)
     times = []
     cpu0 = wall0 = 0.0
+    if rewind:
+        rewind()
     for step in range(steps + 3):
         if step == 3:
             cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -133,6 +140,8 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     step_s = float(np.median(times[3:]))
     pipelined_s = pipelined_cpu = None
     if pipelined:
+        if rewind:
+            rewind()
         runner.launch_decode(inputs(0, tokens))
         for step in range(1, steps + 5):  # each round launches ``step`` and collects ``step - 1``
             runner.launch_decode(inputs(step, tokens), follow=True)
@@ -146,8 +155,9 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     if getattr(runner, "graphs", None):
         # Device time alone: replay the graph back to back (inputs unchanged: same positions).
         gpu_s = replay_ms(runner.replay_graph(batch), runner.device, runner.stream, steps, warmup=0) / 1e3
-    step_bytes = decode_step_bytes(config, info.backend, batch, context + steps // 2)
-    roofline_step = step_bytes / copy_bw if copy_bw else None
+    kv_tokens = context + steps // 2
+    nbytes = step_bytes(batch, kv_tokens) if step_bytes else decode_step_bytes(config, info.backend, batch, kv_tokens)
+    roofline_step = nbytes / copy_bw if copy_bw else None
 
     def ms(seconds):
         return None if seconds is None else seconds * 1e3
@@ -157,7 +167,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
 
     return {"batch": batch, "context": context, "temperature": sampling.temperature, "step_ms": step_s * 1e3,
             "gpu_step_ms": ms(gpu_s), "host_ms": None if gpu_s is None else (step_s - gpu_s) * 1e3,
-            "tok_s": batch / step_s, "achieved_gb_s": step_bytes / (gpu_s or step_s) / 1e9,
+            "tok_s": batch / step_s, "achieved_gb_s": nbytes / (gpu_s or step_s) / 1e9,
             "roofline_tok_s": None if roofline_step is None else batch / roofline_step,
             "pct_roofline": pct(step_s), "cpu_cores_busy": cpu_share,
             "pipelined_step_ms": ms(pipelined_s),
