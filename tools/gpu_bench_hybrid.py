@@ -3,6 +3,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
 
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--prefill-rows 512]
+                                     [--prefill-rows-ablation ROWS[,ROWS...]]
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
@@ -231,6 +232,14 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         report["ttft_chunked_rule"] = r = bench_ttft(runner)
         print(f"ours TTFT, {label}: cold {r['cold_ms']:.0f} ms, reused {r['reused_ms']:.1f} ms", flush=True)
         runner.forward.chunked_rule = chunked_default
+    built_rows = runner.buffers.rows
+    for rows in (int(v) for v in filter(None, args.prefill_rows_ablation.split(","))):  # smaller sub-chunks
+        if args.prefill and rows < built_rows:  # the prefill loop's step; the buffers stay as built
+            runner.buffers.rows = rows
+            report[f"prefill_rows_{rows}"] = r = bench_prefill(runner, args.prefill)
+            print(f"ours prefill, sub-chunks of {rows} rows, {r['tokens']} tokens: {r['seconds']:.2f} s = "
+                  f"{r['tok_s']:.0f} tok/s", flush=True)
+    runner.buffers.rows = built_rows
     runner.close()
     del tensors, ptrs
     torch.cuda.empty_cache()
@@ -424,6 +433,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-rows", type=int, default=512,
                         help="the runner's prefill sub-chunk (max_prefill_rows): a larger one gives each MoE "
                              "expert more rows per read of its weights")
+    parser.add_argument("--prefill-rows-ablation", default="", metavar="ROWS[,ROWS...]",
+                        help="prefill again in sub-chunks of ROWS rows (each below --prefill-rows, whose buffers "
+                             "serve them)")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     parser.add_argument("--peer-tokens", type=int, default=8, help="tokens each peer decode generates")
