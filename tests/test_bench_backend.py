@@ -66,7 +66,6 @@ def test_bytes_a_step_must_move():
     assert runner_timing.reference_weight_bytes_per_step(untied) == weights
 
 
-
 def test_decode_timing_takes_a_models_step_bytes_and_rewinds_its_recurrent_state(tmp_path):
     """tools/gpu_bench_hybrid.py's use: a hybrid runner refuses a pass that starts over at ``context``
     unless ``rewind`` forgets what its states summarise; ``step_bytes`` sets the roofline."""
@@ -75,7 +74,6 @@ def test_decode_timing_takes_a_models_step_bytes_and_rewinds_its_recurrent_state
     path = tmp_path / "hybrid.ninfer"
     make_random_artifact(path, "tiny-qwen3.5", seed=0)
     runner = ReferenceRunner(str(path), page_size=16, num_pages=8, max_batch=2, max_context=64)
-    config = runner.info
     seen = []
 
     def forget():
@@ -87,7 +85,7 @@ def test_decode_timing_takes_a_models_step_bytes_and_rewinds_its_recurrent_state
         return 10**6
 
     def timed(**kw):  # the reference runner does not pipeline: that pass is the CUDA runner's
-        return runner_timing.bench_decode(runner, config, 2, 16, 4, 1e9, pipelined=False, **kw)
+        return runner_timing.bench_decode(runner, runner.info, 2, 16, 4, 1e9, pipelined=False, **kw)
 
     timed(step_bytes=step_bytes, rewind=forget)
     with pytest.raises(ValueError, match="recurrent state summarises"):
@@ -95,6 +93,7 @@ def test_decode_timing_takes_a_models_step_bytes_and_rewinds_its_recurrent_state
     r = timed(step_bytes=step_bytes, rewind=forget)
     assert seen == [(2, 18)] * 2 and r["roofline_tok_s"] == pytest.approx(2 * 1e9 / 1e6)
     assert r["pct_roofline"] == pytest.approx(100 * 1e6 / 1e9 / (r["step_ms"] / 1e3))
+
 
 def test_cuda_weight_bytes_of_the_8b_shape():
     pytest.importorskip("cuda.bindings")

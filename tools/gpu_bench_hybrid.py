@@ -14,10 +14,11 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--next-prefetch-ablation MIB[,MIB...]]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
-roofline's denominator); decode tok/s at each batch (one step at a time, pipelined as the engine runs a steady
-batch, and device time alone: the CUDA Graph replayed back to back), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE
-layers the router, the shared expert and the distinct experts the batch routes to, expected count
-under uniform routing), each lane's StateImage once and writes it once, and its KV; prefill tok/s of
+roofline's denominator); decode tok/s at each batch (one step at a time, pipelined as the engine runs
+a steady batch, and device time alone: the CUDA Graph replayed back to back), with achieved GB/s and
+% of roofline, where a step reads every weight matrix (for MoE layers the router, the shared expert
+and the distinct experts the batch routes to, expected count under uniform routing), each lane's
+StateImage once and writes it once, and its KV; prefill tok/s of
 one ``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
 conversation prefilled) and reused (the checkpointed StateImage copied back, the KV pages kept). Each
 ``--*-ablation`` decodes again with one option changed, and after them the defaults once more (the
@@ -234,7 +235,7 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         runner.forward.chunked_rule = chunked_default
     built_rows = runner.buffers.rows
     for rows in (int(v) for v in filter(None, args.prefill_rows_ablation.split(","))):  # smaller sub-chunks
-        if args.prefill and rows < built_rows:  # the prefill loop's step; the buffers stay as built
+        if args.prefill:  # the prefill loop's step (below built_rows: main checks); the buffers stay as built
             runner.buffers.rows = rows
             report[f"prefill_rows_{rows}"] = r = bench_prefill(runner, args.prefill)
             print(f"ours prefill, sub-chunks of {rows} rows, {r['tokens']} tokens: {r['seconds']:.2f} s = "
@@ -482,6 +483,9 @@ def main(argv=None) -> int:
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")
     args = parser.parse_args(argv)
+    if any(int(rows) >= args.prefill_rows for rows in filter(None, args.prefill_rows_ablation.split(","))):
+        parser.error("--prefill-rows-ablation: each sub-chunk must be smaller than --prefill-rows, whose buffers "
+                     "serve it")
     import torch
 
     torch.zeros(1, device="cuda")  # torch and NInfer share the device's primary context
