@@ -58,6 +58,13 @@ def prefill_gemm() -> str:
     return "cublaslt" if importlib.util.find_spec("nvmath") is not None else "fp32"
 
 
+def prefill_rows(config: EngineConfig) -> int:
+    """The runner's prefill sub-chunk: one whole Engine chunk (``--prefill-chunk``, no longer than a
+    sequence can be), so a chunk is one pass of launches. Larger passes run the prefill GEMMs at larger
+    M and, in a MoE model, stream each expert's weights once per pass instead of once per 512 rows."""
+    return min(config.prefill_chunk, config.max_context)
+
+
 class BackendStartError(Exception):
     """The backend cannot start on this machine (bad device, memory, driver); ``ninfer serve`` ends with
     this one line."""
@@ -76,7 +83,7 @@ def cuda_runner(model: Any, args: argparse.Namespace, config: EngineConfig) -> W
     num_pages = "auto" if args.kv_capacity == "auto" else config.kv_pages
     shape = dict(page_size=config.page_size, num_pages=num_pages, max_batch=config.max_concurrency,
                  max_context=config.max_context, kv_dtype=args.kv_dtype, cuda_graph=not args.no_cuda_graph,
-                 prefill_gemm=prefill_gemm(), **host_arena(config))
+                 max_prefill_rows=prefill_rows(config), prefill_gemm=prefill_gemm(), **host_arena(config))
 
     def build():
         from ninfer.backends.cuda import runtime

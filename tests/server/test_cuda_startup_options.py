@@ -71,6 +71,18 @@ def test_cuda_graph_flag_reaches_the_runner(monkeypatch, flags, graphs):
     assert not seen  # built on first use, by the engine worker
     assert runner.runner == "built"
     assert seen["cuda_graph"] is graphs and (seen["path"], seen["device"], seen["max_batch"]) == ("m.ninfer", 1, 2)
+    assert seen["max_prefill_rows"] == 1024  # one pass a --prefill-chunk
+
+
+@pytest.mark.parametrize("flags, rows", [(("--prefill-chunk", "2048"), 2048),
+                                         (("--prefill-chunk", "4096", "--max-context", "3000"), 3000)])
+def test_the_runners_prefill_pass_is_one_engine_chunk(monkeypatch, flags, rows):
+    hybrid_runner = pytest.importorskip("ninfer.backends.cuda.hybrid_runner")
+    seen = {}
+    monkeypatch.setattr(hybrid_runner, "open_runner", lambda path, **kw: seen.update(kw) or "built")
+    args = build_parser().parse_args(["serve", "m.ninfer", "--device", "0", *flags])
+    assert backend.cuda_runner("m.ninfer", args, engine_config(args)).runner == "built"
+    assert seen["max_prefill_rows"] == rows  # a chunk never holds more tokens than a sequence
 
 
 def _serve_on_cuda(monkeypatch, *argv: str) -> int:
