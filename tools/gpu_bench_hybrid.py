@@ -4,6 +4,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--prefill-rows 512]
                                      [--prefill-rows-ablation ROWS[,ROWS...]]
+                                     [--moe-prefill-ablation 'GATE_UP,DOWN,PAIRS;...']
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation]
@@ -241,6 +242,15 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
             print(f"ours prefill, sub-chunks of {rows} rows, {r['tokens']} tokens: {r['seconds']:.2f} s = "
                   f"{r['tok_s']:.0f} tok/s", flush=True)
     runner.buffers.rows = built_rows
+    moe = runner.forward.moe
+    for spec in filter(None, args.moe_prefill_ablation.split(";")):  # other grouped prefill GEMMs, full sub-chunks
+        if args.prefill and moe is not None:
+            gate_up, down, pairs = spec.split(",")
+            was, moe.prefill_gemms = moe.prefill_gemms, (gate_up, down, int(pairs))
+            report[f"prefill_moe_{gate_up}_{down}_{pairs}"] = r = bench_prefill(runner, args.prefill)
+            print(f"ours prefill, MoE GEMMs {gate_up} {down} ({pairs} pairs a chunk), {r['tokens']} tokens: "
+                  f"{r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
+            moe.prefill_gemms = was
     runner.close()
     del tensors, ptrs
     torch.cuda.empty_cache()
@@ -479,6 +489,9 @@ def main(argv=None) -> int:
     parser.add_argument("--next-prefetch-ablation", default="", metavar="MIB[,MIB...]",
                         help="decode again with a one-row step's MoE router asking L2 for the first MIB MiB of the "
                              "next layer's first GEMM (CudaMoe.next_prefetch; 0: nothing)")
+    parser.add_argument("--moe-prefill-ablation", default="", metavar="GATE_UP,DOWN,PAIRS[;...]",
+                        help="prefill again (sub-chunks of --prefill-rows) with other grouped MoE prefill GEMMs "
+                             "and PAIRS pairs a chunk (CudaMoe.prefill_gemms; their builds' 8 x P pairs)")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")
