@@ -220,13 +220,16 @@ def _open_runner(args: argparse.Namespace, config, model: Any, plan: dict) -> tu
         return runner, report
     from ninfer.backends.cuda import CudaRunner
     from ninfer.backends.cuda import runtime as rt
-    from ninfer.server.backend import prefill_gemm
+    from ninfer.engine import EngineConfig
+    from ninfer.server.backend import prefill_gemm, prefill_rows
 
     device = rt.Device(args.device)
     report.update(backend="cuda", device=device.name, sync=device.sync, copy="device to device",
                   copy_gb_s=copy_bandwidth(device, device.stream()) / 1e9)
     t0 = time.perf_counter()
-    options = dict(shape, max_prefill_rows=512, prefill_gemm=prefill_gemm())
+    # Prefill passes as `ninfer serve` makes them with its default --prefill-chunk.
+    passes = prefill_rows(EngineConfig(max_context=plan["max_context"]))
+    options = dict(shape, max_prefill_rows=passes, prefill_gemm=prefill_gemm())
     if isinstance(model, str):
         runner = CudaRunner(model, device=device, **options)
     else:
