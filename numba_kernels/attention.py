@@ -176,7 +176,8 @@ def make_key_loop(G, D, load_pair, load_quad, U, WARPS):
 def make_warp_merge(G, D, WARPS):
     """Device functions over a warp's softmax state (``acc`` [G, D / 32] of the lane's dims, max ``m``
     and sum ``l`` per head): ``empty`` starts it, ``stash`` writes it to shared memory (then syncs the
-    block), ``merged`` returns the warps' merged (max, sum, output) of (head g, dim d)."""
+    block), ``warp_factors`` weighs the stashed states of head g (once a head: the exponentials do not
+    depend on the dim)."""
     E = D // 32
 
     @cuda.jit(device=True, inline=True)
@@ -199,32 +200,34 @@ def make_warp_merge(G, D, WARPS):
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline=True)
-    def merged(sh_m, sh_l, sh_o, g, d):
-        mm = NEG_BIG
+    def warp_factors(sh_m, sh_l, g, f):
+        """Each warp's factor ``exp(m_w - top)`` for head g into ``f[w]`` (0 for a warp without keys);
+        returns (top, the sum of the warps' sums weighed by their factors)."""
+        top = NEG_BIG
         for w in range(WARPS):
-            mm = max(mm, sh_m[w, g])
-        ll = float32(0.0)
-        oo = float32(0.0)
+            top = max(top, sh_m[w, g])
+        total = float32(0.0)
         for w in range(WARPS):
-            f = math.exp(sh_m[w, g] - mm) if sh_l[w, g] > float32(0.0) else float32(0.0)
-            ll += sh_l[w, g] * f
-            oo += sh_o[w, g, d] * f
-        return mm, ll, oo
+            f[w] = math.exp(sh_m[w, g] - top) if sh_l[w, g] > float32(0.0) else float32(0.0)
+            total += sh_l[w, g] * f[w]
+        return top, total
 
-    return empty, stash, merged
+    return empty, stash, warp_factors
 
 
 def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
     """``U`` keys in flight per warp (default ``keys_in_flight``), ``WARPS`` warps a block."""
     E = D // 32
     key_loop = make_key_loop(G, D, load_pair, load_quad, U or keys_in_flight(G, D), WARPS)
-    empty, stash, merged = make_warp_merge(G, D, WARPS)
+    empty, stash, warp_factors = make_warp_merge(G, D, WARPS)
 
     def attention(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o,
                   part_ml, n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
         sh_m = cuda.shared.array((WARPS, G), float32)
         sh_l = cuda.shared.array((WARPS, G), float32)
         sh_o = cuda.shared.array((WARPS, G, D), float32)
+        sh_f = cuda.shared.array((WARPS, G), float32)  # each warp's factor, by head
+        sh_ml = cuda.shared.array((G, 2), float32)  # the merged max and sum, by head
         kvh = cuda.blockIdx.x
         row = cuda.blockIdx.y
         split = cuda.blockIdx.z
@@ -251,16 +254,25 @@ def make_attention(G, D, load_pair, load_quad, U=None, WARPS=WARPS):
         key_loop(q, acc, m, l, kc, page_stride, page_tables, row_table[row] * max_pages, page_shift, head_off, v_off,
                  start, end, warp, lane, scale)
         stash(sh_m, sh_l, sh_o, m, l, acc, warp, lane)
+        tid = cuda.threadIdx.x
+        if tid < G:  # thread g weighs head g's warps
+            f = cuda.local.array(WARPS, float32)
+            sh_ml[tid, 0], sh_ml[tid, 1] = warp_factors(sh_m, sh_l, tid, f)
+            for w in range(WARPS):
+                sh_f[w, tid] = f[w]
+        cuda.syncthreads()
         # Merge the warps: thread t owns (g, d) pairs t, t + 32 * WARPS, ...
-        for idx in range(cuda.threadIdx.x, G * D, WARPS * 32):
+        for idx in range(tid, G * D, WARPS * 32):
             g = idx // D
             d = idx % D
-            mm, ll, oo = merged(sh_m, sh_l, sh_o, g, d)
+            oo = float32(0.0)
+            for w in range(WARPS):
+                oo += sh_o[w, g, d] * sh_f[w, g]
             cell = (row * n_heads + kvh * G + g) * n_splits + split
             part_o[cell * D + d] = oo
             if d == 0:
-                part_ml[cell * 2] = mm
-                part_ml[cell * 2 + 1] = ll
+                part_ml[cell * 2] = sh_ml[g, 0]
+                part_ml[cell * 2 + 1] = sh_ml[g, 1]
 
     return attention
 

@@ -151,6 +151,7 @@ def make_decode_attention(G, D, dtype, TRACE=False):
     BATCH = MERGE_BATCH[dtype]
     NORMS = 2 * D
     key_phase = (make_mma_key_phase if TC else make_cuda_key_phase)(G, D, WARPS, STAGE)
+    warp_factors = make_warp_merge(G, D, WARPS)[2]
 
     @cuda.jit(device=True, inline=True)
     def row_dot(sh_x, a, b, lane):
@@ -192,14 +193,8 @@ def make_decode_attention(G, D, dtype, TRACE=False):
         vs 5.298, b8/512 6.182 vs 6.195, b4/512 5.958 vs 5.947, b1/8192 5.709 vs 5.703)."""
         if tid < G:
             g = tid
-            top = NEG_BIG
-            for w in range(WARPS):
-                top = max(top, sh_m[w, g])
             f = cuda.local.array(WARPS, float32)
-            total = float32(0.0)
-            for w in range(WARPS):
-                f[w] = math.exp(sh_m[w, g] - top) if sh_l[w, g] > float32(0.0) else float32(0.0)
-                total += sh_l[w, g] * f[w]
+            top, total = warp_factors(sh_m, sh_l, g, f)
             p = float32(0.0)
             if owner:
                 s_new = sh_s[g]

@@ -13,7 +13,8 @@ tests/test_kernels_sim.py to judge. The cases are the decode kernels written wit
   the combine folded in or not, the ``hold`` grouped GEMMs, the routing's builds, the early router:
   bit for bit the separate launches, the tickets back at zero, and the reference MoE;
 - ``decode``: a whole ``Forward.decode`` step (rope, KV append, tensor-core decode attention, the
-  GEMVs, sampling) with ``chain_norm`` off and on, over the simulated device and runtime.
+  GEMVs, sampling) with ``chain_norm`` off and on, over the simulated device and runtime;
+- ``split_attention``: the CUDA-core split attention of prefill rows and its combine against NumPy.
 """
 
 from __future__ import annotations
@@ -536,6 +537,43 @@ def _gated_attention(rows: int) -> float:
     return rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1) / (1 + np.exp(-gate)))
 
 
+def case_split_attention(rows: int) -> dict:
+    """``attention_g2_d64_f32`` (the CUDA-core split attention of prefill rows over an fp32 pool: each
+    block's warps merged once a head) then ``attention_combine``, for ``rows`` rows of 4 query heads over
+    2 KV heads, 16-key pages in a shuffled page table, rows holding 3, 1 and 2 splits of keys: relative
+    error against attention in NumPy."""
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(80 + rows)
+    heads, n_kv, d, page, split_len, splits = 4, 2, 64, 16, 32, 3
+    positions = np.array([70, 20, 45, 33][:rows], np.int32)
+    pages_per_row = 5
+    n_pages = rows * pages_per_row
+    pool = rng.standard_normal((n_pages, 2, n_kv, page, d)).astype(np.float32)
+    table = rng.permutation(n_pages).astype(np.int32).reshape(rows, pages_per_row)
+    q = rng.standard_normal((rows, heads + 2 * n_kv, d)).astype(np.float32)
+    cells = rows * heads * splits
+    part_o, part_ml, out = gpu.empty(cells * d * 4), gpu.empty(cells * 2 * 4), gpu.empty(rows * heads * d * 4)
+    d_positions, d_split = gpu.put(positions), gpu.put(np.array([split_len], np.int32))
+    scale = float(d ** -0.5)
+    gpu.launch("attention_g2_d64_f32", (n_kv, rows, splits), (128,),
+               (gpu.put(q), gpu.put(pool), 2 * n_kv * page * d, gpu.put(table), pages_per_row,
+                gpu.put(np.arange(rows, dtype=np.int32)), d_positions, part_o, part_ml, heads, n_kv, 4, d_split, splits,
+                scale))
+    gpu.launch("attention_combine", (heads, rows), (4 * d,),
+               (out, part_o, part_ml, d_positions, heads, splits, d, d_split))
+    want = np.zeros((rows, heads, d))
+    for r in range(rows):
+        keys = np.arange(positions[r] + 1)
+        at = pool[table[r, keys // page]].astype(np.float64)  # [keys, 2, n_kv, page, d]
+        for h in range(heads):
+            kvh = h // (heads // n_kv)
+            k, v = at[keys, 0, kvh, keys % page], at[keys, 1, kvh, keys % page]
+            s = k @ q[r, h] * scale
+            p = np.exp(s - s.max())
+            want[r, h] = p @ v / p.sum()
+    return {"attention": rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1))}
+
+
 def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:
     """A greedy decode step's inputs for ``rows`` lanes whose keys are already cached (1 .. max_context - 2
     of them, ``pages`` pages a lane from page 1 on), uploaded; returns the attention depth the runner
@@ -613,7 +651,8 @@ def case_hybrid_decode(rows: int) -> dict:
 
 
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
-         "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine}
+         "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
+         "split_attention": case_split_attention}
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 # as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
          ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
-         ("gated_combine", 3)]
+         ("gated_combine", 3), ("split_attention", 4)]
 _runs: dict = {}
 
 
@@ -166,3 +166,10 @@ def test_gated_attention_and_its_split_merge_match_numpy():
     (keys in groups of KEYS a warp) and the merge over a paged pool against attention in NumPy."""
     result = simulate("gated_combine", 3)
     assert result["combine"] < TOL and result["attention"] < TOL, result
+
+
+def test_split_attention_of_prefill_rows_matches_numpy():
+    """``attention_g2_d64_f32`` (each block's warps weighed once a head, ``make_warp_merge``'s
+    ``warp_factors``) and ``attention_combine`` over a paged fp32 pool: rows with 3, 1, 2 and 2 splits
+    of keys, splits past a row's keys left empty, against attention in NumPy."""
+    assert simulate("split_attention", 4)["attention"] < TOL
