@@ -499,68 +499,26 @@ def case_gated_combine(rows: int) -> dict:
             "attention": _gated_attention(rows)}
 
 
-def _gated_attention(rows: int) -> float:
-    """``gated_attention_d32_bf16`` then ``gated_combine`` for ``rows`` rows of 4 query heads over 2 KV
-    heads, 16-key pages in a shuffled page table: relative error against NumPy."""
-    from ninfer.artifact.bf16 import from_float32, to_float32
-
-    gpu = kernel_sim.SimGpu()
-    rng = np.random.default_rng(70 + rows)
-    heads, n_kv, d, page, split_len, splits = 4, 2, 32, 16, 32, 4
-    positions = np.array([70, 20, 45][:rows], np.int32)
-    pages_per_row = 5
-    n_pages = rows * pages_per_row
-    pool_bits = from_float32(rng.standard_normal((n_pages, 2, n_kv, page, d)).astype(np.float32))
-    pool = to_float32(pool_bits)
-    table = rng.permutation(n_pages).astype(np.int32).reshape(rows, pages_per_row)
-    q = rng.standard_normal((rows, heads + 2 * n_kv, d)).astype(np.float32)
-    gate = rng.standard_normal((rows, heads * d)).astype(np.float32)
+def _split_partials(gpu, name: str, grid: tuple, q: np.ndarray, pool: np.ndarray, table: np.ndarray,
+                    positions: np.ndarray, heads: int, split_len: int, splits: int) -> tuple:
+    """Launch the split attention kernel ``name`` (``attention_*`` / ``gated_attention_*``, one
+    signature) over ``pool`` ``[pages, 2, n_kv, 16, d]`` of every row's keys; returns what the combine
+    kernels read: (part_o, part_ml, positions, split length) on the device."""
+    rows, (n_kv, page, d) = q.shape[0], pool.shape[2:]
     cells = rows * heads * splits
-    part_o, part_ml, out = gpu.empty(cells * d * 4), gpu.empty(cells * 2 * 4), gpu.empty(rows * heads * d * 4)
+    part_o, part_ml = gpu.empty(cells * d * 4), gpu.empty(cells * 2 * 4)
     d_positions, d_split = gpu.put(positions), gpu.put(np.array([split_len], np.int32))
-    scale = float(d ** -0.5)
-    gpu.launch("gated_attention_d32_bf16", (heads, rows, splits), (128,),
-               (gpu.put(q), gpu.put(pool_bits), 2 * n_kv * page * d, gpu.put(table), pages_per_row,
-                gpu.put(np.arange(rows, dtype=np.int32)), d_positions, part_o, part_ml, heads, n_kv, 4, d_split, splits,
-                scale))
-    gpu.launch("gated_combine", (heads, rows), (d,),
-               (out, gpu.put(gate), part_o, part_ml, d_positions, heads, splits, d, d_split))
-    want = np.zeros((rows, heads, d))
-    for r in range(rows):
-        keys = np.arange(positions[r] + 1)
-        at = pool[table[r, keys // page]]  # [keys, 2, n_kv, page, d]
-        for h in range(heads):
-            kvh = h // (heads // n_kv)
-            k, v = at[keys, 0, kvh, keys % page], at[keys, 1, kvh, keys % page]
-            p = np.exp(k @ q[r, h] * scale - (k @ q[r, h] * scale).max())
-            want[r, h] = p @ v / p.sum()
-    return rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1) / (1 + np.exp(-gate)))
+    gpu.launch(name, grid, (128,),
+               (gpu.put(q), gpu.put(pool), 2 * n_kv * page * d, gpu.put(table), table.shape[1],
+                gpu.put(np.arange(rows, dtype=np.int32)), d_positions, part_o, part_ml, heads, n_kv,
+                int(page).bit_length() - 1, d_split, splits, float(d ** -0.5)))
+    return part_o, part_ml, d_positions, d_split
 
 
-def case_split_attention(rows: int) -> dict:
-    """``attention_g2_d64_f32`` (the CUDA-core split attention of prefill rows over an fp32 pool: each
-    block's warps merged once a head) then ``attention_combine``, for ``rows`` rows of 4 query heads over
-    2 KV heads, 16-key pages in a shuffled page table, rows holding 3, 1 and 2 splits of keys: relative
-    error against attention in NumPy."""
-    gpu = kernel_sim.SimGpu()
-    rng = np.random.default_rng(80 + rows)
-    heads, n_kv, d, page, split_len, splits = 4, 2, 64, 16, 32, 3
-    positions = np.array([70, 20, 45, 33][:rows], np.int32)
-    pages_per_row = 5
-    n_pages = rows * pages_per_row
-    pool = rng.standard_normal((n_pages, 2, n_kv, page, d)).astype(np.float32)
-    table = rng.permutation(n_pages).astype(np.int32).reshape(rows, pages_per_row)
-    q = rng.standard_normal((rows, heads + 2 * n_kv, d)).astype(np.float32)
-    cells = rows * heads * splits
-    part_o, part_ml, out = gpu.empty(cells * d * 4), gpu.empty(cells * 2 * 4), gpu.empty(rows * heads * d * 4)
-    d_positions, d_split = gpu.put(positions), gpu.put(np.array([split_len], np.int32))
-    scale = float(d ** -0.5)
-    gpu.launch("attention_g2_d64_f32", (n_kv, rows, splits), (128,),
-               (gpu.put(q), gpu.put(pool), 2 * n_kv * page * d, gpu.put(table), pages_per_row,
-                gpu.put(np.arange(rows, dtype=np.int32)), d_positions, part_o, part_ml, heads, n_kv, 4, d_split, splits,
-                scale))
-    gpu.launch("attention_combine", (heads, rows), (4 * d,),
-               (out, part_o, part_ml, d_positions, heads, splits, d, d_split))
+def attention_in_numpy(q: np.ndarray, pool: np.ndarray, table: np.ndarray, positions: np.ndarray,
+                       heads: int) -> np.ndarray:
+    """``[rows, heads * d]``: each row's query heads attending to its keys ``0..positions[r]`` (GQA)."""
+    rows, (n_kv, page, d) = q.shape[0], pool.shape[2:]
     want = np.zeros((rows, heads, d))
     for r in range(rows):
         keys = np.arange(positions[r] + 1)
@@ -568,10 +526,57 @@ def case_split_attention(rows: int) -> dict:
         for h in range(heads):
             kvh = h // (heads // n_kv)
             k, v = at[keys, 0, kvh, keys % page], at[keys, 1, kvh, keys % page]
-            s = k @ q[r, h] * scale
+            s = k @ q[r, h] * d ** -0.5
             p = np.exp(s - s.max())
             want[r, h] = p @ v / p.sum()
-    return {"attention": rel(gpu.get(out, np.float32, (rows, heads * d)), want.reshape(rows, -1))}
+    return want.reshape(rows, -1)
+
+
+def _paged_case(seed: int, rows: int, d: int) -> tuple:
+    """Random queries (4 heads over 2 KV heads) and a pool of five 16-key pages a row, shuffled."""
+    rng = np.random.default_rng(seed)
+    pool = rng.standard_normal((rows * 5, 2, 2, 16, d)).astype(np.float32)
+    table = rng.permutation(rows * 5).astype(np.int32).reshape(rows, 5)
+    q = rng.standard_normal((rows, 4 + 2 * 2, d)).astype(np.float32)
+    return rng, pool, table, q
+
+
+def _gated_attention(rows: int) -> float:
+    """``gated_attention_d32_bf16`` then ``gated_combine`` for ``rows`` rows of 4 query heads over 2 KV
+    heads, 16-key pages in a shuffled page table: relative error against NumPy."""
+    from ninfer.artifact.bf16 import from_float32, to_float32
+
+    gpu = kernel_sim.SimGpu()
+    rng, pool, table, q = _paged_case(70 + rows, rows, 32)
+    heads, splits, d = 4, 4, 32
+    positions = np.array([70, 20, 45][:rows], np.int32)
+    pool_bits = from_float32(pool)
+    gate = rng.standard_normal((rows, heads * d)).astype(np.float32)
+    part_o, part_ml, d_positions, d_split = _split_partials(gpu, "gated_attention_d32_bf16", (heads, rows, splits),
+                                                            q, pool_bits, table, positions, heads, 32, splits)
+    out = gpu.empty(rows * heads * d * 4)
+    gpu.launch("gated_combine", (heads, rows), (d,),
+               (out, gpu.put(gate), part_o, part_ml, d_positions, heads, splits, d, d_split))
+    want = attention_in_numpy(q, to_float32(pool_bits), table, positions, heads)
+    return rel(gpu.get(out, np.float32, (rows, heads * d)), want / (1 + np.exp(-gate)))
+
+
+def case_split_attention(rows: int) -> dict:
+    """``attention_g2_d64_f32`` (the CUDA-core split attention of prefill rows over an fp32 pool: each
+    block's warps merged once a head) then ``attention_combine``, for ``rows`` rows of 4 query heads over
+    2 KV heads, 16-key pages in a shuffled page table, rows holding 3, 1, 2 and 2 splits of keys:
+    relative error against attention in NumPy."""
+    gpu = kernel_sim.SimGpu()
+    _, pool, table, q = _paged_case(80 + rows, rows, 64)
+    heads, splits, d = 4, 3, 64
+    positions = np.array([70, 20, 45, 33][:rows], np.int32)
+    part_o, part_ml, d_positions, d_split = _split_partials(gpu, "attention_g2_d64_f32", (2, rows, splits),
+                                                            q, pool, table, positions, heads, 32, splits)
+    out = gpu.empty(rows * heads * d * 4)
+    gpu.launch("attention_combine", (heads, rows), (4 * d,),
+               (out, part_o, part_ml, d_positions, heads, splits, d, d_split))
+    return {"attention": rel(gpu.get(out, np.float32, (rows, heads * d)),
+                             attention_in_numpy(q, pool, table, positions, heads))}
 
 
 def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:
