@@ -84,8 +84,8 @@ def test_decode_timing_takes_a_models_step_bytes_and_rewinds_its_recurrent_state
         seen.append((batch, kv_tokens))
         return 10**6
 
-    def timed(**kw):  # the reference runner does not pipeline: that pass is the CUDA runner's
-        return runner_timing.bench_decode(runner, runner.info, 2, 16, 4, 1e9, pipelined=False, **kw)
+    def timed(**kw):  # pipelined by default, as the tool asks: a runner that cannot gives no such figure
+        return runner_timing.bench_decode(runner, runner.info, 2, 16, 4, 1e9, **kw)
 
     timed(step_bytes=step_bytes, rewind=forget)
     with pytest.raises(ValueError, match="recurrent state summarises"):
@@ -93,6 +93,7 @@ def test_decode_timing_takes_a_models_step_bytes_and_rewinds_its_recurrent_state
     r = timed(step_bytes=step_bytes, rewind=forget)
     assert seen == [(2, 18)] * 2 and r["roofline_tok_s"] == pytest.approx(2 * 1e9 / 1e6)
     assert r["pct_roofline"] == pytest.approx(100 * 1e6 / 1e9 / (r["step_ms"] / 1e3))
+    assert not runner.info.pipelined_decode and r["pipelined_tok_s"] is None and r["pipelined_step_ms"] is None
 
 
 def test_cuda_weight_bytes_of_the_8b_shape():

@@ -197,8 +197,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
         report["decode"].append(r)
         print("ours decode b={batch} ctx={context}: {tok_s:.1f} tok/s, step {step_ms:.2f} ms (gpu {gpu_step_ms:.2f}),"
-              " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s); pipelined"
-              " {pipelined_tok_s:.1f} tok/s, {pipelined_pct_roofline:.1f}% of roofline".format(**r), flush=True)
+              " {achieved_gb_s:.0f} GB/s, {pct_roofline:.1f}% of roofline ({roofline_tok_s:.0f} tok/s); ".format(**r)
+              + pipelined_text(r), flush=True)
     variants = ablations(args, runner.forward)
     if variants:  # and the defaults once more at the end: the drift over the run, against which to read them
         variants.append(("decode_defaults_again", "defaults again", []))
@@ -212,8 +212,7 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
             r = bench_decode(runner, config, batch, args.context, args.steps, copy_bw)
             report[key].append(r)
             print(f"ours decode, {label}, " + "b={batch}: {tok_s:.1f} tok/s (gpu {gpu_step_ms:.2f} ms), "
-                  "{pct_roofline:.1f}% of roofline; pipelined {pipelined_tok_s:.1f} tok/s, {pipelined_pct_roofline:.1f}%"
-                  .format(**r), flush=True)
+                  "{pct_roofline:.1f}% of roofline; ".format(**r) + pipelined_text(r), flush=True)
         for target, option, value in was:
             setattr(target, option, value)
         recapture(runner)
@@ -255,6 +254,12 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     del tensors, ptrs
     torch.cuda.empty_cache()
     return report
+
+
+def pipelined_text(r: dict) -> str:
+    if r["pipelined_tok_s"] is None:
+        return "no pipelined decode (CudaHybridRunner launches one step at a time)"
+    return "pipelined {pipelined_tok_s:.1f} tok/s, {pipelined_pct_roofline:.1f}% of roofline".format(**r)
 
 
 def ablations(args, forward) -> list[tuple]:

@@ -110,7 +110,8 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     and, with ``pipelined``, the next step launched before this one's tokens are read (as the engine
     does while the batch stays the same); on the CUDA runner then its graph replayed back to back:
     device time alone. Row i decodes at positions ``context``.. of its own pages. Figures that a
-    runner cannot give (the device time of one without graphs, a roofline without ``copy_bw``) are None.
+    runner cannot give (the device time of one without graphs, pipelined steps of one that does not
+    pipeline decode, a roofline without ``copy_bw``) are None.
 
     ``step_bytes(batch, kv_tokens)``: what a step must move, where ``decode_step_bytes`` does not know the
     model (tools/gpu_bench_hybrid.py); ``rewind()``: called before each pass over the positions, for a
@@ -139,7 +140,7 @@ def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: 
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     step_s = float(np.median(times[3:]))
     pipelined_s = pipelined_cpu = None
-    if pipelined:
+    if pipelined and info.pipelined_decode:
         if rewind:
             rewind()
         runner.launch_decode(inputs(0, tokens))
