@@ -15,12 +15,12 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--next-prefetch-ablation MIB[,MIB...]]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
-roofline's denominator); decode tok/s at each batch (one step at a time, pipelined as the engine runs
-a steady batch, and device time alone: the CUDA Graph replayed back to back), with achieved GB/s and
-% of roofline, where a step reads every weight matrix (for MoE layers the router, the shared expert
-and the distinct experts the batch routes to, expected count under uniform routing), each lane's
-StateImage once and writes it once, and its KV; prefill tok/s of
-one ``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
+roofline's denominator); decode tok/s at each batch (one step at a time, as the Engine drives a
+hybrid runner, which does not pipeline decode, and device time alone: the CUDA Graph replayed back to
+back), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE layers
+the router, the shared expert and the distinct experts the batch routes to, expected count under
+uniform routing), each lane's StateImage once and writes it once, and its KV; prefill tok/s of one
+``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
 conversation prefilled) and reused (the checkpointed StateImage copied back, the KV pages kept). Each
 ``--*-ablation`` decodes again with one option changed, and after them the defaults once more (the
 run's drift: a 35B-A3B batch-1 step's tok/s moves about 2% from run to run, its GPU time less); then
@@ -129,7 +129,7 @@ def _forget_states(runner) -> None:
 
 
 def bench_decode(runner, config, batch: int, context: int, steps: int, copy_bw: float) -> dict:
-    """runner_timing's decode figures (one step at a time, pipelined as the engine runs a steady batch,
+    """runner_timing's decode figures (one step at a time, pipelined where the runner pipelines decode,
     the graph alone) with this model's step bytes; each pass over the positions trusts the lanes' states."""
     return runner_timing.bench_decode(runner, config, batch, context, steps, copy_bw,
                                       step_bytes=lambda rows, kv_tokens: step_bytes(config, rows, kv_tokens),
