@@ -1,7 +1,10 @@
 """Gated DeltaNet kernels: the depthwise causal conv and the gated delta rule (hybrid models).
 
 Both run over *sequences*: ``n_seqs`` groups of ``seq_rows`` consecutive activation rows, sequence
-``s`` continuing from and updating the state of StateImage slot ``lanes[s]``. A decode step is
+``s`` continuing from the state of StateImage slot ``lanes[s]``. The decode kernels (conv, rule,
+step) write the new state to slot ``lanes_out[s]``: the same slot in a prefill, the lane's other
+image in a decode step, so a step launched ahead of the Engine can be dropped for a lane whose
+state must stay as it was (``ninfer/backends/lane_slots.py``). A decode step is
 ``rows`` sequences of one row, a prefill chunk one sequence of ``rows`` rows: one kernel serves
 both, and in a prefill the state stays in registers for the whole chunk. The state pointer is
 the layer's part of slot 0; slot ``s`` lies ``slot_stride`` floats further (one StateImage is one
@@ -104,7 +107,7 @@ def shift_tail(states, at, channels, s1, s2, x):
     states[at + 2 * channels] = x
 
 
-def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channels, weight):
+def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, lanes_out, seq_rows, channels, weight):
     launch_dependents()  # programmatic dependent launch: common.py
     grid_dependency_wait()
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -124,6 +127,7 @@ def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, seq_rows, channe
         v = x[r * x_stride + c]
         out[r * channels + c] = conv_tap(s0, s1, s2, v, w0, w1, w2, w3)
         s0, s1, s2 = s1, s2, v
+    base = int64(lanes_out[seq]) * slot_stride + c
     states[base] = s0
     states[base + channels] = s1
     states[base + 2 * channels] = s2
@@ -199,8 +203,8 @@ def make_rule(DK, DV):
     token = make_token(DK, DV)
     load_column, store_column = make_half_column(DK, DV)
 
-    def rule(mixed, proj, out, states, slot_stride, lanes, seq_rows, n_k, n_v, in_stride, dt_bias, a_log,
-             norm_w, eps):
+    def rule(mixed, proj, out, states, slot_stride, lanes, lanes_out, seq_rows, n_k, n_v, in_stride, dt_bias,
+             a_log, norm_w, eps):
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         head = cuda.blockIdx.x
@@ -243,7 +247,7 @@ def make_rule(DK, DV):
                 b_next = proj[n * in_stride + b_col]
                 a_next = proj[n * in_stride + b_col + n_v]
             token(col, q, k, v, z, b, a, neg_a, bias, w, eps, out, r * value_dim + head * DV + j)
-        store_column(states, base, col)
+        store_column(states, base + (int64(lanes_out[seq]) - lanes[seq]) * slot_stride, col)
 
     return rule
 
@@ -266,8 +270,8 @@ def make_rule_split(DK, DV, S):
     assert C * S == DV and THREADS >= 32 and THREADS % 32 == 0  # block_sum's warps are whole
     load_column, store_column = make_half_column(DK, DV)
 
-    def rule_split(mixed, proj, out, states, slot_stride, lanes, n_k, n_v, in_stride, dt_bias, a_log, norm_w, eps,
-                   partials, tickets):
+    def rule_split(mixed, proj, out, states, slot_stride, lanes, lanes_out, n_k, n_v, in_stride, dt_bias, a_log,
+                   norm_w, eps, partials, tickets):
         launch_dependents()  # programmatic dependent launch: common.py
         head = cuda.blockIdx.x
         seq = cuda.blockIdx.y
@@ -317,7 +321,7 @@ def make_rule_split(DK, DV, S):
             col[i] += sh_k[row0 + i] * d
             o += sh_q[row0 + i] * col[i]
         o = (o + cuda.shfl_xor_sync(0xFFFFFFFF, o, 1)) * q_scale
-        store_column(states, base, col)
+        store_column(states, base + (int64(lanes_out[seq]) - lanes[seq]) * slot_stride, col)
         at = int64(seq) * value_dim + head * DV
         if owner:
             out[at + j] = o * w * (z * sigmoid(z))
@@ -354,8 +358,8 @@ def make_step(DK, DV):
     token = make_token(DK, DV)
     load_column, store_column = make_half_column(DK, DV)
 
-    def step(proj, out, states, slot_stride, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w, eps,
-             tickets):
+    def step(proj, out, states, slot_stride, lanes, lanes_out, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w,
+             eps, tickets):
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         head = cuda.blockIdx.x
@@ -373,6 +377,7 @@ def make_step(DK, DV):
         z_col = conv_dim + head * DV + j
         b_col = conv_dim + value_dim + head
         slot = int64(lanes[seq]) * slot_stride
+        slot_out = int64(lanes_out[seq]) * slot_stride
         row = int64(seq) * in_stride
         col = cuda.local.array(HALF, float32)
         base = load_column(col, states, slot + (CONV_KERNEL - 1) * conv_dim, head, half, j)
@@ -387,13 +392,13 @@ def make_step(DK, DV):
             k, k1, k2 = conv_channel(states, slot + k_col, conv_dim, x_k, conv_w, k_col)
         last = last_to_finish(tickets, seq * n_k + key_head, group)  # its barriers: every tail read is done
         if owner:
-            shift_tail(states, slot + v_col, conv_dim, v1, v2, x_v)  # the block's own channel
+            shift_tail(states, slot_out + v_col, conv_dim, v1, v2, x_v)  # the block's own channel
             if last:  # every block of the key head has read the q/k tails
-                shift_tail(states, slot + q_col, conv_dim, q1, q2, x_q)
-                shift_tail(states, slot + k_col, conv_dim, k1, k2, x_k)
+                shift_tail(states, slot_out + q_col, conv_dim, q1, q2, x_q)
+                shift_tail(states, slot_out + k_col, conv_dim, k1, k2, x_k)
         token(col, q, k, v, proj[row + z_col], proj[row + b_col], proj[row + b_col + n_v], -math.exp(a_log[head]),
               dt_bias[head], norm_w[j], eps, out, int64(seq) * value_dim + head * DV + j)
-        store_column(states, base, col)
+        store_column(states, base + slot_out - slot, col)
 
     return step
 
@@ -763,22 +768,22 @@ def make_chunk_scan(DK, DV):
 
 
 KERNELS = {
-    "deltanet_conv": (deltanet_conv, (F32P, F32P, int32, F32P, int64, I32P, int32, int32, F32P),
+    "deltanet_conv": (deltanet_conv, (F32P, F32P, int32, F32P, int64, I32P, I32P, int32, int32, F32P),
                       {"threads": CONV_THREADS, "kernel": CONV_KERNEL, "grid_wait": 1}),
 }
 for _d in HEAD_DIMS:
     KERNELS[f"deltanet_rule_k{_d}_v{_d}"] = (
         make_rule(_d, _d),
-        (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
+        (F32P, F32P, F32P, F32P, int64, I32P, I32P, int32, int32, int32, int32, F32P, F32P, F32P, float32),
         {"threads": 2 * _d, "grid_wait": 1})
     for _s in rule_splits(_d):
         KERNELS[f"deltanet_rule_s{_s}_k{_d}_v{_d}"] = (
             make_rule_split(_d, _d, _s),
-            (F32P, F32P, F32P, F32P, int64, I32P, int32, int32, int32, F32P, F32P, F32P, float32, F32P, I32P),
+            (F32P, F32P, F32P, F32P, int64, I32P, I32P, int32, int32, int32, F32P, F32P, F32P, float32, F32P, I32P),
             {"threads": 2 * _d // _s, "splits": _s, "grid_wait": 1})
     KERNELS[f"deltanet_step_k{_d}_v{_d}"] = (
         make_step(_d, _d),
-        (F32P, F32P, F32P, int64, I32P, int32, int32, int32, F32P, F32P, F32P, F32P, float32, I32P),
+        (F32P, F32P, F32P, int64, I32P, I32P, int32, int32, int32, F32P, F32P, F32P, F32P, float32, I32P),
         {"threads": 2 * _d, "grid_wait": 1})
     KERNELS[f"deltanet_prep_k{_d}"] = (make_prep(_d), (F32P, F32P, F32P, F32P, int32, int32, int32, F32P, F32P),
                                        {"threads": max(32, _d)})

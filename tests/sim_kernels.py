@@ -406,18 +406,23 @@ def case_deltanet_step(rows: int) -> dict:
     for two decode steps of ``rows`` sequences in a row (lanes out of order, slot 0 unused), with two
     and three value heads a key head: the outputs and both states bit for bit, the tickets back at zero.
     Then, at head dim 32 (a build of whole warps), ``deltanet_rule_s2`` (each head's columns over two
-    blocks) against ``deltanet_rule``: outputs and states to fp32 rounding, its tickets back at zero."""
+    blocks) against ``deltanet_rule``: outputs and states to fp32 rounding, its tickets back at zero.
+    Last, each form with its states written out of place (``lanes_out``, pipelined decode) against
+    itself in place, bit for bit, the slots it read left as they were."""
     result = {}
     for n_k, n_v in ((2, 4), (1, 3)):
         result[f"group{n_v // n_k}"] = _deltanet_runs(rows, n_k, n_v, 16, ("rule", "step"), exact=True)
     result["split2"] = _deltanet_runs(rows, 2, 4, 32, ("rule", "split2"), exact=False)
+    for form in ("rule", "step", "split2"):
+        result[f"{form} out of place"] = _deltanet_runs(rows, 2, 4, 32, (form, form + " out of place"), exact=True)
     return result
 
 
 def _deltanet_runs(rows: int, n_k: int, n_v: int, d: int, forms: tuple, exact: bool) -> dict:
     """Two decode steps of the DeltaNet conv and rule in each of two ``forms`` ("rule": conv then
-    ``deltanet_rule``; "step": ``deltanet_step``; "splitN": conv then ``deltanet_rule_sN``) from the same
-    states, compared bit for bit (``exact``) or to fp32 rounding."""
+    ``deltanet_rule``; "step": ``deltanet_step``; "splitN": conv then ``deltanet_rule_sN``; with " out
+    of place": the first step writes slots ``rows + 1 ..``, the second reads them and writes the lanes'
+    slots back) from the same states, compared bit for bit (``exact``) or to fp32 rounding."""
     gpu = kernel_sim.SimGpu()
     rng = np.random.default_rng(40 + rows + n_v + d)
     key_dim, value_dim = n_k * d, n_v * d
@@ -425,7 +430,9 @@ def _deltanet_runs(rows: int, n_k: int, n_v: int, d: int, forms: tuple, exact: b
     in_stride = conv_dim + value_dim + 2 * n_v
     slot = 3 * conv_dim + n_v * d * d + 4  # a slot stride that is not the state's size
     lanes = gpu.put((rows - np.arange(rows)).astype(np.int32))
-    states0 = (rng.standard_normal((rows + 1) * slot) * 0.5).astype(np.float32)
+    spares = gpu.put((rows + 1 + np.arange(rows)).astype(np.int32))
+    floats = (2 * rows + 1) * slot
+    states0 = (rng.standard_normal(floats) * 0.5).astype(np.float32)
     conv_w = gpu.put((rng.standard_normal(conv_dim * 4) * 0.5).astype(np.float32))
     dt_bias, a_log = (gpu.put(rng.standard_normal(n_v).astype(np.float32)) for _ in range(2))
     norm_w = gpu.put((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
@@ -434,42 +441,49 @@ def _deltanet_runs(rows: int, n_k: int, n_v: int, d: int, forms: tuple, exact: b
     projs = [gpu.put(rng.standard_normal((rows, in_stride)).astype(np.float32)) for _ in range(2)]
     runs = []
     for form in forms:
+        form, _, placed = form.partition(" ")
+        steps = ((lanes, spares), (spares, lanes)) if placed else ((lanes, lanes), (lanes, lanes))
         states = gpu.put(states0)
         mixed, out = gpu.empty(rows * conv_dim * 4), gpu.empty(rows * value_dim * 4)
         rule_state = states.at(3 * conv_dim * 4)
         outs = []
-        for proj in projs:
+        for proj, (read, write) in zip(projs, steps):
             if form == "step":
                 gpu.launch(f"deltanet_step_k{d}_v{d}", (n_v, rows), (2 * d,),
-                           (proj, out, states, slot, lanes, n_k, n_v, in_stride, conv_w, dt_bias, a_log, norm_w,
-                            EPS, tickets))
-                outs.append(gpu.get(out, np.float32, (rows, value_dim)))
-                continue
-            gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
-                       (mixed, proj, in_stride, states, slot, lanes, 1, conv_dim, conv_w))
+                           (proj, out, states, slot, read, write, n_k, n_v, in_stride, conv_w, dt_bias, a_log,
+                            norm_w, EPS, tickets))
+            else:
+                gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
+                           (mixed, proj, in_stride, states, slot, read, write, 1, conv_dim, conv_w))
             if form == "rule":
                 gpu.launch(f"deltanet_rule_k{d}_v{d}", (n_v, rows), (2 * d,),
-                           (mixed, proj, out, rule_state, slot, lanes, 1, n_k, n_v, in_stride, dt_bias, a_log,
-                            norm_w, EPS))
-            else:
+                           (mixed, proj, out, rule_state, slot, read, write, 1, n_k, n_v, in_stride, dt_bias,
+                            a_log, norm_w, EPS))
+            elif form != "step":
                 splits = int(form.removeprefix("split"))
                 gpu.launch(f"deltanet_rule_s{splits}_k{d}_v{d}", (n_v, rows, splits), (2 * d // splits,),
-                           (mixed, proj, out, rule_state, slot, lanes, n_k, n_v, in_stride, dt_bias, a_log, norm_w,
-                            EPS, partials, tickets))
+                           (mixed, proj, out, rule_state, slot, read, write, n_k, n_v, in_stride, dt_bias, a_log,
+                            norm_w, EPS, partials, tickets))
             outs.append(gpu.get(out, np.float32, (rows, value_dim)))
-        runs.append((outs, gpu.get(states, np.float32, ((rows + 1) * slot,))))
-    (outs_a, states_a), (outs_b, states_b) = runs
+            if not outs[1:]:
+                first = gpu.get(states, np.float32, (floats,))
+        runs.append((outs, gpu.get(states, np.float32, (floats,)), first))
+    (outs_a, states_a, _), (outs_b, states_b, first_b) = runs
+    lane_slots = slice(slot, (rows + 1) * slot)  # slot 0 is unused, the spares follow the lanes
     if exact:
         same_out = all(np.array_equal(a, b) for a, b in zip(outs_a, outs_b))
-        same_states = bool(np.array_equal(states_a, states_b))
+        same_states = bool(np.array_equal(states_a[lane_slots], states_b[lane_slots]))
     else:
         same_out = all(rel(b, a) < 1e-6 for a, b in zip(outs_a, outs_b))
-        same_states = rel(states_b, states_a) < 1e-6
-    return {"out_equal": same_out, "states_equal": same_states,
-            "states_moved": bool((states_a != states0).any()),
-            "slot0_kept": bool(np.array_equal(states_b[:slot], states0[:slot])),
-            "finite": bool(all(np.isfinite(o).all() for o in outs_b)),
-            "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any())}
+        same_states = rel(states_b[lane_slots], states_a[lane_slots]) < 1e-6
+    checks = {"out_equal": same_out, "states_equal": same_states,
+              "states_moved": bool((states_a != states0).any()),
+              "slot0_kept": bool(np.array_equal(states_b[:slot], states0[:slot])),
+              "finite": bool(all(np.isfinite(o).all() for o in outs_b)),
+              "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any())}
+    if forms[1].endswith("out of place"):  # the first step left the states it read as they were
+        checks["read_slots_kept"] = bool(np.array_equal(first_b[lane_slots], states0[lane_slots]))
+    return checks
 
 
 def case_gated_combine(rows: int) -> dict:
@@ -588,6 +602,8 @@ def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pa
     inp.positions[:rows] = positions
     inp.row_table[:rows] = np.arange(rows)
     inp.lanes[:rows] = np.arange(rows)
+    inp.state_in[:rows] = np.arange(rows)  # a hybrid's states: each lane's, written out of place
+    inp.state_out[:rows] = rows + np.arange(rows)
     inp.split[0] = split = forward.decode_split(int(positions.max()) + 1, rows)
     inp.split[1] = 0
     inp.page_tables[:rows, :pages] = 1 + np.arange(pages * rows).reshape(rows, pages)  # page 0 unused

@@ -210,16 +210,38 @@ def test_router_softmax_top_k_and_renormalisation():
     np.testing.assert_allclose(weights, [[4 / 7, 3 / 7], [0.5, 0.5]], rtol=1e-6)
 
 
-def test_decode_is_not_pipelined(runner):
-    """A step launched ahead would advance a finished lane's recurrent state past its end: the hybrid
-    runner says it does not pipeline, refuses a following step, and a plain launch keeps the state in step."""
-    ids = prompt(6)
-    first = int(prefill(runner, 0, ids, 0, table(0)).tokens[0])
-    assert not runner.info.pipelined_decode
-    batch = DecodeBatch(lanes=np.array([0]), tokens=np.array([first]), positions=np.array([6]),
-                        page_tables=table(0)[None], sampling=[GREEDY])
-    runner.launch_decode(batch)
-    with pytest.raises(ValueError, match="does not pipeline"):
-        runner.launch_decode(attrs.evolve(batch, positions=np.array([7])), follow=True)
-    runner.finish_decode()
-    assert runner.state_length(0) == 7
+def test_a_step_launched_ahead_leaves_the_collected_state(runner, artifact):
+    """Pipelined decode: while the step launched ahead is in flight, the lanes' StateImages are as of
+    the collected step (a checkpoint taken then resumes exactly there; writing a lane in flight is
+    refused); once collected, as of it; the results are those of plain steps on another runner."""
+    plain = HybridRunner(artifact, page_size=PAGE, num_pages=PAGES, max_batch=3, max_context=128)
+    lens = (6, 9)
+    firsts = [int(prefill(r, lane, prompt(n, seed=lane), 0, table(8 * lane)).tokens[0])
+              for r in (runner, plain) for lane, n in enumerate(lens)]
+    tables = np.stack([table(0), table(8)])
+    assert runner.info.pipelined_decode
+    first = DecodeBatch(lanes=np.array([0, 1]), tokens=np.array(firsts[:2]), positions=np.array(lens),
+                        page_tables=tables, sampling=[GREEDY] * 2, return_logits=True)
+    runner.launch_decode(first)
+    runner.launch_decode(attrs.evolve(first, tokens=np.zeros(2, np.int32), positions=np.array(lens) + 1,
+                                      return_logits=False), follow=True)
+    one = runner.finish_decode()
+    want_one = decode(plain, [0, 1], firsts[2:], list(lens), list(tables))
+    assert one.tokens.tolist() == want_one.tokens.tolist()
+    assert [runner.state_length(lane) for lane in (0, 1)] == [7, 10]
+    np.testing.assert_array_equal(runner.read_state(0), plain.read_state(0))
+    runner.copy_state(0, 3)  # a checkpoint of lane 0 after the collected step
+    with pytest.raises(RuntimeError, match="in flight"):
+        runner.write_state(1, plain.read_state(1))
+    two = runner.finish_decode()
+    want_two = decode(plain, [0, 1], want_one.tokens.tolist(), [7, 10], list(tables))
+    assert two.tokens.tolist() == want_two.tokens.tolist()
+    assert [runner.state_length(lane) for lane in (0, 1)] == [8, 11]
+    np.testing.assert_array_equal(runner.read_state(1), plain.read_state(1))
+    # Lane 0 dropped from the second step, say (it finished): its checkpoint resumes on lane 2.
+    assert runner.state_length(3) == 7
+    runner.copy_pages(table(0, 2), table(16, 2))
+    runner.copy_state(3, 2)
+    again = decode(runner, [2], [int(one.tokens[0])], [7], [table(16)])
+    assert again.tokens[0] == two.tokens[0]
+    np.testing.assert_allclose(again.logits[0], want_two.logits[0], rtol=0, atol=1e-4)  # one row, not two: BLAS rounding

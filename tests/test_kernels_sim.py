@@ -142,9 +142,13 @@ def test_fused_and_split_deltanet_rules_are_the_rule(rows):
     """``deltanet_step`` (``HybridForward.fused_step``) against ``deltanet_conv`` + ``deltanet_rule``, two
     steps in a row, with two and three value heads a key head (whose q/k conv tails the last block of
     the key head writes, after the others have read them), bit for bit; ``deltanet_rule_s2``
-    (``HybridForward.rule_splits``) against ``deltanet_rule`` to fp32 rounding."""
+    (``HybridForward.rule_splits``) against ``deltanet_rule`` to fp32 rounding. Each of the three
+    with its states written out of place (pipelined decode) against itself in place, bit for bit,
+    leaving the slots it read untouched."""
     result = simulate("deltanet_step", rows)
-    assert sorted(result) == ["group2", "group3", "split2"]
+    assert sorted(result) == ["group2", "group3", "rule out of place", "split2", "split2 out of place",
+                              "step out of place"]
+    assert all("read_slots_kept" in result[f"{form} out of place"] for form in ("rule", "step", "split2"))
     for group, checks in result.items():
         assert all(checks.values()), (group, checks)
 

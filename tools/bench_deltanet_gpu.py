@@ -44,14 +44,14 @@ rule = K["deltanet_rule_k128_v128"]; conv = K["deltanet_conv"]
 prep, scan, gn = K["deltanet_prep_k128"], K["deltanet_scan_k128_v128"], K["deltanet_gated_norm_v128"]
 cprep, cscan = K["deltanet_chunk_prep_k128_v128"], K["deltanet_chunk_scan_k128_v128"]
 for rows in (1, 4, 8):
-    t_rule = timed(lambda: rule.launch((nv, rows), (256,), (mixed, proj, out, states, nv*D*D, lanes, 1, nk, nv, in_size, small, small, small, 1e-6), s))
-    t_conv = timed(lambda: conv.launch((-(-conv_dim // 128), rows), (128,), (mixed, proj, in_size, st_conv, 3*conv_dim, lanes, 1, conv_dim, conv_w), s))
+    t_rule = timed(lambda: rule.launch((nv, rows), (256,), (mixed, proj, out, states, nv*D*D, lanes, lanes, 1, nk, nv, in_size, small, small, small, 1e-6), s))
+    t_conv = timed(lambda: conv.launch((-(-conv_dim // 128), rows), (128,), (mixed, proj, in_size, st_conv, 3*conv_dim, lanes, lanes, 1, conv_dim, conv_w), s))
     print(f"decode rows={rows}: rule {t_rule:.1f} us, conv {t_conv:.1f} us (x48 layers = {48*(t_rule+t_conv)/1e3:.2f} ms)")
 for rows in (512, 4096):
     tp = timed(lambda: prep.launch((rows, nk + 1), (128,), (qk, gates, mixed, proj, nk, nv, in_size, small, small), s), 5)
     ts = timed(lambda: scan.launch((nv, 2, 1), (scan.meta["threads"],), (qk, gates, mixed, o, states, nv*D*D, lanes, rows, nk, nv), s), 3)
     tn = timed(lambda: gn.launch((rows, nv), (128,), (out, o, proj, in_size, nk, nv, small, 1e-6), s), 5)
-    tf = timed(lambda: rule.launch((nv, 1), (256,), (mixed, proj, out, states, nv*D*D, lanes, rows, nk, nv, in_size, small, small, small, 1e-6), s), 3)
+    tf = timed(lambda: rule.launch((nv, 1), (256,), (mixed, proj, out, states, nv*D*D, lanes, lanes, rows, nk, nv, in_size, small, small, small, 1e-6), s), 3)
     tcp = timed(lambda: cprep.launch((nv, -(-rows // 64), 1), (cprep.meta["threads"],), (chunks, qk, gates, mixed, proj, in_size, small, small, rows, nk, nv), s), 3)
     tcs = timed(lambda: cscan.launch((nv, cscan.meta["splits"], 1), (cscan.meta["threads"],), (chunks, qk, o, states, nv*D*D, lanes, rows, nk, nv), s), 3)
     print(f"prefill {rows}: prep {tp:.0f} us, scan {ts:.0f} us ({ts/rows*1e3:.0f} ns/token), norm {tn:.0f} us; fused per-token rule {tf:.0f} us")

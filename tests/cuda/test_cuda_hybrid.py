@@ -118,33 +118,39 @@ def _reference_rule(mixed, proj, state, dt_bias, a_log, norm, eps, decode):
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_conv_kernel_matches_the_reference(decode):
+    """The conv over a prefill sequence (its tail updated in place) and a decode step of three lanes out
+    of order (each tail written to another slot, pipelined decode: the slots read stay as they were)."""
     gpu, rng = Gpu(), np.random.default_rng(1)
-    rows, slots = (3, 4) if decode else (70, 4)
+    rows, slots = (3, 8) if decode else (70, 4)
     lanes = np.array([3, 0, 2] if decode else [2], np.int32)
+    lanes_out = lanes + 4 if decode else lanes
     x = rng.standard_normal((rows, IN_SIZE)).astype(np.float32)
     weight = rng.standard_normal((CONV_DIM, 4)).astype(np.float32)
     states = rng.standard_normal((slots, 3, CONV_DIM)).astype(np.float32)
     d_states, out = gpu.put(states), gpu.empty(rows * CONV_DIM * 4)
     seqs, seq_rows = (rows, 1) if decode else (1, rows)
     gpu.launch("deltanet_conv", (-(-CONV_DIM // 128), seqs), (128,),
-               (out, gpu.put(x), IN_SIZE, d_states, 3 * CONV_DIM, gpu.put(lanes), seq_rows, CONV_DIM,
-                gpu.put(weight)))
+               (out, gpu.put(x), IN_SIZE, d_states, 3 * CONV_DIM, gpu.put(lanes), gpu.put(lanes_out), seq_rows,
+                CONV_DIM, gpu.put(weight)))
     got, got_states = gpu.get(out, np.float32, (rows, CONV_DIM)), gpu.get(d_states, np.float32, states.shape)
     if decode:
         want, want_state = ref.conv_step(x[:, :CONV_DIM], states[lanes], weight)
     else:
         want, want_state = ref.conv_prefill(x[:, :CONV_DIM], states[lanes[0]], weight)
     assert rel_err(got, silu(want)) < 1e-6
-    np.testing.assert_array_equal(got_states[lanes], want_state.reshape(got_states[lanes].shape))
-    untouched = np.setdiff1d(np.arange(slots), lanes)
+    np.testing.assert_array_equal(got_states[lanes_out], want_state.reshape(got_states[lanes_out].shape))
+    untouched = np.setdiff1d(np.arange(slots), lanes_out)
     np.testing.assert_array_equal(got_states[untouched], states[untouched])
 
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_delta_rule_kernel_matches_the_reference(decode):
+    """The rule over a prefill sequence (state in place) and a decode step of three lanes out of order
+    (each state written to another slot, the slots read left as they were)."""
     gpu, rng = Gpu(), np.random.default_rng(2)
-    rows, slots = (3, 4) if decode else (100, 4)
+    rows, slots = (3, 8) if decode else (100, 4)
     lanes = np.array([1, 3, 0] if decode else [2], np.int32)
+    lanes_out = lanes + 4 if decode else lanes
     mixed = rng.standard_normal((rows, CONV_DIM)).astype(np.float32)
     proj = rng.standard_normal((rows, IN_SIZE)).astype(np.float32)
     states = (rng.standard_normal((slots, NV, DH, DH)) * 0.1).astype(np.float32)
@@ -153,13 +159,15 @@ def test_delta_rule_kernel_matches_the_reference(decode):
     d_states, out = gpu.put(states), gpu.empty(rows * VALUE_DIM * 4)
     seqs, seq_rows = (rows, 1) if decode else (1, rows)
     gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (NV, seqs), (2 * DH,),
-               (gpu.put(mixed), gpu.put(proj), out, d_states, NV * DH * DH, gpu.put(lanes), seq_rows, NK, NV,
-                IN_SIZE, gpu.put(dt_bias), gpu.put(a_log), gpu.put(norm), 1e-6))
+               (gpu.put(mixed), gpu.put(proj), out, d_states, NV * DH * DH, gpu.put(lanes), gpu.put(lanes_out),
+                seq_rows, NK, NV, IN_SIZE, gpu.put(dt_bias), gpu.put(a_log), gpu.put(norm), 1e-6))
     got, got_states = gpu.get(out, np.float32, (rows, VALUE_DIM)), gpu.get(d_states, np.float32, states.shape)
     start = states[lanes] if decode else states[lanes[0]]
     want, want_state = _reference_rule(mixed, proj, start, dt_bias, a_log, norm, 1e-6, decode)
     assert rel_err(got, want) < 1e-5
-    assert rel_err(got_states[lanes], want_state.reshape(got_states[lanes].shape)) < 1e-5
+    assert rel_err(got_states[lanes_out], want_state.reshape(got_states[lanes_out].shape)) < 1e-5
+    untouched = np.setdiff1d(np.arange(slots), lanes_out)
+    np.testing.assert_array_equal(got_states[untouched], states[untouched])
 
 
 @pytest.mark.parametrize("nk, nv", [(NK, NV), (1, 3)])
@@ -187,14 +195,14 @@ def test_fused_step_is_conv_then_rule(nk, nv):
         for proj in projs:
             if fused:
                 gpu.launch(f"deltanet_step_k{DH}_v{DH}", (nv, rows), (2 * DH,),
-                           (proj, out, d_states, slot, lanes, nk, nv, in_size, conv_w, dt_bias, a_log, norm, 1e-6,
-                            tickets))
+                           (proj, out, d_states, slot, lanes, lanes, nk, nv, in_size, conv_w, dt_bias, a_log, norm,
+                            1e-6, tickets))
             else:
                 gpu.launch("deltanet_conv", (-(-conv_dim // 128), rows), (128,),
-                           (mixed, proj, in_size, d_states, slot, lanes, 1, conv_dim, conv_w))
+                           (mixed, proj, in_size, d_states, slot, lanes, lanes, 1, conv_dim, conv_w))
                 gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (nv, rows), (2 * DH,),
-                           (mixed, proj, out, d_states.at(3 * conv_dim * 4), slot, lanes, 1, nk, nv, in_size, dt_bias,
-                            a_log, norm, 1e-6))
+                           (mixed, proj, out, d_states.at(3 * conv_dim * 4), slot, lanes, lanes, 1, nk, nv, in_size,
+                            dt_bias, a_log, norm, 1e-6))
             outs.append(gpu.get(out, np.float32, (rows, value_dim)))
         runs.append((outs, gpu.get(d_states, np.float32, (slots * slot,))))
     for got, want in zip(runs[1][0] + [runs[1][1]], runs[0][0] + [runs[0][1]]):
@@ -226,11 +234,12 @@ def test_split_rule_is_the_rule(splits):
         for mixed, proj in steps:
             if split:
                 gpu.launch(f"deltanet_rule_s{splits}_k{DH}_v{DH}", (nv, rows, splits), (2 * DH // splits,),
-                           (mixed, proj, out, d_states, slot, lanes, nk, nv, in_size, dt_bias, a_log, norm, 1e-6,
-                            partials, tickets))
+                           (mixed, proj, out, d_states, slot, lanes, lanes, nk, nv, in_size, dt_bias, a_log, norm,
+                            1e-6, partials, tickets))
             else:
                 gpu.launch(f"deltanet_rule_k{DH}_v{DH}", (nv, rows), (2 * DH,),
-                           (mixed, proj, out, d_states, slot, lanes, 1, nk, nv, in_size, dt_bias, a_log, norm, 1e-6))
+                           (mixed, proj, out, d_states, slot, lanes, lanes, 1, nk, nv, in_size, dt_bias, a_log, norm,
+                            1e-6))
             outs.append(gpu.get(out, np.float32, (rows, value_dim)))
         runs.append((outs, gpu.get(d_states, np.float32, (slots * slot,))))
     for got, want in zip(runs[1][0] + [runs[1][1]], runs[0][0] + [runs[0][1]]):
@@ -476,17 +485,24 @@ def _engine_prompt(i, n):
     return [(i * 31 + j * 17) % 900 + 3 for j in range(n)]
 
 
+def _engine_alone(artifact, prompt, n):
+    """The greedy output of ``prompt`` run alone through the Engine, nothing reused."""
+    from tests.engine.conftest import out
+
+    d = _engine_driver(artifact, max_concurrency=1, prefix_reuse=False, prefill_chunk=1024)
+    try:
+        s = d.submit(prompt, n)
+        d.run()
+        return out(s)
+    finally:
+        d.runner.close()
+
+
 def test_engine_prefix_reuse_and_pauses_match_an_undisturbed_run(greedy_artifact):
     from tests.engine.conftest import end, out
 
     def alone(p, n):
-        d = _engine_driver(greedy_artifact, max_concurrency=1, prefix_reuse=False, prefill_chunk=1024)
-        try:
-            s = d.submit(p, n)
-            d.run()
-            return out(s)
-        finally:
-            d.runner.close()
+        return _engine_alone(greedy_artifact, p, n)
 
     base = _engine_prompt(3, 45)
     d = _engine_driver(greedy_artifact, max_concurrency=1, device_state_slots=4)
@@ -513,6 +529,35 @@ def test_engine_prefix_reuse_and_pauses_match_an_undisturbed_run(greedy_artifact
             d.runner.close()
         for i, s in enumerate(seqs):
             assert out(s) == alone(_engine_prompt(i, 40), 30), route
+
+
+def test_engine_turn_that_stops_with_a_step_launched_ahead_resumes_exactly(greedy_artifact):
+    """Pipelined decode on the GPU: the step after a stop token runs, launched ahead, for the finished
+    lane too, writing the lane's other StateImage; the turn's endpoint checkpoint is the state at its
+    end, so the next turn resumes from it exactly."""
+    from tests.engine.conftest import end, out
+
+    d = _engine_driver(greedy_artifact, max_concurrency=1, device_state_slots=4)
+    follows = []
+    launch = d.runner.launch_decode
+    d.runner.launch_decode = lambda batch, follow=False: (follows.append(follow), launch(batch, follow))[1]
+    try:
+        assert d.runner.info.pipelined_decode
+        base = _engine_prompt(4, 45)
+        free = _engine_alone(greedy_artifact, base, 8)
+        stop = free[4]
+        first = d.submit(base, 8, stop_ids={stop})
+        d.run()
+        answer = out(first)
+        assert answer == free[: free.index(stop) + 1] and follows[-1]
+        cont = base + answer + [7, 8]
+        second = d.submit(cont, 6)
+        d.run()
+        assert end(second).usage.cached_tokens == 45 + len(answer) - 1
+        assert end(second).prefix_reuse_path == "checkpoint"
+    finally:
+        d.runner.close()
+    assert out(second) == _engine_alone(greedy_artifact, cont, 6)
 
 
 @pytest.mark.parametrize("kv_dtype, tol", [("f32", 1e-3), ("bf16", 3e-2)])

@@ -106,7 +106,7 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
         extra = (gpu.empty(8 * n * 4), gpu.empty(grid * 8 * 4))
     elif kernel.meta.get("next"):  # "the next GEMM's weights" asked of L2: a hint that changes nothing
         then = gpu.put(np.zeros(4096 + 37 * 16, np.uint8))
-        extra = (then, then.nbytes)
+        extra = (*kept, then, then.nbytes)
     gpu.launch(kernel.name, (grid,), (kernel.meta["threads"],),
                (y, gpu.put(x_in), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *extra))
     got = gpu.get(y, np.float32, (8, n))

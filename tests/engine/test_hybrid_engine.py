@@ -149,6 +149,30 @@ def test_a_multi_turn_chat_reuses_its_previous_turn(artifact, alone):
     no_leaks(d)
 
 
+def test_a_turn_that_stops_with_a_step_launched_ahead_resumes_exactly(artifact, alone):
+    """Pipelined decode: the step after a stop token is launched before that token is read, so it
+    runs for the finished lane too. The turn's endpoint checkpoint is still the state at its end (the
+    runner's two images a lane), so the next turn resumes from it exactly."""
+    d = driver(artifact, max_concurrency=2, prefill_chunk=16)
+    follows = []
+    launch = d.core.runner.launch_decode
+    d.core.runner.launch_decode = lambda batch, follow=False: (follows.append(follow), launch(batch, follow))[1]
+    turn1 = prompt(5, 30)
+    free = alone(turn1, 8)
+    stop = free[4]
+    a = d.submit(turn1, 8, stop_ids={stop})
+    d.run()
+    answer = out(a)
+    assert answer == free[: free.index(stop) + 1] and end(a).reason == "stop"
+    assert follows[-1]  # the last step was launched ahead of the stop token
+    turn2 = turn1 + answer + [11, 12, 13, 14]
+    b = d.submit(turn2, 8)
+    d.run()
+    assert end(b).usage.cached_tokens == len(turn1) + len(answer) - 1
+    assert out(b) == alone(turn2, 8)
+    no_leaks(d)
+
+
 @pytest.mark.parametrize("host_mib", [0, None])
 def test_checkpoints_are_reclaimed_lru_when_slots_run_out(artifact, alone, host_mib):
     # host_context_mib 0: an evicted checkpoint is dropped; the default budget spills it.

@@ -235,6 +235,8 @@ class Inputs:
     def __init__(self, device: rt.Device, arena: rt.Arena, rows: int, max_batch: int, max_pages: int):
         fields = [("tokens", np.int32, rows), ("positions", np.int32, rows), ("row_table", np.int32, rows),
                   ("lanes", np.int32, max_batch), ("page_tables", np.int32, max_batch * max_pages),
+                  # a hybrid's StateImage slot each sequence reads and writes (lane_slots.py)
+                  ("state_in", np.int32, max_batch), ("state_out", np.int32, max_batch),
                   ("iparams", np.int32, 2 * max_batch), ("fparams", np.float32, 5 * max_batch),
                   ("keys", np.uint64, 2 * max_batch), ("split", np.int32, 2), ("follow", np.int32, 1)]
         offsets, size = {}, 0

@@ -25,8 +25,10 @@ where a decode step through the prefill kernels has 5, 6 and 4. ``CudaMoe`` read
 input and overwrites its output, so an MoE MLP keeps an ``rmsnorm`` before it and an add
 (``add_rmsnorm``) after it, 7 launches to 6: an MoE layer keeps its count, with its GEMMs fused.
 
-A decode step treats each row as its own sequence (state slot ``lanes[r]``); a prefill chunk is one
-sequence (slot ``lanes[0]``) whose rows the DeltaNet kernels walk in order.
+A decode step treats each row as its own sequence, reading its state from StateImage slot
+``state_in[r]`` and writing it to ``state_out[r]`` (the lane's other image: ``lane_slots.py``); a
+prefill chunk is one sequence (slot ``state_in[0]``, updated in place) whose rows the DeltaNet
+kernels walk in order.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ninfer.backends.cuda.forward import (GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_S
                                           prefill_attention_grid, sampler_regions, split_length,
                                           tensor_core_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
+from ninfer.backends.lane_slots import LaneSlots
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig
 
@@ -114,7 +117,7 @@ class HybridBuffers:
             **sampler_regions(max_batch, c.vocab_size),
             "cos": max_context * c.rotary_dim // 2 * f32, "sin": max_context * c.rotary_dim // 2 * f32,
             "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
-            "states": max(1, (max_batch + state_slots) * c.state_floats * f32),
+            "states": max(1, LaneSlots(max_batch, state_slots).physical * c.state_floats * f32),
         }
         if chunked_rule is None:
             chunked_rule = HybridForward.chunked_rule
@@ -133,7 +136,7 @@ class HybridBuffers:
         if tensor_core_prefill:
             plan.update(tensor_core_regions(R, max(c.hidden_size, c.intermediate_size, c.q_size, c.value_dim)))
         carve_workspace(self, device, plan, R, max_batch)
-        self.state_slots = DeviceStates(device, self.states, c, max_batch + state_slots)
+        self.state_slots = DeviceStates(device, self.states, c, LaneSlots(max_batch, state_slots).physical)
         cos, sin = cos_sin_tables(base_inverse_frequencies(c.rope_theta, c.rotary_dim), max_context)
         self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
 
@@ -263,28 +266,29 @@ class HybridForward(Forward):
         seqs, seq_rows = (rows, 1) if decode else (1, rows)
         slot_floats = c.state_floats
         conv_state = b.states.at(self.state_offset[layer] * 4)
+        state_rows = (b.inputs.d_state_in, b.inputs.d_state_out)  # the slots each sequence reads, writes
         if decode and self.fused_step:
             step = k[self.step_name]
             step.launch((c.linear_num_v_heads, seqs), (step.meta["threads"],),
-                        (b.proj, b.core, conv_state, slot_floats, b.inputs.d_lanes, c.linear_num_k_heads,
+                        (b.proj, b.core, conv_state, slot_floats, *state_rows, c.linear_num_k_heads,
                          c.linear_num_v_heads, c.in_proj_size, w[p + "conv"], w[p + "dt_bias"], w[p + "A_log"],
                          w[p + "linear_norm"], float(c.rms_norm_eps), b.step_tickets), stream)
             return
         conv = k["deltanet_conv"]
         conv.launch((-(-c.conv_dim // conv.meta["threads"]), seqs), (conv.meta["threads"],),
-                    (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, b.inputs.d_lanes, seq_rows,
+                    (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, *state_rows, seq_rows,
                      c.conv_dim, w[p + "conv"]), stream)
         state = conv_state.at(self.conv_floats * 4)
         if decode and self.rule_splits and rows <= SPLIT_RULE_ROWS:
             rule = k[self.split_rule_names[self.rule_splits]]
             rule.launch((c.linear_num_v_heads, seqs, self.rule_splits), (rule.meta["threads"],),
-                        (b.mixed, b.proj, b.core, state, slot_floats, b.inputs.d_lanes, c.linear_num_k_heads,
+                        (b.mixed, b.proj, b.core, state, slot_floats, *state_rows, c.linear_num_k_heads,
                          c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"], w[p + "A_log"],
                          w[p + "linear_norm"], float(c.rms_norm_eps), b.rule_partials, b.rule_tickets), stream)
         elif decode:
             rule = k[self.rule_name]
             rule.launch((c.linear_num_v_heads, seqs), (rule.meta["threads"],),
-                        (b.mixed, b.proj, b.core, state, slot_floats, b.inputs.d_lanes, seq_rows,
+                        (b.mixed, b.proj, b.core, state, slot_floats, *state_rows, seq_rows,
                          c.linear_num_k_heads, c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"],
                          w[p + "A_log"], w[p + "linear_norm"], float(c.rms_norm_eps)), stream)
         else:
@@ -308,11 +312,11 @@ class HybridForward(Forward):
                               (b.chunks, b.qk, b.gates, b.mixed, b.proj, c.in_proj_size, w[p + "dt_bias"],
                                w[p + "A_log"], rows, nk, nv), stream)
             chunk_scan.launch((nv, chunk_scan.meta["splits"], 1), (chunk_scan.meta["threads"],),
-                              (b.chunks, b.qk, b.o_raw, state, c.state_floats, b.inputs.d_lanes, rows, nk, nv),
+                              (b.chunks, b.qk, b.o_raw, state, c.state_floats, b.inputs.d_state_in, rows, nk, nv),
                               stream)
         else:
             scan.launch((nv, scan.meta["splits"], 1), (scan.meta["threads"],),
-                        (b.qk, b.gates, b.mixed, b.o_raw, state, c.state_floats, b.inputs.d_lanes, rows, nk, nv),
+                        (b.qk, b.gates, b.mixed, b.o_raw, state, c.state_floats, b.inputs.d_state_in, rows, nk, nv),
                         stream)
         norm.launch((rows, nv), (norm.meta["threads"],),
                     (b.core, b.o_raw, b.proj, c.in_proj_size, nk, nv, w[p + "linear_norm"], float(c.rms_norm_eps)),

@@ -9,6 +9,11 @@ hold checkpoints. ``copy_state`` is a device copy; ``read_state`` / ``write_stat
 straight into (out of) an array of the Host arena when the runner has one (``host_arena_bytes``:
 spilled checkpoints and pause snapshots live there), else through pinned staging.
 
+It pipelines decode as ``CudaRunner`` does: each lane has a second StateImage in the workspace, and a
+decode step reads a lane's state from one and writes the other (``ninfer/backends/lane_slots.py``),
+so the Engine's StateImage operations see a lane's state as of its last collected step even while
+the next step, launched ahead, runs.
+
 The rules the Engine relies on are the reference's: a prefill chunk with ``start == 0`` starts from
 the zero state, one with ``start > 0`` and a decode row at position ``p`` need the lane's state to
 summarise exactly that many tokens (a state written without a length is trusted).
@@ -27,6 +32,7 @@ from ninfer.backends.cuda import hybrid_weights as hw
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.hybrid_forward import HybridBuffers, HybridForward, check_supported
 from ninfer.backends.cuda.runner import CudaRunner, _on_device
+from ninfer.backends.lane_slots import LaneSlots, check_continues
 from ninfer.backends.reference.hybrid_runner import is_hybrid_config
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, StepResult
 from ninfer.models.hybrid import ARCHITECTURES, HybridConfig
@@ -47,7 +53,7 @@ def open_runner(artifact: Any, *, state_slots: int = 0, **options: Any) -> CudaR
 class CudaHybridRunner(CudaRunner):
     """A Qwen3-Next / Qwen3.5 hybrid on the GPU; see the module docstring."""
 
-    PIPELINED_DECODE = False  # a step run ahead would move a finished lane's state past its end
+    PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode: a lane's two images (lane_slots.py)
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int, max_context: int,
                  device: int | rt.Device = 0, kv_dtype: str = "bf16", cuda_graph: bool = True,
@@ -93,6 +99,7 @@ class CudaHybridRunner(CudaRunner):
         if state_slots < 0:
             raise ValueError(f"state_slots must be >= 0, got {state_slots}")
         self._state_slots = state_slots
+        self.lane_slots = LaneSlots(options["max_batch"], state_slots)
         super()._setup(config, device, stream, weights, **options)
 
     # The StateImages are part of the workspace, so with num_pages="auto" the KV pool gets what they leave.
@@ -108,7 +115,8 @@ class CudaHybridRunner(CudaRunner):
         return self.buffers.state_slots
 
     def _startup_details(self) -> dict[str, Any]:
-        return {"state_slots": self.states.slots, "state_bytes": self.state_bytes}
+        return {"state_slots": self.lane_slots.visible, "state_bytes": self.state_bytes,
+                "pipeline_state_images": self.lane_slots.physical - self.lane_slots.visible}
 
     @property
     def state_bytes(self) -> int:
@@ -120,13 +128,17 @@ class CudaHybridRunner(CudaRunner):
     @_on_device
     def prefill(self, chunk: PrefillChunk) -> StepResult:
         self._check_lane(chunk.lane, "prefill lane")
+        if self._pending:
+            raise RuntimeError("prefill: a decode step is in flight; finish_decode it first")
+        slot = self.lane_slots.slot(chunk.lane)
         if chunk.start == 0:
-            self.states.clear(chunk.lane, self.stream)
+            self.states.clear(slot, self.stream)
         else:
             self._check_continues(chunk.lane, chunk.start, "prefill start")
-        self.buffers.inputs.lanes[0] = chunk.lane  # the state slot the chunk continues
+        inp = self.buffers.inputs
+        inp.state_in[0] = inp.state_out[0] = slot  # the chunk continues the lane's state in place
         result = super().prefill(chunk)
-        self.states.length[chunk.lane] = chunk.start + np.asarray(chunk.tokens).size
+        self.states.length[slot] = chunk.start + np.asarray(chunk.tokens).size
         return result
 
     @_on_device
@@ -135,22 +147,30 @@ class CudaHybridRunner(CudaRunner):
         positions = np.asarray(batch.positions, dtype=np.int64).reshape(-1)
         if lanes.size == positions.size and lanes.size and 0 <= lanes.min() and lanes.max() < self.info.max_batch:
             for lane, position in zip(lanes.tolist(), positions.tolist()):
-                self._check_continues(lane, position, "decode position")
+                self._check_continues(lane, position, "decode position", launched=True)
         super().launch_decode(batch, follow)  # validates the rest before anything runs
-        self.states.length[lanes] = positions + 1
 
-    def _check_continues(self, lane: int, position: int, field: str) -> None:
-        have = int(self.states.length[lane])
-        if have >= 0 and have != position:
-            raise ValueError(f"{field} {position}: lane {lane}'s recurrent state summarises {have} tokens; "
-                             f"restore the state at {position} first (copy_state / write_state)")
+    def _fill_state_rows(self, inp, lanes: np.ndarray, positions: np.ndarray) -> None:
+        read, write = self.lane_slots.launch(lanes)
+        inp.state_in[:lanes.size] = read
+        inp.state_out[:lanes.size] = write
+        self.states.length[write] = positions + 1
+
+    @_on_device
+    def finish_decode(self) -> StepResult:
+        result = super().finish_decode()
+        self.lane_slots.collect()
+        return result
+
+    def _check_continues(self, lane: int, position: int, field: str, launched: bool = False) -> None:
+        check_continues(self.lane_slots, self.states.length, lane, position, field, launched)
 
     # -- StateImages ----------------------------------------------------------------------------
 
     @property
     def num_state_slots(self) -> int:
         """Lanes first (slot i = lane i), then the extra slots."""
-        return self.states.slots
+        return self.lane_slots.visible
 
     @property
     def state_floats(self) -> int:
@@ -161,8 +181,8 @@ class CudaHybridRunner(CudaRunner):
     def read_state(self, slot: int) -> np.ndarray:
         """A copy of the StateImage in ``slot`` as float32 [state_floats]: with a Host arena, an array
         of it filled by one DMA; else (no arena, or no room) a pageable copy through staging."""
+        slot = self.lane_slots.slot(slot, "read_state slot")
         if self.host_arena is not None:
-            slot = self.states.check_slot(slot, "read_state slot")
             image = self._host_empty((self.states.floats,), np.float32)
             if self._in_arena(image):
                 rt.copy_d2h(image, self.states.image(slot), self.stream)
@@ -175,8 +195,8 @@ class CudaHybridRunner(CudaRunner):
         """Replace the StateImage in ``slot``; ``length``: tokens it summarises (None: unknown). An
         image in the Host arena is copied up directly; any other goes through staging."""
         data = np.asarray(data)
+        slot = self.lane_slots.writable(slot, "write_state slot")
         if data.dtype == np.float32 and data.shape == (self.states.floats,) and self._in_arena(data):
-            slot = self.states.check_slot(slot, "write_state slot")
             rt.copy_h2d(self.states.image(slot), data, self.stream)
             rt.synchronize(self.stream)  # the caller may drop the image (and its block) on return
             self.states.length[slot] = -1 if length is None else int(length)
@@ -186,11 +206,12 @@ class CudaHybridRunner(CudaRunner):
     @_on_device
     def copy_state(self, src: int, dst: int) -> None:
         """Copy a StateImage between slots on the device (checkpoint capture or reuse)."""
-        self.states.copy(src, dst, self.stream)
+        self.states.copy(self.lane_slots.slot(src, "copy_state src"), self.lane_slots.writable(dst, "copy_state dst"),
+                         self.stream)
 
     def state_length(self, slot: int) -> int:
         """Tokens the image in ``slot`` summarises (-1: unknown)."""
-        return int(self.states.length[self.states.check_slot(slot, "state_length slot")])
+        return int(self.states.length[self.lane_slots.slot(slot, "state_length slot")])
 
 
 def _hybrid_config(config: Any) -> HybridConfig:

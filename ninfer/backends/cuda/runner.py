@@ -228,6 +228,10 @@ class CudaRunner:
     def _startup_details(self) -> dict[str, Any]:
         return {}
 
+    def _fill_state_rows(self, inp, lanes: np.ndarray, positions: np.ndarray) -> None:
+        """A checked decode step is being launched: a runner with recurrent state fills the
+        slots its rows read and write (``Inputs.state_in`` / ``state_out``); a dense model has none."""
+
     # -- the protocol -------------------------------------------------------------------------
 
     @_on_device
@@ -306,6 +310,7 @@ class CudaRunner:
         inp.positions[:rows] = positions
         inp.row_table[:rows] = self._decode_rows[:rows]
         inp.lanes[:rows] = lanes
+        self._fill_state_rows(inp, lanes, positions)
         position_list = positions.tolist()
         longest = max(position_list) + 1
         inp.split[0] = split = self.forward.decode_split(longest, rows)

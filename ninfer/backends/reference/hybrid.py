@@ -18,6 +18,7 @@ config says so), plus a shared SwiGLU expert scaled by ``sigmoid(shared_gate(x))
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from ninfer.backends.reference import deltanet
@@ -29,6 +30,16 @@ from ninfer.backends.reference.hybrid_weights import (
 from ninfer.backends.reference.kv_cache import PagedKVCache
 from ninfer.backends.reference.rope import apply_rope, base_inverse_frequencies, cos_sin_tables
 from ninfer.models.hybrid import LINEAR, HybridConfig
+
+
+@attrs.frozen
+class StateRows:
+    """The StateImage slots each sequence of a forward pass continues from (``read``) and leaves its
+    new state in (``write``): the same slot for a prefill chunk, a lane's other image for a decode
+    row (``ninfer/backends/lane_slots.py``)."""
+
+    read: np.ndarray  # int [sequences]
+    write: np.ndarray  # int [sequences]
 
 
 class HybridForward:
@@ -48,20 +59,20 @@ class HybridForward:
         self.kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
         self.state_index = {layer: i for i, layer in enumerate(config.linear_layers)}
 
-    def hidden(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray, lanes: np.ndarray,
+    def hidden(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray, states: StateRows,
                decode: bool) -> np.ndarray:
         """Final-norm hidden states of ``tokens``.
 
-        Prefill (``decode=False``): one sequence, ``lanes`` = [lane], the chunk's tokens in order.
-        Decode: one token per lane. DeltaNet layers continue from and update the lanes' states.
+        Prefill (``decode=False``): one sequence, the chunk's tokens in order. Decode: one token per
+        sequence. DeltaNet layers continue from the ``states.read`` slots and write the ``states.write`` ones.
         """
-        step = AttentionStep.of(self.cache, self.cos, self.sin, positions, page_tables, lanes.size)
+        step = AttentionStep.of(self.cache, self.cos, self.sin, positions, page_tables, states.read.size)
         x = self.weights.embed[tokens]
         eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.attn_norm, eps)
             if self.config.layer_types[index] == LINEAR:
-                x = x + self._deltanet(self.state_index[index], layer.mixer, h, lanes, decode)
+                x = x + self._deltanet(self.state_index[index], layer.mixer, h, states, decode)
             else:
                 x = x + self._attention(self.kv_index[index], layer.mixer, h, step)
             h = rms_norm(x, layer.mlp_norm, eps)
@@ -73,7 +84,7 @@ class HybridForward:
 
     # -- mixers ---------------------------------------------------------------------------------
 
-    def _deltanet(self, s: int, w: DeltaNetWeights, h: np.ndarray, lanes: np.ndarray, decode: bool) -> np.ndarray:
+    def _deltanet(self, s: int, w: DeltaNetWeights, h: np.ndarray, states: StateRows, decode: bool) -> np.ndarray:
         c = self.config
         rows = h.shape[0]
         nk, nv, dk, dv = c.linear_num_k_heads, c.linear_num_v_heads, c.linear_k_head_dim, c.linear_v_head_dim
@@ -83,10 +94,11 @@ class HybridForward:
         b = proj[:, c.conv_dim + c.value_dim : c.conv_dim + c.value_dim + nv]
         a = proj[:, c.conv_dim + c.value_dim + nv :]
         conv_state, rec_state = self.states.conv[s], self.states.recurrent[s]
+        read, write = states.read, states.write
         if decode:
-            mixed, conv_state[lanes] = deltanet.conv_step(mixed, conv_state[lanes], w.conv)
+            mixed, conv_state[write] = deltanet.conv_step(mixed, conv_state[read], w.conv)
         else:
-            mixed, conv_state[lanes[0]] = deltanet.conv_prefill(mixed, conv_state[lanes[0]], w.conv)
+            mixed, conv_state[write[0]] = deltanet.conv_prefill(mixed, conv_state[read[0]], w.conv)
         mixed = silu(mixed)
         q = deltanet.l2_normalize(mixed[:, : c.key_dim].reshape(rows, nk, dk)) * np.float32(dk**-0.5)
         k = deltanet.l2_normalize(mixed[:, c.key_dim : 2 * c.key_dim].reshape(rows, nk, dk))
@@ -96,11 +108,11 @@ class HybridForward:
         beta = deltanet.sigmoid(b)
         g = w.neg_a * deltanet.softplus(a + w.dt_bias)
         if decode:
-            out, rec_state[lanes] = deltanet.recurrent(q[:, None], k[:, None], v[:, None], g[:, None],
-                                                       beta[:, None], rec_state[lanes])
+            out, rec_state[write] = deltanet.recurrent(q[:, None], k[:, None], v[:, None], g[:, None],
+                                                       beta[:, None], rec_state[read])
             out = out[:, 0]
         else:
-            out, rec_state[lanes[0]] = deltanet.chunked(q, k, v, g, beta, rec_state[lanes[0]])
+            out, rec_state[write[0]] = deltanet.chunked(q, k, v, g, beta, rec_state[read[0]])
         out = deltanet.gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
         return out.reshape(rows, c.value_dim) @ w.out
 

@@ -35,7 +35,7 @@ class ReferenceRunner:
 
     ``HybridRunner`` is this runner with another model: it overrides the hooks ``_parse_config``,
     ``_load_weights``, ``_build_model`` and the per-lane state ones, ``_start_prefill``,
-    ``_check_decode`` and ``_advance``; the protocol and its checks live here once.
+    ``_end_prefill`` and ``_start_decode``; the protocol and its checks live here once.
     """
 
     PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode
@@ -111,7 +111,7 @@ class ReferenceRunner:
             backend="reference",
             pipelined_decode=self.PIPELINED_DECODE,
         )
-        self._launched = DecodesAtLaunch(self.info, self.decode)
+        self._launched = DecodesAtLaunch(self.info, self._blas_decode)
 
     # -- the model (hooks HybridRunner overrides) ------------------------------------------------
 
@@ -131,14 +131,18 @@ class ReferenceRunner:
         self._cache = PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
         self._forward = DenseForward(c, weights, self._cache, max_context)
 
-    def _start_prefill(self, lane: int, start: int) -> None:
-        """Before a prefill chunk of ``lane`` at ``start``: a dense model keeps no lane state."""
+    def _start_prefill(self, lane: int, start: int) -> Any:
+        """Before a prefill chunk of ``lane`` at ``start``: what the forward pass takes for the chunk's
+        sequence (a dense model keeps no lane state: the lane)."""
+        return np.array([lane])
 
-    def _check_decode(self, lanes: np.ndarray, positions: np.ndarray) -> None:
-        """Before a decode step: a dense model keeps no lane state to check."""
+    def _end_prefill(self, lane: int, length: int) -> None:
+        """After a prefill chunk: ``lane`` now holds ``length`` tokens (a dense model keeps no lane state)."""
 
-    def _advance(self, lanes: np.ndarray, lengths: np.ndarray) -> None:
-        """After a step: ``lanes`` now hold ``lengths`` tokens (a dense model keeps no lane state)."""
+    def _start_decode(self, lanes: np.ndarray, positions: np.ndarray) -> Any:
+        """Before a decode step (checked): what the forward pass takes for its rows (a dense model
+        keeps no lane state: the lanes)."""
+        return lanes
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -152,6 +156,9 @@ class ReferenceRunner:
             return self._prefill(chunk)
 
     def decode(self, batch: DecodeBatch) -> StepResult:
+        return self._blas_decode(batch)
+
+    def _blas_decode(self, batch: DecodeBatch) -> StepResult:
         with self._blas_limit():
             return self._decode(batch)
 
@@ -171,14 +178,13 @@ class ReferenceRunner:
 
     def _prefill(self, chunk: PrefillChunk) -> StepResult:
         tokens, positions, table = prefill_inputs(self.info, chunk)
-        self._start_prefill(chunk.lane, chunk.start)
-        lane = np.array([chunk.lane])
+        sequence = self._start_prefill(chunk.lane, chunk.start)
         hidden = np.concatenate([
-            self._forward.hidden(tokens[i : i + PREFILL_BLOCK], positions[i : i + PREFILL_BLOCK], table, lane,
+            self._forward.hidden(tokens[i : i + PREFILL_BLOCK], positions[i : i + PREFILL_BLOCK], table, sequence,
                                  decode=False)
             for i in range(0, tokens.size, PREFILL_BLOCK)
         ])
-        self._advance(lane, positions[-1:] + 1)
+        self._end_prefill(chunk.lane, int(positions[-1]) + 1)
         if chunk.return_logits:
             logits = self._forward.logits(hidden)
             last = logits[-1]
@@ -192,11 +198,10 @@ class ReferenceRunner:
 
     def _decode(self, batch: DecodeBatch) -> StepResult:
         lanes, tokens, positions, tables = decode_inputs(self.info, batch)
-        self._check_decode(lanes, positions)
+        rows = self._start_decode(lanes, positions)
         # The protocol: a decode input token is the lane's previous output, counted from now on.
         np.add.at(self._counts, (lanes, tokens), 1)
-        logits = self._forward.logits(self._forward.hidden(tokens, positions, tables, lanes, decode=True))
-        self._advance(lanes, positions + 1)
+        logits = self._forward.logits(self._forward.hidden(tokens, positions, tables, rows, decode=True))
         out = np.array(
             [sample_row(logits[i], batch.sampling[i], self._counts[lanes[i]]) for i in range(lanes.size)],
             dtype=np.int32,
