@@ -191,6 +191,7 @@ class FakeDevice(PinnedAsNumpy):
 
 
 LAYERS, KV_HEADS, PAGE, HEAD_DIM, PAGES, FLOATS, SLOTS = 3, 2, 4, 8, 10, 40, 3
+IMAGES = SLOTS + 1  # one lane: its spare image (ninfer/backends/lane_slots.py) follows the slots
 
 
 @pytest.fixture
@@ -203,9 +204,10 @@ def cuda_runner(monkeypatch):
     from ninfer.backends.cuda import runtime as rt
     from ninfer.backends.cuda.hybrid_runner import CudaHybridRunner
     from ninfer.backends.cuda.hybrid_state import DeviceStates
+    from ninfer.backends.lane_slots import LaneSlots
 
     page_elems = LAYERS * 2 * KV_HEADS * PAGE * HEAD_DIM
-    pool = FakePool(PAGES * page_elems * 2 + SLOTS * FLOATS * 4)
+    pool = FakePool(PAGES * page_elems * 2 + IMAGES * FLOATS * 4)
     monkeypatch.setattr(rt, "copy_d2h", pool.d2h)
     monkeypatch.setattr(rt, "copy_h2d", pool.h2d)
     monkeypatch.setattr(rt, "synchronize", lambda stream: None)
@@ -217,13 +219,14 @@ def cuda_runner(monkeypatch):
         config = SimpleNamespace(num_layers=LAYERS + 2 if hybrid else LAYERS, num_kv_heads=KV_HEADS,
                                  head_dim=HEAD_DIM, state_floats=FLOATS, state_floats_per_layer=FLOATS)
         kv = rt.DevicePtr(POOL_BASE, PAGES * page_elems * 2, "kv")
-        states = rt.DevicePtr(POOL_BASE + kv.nbytes, SLOTS * FLOATS * 4, "states")
+        states = rt.DevicePtr(POOL_BASE + kv.nbytes, IMAGES * FLOATS * 4, "states")
         runner.config, runner.device, runner.stream, runner.fault = config, device, None, None
         runner.kv_dtype, runner.startup, runner.host_arena = "bf16", {}, None
         runner.info = SimpleNamespace(num_pages=PAGES, page_size=PAGE)
         runner.buffers = SimpleNamespace(page_elems=page_elems, kv_itemsize=2, kv=kv, kv_layers=LAYERS)
         if hybrid:
-            runner.buffers.state_slots = DeviceStates(device, states, config, SLOTS)
+            runner.lane_slots = LaneSlots(1, SLOTS - 1)
+            runner.buffers.state_slots = DeviceStates(device, states, config, runner.lane_slots.physical)
         runner._page_staging = device.pinned(page_elems * 2)
         runner.attach_host_arena(arena_bytes)
         return runner
@@ -278,7 +281,7 @@ def test_hybrid_state_images_go_straight_to_and_from_the_arena(cuda_runner):
     arena, pool = runner.host_arena, cuda_runner.pool
     image = runner.read_state(1)
     assert image.shape == (FLOATS,) and image.dtype == np.float32 and arena.contains(image)
-    assert np.array_equal(image.view(np.uint8), pool.mem[-(SLOTS - 1) * FLOATS * 4:][:FLOATS * 4])
+    assert np.array_equal(image.view(np.uint8), pool.mem[-(IMAGES - 1) * FLOATS * 4:][:FLOATS * 4])
     pool.hosts.clear()
     runner.write_state(2, image, length=12)
     assert len(pool.hosts) == 1 and pool.hosts[0] is image  # no staging copy
