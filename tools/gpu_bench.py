@@ -117,9 +117,10 @@ ABLATIONS = {
 }
 
 
-def ablate(runner, batch: int, context: int, reps: int = 20) -> dict[str, float]:
-    """GPU ms per decode step with each kernel family left out of the graph (METHOD.md's
-    leave-one-out timing); the difference to "full" is that family's share of the step."""
+def ablate(runner, batch: int, context: int, reps: int = 20, families: dict | None = None) -> dict[str, float]:
+    """GPU ms per decode step with each kernel family (``families``: name -> kernel name prefixes,
+    by default ABLATIONS) left out of the graph (METHOD.md's leave-one-out timing); the difference to
+    "full" is that family's share of the step."""
     max_pages = runner.buffers.max_pages
     tables = np.stack([np.arange(max_pages) + lane * max_pages for lane in range(batch)]).astype(np.int32)
     runner.decode(DecodeBatch(lanes=np.arange(batch, dtype=np.int32), tokens=np.full(batch, 7, np.int32),
@@ -128,7 +129,7 @@ def ablate(runner, batch: int, context: int, reps: int = 20) -> dict[str, float]
     dev, stream = runner.device, runner.stream
     original = rt.Kernel.launch
     out = {}
-    for name, prefixes in [("full", ())] + list(ABLATIONS.items()):
+    for name, prefixes in [("full", ())] + list((ABLATIONS if families is None else families).items()):
         def launch(self, *args, _prefixes=prefixes, **kwargs):
             if not self.name.startswith(_prefixes) or not _prefixes:
                 original(self, *args, **kwargs)

@@ -12,12 +12,12 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
-                                     [--next-prefetch-ablation MIB[,MIB...]]
+                                     [--next-prefetch-ablation MIB[,MIB...]] [--profile]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
-roofline's denominator); decode tok/s at each batch (one step at a time, as the Engine drives a
-hybrid runner, which does not pipeline decode, and device time alone: the CUDA Graph replayed back to
-back), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE layers
+roofline's denominator); decode tok/s at each batch (one step at a time; pipelined, the next step
+launched before this one's tokens are read, as the Engine drives the runner; and device time alone:
+the CUDA Graph replayed back to back), with achieved GB/s and % of roofline, where a step reads every weight matrix (for MoE layers
 the router, the shared expert and the distinct experts the batch routes to, expected count under
 uniform routing), each lane's StateImage once and writes it once, and its KV; prefill tok/s of one
 ``--prefill``-token prompt; TTFT of a 64-token turn after a 4k-token conversation, cold (the whole
@@ -25,7 +25,9 @@ conversation prefilled) and reused (the checkpointed StateImage copied back, the
 ``--*-ablation`` decodes again with one option changed, and after them the defaults once more (the
 run's drift: a 35B-A3B batch-1 step's tok/s moves about 2% from run to run, its GPU time less); then
 transformers (``qwen3_5`` / ``qwen3_5_moe`` text models, random init, bf16, eager, its own DeltaNet
-fallback when flash-linear-attention is absent) on the same measurements.
+fallback when flash-linear-attention is absent) on the same measurements. ``--profile`` adds, at
+batch 1, the step's GPU time with each kernel family left out of its graph (``HYBRID_ABLATIONS``)
+and each kernel's device time in one eager step (events around every launch, so gaps included).
 torch makes the random weights on the GPU and runs the peer; NInfer itself runs through cuda.bindings
 and our PTX, over the same primary context. Our weights are freed before the peer is built.
 """
@@ -42,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_bench import copy_bandwidth  # noqa: E402  (this folder is on sys.path)
+from gpu_bench import ablate, copy_bandwidth, profile_decode  # noqa: E402  (this folder is on sys.path)
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS  # noqa: E402
@@ -54,6 +56,10 @@ from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig  # noqa:
 
 PAGE = 16
 CONVERSATION, TURN = 4096, 64  # TTFT: a new turn of TURN tokens after CONVERSATION tokens
+# --profile's kernel families (name prefixes), each left out of a decode graph in turn
+HYBRID_ABLATIONS = {"deltanet": ("deltanet_",), "gated attention": ("gated_",), "moe experts": ("moe_",),
+                    "gemms": ("gemv_", "mma_gemv"), "norms": ("rmsnorm", "add_rmsnorm"),
+                    "sample+count": ("sample", "count_tokens")}
 
 
 def _layer_types(layers: int) -> tuple[str, ...]:
@@ -216,6 +222,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         for target, option, value in was:
             setattr(target, option, value)
         recapture(runner)
+    if args.profile:
+        profile(runner, args.context, report)
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
         print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
@@ -254,6 +262,16 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     del tensors, ptrs
     torch.cuda.empty_cache()
     return report
+
+
+def profile(runner, context: int, report: dict) -> None:
+    """``--profile``: where a batch-1 decode step's GPU time goes, by kernel family and by kernel."""
+    _forget_states(runner)
+    report["ablation_b1"] = r = ablate(runner, 1, context, families=HYBRID_ABLATIONS)
+    print(f"ours ablation b=1 GPU ms: full {r['full']:.3f}; without: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k != "full"), flush=True)
+    report["profile_b1"] = r = profile_decode(runner, 1)
+    print("ours profile b=1, us a step (eager):", ", ".join(f"{k} {v:.0f}" for k, v in r.items()), flush=True)
 
 
 def pipelined_text(r: dict) -> str:
@@ -497,6 +515,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-prefill-ablation", default="", metavar="GATE_UP,DOWN,PAIRS[;...]",
                         help="prefill again (sub-chunks of --prefill-rows) with other grouped MoE prefill GEMMs "
                              "and PAIRS pairs a chunk (CudaMoe.prefill_gemms; their builds' 8 x P pairs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="batch-1 decode's GPU time by kernel family (leave-one-out) and by kernel")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
                         help="prefill (and TTFT) again with the chunked delta rule (HybridForward.chunked_rule "
                              "flipped)")
