@@ -21,12 +21,15 @@ from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda import libdevice
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import (F32P, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32, cp_async16, cp_async_commit,
-                                  cp_async_wait, global_address, grid_dependency_wait, launch_dependents, lds_u32x4,
-                                  load_f32x4, prefetch_block_share, shared_address, warp_sum)
+from numba_kernels.common import (F32P, I32P, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32, cp_async16,
+                                  cp_async_commit, cp_async_wait, global_address, grid_dependency_wait,
+                                  launch_dependents, lds_u32x4, load_f32x4, prefetch_block_share, shared_address,
+                                  warp_sum)
+from numba_kernels.deltanet import CONV_KERNEL, conv_tap, shift_tail
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
+CONV_GEMV_ROWS = (1, 2)  # the rows whose decode in_proj is the fp32 GEMV (forward.DECODE_GEMMS)
 
 
 GEMV_THREADS = 128
@@ -126,11 +129,17 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
 
     ``normed`` / ``epilogue`` are the decode fusions of ``mma_gemv`` below (same meaning; with
     "swiglu" the block's first COLS / 2 rows are gate rows and the rest the matching up rows).
+    ``epilogue`` "conv" (a hybrid's DeltaNet in_proj, ``gemv_normed_conv_m{M}``): output columns below
+    ``channels`` are the conv's inputs, so instead of storing them the GEMV runs ``deltanet_conv``'s
+    step on them (the same arithmetic): SiLU(conv) of row r's channel into ``mixed``, its tail read
+    from StateImage slot ``lanes[r]`` and written, shifted, to ``lanes_out[r]`` (numba_kernels/deltanet.py);
+    columns from ``channels`` on are stored. One launch a DeltaNet layer fewer.
     Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.2-1.7%
     slower on the H200). Also timed and dropped (tools/bench_decode_gemm.py, one row): 2 or 4 chunks
     of each row in flight a thread (96 / 168 registers: fewer blocks, 3-25% slower), and thread 0
     prefetching the block's rows into L2 one or two steps ahead (8-12% slower)."""
     SWIGLU = epilogue == "swiglu"
+    CONV = epilogue == "conv"
     OUT_COLS = COLS // 2 if SWIGLU else COLS
     weight_rows, load_weights, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
@@ -145,7 +154,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
                 for e in range(8):
                     xr[r, e] = float32(0.0)
 
-    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps):
+    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels, conv_w):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
         red_ss = cuda.shared.array((GEMV_WARPS, M), float32)
         tid = cuda.threadIdx.x
@@ -169,6 +178,15 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
         # ``launch_dependents``: issued after it, ptxas sank them below the wait (the SASS had every
         # LDG after ACQBULK), as it does not for loads that precede the trigger.
         first = tid
+        s0 = s1 = s2 = float32(0.0)
+        if CONV and tid < M * OUT_COLS:  # the conv tail of this thread's output, before the wait as the weights:
+            r = tid // OUT_COLS  # no kernel of the step writes the slots it reads (lanes_out differ)
+            col = cuda.blockIdx.x * OUT_COLS + tid % OUT_COLS
+            if r < rows and col < channels:
+                tail = int64(lanes[r]) * slot_stride + col
+                s0 = states[tail]
+                s1 = states[tail + channels]
+                s2 = states[tail + 2 * channels]
         if PRELOAD > 1:  # the first PRELOAD steps' (constant indices: registers), consumed after the wait
             held = cuda.local.array((PRELOAD, COLS, 4), uint32)
             for s in range(PRELOAD):
@@ -240,18 +258,32 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
                     y[at] = total * sig * up
                 elif epilogue == "residual":
                     y[at] += total
+                elif CONV and col < channels:  # deltanet_conv of one token, from the sum it would have read
+                    c4 = col * CONV_KERNEL
+                    mixed[int64(r) * channels + col] = conv_tap(s0, s1, s2, total, conv_w[c4], conv_w[c4 + 1],
+                                                                conv_w[c4 + 2], conv_w[c4 + 3])
+                    shift_tail(states, int64(lanes_out[r]) * slot_stride + col, channels, s1, s2, total)
                 else:
                     y[at] = total
 
     body = cuda.jit(device=True, inline=True)(gemv)
+    if CONV:
+        def conv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels,
+                 conv_w):
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels,
+                 conv_w)
+
+        return conv
     if normed or epilogue != "store":
         def fused(y, x, w, norm_w, rows, n, k, ldy, eps):
-            body(y, x, w, norm_w, rows, n, k, ldy, eps)
+            no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y)
 
         return fused
 
     def plain(y, x, w, rows, n, k, ldy):  # the undecorated product (prefill tails, the LM head of prefill)
-        body(y, x, w, x, rows, n, k, ldy, float32(0.0))
+        no_lanes = cuda.local.array(1, int32)
+        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y)
 
     return plain
 
@@ -830,6 +862,12 @@ for _m in GEMV_ROWS:
             make_gemv(_m, 4, _normed, _epilogue), MMA_SIG,
             {"threads": GEMV_THREADS, "cols": 2 if _epilogue == "swiglu" else 4, "epilogue": _epilogue,
              "normed": int(_normed), "terms": 0, "max_rows": _m, "grid_wait": 1})
+# The normed one- and two-row GEMV with a DeltaNet in_proj's conv in its epilogue (HybridForward.conv_in_gemv).
+for _m in CONV_GEMV_ROWS:
+    KERNELS[f"gemv_normed_conv_m{_m}"] = (
+        make_gemv(_m, 4, True, "conv"), MMA_SIG + (F32P, F32P, int64, I32P, I32P, int32, F32P),
+        {"threads": GEMV_THREADS, "cols": 4, "epilogue": "conv", "normed": 1, "terms": 0, "max_rows": _m,
+         "grid_wait": 1})
 # The one-row residual GEMV holding its first 4 steps before the wait (a 4096-wide row's whole share a
 # thread): Forward.preload_o (ninfer/backends/cuda/forward.py PRELOADED_O_GEMV), on for MoE hybrids.
 KERNELS["gemv_residual_m1p4"] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {

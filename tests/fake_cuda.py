@@ -60,9 +60,16 @@ def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *extra)
     its buffers, covers its n outputs, and has K % 8 == 0; a ``keep`` kernel's normalised rows (its
     last argument) fit theirs and are not its input; a chained norm's input and partial sums (a
     producer's ``xn, part``, a consumer's ``part, parts``) fit theirs; a ``next`` kernel's prefetch
-    stays inside the next GEMM's weights."""
+    stays inside the next GEMM's weights; a "conv" epilogue's (a DeltaNet in_proj's) conv output, slots
+    and conv weights fit its channels, the first of its n outputs."""
     meta, f32 = kernel.meta, 4
     chain = meta.get("chain")
+    if meta["epilogue"] == "conv":
+        mixed, states, slot_stride, lanes, lanes_out, channels, conv_w = extra
+        assert 0 < channels <= n and mixed.nbytes >= rows * channels * f32 and conv_w.nbytes >= channels * 4 * f32
+        assert lanes.nbytes >= rows * 4 and lanes_out.nbytes >= rows * 4 and slot_stride >= 3 * channels
+        assert states.addr not in (mixed.addr, y.addr), kernel.name
+        extra = ()
     assert len(extra) == (2 if chain else 0) + 2 * meta.get("next", 0) + meta.get("keep", 0), kernel.name
     if meta.get("next"):  # the next GEMM's weights and how many of their first bytes L2 is asked for
         then, ahead = extra[-2:]

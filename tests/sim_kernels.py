@@ -120,6 +120,44 @@ def case_gemv(rows: int) -> dict:
     return result
 
 
+def case_conv_gemv(rows: int) -> dict:
+    """``gemv_normed_conv_m{rows}`` (a DeltaNet in_proj with the conv in its epilogue) against
+    ``gemv_normed_store_m{rows}`` then ``deltanet_conv``, both writing the tails out of place (lanes
+    out of order, slot 0 unused): the stored columns past the conv's channels, the conv's output and
+    the new tails bit for bit, the slots read left as they were."""
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(70 + rows)
+    k, channels, n = 64, 40, 52  # the conv's channels, then 12 stored columns; a block's 4 columns straddle them
+    slot = 3 * channels + 5
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    bits, _ = bf16_matrix(rng, n, k)
+    states0 = rng.standard_normal((2 * rows + 1) * slot).astype(np.float32)
+    conv_w = gpu.put((rng.standard_normal(channels * 4) * 0.5).astype(np.float32))
+    lanes = gpu.put((rows - np.arange(rows)).astype(np.int32))
+    lanes_out = gpu.put((rows + 1 + np.arange(rows)).astype(np.int32))
+    runs = []
+    for fused in (False, True):
+        states, mixed = gpu.put(states0), gpu.empty(rows * channels * 4)
+        conv = (mixed, states, slot, lanes, lanes_out, channels, conv_w)
+        if fused:
+            proj = gemv(gpu, f"gemv_normed_conv_m{rows}", x, bits, norm, np.zeros((rows, n), np.float32), n,
+                        extra=conv)
+        else:
+            proj = gemv(gpu, f"gemv_normed_store_m{rows}", x, bits, norm, np.zeros((rows, n), np.float32), n)
+            gpu.launch("deltanet_conv", (-(-channels // 128), rows), (128,),
+                       (mixed, gpu.put(proj), n, states, slot, lanes, lanes_out, 1, channels, conv_w))
+        runs.append((proj, gpu.get(mixed, np.float32, (rows, channels)),
+                     gpu.get(states, np.float32, ((2 * rows + 1) * slot,))))
+    (proj_a, mixed_a, states_a), (proj_b, mixed_b, states_b) = runs
+    return {"stored_equal": bool(np.array_equal(proj_a[:, channels:], proj_b[:, channels:])),
+            "conv_equal": bool(np.array_equal(mixed_a, mixed_b)),
+            "states_equal": bool(np.array_equal(states_a, states_b)),
+            "tails_written": bool((states_b != states0).any()),
+            "read_slots_kept": bool(np.array_equal(states_b[:(rows + 1) * slot], states0[:(rows + 1) * slot])),
+            "finite": bool(np.isfinite(mixed_b).all())}
+
+
 def case_chain(rows: int) -> dict:
     """o (a residual GEMV writing the next norm's input and partial sums) then q/k/v, gate/up and the
     LM head as chained consumers; each against the normed kernel it replaces and NumPy."""
@@ -672,7 +710,7 @@ def case_hybrid_decode(rows: int) -> dict:
 
 
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
-         "deltanet_step": case_deltanet_step, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
+         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
          "split_attention": case_split_attention}
 
 

@@ -304,6 +304,33 @@ def test_split_rule_replaces_the_rule_launch(name):
         assert split not in [kernel.name for kernel, _, _ in fwd.k.log]
 
 
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_one_and_two_row_steps_convolve_in_the_in_proj_gemv(name):
+    """``conv_in_gemv``: a decode DeltaNet layer of one or two rows launches ``gemv_normed_conv_m{rows}``
+    for its in_proj (proj, x, its weights and norm, then mixed, the layer's conv tails, the StateImage
+    slots each row reads and writes, conv_dim and the conv weights) and no ``deltanet_conv``; three rows
+    (a tensor-core in_proj), ``fused_step`` or the option off keep the conv launch."""
+    from ninfer.backends.cuda.hybrid_forward import CONV_GEMVS
+
+    config = CONFIGS[name]
+    fwd = forward(config)
+    linear = config.layer_types.count(LINEAR)
+    for rows in (1, 2):
+        launched = decode_launches(fwd, rows)
+        assert launched.count(CONV_GEMVS[rows]) == linear and "deltanet_conv" not in launched
+        for kernel, grid, args in fwd.k.log:
+            if kernel.name == CONV_GEMVS[rows]:
+                assert args[0] is fwd.b.proj and args[1] is fwd.b.x and args[9] is fwd.b.mixed
+                assert args[12] is fwd.b.inputs.d_state_in and args[13] is fwd.b.inputs.d_state_out
+                assert args[14] == config.conv_dim and args[5] == config.in_proj_size
+    assert decode_launches(fwd, 3).count("deltanet_conv") == linear
+    for option, value in (("fused_step", True), ("conv_in_gemv", False)):
+        setattr(fwd, option, value)
+        launched = decode_launches(fwd, 1)
+        assert CONV_GEMVS[1] not in launched and "gemv_normed_store_m1" in launched
+        setattr(fwd, option, not value)
+
+
 # HybridForward's decode fusions: option -> (its kernel's name attribute, the launches it replaces, the layers
 # that launch it, its grid's first dimension, its tickets' region and their count a lane, (argument
 # index, buffer) pairs it must be given).

@@ -29,7 +29,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 # as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
          ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
-         ("gated_combine", 3), ("split_attention", 4)]
+         ("gated_combine", 3), ("split_attention", 4), ("conv_gemv", 1), ("conv_gemv", 2)]
 _runs: dict = {}
 
 
@@ -151,6 +151,14 @@ def test_fused_and_split_deltanet_rules_are_the_rule(rows):
     assert all("read_slots_kept" in result[f"{form} out of place"] for form in ("rule", "step", "split2"))
     for group, checks in result.items():
         assert all(checks.values()), (group, checks)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_in_proj_gemv_with_the_conv_is_gemv_then_conv(rows):
+    """``gemv_normed_conv_m{rows}`` (``HybridForward.conv_in_gemv``) against the in_proj GEMV then
+    ``deltanet_conv``, tails written out of place: stored columns, conv output and tails bit for bit."""
+    result = simulate("conv_gemv", rows)
+    assert all(result.values()), result
 
 
 def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():

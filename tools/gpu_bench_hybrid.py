@@ -7,7 +7,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--moe-prefill-ablation 'GATE_UP,DOWN,PAIRS;...']
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
-                                     [--fused-step-ablation] [--merged-attention-ablation]
+                                     [--fused-step-ablation] [--merged-attention-ablation] [--conv-in-gemv-ablation]
                                      [--route-experts-ablation] [--down-prefetch-ablation SHARE[,SHARE...]]
                                      [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
@@ -290,6 +290,9 @@ def ablations(args, forward) -> list[tuple]:
         value = not forward.fused_step
         forward.k[forward.step_name]  # loaded now: not during capture
         chosen.append((f"decode_fused_step_{value}", f"fused_step {value}", [(forward, "fused_step", value)]))
+    if args.conv_in_gemv_ablation:  # HybridForward.conv_in_gemv flipped: the conv in its own launch, or not
+        value = not forward.conv_in_gemv
+        chosen.append((f"decode_conv_in_gemv_{value}", f"conv_in_gemv {value}", [(forward, "conv_in_gemv", value)]))
     if args.merged_attention_ablation:  # HybridForward.merged_attention flipped: no gated_combine launch
         value = not forward.merged_attention
         forward.k[forward.merged_attention_name]  # loaded now: not during capture
@@ -515,6 +518,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-prefill-ablation", default="", metavar="GATE_UP,DOWN,PAIRS[;...]",
                         help="prefill again (sub-chunks of --prefill-rows) with other grouped MoE prefill GEMMs "
                              "and PAIRS pairs a chunk (CudaMoe.prefill_gemms; their builds' 8 x P pairs)")
+    parser.add_argument("--conv-in-gemv-ablation", action="store_true",
+                        help="decode again with HybridForward.conv_in_gemv flipped (the one- and two-row in_proj "
+                             "GEMV runs the DeltaNet conv)")
     parser.add_argument("--profile", action="store_true",
                         help="batch-1 decode's GPU time by kernel family (leave-one-out) and by kernel")
     parser.add_argument("--chunked-rule-ablation", action="store_true",

@@ -47,10 +47,10 @@ def capture_with_roles(runner, batch: int):
         current[0] = None
         launch(self, grid, block, args, stream, shared)
 
-    def gemm(self, matrix, y, x, w, rows, n, k, stream, norm=None, chain=""):
+    def gemm(self, matrix, y, x, w, rows, n, k, stream, *args, **kwargs):
         weight_rows = 2 * n if matrix == "gate_up" else n
         current[0] = (f"gemm {matrix} [{weight_rows} x {k}]", weight_rows * k * 2)
-        decode_gemm(self, matrix, y, x, w, rows, n, k, stream, norm, chain)
+        decode_gemm(self, matrix, y, x, w, rows, n, k, stream, *args, **kwargs)
 
     rt.Kernel.launch, Forward.decode_gemm = record, gemm
     try:

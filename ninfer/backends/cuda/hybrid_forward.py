@@ -20,7 +20,8 @@ decode step around the same mixer kernels: the residual stream stays in ``x``; i
 "normed store" GEMMs (attn_norm in the prologue), out and o "residual" GEMMs adding into ``x``,
 gate/up a normed SwiGLU GEMM into ``act`` and down a residual GEMM, the LM head a normed GEMM
 (final_norm); ``forward.DECODE_GEMMS`` picks each kernel by row count (in_proj under the "qkv"
-entry, out under "o"). A DeltaNet mixer is 4 launches, an attention mixer 5 and a dense MLP 2,
+entry, out under "o"). A DeltaNet mixer is 4 launches (3 at one or two rows, whose in_proj GEMV runs
+the conv: ``conv_in_gemv``), an attention mixer 5 and a dense MLP 2,
 where a decode step through the prefill kernels has 5, 6 and 4. ``CudaMoe`` reads a normalised
 input and overwrites its output, so an MoE MLP keeps an ``rmsnorm`` before it and an add
 (``add_rmsnorm``) after it, 7 launches to 6: an MoE layer keeps its count, with its GEMMs fused.
@@ -37,8 +38,8 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_ATTENTION, Forward,
-                                          attention_splits, carve_workspace, check_vocab, norm_threads,
+from ninfer.backends.cuda.forward import (DECODE_GEMMS, GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_ATTENTION,
+                                          Forward, attention_splits, carve_workspace, check_vocab, norm_threads,
                                           prefill_attention_grid, sampler_regions, split_length,
                                           tensor_core_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
@@ -50,6 +51,7 @@ from ninfer.models.hybrid import DENSE, FULL, LINEAR, MOE, HybridConfig
 CONV_KERNEL = 4
 DELTANET_HEAD_DIMS = (16, 32, 64, 128)
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
+CONV_GEMVS = {rows: f"gemv_normed_conv_m{rows}" for rows in (1, 2)}  # HybridForward.conv_in_gemv
 RULE_SPLITS = (2, 4, 8)  # deltanet_rule_s{n}'s builds, where a block keeps whole warps (numba_kernels/deltanet.py)
 MOE_RULE_SPLITS = 2  # HybridForward.rule_splits of a MoE hybrid
 SPLIT_RULE_ROWS = 4  # the most rows a decode step splits its delta rule for (batch 8 measured level or slower)
@@ -177,6 +179,11 @@ class HybridForward(Forward):
     # the 27B's batch 1 -1% and batch 8 -1.3%: its steps are the weights' stream, which the early
     # state loads only share; the MoE model's steps are latency, where they fill idle memory.
     rule_splits = 0
+    # A decode step of one or two rows (the fp32 GEMV's) runs each DeltaNet conv in its in_proj GEMV's
+    # epilogue (``gemv_normed_conv_m{rows}``, numba_kernels/gemm.py) instead of a ``deltanet_conv``
+    # launch: the same arithmetic on the same sums, one launch a layer fewer. Not with ``fused_step``,
+    # whose kernel convolves itself.
+    conv_in_gemv = True
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -217,6 +224,7 @@ class HybridForward(Forward):
         # The dense GEMM, norm, LM-head and sampler kernels; not its attention (other head shapes).
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
+        names += [name for name in CONV_GEMVS.values() if name in self.k.entries]
         names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
                   *self.prefill_rule_names, *self.chunked_rule_names,
                   self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
@@ -258,9 +266,28 @@ class HybridForward(Forward):
         self.deltanet_core(layer, rows, decode, stream)
         self.matmul(b.delta, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream)
 
-    def deltanet_core(self, layer: int, rows: int, decode: bool, stream) -> None:
+    def conv_gemv(self, rows: int) -> rt.Kernel | None:
+        """The in_proj GEMV that also runs the conv (``conv_in_gemv``), where a decode step of ``rows``
+        rows has one."""
+        name = CONV_GEMVS.get(rows)
+        if not self.conv_in_gemv or self.fused_step or name not in self.k.entries:
+            return None
+        return self.k[name] if DECODE_GEMMS["qkv"][rows] == "fp32" else None
+
+    def in_proj_conv(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:
+        """x -> ``proj`` (z, b, a) and ``mixed`` (the conv's SiLU'd output), the conv tails moved on."""
+        c, b, w = self.c, self.b, self.w
+        p = f"layers.{layer}."
+        n, k = c.in_proj_size, c.hidden_size
+        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                      (b.proj, b.x, w[p + "in_proj"], w[p + "attn_norm"], rows, n, k, n, float(c.rms_norm_eps),
+                       b.mixed, b.states.at(self.state_offset[layer] * 4), c.state_floats, b.inputs.d_state_in,
+                       b.inputs.d_state_out, c.conv_dim, w[p + "conv"]), stream)
+
+    def deltanet_core(self, layer: int, rows: int, decode: bool, stream, convolved: bool = False) -> None:
         """``proj`` -> ``core``: the conv (tail updated) and the delta rule, per lane or over one sequence
-        (a decode step's in one launch with ``fused_step``)."""
+        (a decode step's in one launch with ``fused_step``; ``convolved``: the in_proj GEMV did the
+        conv, ``mixed`` holds it)."""
         c, b, w, k = self.c, self.b, self.w, self.k
         p = f"layers.{layer}."
         seqs, seq_rows = (rows, 1) if decode else (1, rows)
@@ -274,10 +301,11 @@ class HybridForward(Forward):
                          c.linear_num_v_heads, c.in_proj_size, w[p + "conv"], w[p + "dt_bias"], w[p + "A_log"],
                          w[p + "linear_norm"], float(c.rms_norm_eps), b.step_tickets), stream)
             return
-        conv = k["deltanet_conv"]
-        conv.launch((-(-c.conv_dim // conv.meta["threads"]), seqs), (conv.meta["threads"],),
-                    (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, *state_rows, seq_rows,
-                     c.conv_dim, w[p + "conv"]), stream)
+        if not convolved:
+            conv = k["deltanet_conv"]
+            conv.launch((-(-c.conv_dim // conv.meta["threads"]), seqs), (conv.meta["threads"],),
+                        (b.mixed, b.proj, c.in_proj_size, conv_state, slot_floats, *state_rows, seq_rows,
+                         c.conv_dim, w[p + "conv"]), stream)
         state = conv_state.at(self.conv_floats * 4)
         if decode and self.rule_splits and rows <= SPLIT_RULE_ROWS:
             rule = k[self.split_rule_names[self.rule_splits]]
@@ -412,9 +440,13 @@ class HybridForward(Forward):
             p = f"layers.{i}."
             dense = c.mlp_types[i] == DENSE
             if c.layer_types[i] == LINEAR:
-                self.decode_gemm("qkv", b.proj, b.x, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size, stream,
-                                 norm=w[p + "attn_norm"], then=w[p + "out"])
-                self.deltanet_core(i, rows, True, stream)
+                conv_gemv = self.conv_gemv(rows)
+                if conv_gemv:
+                    self.in_proj_conv(i, rows, conv_gemv, stream)
+                else:
+                    self.decode_gemm("qkv", b.proj, b.x, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size,
+                                     stream, norm=w[p + "attn_norm"], then=w[p + "out"])
+                self.deltanet_core(i, rows, True, stream, convolved=bool(conv_gemv))
                 self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream,
                                  then=w[p + "gate_up"] if dense else None)
             else:
