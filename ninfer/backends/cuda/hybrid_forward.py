@@ -105,6 +105,7 @@ class HybridBuffers:
         self.page_elems = self.kv_layers * self.layer_elems
         self.logit_rows = max_batch
         cells = c.num_heads * max(max_batch * self.splits["decode"], R * self.splits["prefill"])
+        images = LaneSlots(max_batch, state_slots).physical  # the checkpoint slots and each lane's two
         f32 = 4
         plan = {
             "x": R * c.hidden_size * f32, "h": R * c.hidden_size * f32, "delta": R * c.hidden_size * f32,
@@ -119,7 +120,7 @@ class HybridBuffers:
             **sampler_regions(max_batch, c.vocab_size),
             "cos": max_context * c.rotary_dim // 2 * f32, "sin": max_context * c.rotary_dim // 2 * f32,
             "kv": max(1, num_pages * self.page_elems * self.kv_itemsize),
-            "states": max(1, LaneSlots(max_batch, state_slots).physical * c.state_floats * f32),
+            "states": max(1, images * c.state_floats * f32),
         }
         if chunked_rule is None:
             chunked_rule = HybridForward.chunked_rule
@@ -138,7 +139,7 @@ class HybridBuffers:
         if tensor_core_prefill:
             plan.update(tensor_core_regions(R, max(c.hidden_size, c.intermediate_size, c.q_size, c.value_dim)))
         carve_workspace(self, device, plan, R, max_batch)
-        self.state_slots = DeviceStates(device, self.states, c, LaneSlots(max_batch, state_slots).physical)
+        self.state_slots = DeviceStates(device, self.states, c, images)
         cos, sin = cos_sin_tables(base_inverse_frequencies(c.rope_theta, c.rotary_dim), max_context)
         self._tables = (np.ascontiguousarray(cos), np.ascontiguousarray(sin))  # alive until copied
 
