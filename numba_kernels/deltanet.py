@@ -127,10 +127,7 @@ def deltanet_conv(out, x, x_stride, states, slot_stride, lanes, lanes_out, seq_r
         v = x[r * x_stride + c]
         out[r * channels + c] = conv_tap(s0, s1, s2, v, w0, w1, w2, w3)
         s0, s1, s2 = s1, s2, v
-    base = int64(lanes_out[seq]) * slot_stride + c
-    states[base] = s0
-    states[base + channels] = s1
-    states[base + 2 * channels] = s2
+    shift_tail(states, int64(lanes_out[seq]) * slot_stride + c, channels, s0, s1, s2)  # the last three inputs
 
 
 def make_half_column(DK, DV):
