@@ -249,7 +249,7 @@ def make_rule(DK, DV):
     return rule
 
 
-def make_rule_split(DK, DV, S):
+def make_rule_split(DK, DV, S, UNSCALED=False):
     """``deltanet_rule_s{S}_k{DK}_v{DV}``: a decode step's delta rule (one token a sequence) with each
     head's state columns split over ``S`` blocks, grid ``(v_heads, n_seqs, S)``, ``2 * DV / S``
     threads: two lanes a column as ``rule``. A batch-1 step of ``rule`` runs one block a head (32 on a
@@ -259,7 +259,11 @@ def make_rule_split(DK, DV, S):
     and writes its columns' ``o * w * silu(z)`` and its share of the head's ``sum(o^2)``
     (``partials[(seq * n_v + head) * S + split]``); the last of the head's S blocks to take a ticket
     (``tickets[seq * n_v + head]``, zero between launches) scales the head's outputs by
-    ``1 / sqrt(sum / DV + eps)``: ``rule``'s gated RMSNorm to fp32 rounding."""
+    ``1 / sqrt(sum / DV + eps)``: ``rule``'s gated RMSNorm to fp32 rounding.
+
+    ``UNSCALED`` (``deltanet_rule_s{S}u_k{DK}_v{DV}``, no ``tickets`` argument): the blocks stop after
+    their outputs and partial sums, leaving the scaling to the out projection's GEMV, which reads the
+    partials itself (numba_kernels/gemm.py ``make_gemv``'s ``HEAD_NORM``): no ticket, no last block."""
     C = DV // S  # state columns a block
     THREADS = 2 * C
     HALF = DK // 2
@@ -326,15 +330,34 @@ def make_rule_split(DK, DV, S):
         cell = seq * n_v + head
         if tid == 0:
             partials[cell * S + split] = total
+        if UNSCALED:
+            return
         if last_to_finish(tickets, cell, S):  # every split's outputs and partial sum are out
-            total = float32(0.0)
-            for i in range(S):  # in split order: the same sum whichever block is last
-                total += partials[cell * S + i]
-            inv = float32(1.0) / math.sqrt(total / float32(DV) + eps)
+            inv = split_norm_inverse(partials, cell, S, DV, eps)
             for i in range(tid, DV, THREADS):
                 out[at + i] *= inv
 
+    if UNSCALED:
+        body = cuda.jit(device=True, inline=True)(rule_split)
+
+        def unscaled(mixed, proj, out, states, slot_stride, lanes, lanes_out, n_k, n_v, in_stride, dt_bias, a_log,
+                     norm_w, eps, partials):
+            body(mixed, proj, out, states, slot_stride, lanes, lanes_out, n_k, n_v, in_stride, dt_bias, a_log,
+                 norm_w, eps, partials, partials)
+
+        return unscaled
     return rule_split
+
+
+@cuda.jit(device=True, inline=True)
+def split_norm_inverse(partials, cell, splits, dim, eps):
+    """``1 / sqrt(sum / dim + eps)`` of a head's gated RMSNorm from its ``splits`` partial sums of squares
+    at ``partials[cell * splits ..]``, added in split order (``deltanet_rule_s{S}`` and the GEMV that
+    scales its unscaled build's outputs compute the same bits)."""
+    total = float32(0.0)
+    for i in range(splits):
+        total += partials[cell * splits + i]
+    return float32(1.0) / math.sqrt(total / float32(dim) + eps)
 
 
 def rule_splits(DV):
@@ -778,6 +801,11 @@ for _d in HEAD_DIMS:
             make_rule_split(_d, _d, _s),
             (F32P, F32P, F32P, F32P, int64, I32P, I32P, int32, int32, int32, F32P, F32P, F32P, float32, F32P, I32P),
             {"threads": 2 * _d // _s, "splits": _s, "grid_wait": 1})
+    for _s in rule_splits(_d)[:1]:  # the MoE hybrids' split (hybrid_forward.MOE_RULE_SPLITS), outputs left unscaled
+        KERNELS[f"deltanet_rule_s{_s}u_k{_d}_v{_d}"] = (
+            make_rule_split(_d, _d, _s, UNSCALED=True),
+            (F32P, F32P, F32P, F32P, int64, I32P, I32P, int32, int32, int32, F32P, F32P, F32P, float32, F32P),
+            {"threads": 2 * _d // _s, "splits": _s, "unscaled": 1, "grid_wait": 1})
     KERNELS[f"deltanet_step_k{_d}_v{_d}"] = (
         make_step(_d, _d),
         (F32P, F32P, F32P, int64, I32P, I32P, int32, int32, int32, F32P, F32P, F32P, F32P, float32, I32P),

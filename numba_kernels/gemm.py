@@ -25,7 +25,7 @@ from numba_kernels.common import (F32P, I32P, U16P, U32P, U64P, bf16_hi, bf16_lo
                                   cp_async_commit, cp_async_wait, global_address, grid_dependency_wait,
                                   launch_dependents, lds_u32x4, load_f32x4, prefetch_block_share, shared_address,
                                   warp_sum)
-from numba_kernels.deltanet import CONV_KERNEL, conv_tap, shift_tail
+from numba_kernels.deltanet import CONV_KERNEL, conv_tap, shift_tail, split_norm_inverse
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2, split_bf16x2
 
 GEMV_ROWS = tuple(range(1, 9))
@@ -119,7 +119,7 @@ def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     return weight_rows, load, accumulate
 
 
-def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
+def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=False):
     """``COLS`` weight rows per block: each x value loaded serves that many rows.
 
     ``PRELOAD`` (name suffix ``p{PRELOAD}``): each thread's first PRELOAD steps of weights, not one, are
@@ -134,27 +134,45 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
     step on them (the same arithmetic): SiLU(conv) of row r's channel into ``mixed``, its tail read
     from StateImage slot ``lanes[r]`` and written, shifted, to ``lanes_out[r]`` (numba_kernels/deltanet.py);
     columns from ``channels`` on are stored. One launch a DeltaNet layer fewer.
+    ``HEAD_NORM`` (a DeltaNet out projection, ``gemv_residual_headnorm_m{M}``; last arguments ``partials,
+    splits, head_dim``): x is the unscaled output of ``deltanet_rule_s{S}u`` (numba_kernels/deltanet.py),
+    and the GEMV finishes its gated RMSNorm: each value of row r, head h (``head_dim`` wide) is scaled by
+    ``1 / sqrt(sum / head_dim + eps)`` of the head's ``splits`` partial sums of squares at
+    ``partials[(r * heads + h) * splits ..]`` as it is loaded: the split rule's scaling, bit for bit,
+    without its ticket and last block.
     Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.2-1.7%
     slower on the H200). Also timed and dropped (tools/bench_decode_gemm.py, one row): 2 or 4 chunks
     of each row in flight a thread (96 / 168 registers: fewer blocks, 3-25% slower), and thread 0
     prefetching the block's rows into L2 one or two steps ahead (8-12% slower)."""
     SWIGLU = epilogue == "swiglu"
     CONV = epilogue == "conv"
+    assert not HEAD_NORM or (epilogue == "residual" and not normed)
     OUT_COLS = COLS // 2 if SWIGLU else COLS
     weight_rows, load_weights, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
     @cuda.jit(device=True, inline=True)
-    def held_activations(x, norm_w, rows, k, j, chunks, ss, xr):
+    def row_activations(x, norm_w, k, j, r, xr, eps, partials, splits, head_dim):
+        """Row r's activations of step j (with HEAD_NORM scaled by their head's norm); returns their squares."""
+        squares = load_activations(x, int64(r) * k + 8 * j, norm_w, 8 * j, normed, xr, r)
+        if HEAD_NORM:  # the 8 values share a head: head_dim % 8 == 0
+            inv = split_norm_inverse(partials, r * (k // head_dim) + 8 * j // head_dim, splits, head_dim, eps)
+            for e in range(8):
+                xr[r, e] *= inv
+        return squares
+
+    @cuda.jit(device=True, inline=True)
+    def held_activations(x, norm_w, rows, k, j, chunks, ss, xr, eps, partials, splits, head_dim):
         """A held step j's activations of every row (zeros past ``rows`` or past k); adds each row's
         squares to ``ss``."""
         for r in range(M):
             if r < rows and j < chunks:
-                ss[r] += load_activations(x, int64(r) * k + 8 * j, norm_w, 8 * j, normed, xr, r)
+                ss[r] += row_activations(x, norm_w, k, j, r, xr, eps, partials, splits, head_dim)
             else:
                 for e in range(8):
                     xr[r, e] = float32(0.0)
 
-    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels, conv_w):
+    def gemv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels, conv_w,
+             partials, splits, head_dim):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
         red_ss = cuda.shared.array((GEMV_WARPS, M), float32)
         tid = cuda.threadIdx.x
@@ -200,7 +218,8 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
                 for c in range(COLS):
                     for e in range(4):
                         raw[c, e] = held[s, c, e]
-                held_activations(x, norm_w, rows, k, tid + s * GEMV_THREADS, chunks, ss, xr)
+                held_activations(x, norm_w, rows, k, tid + s * GEMV_THREADS, chunks, ss, xr, eps, partials, splits,
+                                 head_dim)
                 accumulate(acc, raw, xr)
             first = tid + PRELOAD * GEMV_THREADS
             load_weights(w, row_of, words, chunks, first, raw)
@@ -212,7 +231,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
             # The step's activations first, their loads out together (x and norm_w sit in L2).
             for r in range(M):
                 if r < rows:
-                    ss[r] += load_activations(x, int64(r) * k + 8 * j, norm_w, 8 * j, normed, xr, r)
+                    ss[r] += row_activations(x, norm_w, k, j, r, xr, eps, partials, splits, head_dim)
                 else:
                     for e in range(8):
                         xr[r, e] = float32(0.0)
@@ -271,19 +290,26 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1):
         def conv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels,
                  conv_w):
             body(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels,
-                 conv_w)
+                 conv_w, y, 0, 0)
 
         return conv
+    if HEAD_NORM:
+        def head_normed(y, x, w, norm_w, rows, n, k, ldy, eps, partials, splits, head_dim):
+            no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, partials, splits,
+                 head_dim)
+
+        return head_normed
     if normed or epilogue != "store":
         def fused(y, x, w, norm_w, rows, n, k, ldy, eps):
             no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0)
 
         return fused
 
     def plain(y, x, w, rows, n, k, ldy):  # the undecorated product (prefill tails, the LM head of prefill)
         no_lanes = cuda.local.array(1, int32)
-        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y)
+        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0)
 
     return plain
 
@@ -873,6 +899,14 @@ for _m in CONV_GEMV_ROWS:
 KERNELS["gemv_residual_m1p4"] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {
     "threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "terms": 0, "max_rows": 1,
     "grid_wait": 1})
+# A DeltaNet out projection finishing the split delta rule's gated RMSNorm (HybridForward.rule_norm_in_gemv),
+# at the row counts whose out projection is the fp32 GEMV, and the one-row build holding four steps.
+HEAD_NORM_SIG = MMA_SIG + (F32P, int32, int32)
+for _m, _preload in [(m, 1) for m in CONV_GEMV_ROWS] + [(1, 4)]:
+    KERNELS[f"gemv_residual_headnorm_m{_m}" + (f"p{_preload}" if _preload > 1 else "")] = (
+        make_gemv(_m, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True), HEAD_NORM_SIG,
+        {"threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "head_norm": 1, "terms": 0,
+         "max_rows": _m, "grid_wait": 1})
 # The MoE router's early build asking L2, once its weights are in, for the first bytes of the next layer's
 # first GEMM (CudaMoe.next_prefetch): DRAM would idle through the routing that follows.
 KERNELS[mma_kernel_name(True, "store", *ROUTER_SHAPE, keep=True, early=True, NEXT=True)] = (

@@ -61,7 +61,8 @@ def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *extra)
     last argument) fit theirs and are not its input; a chained norm's input and partial sums (a
     producer's ``xn, part``, a consumer's ``part, parts``) fit theirs; a ``next`` kernel's prefetch
     stays inside the next GEMM's weights; a "conv" epilogue's (a DeltaNet in_proj's) conv output, slots
-    and conv weights fit its channels, the first of its n outputs."""
+    and conv weights fit its channels, the first of its n outputs; a ``head_norm`` GEMV's partial sums
+    fit its rows' heads."""
     meta, f32 = kernel.meta, 4
     chain = meta.get("chain")
     if meta["epilogue"] == "conv":
@@ -69,6 +70,11 @@ def check_decode_gemm(kernel, grid, y, x, w, norm, rows, n, k, ldy, eps, *extra)
         assert 0 < channels <= n and mixed.nbytes >= rows * channels * f32 and conv_w.nbytes >= channels * 4 * f32
         assert lanes.nbytes >= rows * 4 and lanes_out.nbytes >= rows * 4 and slot_stride >= 3 * channels
         assert states.addr not in (mixed.addr, y.addr), kernel.name
+        extra = ()
+    if meta.get("head_norm"):  # the split rule's partial sums of squares, a split count, a head dim dividing k
+        partials, splits, head_dim = extra
+        assert head_dim % 8 == 0 and k % head_dim == 0 and splits > 0, kernel.name
+        assert partials.nbytes >= rows * (k // head_dim) * splits * f32 and partials.addr != x.addr, kernel.name
         extra = ()
     assert len(extra) == (2 if chain else 0) + 2 * meta.get("next", 0) + meta.get("keep", 0), kernel.name
     if meta.get("next"):  # the next GEMM's weights and how many of their first bytes L2 is asked for

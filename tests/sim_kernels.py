@@ -158,6 +158,53 @@ def case_conv_gemv(rows: int) -> dict:
             "finite": bool(np.isfinite(mixed_b).all())}
 
 
+def case_rule_norm_gemv(rows: int) -> dict:
+    """``deltanet_rule_s2u`` then ``gemv_residual_headnorm_m{rows}`` (the out GEMV scaling each head by its
+    gated RMSNorm: ``HybridForward.rule_norm_in_gemv``) against ``deltanet_rule_s2`` (its last block
+    scales) then ``gemv_residual_m{rows}``, at one row also both ``p4`` builds: the residual stream and
+    the states bit for bit, lanes out of order and written out of place, the tickets back at zero."""
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(80 + rows)
+    n_k, n_v, d, hidden = 2, 4, 32, 48
+    key_dim, value_dim = n_k * d, n_v * d
+    conv_dim = 2 * key_dim + value_dim
+    in_stride = conv_dim + value_dim + 2 * n_v
+    slot = n_v * d * d + 3
+    states0 = (rng.standard_normal((2 * rows + 1) * slot) * 0.5).astype(np.float32)
+    lanes = gpu.put((rows - np.arange(rows)).astype(np.int32))
+    lanes_out = gpu.put((rows + 1 + np.arange(rows)).astype(np.int32))
+    mixed = gpu.put(rng.standard_normal((rows, conv_dim)).astype(np.float32))
+    proj = gpu.put(rng.standard_normal((rows, in_stride)).astype(np.float32))
+    dt_bias, a_log = (gpu.put(rng.standard_normal(n_v).astype(np.float32)) for _ in range(2))
+    norm_w = gpu.put((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    bits, _ = bf16_matrix(rng, hidden, value_dim)
+    y0 = rng.standard_normal((rows, hidden)).astype(np.float32)
+    tickets = gpu.put(np.zeros(rows * n_v, np.int32))
+    builds = [""] + (["p4"] if rows == 1 else [])
+    result = {}
+    for build in builds:
+        runs = []
+        for unscaled in (False, True):
+            states, out, partials = gpu.put(states0), gpu.empty(rows * value_dim * 4), gpu.empty(rows * n_v * 2 * 4)
+            args = (mixed, proj, out, states, slot, lanes, lanes_out, n_k, n_v, in_stride, dt_bias, a_log, norm_w,
+                    EPS, partials)
+            rule = f"deltanet_rule_s2{'u' if unscaled else ''}_k{d}_v{d}"
+            gpu.launch(rule, (n_v, rows, 2), (d,), args if unscaled else args + (tickets,))
+            core = gpu.get(out, np.float32, (rows, value_dim))
+            if unscaled:
+                y = gemv(gpu, f"gemv_residual_headnorm_m{rows}{build}", core, bits, np.zeros(1, np.float32), y0, hidden,
+                         extra=(partials, 2, d))
+            else:
+                y = gemv(gpu, f"gemv_residual_m{rows}{build}", core, bits, np.zeros(1, np.float32), y0, hidden)
+            runs.append((y, gpu.get(states, np.float32, ((2 * rows + 1) * slot,))))
+        (y_a, states_a), (y_b, states_b) = runs
+        result[f"m{rows}{build}"] = {"residual_equal": bool(np.array_equal(y_a, y_b)),
+                                     "states_equal": bool(np.array_equal(states_a, states_b)),
+                                     "residual_moved": bool((y_b != y0).all()), "finite": bool(np.isfinite(y_b).all()),
+                                     "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any())}
+    return result
+
+
 def case_chain(rows: int) -> dict:
     """o (a residual GEMV writing the next norm's input and partial sums) then q/k/v, gate/up and the
     LM head as chained consumers; each against the normed kernel it replaces and NumPy."""
@@ -710,7 +757,7 @@ def case_hybrid_decode(rows: int) -> dict:
 
 
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
-         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
+         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
          "split_attention": case_split_attention}
 
 

@@ -278,11 +278,12 @@ def test_split_rule_replaces_the_rule_launch(name):
     ``deltanet_rule_s{n}`` over (value heads, rows, n) from ``mixed`` into ``core``, with the buffers'
     partial sums and tickets (one a lane and value head), instead of ``deltanet_rule``; every split of
     RULE_SPLITS is built for head dim 128; the MoE model splits in two by default, the dense one not;
-    more rows and prefill never launch it."""
+    more rows and prefill never launch it (with ``rule_norm_in_gemv`` off: the test below)."""
     from ninfer.backends.cuda.hybrid_forward import MOE_RULE_SPLITS, RULE_SPLITS, SPLIT_RULE_ROWS
 
     config = CONFIGS[name]
     fwd = forward(config)
+    fwd.rule_norm_in_gemv = False
     assert fwd.rule_splits == (MOE_RULE_SPLITS if MOE in config.mlp_types else 0)
     assert sorted(fwd.split_rule_names) == list(RULE_SPLITS)
     n_v = config.linear_num_v_heads
@@ -302,6 +303,43 @@ def test_split_rule_replaces_the_rule_launch(name):
         fwd.k.log.clear()
         fwd.layers(20, None)  # a prefill chunk
         assert split not in [kernel.name for kernel, _, _ in fwd.k.log]
+
+
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_one_and_two_row_steps_scale_the_split_rule_in_the_out_gemv(name):
+    """``rule_norm_in_gemv``: where the rule is split (the MoE model by default) and a step has one or two
+    rows, each DeltaNet layer launches ``deltanet_rule_s{n}u`` (no tickets) and, for its out projection,
+    ``gemv_residual_headnorm_m{rows}`` (``p4`` at one row, as the preloaded o GEMV) reading core, the
+    rule's partial sums, the split count and the head dim; three rows, the option off, or the dense
+    model (no split) launch the ticketed rule and the plain out GEMV."""
+    from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS
+
+    config = CONFIGS[name]
+    fwd = forward(config)
+    linear = config.layer_types.count(LINEAR)
+    splits = fwd.rule_splits
+    if not splits:  # the dense model keeps one block a head: nothing to scale
+        assert not any("headnorm" in n or "u_k" in n for n in decode_launches(fwd, 1) + decode_launches(fwd, 2))
+        return
+    unscaled = fwd.unscaled_rule_names[splits]
+    for rows, out in ((1, "gemv_residual_headnorm_m1p4"), (2, "gemv_residual_headnorm_m2")):
+        launched = decode_launches(fwd, rows)
+        assert launched.count(unscaled) == linear and launched.count(out) == linear
+        assert fwd.split_rule_names[splits] not in launched
+        for kernel, grid, args in fwd.k.log:
+            if kernel.name == unscaled:
+                assert grid == (config.linear_num_v_heads, rows, splits) and args[-1] is fwd.b.rule_partials
+            if kernel.name == out:
+                assert args[0] is fwd.b.x and args[1] is fwd.b.core
+                assert any(args[2] is fwd.w[f"layers.{i}.out"] for i in range(config.num_layers)
+                           if config.layer_types[i] == LINEAR)
+                assert args[5:8] == (config.hidden_size, config.value_dim, config.hidden_size)
+                assert args[9] is fwd.b.rule_partials and args[10:] == (splits, config.linear_v_head_dim)
+    assert not any("headnorm" in n for n in decode_launches(fwd, 3)) and SPLIT_RULE_ROWS >= 3
+    assert fwd.split_rule_names[splits] in decode_launches(fwd, 3)
+    fwd.rule_norm_in_gemv = False
+    launched = decode_launches(fwd, 1)
+    assert unscaled not in launched and "gemv_residual_m1p4" in launched
 
 
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
@@ -374,12 +412,14 @@ def test_fused_decode_kernels_replace_their_launches(name, option):
 def test_preload_o_takes_the_one_row_o_gemv():
     """``Forward.preload_o`` (on for a MoE hybrid, off for a dense one): a one-row step's o projections
     (the DeltaNet out and the attention o) run the GEMV that holds its first steps before its wait, on
-    the plain one's grid and arguments; two rows keep theirs."""
+    the plain one's grid and arguments; two rows keep theirs (the DeltaNet out's ``head_norm`` build with
+    ``rule_norm_in_gemv``: the test above)."""
     from ninfer.backends.cuda.forward import PRELOADED_O_GEMV
 
     assert not forward(CONFIGS["27b"]).preload_o
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
+    fwd.rule_norm_in_gemv = False
     assert fwd.preload_o
     held = decode_launches(fwd, 1)
     fwd.preload_o = False

@@ -247,6 +247,46 @@ def test_split_rule_is_the_rule(splits):
     assert not gpu.get(tickets, np.int32, (rows * nv,)).any()
 
 
+@pytest.mark.parametrize("rows, build", [(1, ""), (1, "p4"), (2, "")])
+def test_out_gemv_scaling_the_split_rule_is_the_ticketed_rule(rows, build):
+    """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m{rows}{build}`` (``HybridForward.rule_norm_in_gemv``)
+    against ``deltanet_rule_s2`` + ``gemv_residual_m{rows}{build}`` at the 35B-A3B's head dim and widths:
+    the residual stream and the states bit for bit (lanes out of order, written out of place)."""
+    from ninfer.artifact.bf16 import from_float32
+
+    gpu, rng = Gpu(), np.random.default_rng(60 + rows)
+    nk, nv, hidden = 16, 32, 2048
+    key_dim, value_dim = nk * DH, nv * DH
+    conv_dim = 2 * key_dim + value_dim
+    in_size = conv_dim + value_dim + 2 * nv
+    slot = nv * DH * DH
+    lanes = gpu.put(np.arange(rows, 0, -1, dtype=np.int32))
+    lanes_out = gpu.put(np.arange(rows, dtype=np.int32) + rows + 1)
+    states = (rng.standard_normal((2 * rows + 1) * slot) * 0.1).astype(np.float32)
+    dt_bias, a_log = (gpu.put(rng.standard_normal(nv).astype(np.float32)) for _ in range(2))
+    norm, tickets = gpu.put(rng.standard_normal(DH).astype(np.float32)), gpu.put(np.zeros(rows * nv, np.int32))
+    mixed = gpu.put(rng.standard_normal((rows, conv_dim)).astype(np.float32))
+    proj = gpu.put(rng.standard_normal((rows, in_size)).astype(np.float32))
+    w = gpu.put(from_float32((rng.standard_normal((hidden, value_dim)) * value_dim ** -0.5).astype(np.float32)))
+    y0 = rng.standard_normal((rows, hidden)).astype(np.float32)
+    runs = []
+    for unscaled in (False, True):
+        d_states, out, y = gpu.put(states), gpu.empty(rows * value_dim * 4), gpu.put(y0)
+        partials = gpu.empty(rows * nv * 2 * 4)
+        args = (mixed, proj, out, d_states, slot, lanes, lanes_out, nk, nv, in_size, dt_bias, a_log, norm, 1e-6,
+                partials)
+        gpu.launch(f"deltanet_rule_s2{'u' if unscaled else ''}_k{DH}_v{DH}", (nv, rows, 2), (DH,),
+                   args if unscaled else args + (tickets,))
+        gemv = f"gemv_residual_{'headnorm_' if unscaled else ''}m{rows}{build}"
+        gemv_args = (y, out, w, norm, rows, hidden, value_dim, hidden, 1e-6) + ((partials, 2, DH) if unscaled else ())
+        gpu.launch(gemv, (hidden // 4,), (128,), gemv_args)
+        runs.append((gpu.get(y, np.float32, (rows, hidden)), gpu.get(d_states, np.float32, states.shape)))
+    (y_a, states_a), (y_b, states_b) = runs
+    assert np.array_equal(y_a, y_b) and np.array_equal(states_a, states_b)
+    assert (y_b != y0).all() and (states_b != states).any()
+    assert not gpu.get(tickets, np.int32, (rows * nv,)).any()
+
+
 def test_prefill_delta_rule_pipeline_matches_the_reference():
     """prep (norms, gates) -> scan (the recurrence) -> gated norm, over one sequence."""
     gpu, rng = Gpu(), np.random.default_rng(3)

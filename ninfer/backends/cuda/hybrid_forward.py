@@ -52,6 +52,7 @@ CONV_KERNEL = 4
 DELTANET_HEAD_DIMS = (16, 32, 64, 128)
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
 CONV_GEMVS = {rows: f"gemv_normed_conv_m{rows}" for rows in (1, 2)}  # HybridForward.conv_in_gemv
+HEAD_NORM_GEMVS = ("gemv_residual_headnorm_m1", "gemv_residual_headnorm_m2", "gemv_residual_headnorm_m1p4")  # rule_norm_in_gemv
 RULE_SPLITS = (2, 4, 8)  # deltanet_rule_s{n}'s builds, where a block keeps whole warps (numba_kernels/deltanet.py)
 MOE_RULE_SPLITS = 2  # HybridForward.rule_splits of a MoE hybrid
 SPLIT_RULE_ROWS = 4  # the most rows a decode step splits its delta rule for (batch 8 measured level or slower)
@@ -185,6 +186,11 @@ class HybridForward(Forward):
     # launch: the same arithmetic on the same sums, one launch a layer fewer. Not with ``fused_step``,
     # whose kernel convolves itself.
     conv_in_gemv = True
+    # Where a decode step's delta rule is split (``rule_splits``) and its out projection is the fp32 GEMV
+    # (one or two rows), the rule leaves its outputs unscaled (``deltanet_rule_s{n}u``) and the out GEMV
+    # applies each head's gated RMSNorm as it loads them (``gemv_residual_headnorm_m{rows}``,
+    # numba_kernels/gemm.py): the same bits, without the rule's ticket and last block on the critical path.
+    rule_norm_in_gemv = True
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -195,6 +201,8 @@ class HybridForward(Forward):
         self.step_name = f"deltanet_step_k{dk}_v{dv}"
         self.split_rule_names = {n: f"deltanet_rule_s{n}_k{dk}_v{dv}" for n in RULE_SPLITS
                                  if f"deltanet_rule_s{n}_k{dk}_v{dv}" in kernels.entries}  # whole warps a block
+        # the builds that leave their outputs for the out GEMV to scale (rule_norm_in_gemv)
+        self.unscaled_rule_names = {n: f"deltanet_rule_s{n}u_k{dk}_v{dv}" for n in RULE_SPLITS}
         if MOE in c.mlp_types and MOE_RULE_SPLITS in self.split_rule_names:
             self.rule_splits = MOE_RULE_SPLITS
         # A MoE model's one-row o projections (its 2048 rows: every block resident) hold their first four
@@ -226,6 +234,7 @@ class HybridForward(Forward):
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
         names += [name for name in CONV_GEMVS.values() if name in self.k.entries]
+        names += [name for name in (*self.unscaled_rule_names.values(), *HEAD_NORM_GEMVS) if name in self.k.entries]
         names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
                   *self.prefill_rule_names, *self.chunked_rule_names,
                   self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
@@ -275,6 +284,23 @@ class HybridForward(Forward):
             return None
         return self.k[name] if DECODE_GEMMS["qkv"][rows] == "fp32" else None
 
+    def head_norm_gemv(self, rows: int) -> rt.Kernel | None:
+        """The out GEMV that finishes the split rule's norm (``rule_norm_in_gemv``), where a decode step of
+        ``rows`` rows has one: a split rule, an fp32 out GEMV, both builds there."""
+        if not (self.rule_norm_in_gemv and self.rule_splits and not self.fused_step and rows <= SPLIT_RULE_ROWS
+                and DECODE_GEMMS["o"][rows] == "fp32" and self.unscaled_rule_names[self.rule_splits] in self.k.entries):
+            return None
+        name = HEAD_NORM_GEMVS[2] if self.preload_o and rows == 1 else f"gemv_residual_headnorm_m{rows}"  # as preload_o
+        return self.k[name] if name in self.k.entries else None
+
+    def head_normed_out(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:
+        """x += (``core`` with each head's gated RMSNorm) @ out.T, the norm from ``rule_partials``."""
+        c, b, w = self.c, self.b, self.w
+        n, k = c.hidden_size, c.value_dim
+        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
+                      (b.x, b.core, w[f"layers.{layer}.out"], b.cos, rows, n, k, n, float(c.rms_norm_eps),
+                       b.rule_partials, self.rule_splits, c.linear_v_head_dim), stream)
+
     def in_proj_conv(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:
         """x -> ``proj`` (z, b, a) and ``mixed`` (the conv's SiLU'd output), the conv tails moved on."""
         c, b, w = self.c, self.b, self.w
@@ -285,10 +311,12 @@ class HybridForward(Forward):
                        b.mixed, b.states.at(self.state_offset[layer] * 4), c.state_floats, b.inputs.d_state_in,
                        b.inputs.d_state_out, c.conv_dim, w[p + "conv"]), stream)
 
-    def deltanet_core(self, layer: int, rows: int, decode: bool, stream, convolved: bool = False) -> None:
+    def deltanet_core(self, layer: int, rows: int, decode: bool, stream, convolved: bool = False,
+                      unscaled: bool = False) -> None:
         """``proj`` -> ``core``: the conv (tail updated) and the delta rule, per lane or over one sequence
         (a decode step's in one launch with ``fused_step``; ``convolved``: the in_proj GEMV did the
-        conv, ``mixed`` holds it)."""
+        conv, ``mixed`` holds it; ``unscaled``: the split rule leaves its gated RMSNorm to the
+        ``head_norm_gemv`` after it)."""
         c, b, w, k = self.c, self.b, self.w, self.k
         p = f"layers.{layer}."
         seqs, seq_rows = (rows, 1) if decode else (1, rows)
@@ -309,11 +337,12 @@ class HybridForward(Forward):
                          c.conv_dim, w[p + "conv"]), stream)
         state = conv_state.at(self.conv_floats * 4)
         if decode and self.rule_splits and rows <= SPLIT_RULE_ROWS:
-            rule = k[self.split_rule_names[self.rule_splits]]
+            rule = k[(self.unscaled_rule_names if unscaled else self.split_rule_names)[self.rule_splits]]
+            args = (b.mixed, b.proj, b.core, state, slot_floats, *state_rows, c.linear_num_k_heads,
+                    c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"], w[p + "A_log"], w[p + "linear_norm"],
+                    float(c.rms_norm_eps), b.rule_partials)
             rule.launch((c.linear_num_v_heads, seqs, self.rule_splits), (rule.meta["threads"],),
-                        (b.mixed, b.proj, b.core, state, slot_floats, *state_rows, c.linear_num_k_heads,
-                         c.linear_num_v_heads, c.in_proj_size, w[p + "dt_bias"], w[p + "A_log"],
-                         w[p + "linear_norm"], float(c.rms_norm_eps), b.rule_partials, b.rule_tickets), stream)
+                        args if unscaled else args + (b.rule_tickets,), stream)
         elif decode:
             rule = k[self.rule_name]
             rule.launch((c.linear_num_v_heads, seqs), (rule.meta["threads"],),
@@ -447,9 +476,13 @@ class HybridForward(Forward):
                 else:
                     self.decode_gemm("qkv", b.proj, b.x, w[p + "in_proj"], rows, c.in_proj_size, c.hidden_size,
                                      stream, norm=w[p + "attn_norm"], then=w[p + "out"])
-                self.deltanet_core(i, rows, True, stream, convolved=bool(conv_gemv))
-                self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream,
-                                 then=w[p + "gate_up"] if dense else None)
+                out_gemv = self.head_norm_gemv(rows)
+                self.deltanet_core(i, rows, True, stream, convolved=bool(conv_gemv), unscaled=bool(out_gemv))
+                if out_gemv:
+                    self.head_normed_out(i, rows, out_gemv, stream)
+                else:
+                    self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream,
+                                     then=w[p + "gate_up"] if dense else None)
             else:
                 self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
                                  norm=w[p + "attn_norm"], then=w[p + "o"])
