@@ -899,10 +899,10 @@ for _m in CONV_GEMV_ROWS:
 KERNELS["gemv_residual_m1p4"] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {
     "threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "terms": 0, "max_rows": 1,
     "grid_wait": 1})
-# A DeltaNet out projection finishing the split delta rule's gated RMSNorm (HybridForward.rule_norm_in_gemv),
-# at the row counts whose out projection is the fp32 GEMV, and the one-row build holding four steps.
+# A one-row DeltaNet out projection finishing the split delta rule's gated RMSNorm
+# (HybridForward.rule_norm_in_gemv), and its build holding four steps (Forward.preload_o).
 HEAD_NORM_SIG = MMA_SIG + (F32P, int32, int32)
-for _m, _preload in [(m, 1) for m in CONV_GEMV_ROWS] + [(1, 4)]:
+for _m, _preload in [(1, 1), (1, 4)]:
     KERNELS[f"gemv_residual_headnorm_m{_m}" + (f"p{_preload}" if _preload > 1 else "")] = (
         make_gemv(_m, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True), HEAD_NORM_SIG,
         {"threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "head_norm": 1, "terms": 0,

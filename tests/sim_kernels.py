@@ -159,9 +159,9 @@ def case_conv_gemv(rows: int) -> dict:
 
 
 def case_rule_norm_gemv(rows: int) -> dict:
-    """``deltanet_rule_s2u`` then ``gemv_residual_headnorm_m{rows}`` (the out GEMV scaling each head by its
+    """``deltanet_rule_s2u`` then ``gemv_residual_headnorm_m1`` (the out GEMV scaling each head by its
     gated RMSNorm: ``HybridForward.rule_norm_in_gemv``) against ``deltanet_rule_s2`` (its last block
-    scales) then ``gemv_residual_m{rows}``, at one row also both ``p4`` builds: the residual stream and
+    scales) then ``gemv_residual_m1``, and the same with their ``p4`` builds: the residual stream and
     the states bit for bit, lanes out of order and written out of place, the tickets back at zero."""
     gpu = kernel_sim.SimGpu()
     rng = np.random.default_rng(80 + rows)
@@ -180,7 +180,7 @@ def case_rule_norm_gemv(rows: int) -> dict:
     bits, _ = bf16_matrix(rng, hidden, value_dim)
     y0 = rng.standard_normal((rows, hidden)).astype(np.float32)
     tickets = gpu.put(np.zeros(rows * n_v, np.int32))
-    builds = [""] + (["p4"] if rows == 1 else [])
+    builds = ["", "p4"]
     result = {}
     for build in builds:
         runs = []

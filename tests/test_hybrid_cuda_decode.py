@@ -306,11 +306,11 @@ def test_split_rule_replaces_the_rule_launch(name):
 
 
 @pytest.mark.parametrize("name", ["27b", "35b-a3b"])
-def test_one_and_two_row_steps_scale_the_split_rule_in_the_out_gemv(name):
-    """``rule_norm_in_gemv``: where the rule is split (the MoE model by default) and a step has one or two
-    rows, each DeltaNet layer launches ``deltanet_rule_s{n}u`` (no tickets) and, for its out projection,
-    ``gemv_residual_headnorm_m{rows}`` (``p4`` at one row, as the preloaded o GEMV) reading core, the
-    rule's partial sums, the split count and the head dim; three rows, the option off, or the dense
+def test_one_row_steps_scale_the_split_rule_in_the_out_gemv(name):
+    """``rule_norm_in_gemv``: where the rule is split (the MoE model by default) and a step has one row,
+    each DeltaNet layer launches ``deltanet_rule_s{n}u`` (no tickets) and, for its out projection,
+    ``gemv_residual_headnorm_m1p4`` (as the preloaded o GEMV; ``m1`` without ``preload_o``) reading core,
+    the rule's partial sums, the split count and the head dim; two rows, the option off, or the dense
     model (no split) launch the ticketed rule and the plain out GEMV."""
     from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS
 
@@ -322,7 +322,9 @@ def test_one_and_two_row_steps_scale_the_split_rule_in_the_out_gemv(name):
         assert not any("headnorm" in n or "u_k" in n for n in decode_launches(fwd, 1) + decode_launches(fwd, 2))
         return
     unscaled = fwd.unscaled_rule_names[splits]
-    for rows, out in ((1, "gemv_residual_headnorm_m1p4"), (2, "gemv_residual_headnorm_m2")):
+    for preload, out in ((True, "gemv_residual_headnorm_m1p4"), (False, "gemv_residual_headnorm_m1")):
+        fwd.preload_o = preload
+        rows = 1
         launched = decode_launches(fwd, rows)
         assert launched.count(unscaled) == linear and launched.count(out) == linear
         assert fwd.split_rule_names[splits] not in launched
@@ -335,8 +337,9 @@ def test_one_and_two_row_steps_scale_the_split_rule_in_the_out_gemv(name):
                            if config.layer_types[i] == LINEAR)
                 assert args[5:8] == (config.hidden_size, config.value_dim, config.hidden_size)
                 assert args[9] is fwd.b.rule_partials and args[10:] == (splits, config.linear_v_head_dim)
-    assert not any("headnorm" in n for n in decode_launches(fwd, 3)) and SPLIT_RULE_ROWS >= 3
-    assert fwd.split_rule_names[splits] in decode_launches(fwd, 3)
+    fwd.preload_o = True
+    assert not any("headnorm" in n for n in decode_launches(fwd, 2)) and SPLIT_RULE_ROWS >= 2
+    assert fwd.split_rule_names[splits] in decode_launches(fwd, 2)
     fwd.rule_norm_in_gemv = False
     launched = decode_launches(fwd, 1)
     assert unscaled not in launched and "gemv_residual_m1p4" in launched

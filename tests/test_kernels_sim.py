@@ -30,7 +30,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
          ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
          ("gated_combine", 3), ("split_attention", 4), ("conv_gemv", 1), ("conv_gemv", 2),
-         ("rule_norm_gemv", 1), ("rule_norm_gemv", 2)]
+         ("rule_norm_gemv", 1)]
 _runs: dict = {}
 
 
@@ -162,13 +162,12 @@ def test_the_in_proj_gemv_with_the_conv_is_gemv_then_conv(rows):
     assert all(result.values()), result
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_the_out_gemv_scaling_the_split_rule_is_the_ticketed_rule(rows):
-    """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m{rows}`` (``HybridForward.rule_norm_in_gemv``) against
-    ``deltanet_rule_s2`` + ``gemv_residual_m{rows}``, and at one row their ``p4`` builds: the residual
-    stream and the states bit for bit."""
-    result = simulate("rule_norm_gemv", rows)
-    assert sorted(result) == ([f"m{rows}"] + (["m1p4"] if rows == 1 else []))
+def test_the_out_gemv_scaling_the_split_rule_is_the_ticketed_rule():
+    """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m1`` (``HybridForward.rule_norm_in_gemv``) against
+    ``deltanet_rule_s2`` + ``gemv_residual_m1``, and their ``p4`` builds: the residual stream and the
+    states bit for bit."""
+    result = simulate("rule_norm_gemv", 1)
+    assert sorted(result) == ["m1", "m1p4"]
     for build, checks in result.items():
         assert all(checks.values()), (build, checks)
 

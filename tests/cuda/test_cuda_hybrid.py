@@ -247,11 +247,12 @@ def test_split_rule_is_the_rule(splits):
     assert not gpu.get(tickets, np.int32, (rows * nv,)).any()
 
 
-@pytest.mark.parametrize("rows, build", [(1, ""), (1, "p4"), (2, "")])
-def test_out_gemv_scaling_the_split_rule_is_the_ticketed_rule(rows, build):
-    """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m{rows}{build}`` (``HybridForward.rule_norm_in_gemv``)
-    against ``deltanet_rule_s2`` + ``gemv_residual_m{rows}{build}`` at the 35B-A3B's head dim and widths:
-    the residual stream and the states bit for bit (lanes out of order, written out of place)."""
+@pytest.mark.parametrize("build", ["", "p4"])
+def test_out_gemv_scaling_the_split_rule_is_the_ticketed_rule(build):
+    """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m1{build}`` (``HybridForward.rule_norm_in_gemv``)
+    against ``deltanet_rule_s2`` + ``gemv_residual_m1{build}`` at the 35B-A3B's head dim and widths:
+    the residual stream and the states bit for bit (the lane's slots written out of place)."""
+    rows = 1
     from ninfer.artifact.bf16 import from_float32
 
     gpu, rng = Gpu(), np.random.default_rng(60 + rows)

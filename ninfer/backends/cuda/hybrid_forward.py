@@ -52,7 +52,7 @@ CONV_KERNEL = 4
 DELTANET_HEAD_DIMS = (16, 32, 64, 128)
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
 CONV_GEMVS = {rows: f"gemv_normed_conv_m{rows}" for rows in (1, 2)}  # HybridForward.conv_in_gemv
-HEAD_NORM_GEMVS = ("gemv_residual_headnorm_m1", "gemv_residual_headnorm_m2", "gemv_residual_headnorm_m1p4")  # rule_norm_in_gemv
+HEAD_NORM_GEMVS = ("gemv_residual_headnorm_m1", "gemv_residual_headnorm_m1p4")  # HybridForward.rule_norm_in_gemv
 RULE_SPLITS = (2, 4, 8)  # deltanet_rule_s{n}'s builds, where a block keeps whole warps (numba_kernels/deltanet.py)
 MOE_RULE_SPLITS = 2  # HybridForward.rule_splits of a MoE hybrid
 SPLIT_RULE_ROWS = 4  # the most rows a decode step splits its delta rule for (batch 8 measured level or slower)
@@ -186,10 +186,11 @@ class HybridForward(Forward):
     # launch: the same arithmetic on the same sums, one launch a layer fewer. Not with ``fused_step``,
     # whose kernel convolves itself.
     conv_in_gemv = True
-    # Where a decode step's delta rule is split (``rule_splits``) and its out projection is the fp32 GEMV
-    # (one or two rows), the rule leaves its outputs unscaled (``deltanet_rule_s{n}u``) and the out GEMV
-    # applies each head's gated RMSNorm as it loads them (``gemv_residual_headnorm_m{rows}``,
-    # numba_kernels/gemm.py): the same bits, without the rule's ticket and last block on the critical path.
+    # Where a one-row decode step's delta rule is split (``rule_splits``), the rule leaves its outputs
+    # unscaled (``deltanet_rule_s{n}u``) and the out GEMV applies each head's gated RMSNorm as it loads
+    # them (``gemv_residual_headnorm_m1[p4]``, numba_kernels/gemm.py): the same bits, without the rule's
+    # ticket and last block. H100, 35B-A3B, GPU ms a step (tools/gpu_bench_hybrid.py --rule-norm-ablation,
+    # two runs): b1 2.88 -> 2.87; at two rows (a build since dropped) 4.13 -> 4.14.
     rule_norm_in_gemv = True
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
@@ -286,11 +287,11 @@ class HybridForward(Forward):
 
     def head_norm_gemv(self, rows: int) -> rt.Kernel | None:
         """The out GEMV that finishes the split rule's norm (``rule_norm_in_gemv``), where a decode step of
-        ``rows`` rows has one: a split rule, an fp32 out GEMV, both builds there."""
-        if not (self.rule_norm_in_gemv and self.rule_splits and not self.fused_step and rows <= SPLIT_RULE_ROWS
-                and DECODE_GEMMS["o"][rows] == "fp32" and self.unscaled_rule_names[self.rule_splits] in self.k.entries):
+        ``rows`` rows has one: one row, a split rule, both builds there."""
+        if not (self.rule_norm_in_gemv and rows == 1 and self.rule_splits and not self.fused_step
+                and self.unscaled_rule_names[self.rule_splits] in self.k.entries):
             return None
-        name = HEAD_NORM_GEMVS[2] if self.preload_o and rows == 1 else f"gemv_residual_headnorm_m{rows}"  # as preload_o
+        name = HEAD_NORM_GEMVS[1] if self.preload_o else HEAD_NORM_GEMVS[0]  # as Forward.preload_o
         return self.k[name] if name in self.k.entries else None
 
     def head_normed_out(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:
