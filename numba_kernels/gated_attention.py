@@ -46,8 +46,6 @@ KEYS = 4  # keys a warp of gated_attention loads before it scores any: one laten
 def make_qk_rope(store):
     def qk_rope(qkv, q_out, gate_out, q_norm, k_norm, cos_t, sin_t, kc, page_stride, page_tables,
                 max_pages, row_table, positions, n_heads, n_kv, head_dim, rot_half, page_size, eps):
-        launch_dependents()  # programmatic dependent launch: common.py
-        grid_dependency_wait()
         sh = cuda.shared.array(MAX_HEAD_DIM, float32)
         scratch = cuda.shared.array(32, float32)
         row = int64(cuda.blockIdx.x)
@@ -56,31 +54,41 @@ def make_qk_rope(store):
         width = 2 * (n_heads + n_kv) * head_dim
         is_q = head < n_heads
         is_v = head >= n_heads + n_kv
+        # What no kernel of the step writes (the position, its rotary entry, the norm weight, the KV page)
+        # is loaded before the wait for the q/k/v GEMM, and before the trigger: ptxas keeps loads that
+        # precede it there (common.py, "programmatic dependent launch").
+        pos = positions[row]
+        weight, c, s = float32(0.0), float32(1.0), float32(0.0)
+        if not is_v:
+            weight = q_norm[i] if is_q else k_norm[i]
+            if i < 2 * rot_half:
+                at = pos * rot_half + (i if i < rot_half else i - rot_half)
+                c = cos_t[at]
+                s = sin_t[at]
+        page = int64(0)
+        if not is_q:
+            page = int64(page_tables[row_table[row] * max_pages + pos // page_size])
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
         if is_q:
             src = row * width + head * 2 * head_dim + i
             gate_out[row * n_heads * head_dim + head * head_dim + i] = qkv[src + head_dim]
         else:
             src = row * width + 2 * n_heads * head_dim + (head - n_heads) * head_dim + i
         x = qkv[src]
-        pos = positions[row]
         if not is_v:  # uniform per block, so every thread of it reaches the block_sum
             total = block_sum(x * x, scratch)
             inv = float32(1.0) / math.sqrt(total / float32(head_dim) + eps)
-            x = (x * inv) * (q_norm[i] if is_q else k_norm[i])
+            x = (x * inv) * weight
             sh[i] = x
             cuda.syncthreads()
             if i < rot_half:
-                c = cos_t[pos * rot_half + i]
-                s = sin_t[pos * rot_half + i]
                 x = x * c - sh[i + rot_half] * s
             elif i < 2 * rot_half:
-                c = cos_t[pos * rot_half + i - rot_half]
-                s = sin_t[pos * rot_half + i - rot_half]
                 x = x * c + sh[i - rot_half] * s
         if is_q:
             q_out[row * (n_heads + 2 * n_kv) * head_dim + head * head_dim + i] = x
             return
-        page = int64(page_tables[row_table[row] * max_pages + pos // page_size])
         slot = pos % page_size
         kv_head = head - n_heads
         base = page * page_stride

@@ -598,6 +598,54 @@ def case_gated_combine(rows: int) -> dict:
             "attention": _gated_attention(rows)}
 
 
+def case_gated_qk_rope(rows: int) -> dict:
+    """``gated_qk_rope_f32`` (its loads of the position, rotary entries, norm weights and KV page before
+    the grid wait) against NumPy: the gates copied, q and k through their RMSNorm (``1 + w`` folded)
+    and RoPE on the first ``2 * rot_half`` dims, q into its row, k and v into the rows' pages."""
+    gpu = kernel_sim.SimGpu()
+    rng = np.random.default_rng(20 + rows)
+    heads, kv, d, rot_half, page, max_pages, max_context = 4, 2, 32, 4, 16, 3, 48
+    qkv = rng.standard_normal((rows, 2 * (heads + kv) * d)).astype(np.float32)
+    q_norm, k_norm = ((1 + 0.1 * rng.standard_normal(d)).astype(np.float32) for _ in range(2))
+    angles = np.arange(max_context)[:, None] * (0.5 ** np.arange(rot_half))[None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    positions = np.array([5, 37, 20][:rows], np.int32)
+    table = (1 + np.arange(rows * max_pages)).reshape(rows, max_pages).astype(np.int32)
+    page_stride = 2 * kv * page * d
+    pool = np.zeros(((rows * max_pages + 1), 2, kv, page, d), np.float32)
+    q_out, gate = gpu.empty(rows * (heads + 2 * kv) * d * 4), gpu.empty(rows * heads * d * 4)
+    d_pool = gpu.put(pool)
+    gpu.launch("gated_qk_rope_f32", (rows, heads + 2 * kv), (d,),
+               (gpu.put(qkv), q_out, gate, gpu.put(q_norm), gpu.put(k_norm), gpu.put(cos), gpu.put(sin), d_pool,
+                page_stride, gpu.put(table), max_pages, gpu.put(np.arange(rows, dtype=np.int32)), gpu.put(positions),
+                heads, kv, d, rot_half, page, EPS))
+
+    def normed_roped(x, w, pos):
+        x = x / np.sqrt((x.astype(np.float64) ** 2).mean() + EPS) * w
+        a, b = x[:rot_half].copy(), x[rot_half:2 * rot_half].copy()
+        x[:rot_half], x[rot_half:2 * rot_half] = a * cos[pos] - b * sin[pos], b * cos[pos] + a * sin[pos]
+        return x
+
+    q_want = np.zeros((rows, heads + 2 * kv, d))
+    pool_want = pool.astype(np.float64)
+    for r in range(rows):
+        pos = positions[r]
+        row = qkv[r].astype(np.float64)
+        for h in range(heads):
+            q_want[r, h] = normed_roped(row[2 * h * d:2 * h * d + d], q_norm, pos)
+        for j in range(kv):
+            k = row[2 * heads * d + j * d:2 * heads * d + j * d + d]
+            v = row[2 * heads * d + (kv + j) * d:2 * heads * d + (kv + j) * d + d]
+            at = table[r, pos // page]
+            pool_want[at, 0, j, pos % page] = normed_roped(k, k_norm, pos)
+            pool_want[at, 1, j, pos % page] = v
+    gates = qkv.reshape(rows, heads + kv, 2, d)[:, :heads, 1].reshape(rows, -1)
+    q_got = gpu.get(q_out, np.float32, (rows, heads + 2 * kv, d))
+    return {"gate_equal": bool(np.array_equal(gpu.get(gate, np.float32, (rows, heads * d)), gates)),
+            "q": rel(q_got[:, :heads], q_want[:, :heads]),
+            "pool": rel(gpu.get(d_pool, np.float32, pool.shape), pool_want)}
+
+
 def _split_partials(gpu, name: str, grid: tuple, q: np.ndarray, pool: np.ndarray, table: np.ndarray,
                     positions: np.ndarray, heads: int, split_len: int, splits: int) -> tuple:
     """Launch the split attention kernel ``name`` (``attention_*`` / ``gated_attention_*``, one
@@ -757,7 +805,7 @@ def case_hybrid_decode(rows: int) -> dict:
 
 
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
-         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
+         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "gated_qk_rope": case_gated_qk_rope, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
          "split_attention": case_split_attention}
 
 

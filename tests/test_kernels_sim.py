@@ -30,7 +30,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
          ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
          ("gated_combine", 3), ("split_attention", 4), ("conv_gemv", 1), ("conv_gemv", 2),
-         ("rule_norm_gemv", 1)]
+         ("rule_norm_gemv", 1), ("gated_qk_rope", 3)]
 _runs: dict = {}
 
 
@@ -170,6 +170,14 @@ def test_the_out_gemv_scaling_the_split_rule_is_the_ticketed_rule():
     assert sorted(result) == ["m1", "m1p4"]
     for build, checks in result.items():
         assert all(checks.values()), (build, checks)
+
+
+def test_gated_qk_rope_matches_numpy():
+    """``gated_qk_rope`` (the hybrids' q/k norms, partial RoPE and KV append; what it needs of the step's
+    inputs and weights loaded before its grid wait) against NumPy: gates bit for bit, q and the pool to
+    fp32 rounding."""
+    result = simulate("gated_qk_rope", 3)
+    assert result["gate_equal"] and result["q"] < TOL and result["pool"] < TOL, result
 
 
 def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():
