@@ -71,7 +71,8 @@ DECODE_GEMM_TOLERANCE = {0: 1e-6, 2: 3e-5, 3: 1e-5}
 @pytest.mark.parametrize("name", DECODE_GEMMS)
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 24), (3, 301, 1000), (8, 4096, 256), (5, 40, 4104)])
 def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
-    """Every fused decode GEMM (meta: epilogue, normed, terms, max_rows) against float64 NumPy."""
+    """Every fused decode GEMM (meta: epilogue, normed, terms, max_rows; chain, keep, next, head_norm) against
+    float64 NumPy."""
     kernel = gpu.kernels[name]
     epilogue, normed = kernel.meta["epilogue"], kernel.meta["normed"]
     rows = min(rows, kernel.meta["max_rows"])
@@ -104,6 +105,17 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
     elif chain == "out":  # the next norm's weights are per output column
         norm_w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
         extra = (gpu.empty(8 * n * 4), gpu.empty(grid * 8 * 4))
+    elif epilogue == "conv":  # a DeltaNet in_proj's: no conv channels, so every column is stored (the conv's
+        # own checks: tests/test_kernels_sim.py and the hybrid models of tests/cuda/test_cuda_hybrid.py)
+        lanes, dummy = gpu.put(np.zeros(8, np.int32)), gpu.empty(64)
+        extra = (dummy, dummy, 0, lanes, lanes, 0, dummy)
+    elif kernel.meta.get("head_norm"):  # x: a split delta rule's unscaled output, each 8-wide head scaled here
+        head_dim, splits = 8, 2
+        partials = rng.uniform(0.5, 4, (rows, k // head_dim, splits)).astype(np.float32)
+        inv = 1 / np.sqrt(partials.astype(np.float64).sum(-1) / head_dim + eps)
+        h = (x.reshape(rows, -1, head_dim) * inv[..., None]).reshape(rows, k)
+        want = h @ to_float32(w).T.astype(np.float64) + y0[:rows]
+        extra = (gpu.put(partials), splits, head_dim)
     elif kernel.meta.get("next"):  # "the next GEMM's weights" asked of L2: a hint that changes nothing
         then = gpu.put(np.zeros(4096 + 37 * 16, np.uint8))
         extra = (*kept, then, then.nbytes)
