@@ -34,6 +34,7 @@ from numba import cuda, float32, int32, int64
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, block_sum, grid_dependency_wait, last_to_finish,
                                   launch_dependents, warp_sum)
+from numba_kernels.decode_attention import as_stored_bf16, as_stored_f32
 from numba_kernels.deltanet import sigmoid
 from numba_kernels.rope import load_bf16, load_f32, store_bf16, store_f32
 
@@ -100,21 +101,78 @@ def make_qk_rope(store):
     return qk_rope
 
 
+def make_split_pieces(D):
+    """(fold_round, write_partial): a warp's online softmax over one round of KEYS keys already in
+    registers, and the block's warps merged into its split's cell of ``part_o`` / ``part_ml``."""
+    E = D // 32  # dims per lane
+
+    @cuda.jit(device=True, inline=True)
+    def fold_round(q, keys, values, scores, acc, m, l, first, end, scale):
+        """Keys ``first, first + WARPS, ...`` (those at or past ``end`` weigh 0) into the warp's state;
+        returns the new maximum and sum."""
+        for g in range(KEYS):
+            dot = float32(0.0)
+            for e in range(E):
+                dot += q[e] * keys[g, e]
+            scores[g] = warp_sum(dot) * scale if first + g * WARPS < end else NEG_BIG
+        m_new = m
+        for g in range(KEYS):
+            m_new = max(m_new, scores[g])
+        alpha = math.exp(m - m_new)
+        l *= alpha
+        for e in range(E):
+            acc[e] *= alpha
+        for g in range(KEYS):
+            p = math.exp(scores[g] - m_new)
+            l += p
+            for e in range(E):
+                acc[e] += p * values[g, e]
+        return m_new, l
+
+    @cuda.jit(device=True, inline=True)
+    def write_partial(acc, m, l, warp, lane, part_o, part_ml, row, h, n_heads, n_splits, split):
+        """The block's warps' states merged (a block barrier) into the cell of (row, head h, split)."""
+        sh_m = cuda.shared.array(WARPS, float32)
+        sh_l = cuda.shared.array(WARPS, float32)
+        sh_o = cuda.shared.array((WARPS, D), float32)
+        if lane == 0:
+            sh_m[warp] = m
+            sh_l[warp] = l
+        for e in range(E):
+            sh_o[warp, lane * E + e] = acc[e]
+        cuda.syncthreads()
+        for d in range(cuda.threadIdx.x, D, WARPS * 32):
+            mm = NEG_BIG
+            for w in range(WARPS):
+                mm = max(mm, sh_m[w])
+            ll = float32(0.0)
+            oo = float32(0.0)
+            for w in range(WARPS):
+                f = math.exp(sh_m[w] - mm) if sh_l[w] > float32(0.0) else float32(0.0)
+                ll += sh_l[w] * f
+                oo += sh_o[w, d] * f
+            cell = (row * n_heads + h) * n_splits + split
+            part_o[cell * D + d] = oo
+            if d == 0:
+                part_ml[cell * 2] = mm
+                part_ml[cell * 2 + 1] = ll
+
+    return fold_round, write_partial
+
+
 def make_attention(D, load, merged: bool = False):
     """``gated_attention_d{D}``; ``merged``: ``gated_attention_merged_d{D}``, whose last block of each
     (row, head) to finish its split (a ticket in ``tickets[row * n_heads + head]``, zero between
     launches) merges the row's splits with the gate as ``gated_combine`` does, bit for bit: one launch
     a decode attention layer fewer (three more arguments, ``out, gate, tickets``)."""
     E = D // 32  # dims per lane
+    fold_round, write_partial = make_split_pieces(D)
 
     @cuda.jit(device=True, inline=True)
     def partials(q_in, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml,
                  n_heads, n_kv, page_shift, split_ptr, n_splits, scale):
         """The block's split of keys into its cell of ``part_o`` / ``part_ml``; False if the split is
         past the row's keys (the block has nothing to do)."""
-        sh_m = cuda.shared.array(WARPS, float32)
-        sh_l = cuda.shared.array(WARPS, float32)
-        sh_o = cuda.shared.array((WARPS, D), float32)
         h = cuda.blockIdx.x
         row = cuda.blockIdx.y
         split = cuda.blockIdx.z
@@ -151,46 +209,9 @@ def make_attention(D, load, merged: bool = False):
                 for e in range(E):
                     keys[g, e] = load(kc, at[g] + e)
                     values[g, e] = load(kc, at[g] + v_off + e)
-            for g in range(KEYS):
-                dot = float32(0.0)
-                for e in range(E):
-                    dot += q[e] * keys[g, e]
-                scores[g] = warp_sum(dot) * scale if first + g * WARPS < end else NEG_BIG
-            m_new = m
-            for g in range(KEYS):
-                m_new = max(m_new, scores[g])
-            alpha = math.exp(m - m_new)
-            l *= alpha
-            for e in range(E):
-                acc[e] *= alpha
-            for g in range(KEYS):
-                p = math.exp(scores[g] - m_new)
-                l += p
-                for e in range(E):
-                    acc[e] += p * values[g, e]
-            m = m_new
+            m, l = fold_round(q, keys, values, scores, acc, m, l, first, end, scale)
             first += KEYS * WARPS
-        if lane == 0:
-            sh_m[warp] = m
-            sh_l[warp] = l
-        for e in range(E):
-            sh_o[warp, lane * E + e] = acc[e]
-        cuda.syncthreads()
-        for d in range(cuda.threadIdx.x, D, WARPS * 32):
-            mm = NEG_BIG
-            for w in range(WARPS):
-                mm = max(mm, sh_m[w])
-            ll = float32(0.0)
-            oo = float32(0.0)
-            for w in range(WARPS):
-                f = math.exp(sh_m[w] - mm) if sh_l[w] > float32(0.0) else float32(0.0)
-                ll += sh_l[w] * f
-                oo += sh_o[w, d] * f
-            cell = (row * n_heads + h) * n_splits + split
-            part_o[cell * D + d] = oo
-            if d == 0:
-                part_ml[cell * 2] = mm
-                part_ml[cell * 2 + 1] = ll
+        write_partial(acc, m, l, warp, lane, part_o, part_ml, row, h, n_heads, n_splits, split)
         return True
 
     if not merged:
@@ -218,6 +239,171 @@ def make_attention(D, load, merged: bool = False):
                 merge_splits(out, gate, part_o, part_ml, row, h, active, n_heads, n_splits, D, d)
 
     return attention_merged
+
+
+def make_roped_attention(D, load, store, as_stored):
+    """``gated_attention_roped_d{D}``: a decode step's ``gated_qk_rope`` and ``gated_attention`` in one launch
+    (every row its own sequence, adding one key), the same grid, block and results bit for bit. Before
+    the grid wait a block loads what no kernel of the step writes: its dims' norm weights and rotary
+    entries, the new token's page, and its warps' first round of keys (the new token's slot too, whose
+    stale value is never used). After it: the query head (and its gate, by the split-0 block, into
+    ``gate_out`` for ``gated_combine``) and, where the split holds the new token, its K and V head, all
+    from the projection row; the norms summed as ``block_sum`` over a thread a dim sums them (a warp a
+    32-dim chunk, the chunks in order), RoPE on the first ``2 * rot_half`` dims; the block of the head's
+    group's first query head appends K and V to the pool, and every block folds the new key from shared
+    memory (as the pool holds it) in its place among the keys. Arguments: ``gated_attention``'s, the
+    projection ``qkv`` in place of q, then ``gate_out, q_norm, k_norm, cos, sin, rot_half, eps``."""
+    E = D // 32  # dims per lane
+    THREADS = WARPS * 32
+    DIMS = -(-D // THREADS)  # dims a thread normalises and rotates
+    CHUNKS = D // 32
+    fold_round, write_partial = make_split_pieces(D)
+
+    @cuda.jit(device=True, inline=True)
+    def normalised(x, weight, sh, scratch, eps):
+        """``x * (1 / rms) * weight`` of a head (a thread's DIMS dims of it; block-uniform call) into
+        ``sh``, summed as ``gated_qk_rope``'s block of D threads sums; then a block barrier."""
+        warp = cuda.threadIdx.x >> 5
+        for j in range(DIMS):
+            if warp + j * WARPS < CHUNKS:
+                total = warp_sum(x[j] * x[j])
+                if cuda.threadIdx.x & 31 == 0:
+                    scratch[warp + j * WARPS] = total
+        cuda.syncthreads()
+        total = float32(0.0)
+        for c in range(CHUNKS):
+            total += scratch[c]
+        inv = float32(1.0) / math.sqrt(total / float32(D) + eps)
+        for j in range(DIMS):
+            d = cuda.threadIdx.x + j * THREADS
+            if d < D:
+                sh[d] = (x[j] * inv) * weight[j]
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def rotated(sh, d, c, s, rot_half):
+        """Dim ``d`` of the normalised head in ``sh`` after RoPE (``gated_qk_rope``'s arithmetic)."""
+        if d < rot_half:
+            return sh[d] * c - sh[d + rot_half] * s
+        if d < 2 * rot_half:
+            return sh[d] * c + sh[d - rot_half] * s
+        return sh[d]
+
+    def roped(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads, n_kv,
+              page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t, rot_half, eps):
+        sh_x = cuda.shared.array(D, float32)  # a normalised head
+        sh_q = cuda.shared.array(D, float32)
+        sh_k = cuda.shared.array(D, float32)  # the new key and value, as the pool holds them
+        sh_v = cuda.shared.array(D, float32)
+        scratch = cuda.shared.array(32, float32)
+        h = cuda.blockIdx.x
+        row = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        pos = positions[row]
+        length = pos + 1
+        start = split * split_ptr[0]
+        if start >= length:
+            return  # no keys: no partial (an exited block counts as triggered)
+        end = min(start + split_ptr[0], length)
+        owner = end == length  # the split holding the new token
+        group = n_heads // n_kv
+        kvh = h // group
+        table = row_table[row] * max_pages
+        page_mask = (int64(1) << page_shift) - 1
+        head_off = int64(kvh) * (page_mask + 1) * D
+        v_off = int64(n_kv) * (page_mask + 1) * D
+        # What no kernel of the step writes, before the trigger (ptxas keeps such loads before the wait).
+        wq = cuda.local.array(DIMS, float32)
+        wk = cuda.local.array(DIMS, float32)
+        cs = cuda.local.array(DIMS, float32)
+        sn = cuda.local.array(DIMS, float32)
+        for j in range(DIMS):
+            d = min(tid + j * THREADS, D - 1)
+            wq[j] = q_norm[d]
+            wk[j] = k_norm[d]
+            r = min(d if d < rot_half else d - rot_half, rot_half - 1)
+            cs[j] = cos_t[pos * rot_half + r]
+            sn[j] = sin_t[pos * rot_half + r]
+        new_at = int64(page_tables[table + (pos >> page_shift)]) * page_stride + head_off + (pos & page_mask) * D
+        at = cuda.local.array(KEYS, int64)
+        keys = cuda.local.array((KEYS, E), float32)
+        values = cuda.local.array((KEYS, E), float32)
+        scores = cuda.local.array(KEYS, float32)
+        first = start + warp
+        for g in range(KEYS):  # the warp's first round
+            t = min(first + g * WARPS, end - 1)
+            at[g] = int64(page_tables[table + (t >> page_shift)]) * page_stride + head_off + (t & page_mask) * D
+        for g in range(KEYS):
+            for e in range(E):
+                keys[g, e] = load(kc, at[g] + lane * E + e)
+                values[g, e] = load(kc, at[g] + v_off + lane * E + e)
+        launch_dependents()  # programmatic dependent launch: common.py
+        grid_dependency_wait()
+        width = int64(2 * (n_heads + n_kv) * D)
+        q_at = row * width + 2 * h * D
+        k_at = row * width + (2 * n_heads + kvh) * D
+        x = cuda.local.array(DIMS, float32)
+        xk = cuda.local.array(DIMS, float32)
+        xv = cuda.local.array(DIMS, float32)
+        for j in range(DIMS):  # every load first
+            d = min(tid + j * THREADS, D - 1)
+            x[j] = qkv[q_at + d]
+            xk[j] = qkv[k_at + d]
+            xv[j] = qkv[k_at + n_kv * D + d]
+        if split == 0:
+            for d in range(tid, D, THREADS):
+                gate_out[(row * n_heads + h) * D + d] = qkv[q_at + D + d]
+        normalised(x, wq, sh_x, scratch, eps)
+        for j in range(DIMS):
+            d = tid + j * THREADS
+            if d < D:
+                sh_q[d] = rotated(sh_x, d, cs[j], sn[j], rot_half)
+        if owner:  # block-uniform
+            cuda.syncthreads()  # sh_x is read: it takes the key next
+            normalised(xk, wk, sh_x, scratch, eps)
+            writes = h == kvh * group  # the group's first head appends
+            for j in range(DIMS):
+                d = tid + j * THREADS
+                if d < D:
+                    k = rotated(sh_x, d, cs[j], sn[j], rot_half)
+                    if writes:
+                        store(kc, new_at + d, k)
+                        store(kc, new_at + v_off + d, xv[j])
+                    sh_k[d] = as_stored(k)
+                    sh_v[d] = as_stored(xv[j])
+        cuda.syncthreads()
+        q = cuda.local.array(E, float32)
+        acc = cuda.local.array(E, float32)
+        for e in range(E):
+            q[e] = sh_q[lane * E + e]
+            acc[e] = float32(0.0)
+        m = NEG_BIG
+        l = float32(0.0)
+        loaded = True
+        while first < end:  # as gated_attention's loop, the new key from shared memory
+            if not loaded:
+                for g in range(KEYS):
+                    t = min(first + g * WARPS, end - 1)
+                    at[g] = (int64(page_tables[table + (t >> page_shift)]) * page_stride + head_off
+                             + (t & page_mask) * D)
+                for g in range(KEYS):
+                    for e in range(E):
+                        keys[g, e] = load(kc, at[g] + lane * E + e)
+                        values[g, e] = load(kc, at[g] + v_off + lane * E + e)
+            loaded = False
+            for g in range(KEYS):
+                if min(first + g * WARPS, end - 1) == pos:
+                    for e in range(E):
+                        keys[g, e] = sh_k[lane * E + e]
+                        values[g, e] = sh_v[lane * E + e]
+            m, l = fold_round(q, keys, values, scores, acc, m, l, first, end, scale)
+            first += KEYS * WARPS
+        write_partial(acc, m, l, warp, lane, part_o, part_ml, row, h, n_heads, n_splits, split)
+
+    return roped
 
 
 @cuda.jit(device=True, inline=True)
@@ -289,7 +475,12 @@ KERNELS = {
     "sigmoid_gate": (sigmoid_gate, (F32P, F32P, F32P, int32)),
 }
 for _d in HEAD_DIMS:
-    for _pool, _load, _ptr in (("bf16", load_bf16, U16P), ("f32", load_f32, F32P)):
+    for _pool, _load, _ptr, _store, _stored in (("bf16", load_bf16, U16P, store_bf16, as_stored_bf16),
+                                                ("f32", load_f32, F32P, store_f32, as_stored_f32)):
+        KERNELS[f"gated_attention_roped_d{_d}_{_pool}"] = (
+            make_roped_attention(_d, _load, _store, _stored),
+            _attention_signature(_ptr) + (F32P, F32P, F32P, F32P, F32P, int32, float32),
+            {"threads": WARPS * 32, "grid_wait": 1})
         KERNELS[f"gated_attention_d{_d}_{_pool}"] = (make_attention(_d, _load), _attention_signature(_ptr),
                                                      {"threads": WARPS * 32, "grid_wait": 1})
         KERNELS[f"gated_attention_merged_d{_d}_{_pool}"] = (

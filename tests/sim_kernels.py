@@ -726,11 +726,12 @@ def case_split_attention(rows: int) -> dict:
                              attention_in_numpy(q, pool, table, positions, heads))}
 
 
-def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int) -> int:
+def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int, positions=None) -> int:
     """A greedy decode step's inputs for ``rows`` lanes whose keys are already cached (1 .. max_context - 2
-    of them, ``pages`` pages a lane from page 1 on), uploaded; returns the attention depth the runner
-    would pick."""
-    positions = rng.integers(1, max_context - 1, rows).astype(np.int32)
+    of them unless ``positions`` are given, ``pages`` pages a lane from page 1 on), uploaded; returns the
+    attention depth the runner would pick."""
+    if positions is None:
+        positions = rng.integers(1, max_context - 1, rows).astype(np.int32)
     inp.tokens[:rows] = rng.integers(0, vocab, rows)
     inp.positions[:rows] = positions
     inp.row_table[:rows] = np.arange(rows)
@@ -804,8 +805,63 @@ def case_hybrid_decode(rows: int) -> dict:
                                  and not gpu.get(buffers.attention_tickets, np.int32, (8 * config.num_heads,)).any())}
 
 
+def case_roped_attention(rows: int) -> dict:
+    """A whole ``HybridForward.decode`` step (a DeltaNet and a gated-attention layer, dense MLPs, a quarter
+    of each head rotated, bf16 pool) with ``roped_attention`` off (``gated_qk_rope`` + ``gated_attention``
+    + ``gated_combine``), then on (``gated_attention_roped`` + ``gated_combine``): rows of one, two and
+    three splits, query groups of two and four. Whether the pool, gates, attention output, hidden
+    states, logits, tokens and states are bit for bit the same, and the launches of each."""
+    import attrs
+
+    from ninfer.backends.cuda import hybrid_forward as hf
+    from ninfer.backends.cuda.hybrid_weights import device_layout
+    from ninfer.convert.random_model import HYBRID_PRESETS
+    from ninfer.models.hybrid import DENSE, FULL, LINEAR
+
+    result = {}
+    for heads, kv_heads in ((4, 2), (8, 2)):
+        config = attrs.evolve(HYBRID_PRESETS["tiny-qwen3.5"], num_layers=2, layer_types=(LINEAR, FULL),
+                              mlp_types=(DENSE, DENSE), vocab_size=256, num_heads=heads, num_kv_heads=kv_heads)
+        gpu = kernel_sim.SimGpu()
+        kernel_sim.patch_runtime(gpu.device)
+        rng = np.random.default_rng(90 + rows + heads)
+        weights = put_weights(gpu, rng, device_layout(config))
+        page_size, max_context, pages = 16, 96, 6
+        buffers = hf.HybridBuffers(gpu.device, config, page_size=page_size, num_pages=rows * pages + 1, max_batch=8,
+                                   max_context=max_context, max_rows=8, kv_dtype="bf16", state_slots=1)
+        buffers.init(None)
+        forward = hf.HybridForward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16")
+        kv, states = gpu.device.bytes(buffers.kv), gpu.device.bytes(buffers.states)
+        random_bits(rng, kv)
+        states.view(np.float32)[:] = rng.standard_normal(states.size // 4).astype(np.float32) * 0.3
+        kv_before, states_before = kv.copy(), states.copy()
+        positions = np.array([20, 50, 80][:rows], np.int32)  # one, two and three splits of 32 keys
+        runs = []
+        for roped in (False, True):
+            kv[:], states[:] = kv_before, states_before
+            forward.roped_attention = roped
+            depth = decode_inputs(np.random.default_rng(7), forward, buffers.inputs, rows, config.vocab_size,
+                                  max_context, pages, positions)
+            first = len(gpu.kernels.launches)
+            forward.decode(rows, None, depth)
+            runs.append({"launched": list(gpu.kernels.launches[first:]), "kv": kv.copy(), "states": states.copy(),
+                         "gate": gpu.get(buffers.gate, np.float32, (rows, config.q_size)),
+                         "attn": gpu.get(buffers.attn, np.float32, (rows, config.q_size)),
+                         "x": gpu.get(buffers.x, np.float32, (rows, config.hidden_size)),
+                         "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
+                         "tokens": gpu.get(buffers.out, np.int32, (rows,))})
+        off, on = runs
+        result[f"{heads}x{kv_heads}"] = {
+            "launches": [sum(n.startswith("gated_") for n in run["launched"]) for run in runs],
+            "roped_launched": forward.roped_attention_name in on["launched"],
+            "kv_written": bool((on["kv"] != kv_before).any()),
+            "identical": {key: bool(np.array_equal(on[key], off[key])) for key in off if key != "launched"}}
+    return result
+
+
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
-         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "gated_qk_rope": case_gated_qk_rope, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
+         "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "gated_qk_rope": case_gated_qk_rope,
+         "roped_attention": case_roped_attention, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
          "split_attention": case_split_attention}
 
 

@@ -412,6 +412,36 @@ def test_fused_decode_kernels_replace_their_launches(name, option):
     assert fused not in launched
 
 
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_decode_attention_ropes_inside_the_split_attention(name):
+    """``roped_attention`` (on by default): a decode attention layer launches ``gated_attention_roped`` over
+    (query heads, rows, splits) from ``qkv`` into the partials, writing the gates, with the layer's pool,
+    norms and rotary tables, then ``gated_combine``; no ``gated_qk_rope`` or ``gated_attention``. With
+    ``merged_attention``, the option off, or in prefill the q/k kernel runs."""
+    config = CONFIGS[name]
+    fwd = forward(config)
+    roped = fwd.roped_attention_name
+    assert fwd.roped_attention and roped == f"gated_attention_roped_d{config.head_dim}_bf16"
+    full = config.layer_types.count(FULL)
+    for rows in (1, 8):
+        launched = decode_launches(fwd, rows)
+        assert launched.count(roped) == launched.count("gated_combine") == full
+        assert fwd.qk_name not in launched and fwd.gated_attention_name not in launched
+        for kernel, grid, args in fwd.k.log:
+            if kernel.name == roped:
+                assert grid == (config.num_heads, rows, fwd.n_splits(rows, decode=True))
+                assert args[0] is fwd.b.qkv and args[7] is fwd.b.part_o and args[15] is fwd.b.gate
+                assert args[9:11] == (config.num_heads, config.num_kv_heads)
+                assert args[18] is fwd.b.cos and args[-2:] == (config.rotary_dim // 2, config.rms_norm_eps)
+    fwd.k.log.clear()
+    fwd.layers(20, None)  # a prefill chunk
+    assert roped not in [kernel.name for kernel, _, _ in fwd.k.log]
+    for option, value in (("merged_attention", True), ("roped_attention", False)):
+        setattr(fwd, option, value)
+        launched = decode_launches(fwd, 1)
+        assert roped not in launched and fwd.qk_name in launched
+
+
 def test_preload_o_takes_the_one_row_o_gemv():
     """``Forward.preload_o`` (on for a MoE hybrid, off for a dense one): a one-row step's o projections
     (the DeltaNet out and the attention o) run the GEMV that holds its first steps before its wait, on

@@ -30,7 +30,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
          ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
          ("gated_combine", 3), ("split_attention", 4), ("conv_gemv", 1), ("conv_gemv", 2),
-         ("rule_norm_gemv", 1), ("gated_qk_rope", 3)]
+         ("rule_norm_gemv", 1), ("gated_qk_rope", 3), ("roped_attention", 3)]
 _runs: dict = {}
 
 
@@ -178,6 +178,19 @@ def test_gated_qk_rope_matches_numpy():
     fp32 rounding."""
     result = simulate("gated_qk_rope", 3)
     assert result["gate_equal"] and result["q"] < TOL and result["pool"] < TOL, result
+
+
+def test_roped_attention_is_qk_rope_then_attention():
+    """A hybrid decode step with ``roped_attention`` (``gated_attention_roped``: the q/k norms, RoPE and KV
+    append inside the split attention, its first keys loaded before the grid wait) against
+    ``gated_qk_rope`` + ``gated_attention``, rows of one, two and three splits, query groups of two and
+    four: one launch a layer fewer; pool, gates, attention output, hidden states, logits, tokens and
+    states bit for bit."""
+    result = simulate("roped_attention", 3)
+    assert sorted(result) == ["4x2", "8x2"]
+    for shape, checks in result.items():
+        assert checks["launches"] == [3, 2] and checks["roped_launched"] and checks["kv_written"], (shape, checks)
+        assert all(checks["identical"].values()), (shape, checks)
 
 
 def test_hybrid_decode_step_with_every_fusion_is_the_plain_one():

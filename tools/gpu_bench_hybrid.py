@@ -8,7 +8,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation] [--conv-in-gemv-ablation]
-                                     [--rule-norm-ablation]
+                                     [--rule-norm-ablation] [--roped-attention-ablation]
                                      [--route-experts-ablation] [--down-prefetch-ablation SHARE[,SHARE...]]
                                      [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
@@ -294,6 +294,10 @@ def ablations(args, forward) -> list[tuple]:
     if args.conv_in_gemv_ablation:  # HybridForward.conv_in_gemv flipped: the conv in its own launch, or not
         value = not forward.conv_in_gemv
         chosen.append((f"decode_conv_in_gemv_{value}", f"conv_in_gemv {value}", [(forward, "conv_in_gemv", value)]))
+    if args.roped_attention_ablation:  # HybridForward.roped_attention flipped: the q/k kernel in its own launch, or not
+        value = not forward.roped_attention
+        chosen.append((f"decode_roped_attention_{value}", f"roped_attention {value}",
+                       [(forward, "roped_attention", value)]))
     if args.rule_norm_ablation:  # HybridForward.rule_norm_in_gemv flipped: the split rule's ticket scales, or the out GEMV
         value = not forward.rule_norm_in_gemv
         chosen.append((f"decode_rule_norm_in_gemv_{value}", f"rule_norm_in_gemv {value}",
@@ -526,6 +530,9 @@ def main(argv=None) -> int:
     parser.add_argument("--conv-in-gemv-ablation", action="store_true",
                         help="decode again with HybridForward.conv_in_gemv flipped (the one- and two-row in_proj "
                              "GEMV runs the DeltaNet conv)")
+    parser.add_argument("--roped-attention-ablation", action="store_true",
+                        help="decode again with HybridForward.roped_attention flipped (the decode attention's q/k "
+                             "norms, RoPE and KV append inside its split attention)")
     parser.add_argument("--rule-norm-ablation", action="store_true",
                         help="decode again with HybridForward.rule_norm_in_gemv flipped (the one- and two-row out "
                              "GEMV applies the split delta rule's gated RMSNorm)")

@@ -505,6 +505,36 @@ def test_every_decode_fusion_gives_the_same_tokens(greedy_artifact):
         fused.close()
 
 
+@pytest.mark.parametrize("name, kv_dtype", [("wide", "bf16"), ("next-dense", "f32")])
+def test_roped_attention_gives_the_three_launch_tokens(tmp_path_factory, name, kv_dtype):
+    """``roped_attention`` (the decode attention's q/k norms, RoPE and append inside its split attention)
+    against ``gated_qk_rope`` + ``gated_attention``: four lanes' greedy tokens over 40 steps and a last
+    step's logits bit for bit (the simulator finds every value the same; here: the GPU's order of
+    blocks, the loads before the grid wait). "wide" has head dim 256, 6 query heads a KV head."""
+    artifact = _artifact(tmp_path_factory, f"{name}-roped", CONFIGS[name], 5)
+    runs = []
+    for roped in (False, True):
+        _, runner = _runners(artifact, kv_dtype=kv_dtype)
+        runner.forward.roped_attention = roped
+        for rows, by_depth in runner.graphs.items():  # captured again with the option as set
+            for graph in (g for pair in by_depth.values() for g in pair):
+                graph.destroy()
+            runner.graphs[rows] = runner._capture_decode(rows)
+        try:
+            prompts = {lane: _prompt(lane, 30 + 41 * lane, runner.info.vocab_size) for lane in range(BATCH)}
+            tokens = _generate(runner, list(range(BATCH)), prompts, 40)
+            batch = DecodeBatch(lanes=np.arange(BATCH), tokens=np.array([tokens[la][-1] for la in range(BATCH)]),
+                                positions=np.array([len(prompts[la]) + 40 for la in range(BATCH)]),
+                                page_tables=np.stack([_table(la) for la in range(BATCH)]),
+                                sampling=[_greedy(la, 41) for la in range(BATCH)], return_logits=True)
+            runs.append((tokens, runner.decode(batch).logits))
+        finally:
+            runner.close()
+    (want, want_logits), (got, got_logits) = runs
+    assert got == want
+    assert np.array_equal(got_logits, want_logits)
+
+
 # -- through the Engine -------------------------------------------------------------------------
 
 def _engine_driver(artifact, **kw):

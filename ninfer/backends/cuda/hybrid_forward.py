@@ -192,6 +192,11 @@ class HybridForward(Forward):
     # ticket and last block. H100, 35B-A3B, GPU ms a step (tools/gpu_bench_hybrid.py --rule-norm-ablation,
     # two runs): b1 2.88 -> 2.87; at two rows (a build since dropped) 4.13 -> 4.14.
     rule_norm_in_gemv = True
+    # A decode step's q/k norms, RoPE and KV append run inside its split attention (``gated_attention_roped``,
+    # numba_kernels/gated_attention.py: the first round of keys and what the step does not write loaded
+    # before the grid wait): the same bits, one launch a layer fewer. ``merged_attention`` keeps the
+    # three-launch form.
+    roped_attention = True
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -221,6 +226,7 @@ class HybridForward(Forward):
         self.qk_name = f"gated_qk_rope_{kv_dtype}"
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
         self.merged_attention_name = f"gated_attention_merged_d{c.head_dim}_{kv_dtype}"
+        self.roped_attention_name = f"gated_attention_roped_d{c.head_dim}_{kv_dtype}"
         # Prefill attention on the tensor cores where a variant exists (bf16 pool; forward.PREFILL_ATTENTION).
         flash = PREFILL_ATTENTION.get(c.head_dim, f"prefill_attention_d{c.head_dim}")
         self.flash_name = flash if kv_dtype == "bf16" and flash in kernels.entries else None
@@ -238,7 +244,8 @@ class HybridForward(Forward):
         names += [name for name in (*self.unscaled_rule_names.values(), *HEAD_NORM_GEMVS) if name in self.k.entries]
         names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
                   *self.prefill_rule_names, *self.chunked_rule_names,
-                  self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
+                  self.qk_name, self.gated_attention_name, self.merged_attention_name, self.roped_attention_name,
+                  "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
@@ -395,6 +402,9 @@ class HybridForward(Forward):
         p = f"layers.{layer}."
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         layer_kv = b.kv.at(self.kv_index[layer] * b.layer_elems * b.kv_itemsize)
+        if decode and self.roped_attention and not self.merged_attention:
+            self.roped_gated_attention(layer, layer_kv, rows, stream)
+            return
         k[self.qk_name].launch(
             (rows, H + 2 * KV), (D,),
             (b.qkv, b.q, b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, layer_kv, b.page_elems,
@@ -404,6 +414,22 @@ class HybridForward(Forward):
             self.prefill_gated_attention(layer_kv, rows, stream)
         else:
             self.decode_gated_attention(layer_kv, rows, stream, decode)
+
+    def roped_gated_attention(self, layer: int, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
+        """A decode step's ``qkv`` -> ``attn``: ``gated_attention_roped`` (norms, RoPE, the append and the
+        split partials, the gates into ``gate``), then ``gated_combine``."""
+        c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
+        p = f"layers.{layer}."
+        H, D = c.num_heads, c.head_dim
+        n_splits = self.n_splits(rows, decode=True)
+        kernel = k[self.roped_attention_name]
+        kernel.launch((H, rows, n_splits), (kernel.meta["threads"],),
+                      (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
+                       b.part_o, b.part_ml, H, c.num_kv_heads, self.page_shift, inp.d_split, n_splits, self.scale,
+                       b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, c.rotary_dim // 2,
+                       float(c.rms_norm_eps)), stream)
+        k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
+                                                    n_splits, D, inp.d_split), stream)
 
     def decode_split(self, length: int, rows: int) -> int:
         """``gated_attention`` (a block per query head) keeps splits of MIN_SPLIT keys, as many as the grid
