@@ -241,7 +241,7 @@ def make_attention(D, load, merged: bool = False):
     return attention_merged
 
 
-def make_roped_attention(D, load, store, as_stored, merged: bool = False):
+def make_roped_attention(D, load, store, as_stored):
     """``gated_attention_roped_d{D}``: a decode step's ``gated_qk_rope`` and ``gated_attention`` in one launch
     (every row its own sequence, adding one key), the same grid, block and results bit for bit. Before
     the grid wait a block loads what no kernel of the step writes: its dims' norm weights and rotary
@@ -252,9 +252,7 @@ def make_roped_attention(D, load, store, as_stored, merged: bool = False):
     32-dim chunk, the chunks in order), RoPE on the first ``2 * rot_half`` dims; the block of the head's
     group's first query head appends K and V to the pool, and every block folds the new key from shared
     memory (as the pool holds it) in its place among the keys. Arguments: ``gated_attention``'s, the
-    projection ``qkv`` in place of q, then ``gate_out, q_norm, k_norm, cos, sin, rot_half, eps``.
-    ``merged`` (``gated_attention_roped_merged_d{D}``, two more arguments ``out, tickets``): the last
-    block of each (row, head) merges the splits with the gate, as ``gated_attention_merged``."""
+    projection ``qkv`` in place of q, then ``gate_out, q_norm, k_norm, cos, sin, rot_half, eps``."""
     E = D // 32  # dims per lane
     THREADS = WARPS * 32
     DIMS = -(-D // THREADS)  # dims a thread normalises and rotates
@@ -291,10 +289,8 @@ def make_roped_attention(D, load, store, as_stored, merged: bool = False):
             return sh[d] * c + sh[d - rot_half] * s
         return sh[d]
 
-    @cuda.jit(device=True, inline=True)
-    def body(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads, n_kv,
-             page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t, rot_half, eps, out,
-             tickets):
+    def roped(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads, n_kv,
+              page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t, rot_half, eps):
         sh_x = cuda.shared.array(D, float32)  # a normalised head
         sh_q = cuda.shared.array(D, float32)
         sh_k = cuda.shared.array(D, float32)  # the new key and value, as the pool holds them
@@ -406,27 +402,6 @@ def make_roped_attention(D, load, store, as_stored, merged: bool = False):
             m, l = fold_round(q, keys, values, scores, acc, m, l, first, end, scale)
             first += KEYS * WARPS
         write_partial(acc, m, l, warp, lane, part_o, part_ml, row, h, n_heads, n_splits, split)
-        if merged:
-            active = splits_with_keys(pos, split_ptr[0], n_splits)
-            if last_to_finish(tickets, row * n_heads + h, active):  # every split's partial (and gate) is out
-                for d in range(tid, D, THREADS):
-                    merge_splits(out, gate_out, part_o, part_ml, row, h, active, n_heads, n_splits, D, d)
-
-    if merged:
-        def roped_merged(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads,
-                         n_kv, page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t,
-                         rot_half, eps, out, tickets):
-            body(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads, n_kv,
-                 page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t, rot_half, eps, out,
-                 tickets)
-
-        return roped_merged
-
-    def roped(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads, n_kv,
-              page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t, rot_half, eps):
-        body(qkv, kc, page_stride, page_tables, max_pages, row_table, positions, part_o, part_ml, n_heads, n_kv,
-             page_shift, split_ptr, n_splits, scale, gate_out, q_norm, k_norm, cos_t, sin_t, rot_half, eps, part_o,
-             split_ptr)
 
     return roped
 
@@ -502,11 +477,9 @@ KERNELS = {
 for _d in HEAD_DIMS:
     for _pool, _load, _ptr, _store, _stored in (("bf16", load_bf16, U16P, store_bf16, as_stored_bf16),
                                                 ("f32", load_f32, F32P, store_f32, as_stored_f32)):
-        _roped = _attention_signature(_ptr) + (F32P, F32P, F32P, F32P, F32P, int32, float32)
         KERNELS[f"gated_attention_roped_d{_d}_{_pool}"] = (
-            make_roped_attention(_d, _load, _store, _stored), _roped, {"threads": WARPS * 32, "grid_wait": 1})
-        KERNELS[f"gated_attention_roped_merged_d{_d}_{_pool}"] = (
-            make_roped_attention(_d, _load, _store, _stored, merged=True), _roped + (F32P, I32P),
+            make_roped_attention(_d, _load, _store, _stored),
+            _attention_signature(_ptr) + (F32P, F32P, F32P, F32P, F32P, int32, float32),
             {"threads": WARPS * 32, "grid_wait": 1})
         KERNELS[f"gated_attention_d{_d}_{_pool}"] = (make_attention(_d, _load), _attention_signature(_ptr),
                                                      {"threads": WARPS * 32, "grid_wait": 1})

@@ -808,10 +808,9 @@ def case_hybrid_decode(rows: int) -> dict:
 def case_roped_attention(rows: int) -> dict:
     """A whole ``HybridForward.decode`` step (a DeltaNet and a gated-attention layer, dense MLPs, a quarter
     of each head rotated, bf16 pool) with ``roped_attention`` off (``gated_qk_rope`` + ``gated_attention``
-    + ``gated_combine``), then on (``gated_attention_roped`` + ``gated_combine``), then on with
-    ``merged_attention`` (``gated_attention_roped_merged`` alone): rows of one, two and three splits,
-    query groups of two and four. Whether the pool, gates, attention output, hidden states, logits,
-    tokens and states are bit for bit the first run's, the tickets back at zero, and the launches."""
+    + ``gated_combine``), then on (``gated_attention_roped`` + ``gated_combine``): rows of one, two and
+    three splits, query groups of two and four. Whether the pool, gates, attention output, hidden
+    states, logits, tokens and states are bit for bit the same, and the launches of each."""
     import attrs
 
     from ninfer.backends.cuda import hybrid_forward as hf
@@ -838,9 +837,9 @@ def case_roped_attention(rows: int) -> dict:
         kv_before, states_before = kv.copy(), states.copy()
         positions = np.array([20, 50, 80][:rows], np.int32)  # one, two and three splits of 32 keys
         runs = []
-        for roped, merged in ((False, False), (True, False), (True, True)):
+        for roped in (False, True):
             kv[:], states[:] = kv_before, states_before
-            forward.roped_attention, forward.merged_attention = roped, merged
+            forward.roped_attention = roped
             depth = decode_inputs(np.random.default_rng(7), forward, buffers.inputs, rows, config.vocab_size,
                                   max_context, pages, positions)
             first = len(gpu.kernels.launches)
@@ -851,15 +850,12 @@ def case_roped_attention(rows: int) -> dict:
                          "x": gpu.get(buffers.x, np.float32, (rows, config.hidden_size)),
                          "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
                          "tokens": gpu.get(buffers.out, np.int32, (rows,))})
-        off, on, merged = runs
+        off, on = runs
         result[f"{heads}x{kv_heads}"] = {
             "launches": [sum(n.startswith("gated_") for n in run["launched"]) for run in runs],
-            "roped_launched": [forward.roped_attention_name in on["launched"],
-                               forward.roped_merged_name in merged["launched"]],
+            "roped_launched": forward.roped_attention_name in on["launched"],
             "kv_written": bool((on["kv"] != kv_before).any()),
-            "identical": {f"{key} {name}": bool(np.array_equal(run[key], off[key]))
-                          for name, run in (("roped", on), ("merged", merged)) for key in off if key != "launched"},
-            "tickets_zero": bool(not gpu.get(buffers.attention_tickets, np.int32, (8 * config.num_heads,)).any())}
+            "identical": {key: bool(np.array_equal(on[key], off[key])) for key in off if key != "launched"}}
     return result
 
 

@@ -394,7 +394,6 @@ def test_fused_decode_kernels_replace_their_launches(name, option):
     kernel_attr, replaced, kind, heads, tickets, per_lane, wiring = FUSED_KERNELS[option]
     config = CONFIGS[name]
     fwd = forward(config)
-    fwd.roped_attention = False  # merged_attention's three-launch form (its roped build: the test below)
     setattr(fwd, option, True)
     fused = getattr(fwd, kernel_attr)
     replaced = [getattr(fwd, r, r) for r in replaced]  # attribute names, or kernel names as they are
@@ -418,8 +417,7 @@ def test_decode_attention_ropes_inside_the_split_attention(name):
     """``roped_attention`` (on by default): a decode attention layer launches ``gated_attention_roped`` over
     (query heads, rows, splits) from ``qkv`` into the partials, writing the gates, with the layer's pool,
     norms and rotary tables, then ``gated_combine``; no ``gated_qk_rope`` or ``gated_attention``. With
-    ``merged_attention`` its ``merged`` build (the last block of each (row, head) merges, into ``attn``),
-    no ``gated_combine``. With the option off, or in prefill the q/k kernel runs."""
+    ``merged_attention``, the option off, or in prefill the q/k kernel runs."""
     config = CONFIGS[name]
     fwd = forward(config)
     roped = fwd.roped_attention_name
@@ -438,16 +436,10 @@ def test_decode_attention_ropes_inside_the_split_attention(name):
     fwd.k.log.clear()
     fwd.layers(20, None)  # a prefill chunk
     assert roped not in [kernel.name for kernel, _, _ in fwd.k.log]
-    fwd.merged_attention = True
-    launched = decode_launches(fwd, 2)
-    assert launched.count(fwd.roped_merged_name) == full and "gated_combine" not in launched
-    for kernel, grid, args in fwd.k.log:
-        if kernel.name == fwd.roped_merged_name:
-            assert grid == (config.num_heads, 2, fwd.n_splits(2, decode=True))
-            assert args[-2] is fwd.b.attn and args[-1] is fwd.b.attention_tickets and args[15] is fwd.b.gate
-    fwd.roped_attention = False
-    launched = decode_launches(fwd, 1)
-    assert roped not in launched and fwd.roped_merged_name not in launched and fwd.qk_name in launched
+    for option, value in (("merged_attention", True), ("roped_attention", False)):
+        setattr(fwd, option, value)
+        launched = decode_launches(fwd, 1)
+        assert roped not in launched and fwd.qk_name in launched
 
 
 def test_preload_o_takes_the_one_row_o_gemv():

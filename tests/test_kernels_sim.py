@@ -182,15 +182,14 @@ def test_gated_qk_rope_matches_numpy():
 
 def test_roped_attention_is_qk_rope_then_attention():
     """A hybrid decode step with ``roped_attention`` (``gated_attention_roped``: the q/k norms, RoPE and KV
-    append inside the split attention, its first keys loaded before the grid wait), alone and with
-    ``merged_attention`` (one launch), against ``gated_qk_rope`` + ``gated_attention`` + ``gated_combine``,
-    rows of one, two and three splits, query groups of two and four: pool, gates, attention output,
-    hidden states, logits, tokens and states bit for bit, the tickets back at zero."""
+    append inside the split attention, its first keys loaded before the grid wait) against
+    ``gated_qk_rope`` + ``gated_attention``, rows of one, two and three splits, query groups of two and
+    four: one launch a layer fewer; pool, gates, attention output, hidden states, logits, tokens and
+    states bit for bit."""
     result = simulate("roped_attention", 3)
     assert sorted(result) == ["4x2", "8x2"]
     for shape, checks in result.items():
-        assert checks["launches"] == [3, 2, 1] and all(checks["roped_launched"]), (shape, checks)
-        assert checks["kv_written"] and checks["tickets_zero"], (shape, checks)
+        assert checks["launches"] == [3, 2] and checks["roped_launched"] and checks["kv_written"], (shape, checks)
         assert all(checks["identical"].values()), (shape, checks)
 
 

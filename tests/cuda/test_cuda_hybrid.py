@@ -507,16 +507,15 @@ def test_every_decode_fusion_gives_the_same_tokens(greedy_artifact):
 
 @pytest.mark.parametrize("name, kv_dtype", [("wide", "bf16"), ("next-dense", "f32")])
 def test_roped_attention_gives_the_three_launch_tokens(tmp_path_factory, name, kv_dtype):
-    """``roped_attention`` (the decode attention's q/k norms, RoPE and append inside its split attention),
-    alone and with ``merged_attention``, against ``gated_qk_rope`` + ``gated_attention`` +
-    ``gated_combine``: four lanes' greedy tokens over 40 steps and a last step's logits bit for bit (the
-    simulator finds every value the same; here: the GPU's order of blocks, the loads before the grid
-    wait, the tickets). "wide" has head dim 256, 6 query heads a KV head."""
+    """``roped_attention`` (the decode attention's q/k norms, RoPE and append inside its split attention)
+    against ``gated_qk_rope`` + ``gated_attention``: four lanes' greedy tokens over 40 steps and a last
+    step's logits bit for bit (the simulator finds every value the same; here: the GPU's order of
+    blocks, the loads before the grid wait). "wide" has head dim 256, 6 query heads a KV head."""
     artifact = _artifact(tmp_path_factory, f"{name}-roped", CONFIGS[name], 5)
     runs = []
-    for roped, merged in ((False, False), (True, False), (True, True)):
+    for roped in (False, True):
         _, runner = _runners(artifact, kv_dtype=kv_dtype)
-        runner.forward.roped_attention, runner.forward.merged_attention = roped, merged
+        runner.forward.roped_attention = roped
         for rows, by_depth in runner.graphs.items():  # captured again with the option as set
             for graph in (g for pair in by_depth.values() for g in pair):
                 graph.destroy()
@@ -531,10 +530,9 @@ def test_roped_attention_gives_the_three_launch_tokens(tmp_path_factory, name, k
             runs.append((tokens, runner.decode(batch).logits))
         finally:
             runner.close()
-    (want, want_logits), *fused = runs
-    for got, got_logits in fused:
-        assert got == want
-        assert np.array_equal(got_logits, want_logits)
+    (want, want_logits), (got, got_logits) = runs
+    assert got == want
+    assert np.array_equal(got_logits, want_logits)
 
 
 # -- through the Engine -------------------------------------------------------------------------

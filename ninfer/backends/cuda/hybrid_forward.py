@@ -194,8 +194,8 @@ class HybridForward(Forward):
     rule_norm_in_gemv = True
     # A decode step's q/k norms, RoPE and KV append run inside its split attention (``gated_attention_roped``,
     # numba_kernels/gated_attention.py: the first round of keys and what the step does not write loaded
-    # before the grid wait): the same bits, one launch a layer fewer (with ``merged_attention``,
-    # ``gated_attention_roped_merged``: one launch in all).
+    # before the grid wait): the same bits, one launch a layer fewer. ``merged_attention`` keeps the
+    # three-launch form.
     roped_attention = True
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
@@ -227,7 +227,6 @@ class HybridForward(Forward):
         self.gated_attention_name = f"gated_attention_d{c.head_dim}_{kv_dtype}"
         self.merged_attention_name = f"gated_attention_merged_d{c.head_dim}_{kv_dtype}"
         self.roped_attention_name = f"gated_attention_roped_d{c.head_dim}_{kv_dtype}"
-        self.roped_merged_name = f"gated_attention_roped_merged_d{c.head_dim}_{kv_dtype}"
         # Prefill attention on the tensor cores where a variant exists (bf16 pool; forward.PREFILL_ATTENTION).
         flash = PREFILL_ATTENTION.get(c.head_dim, f"prefill_attention_d{c.head_dim}")
         self.flash_name = flash if kv_dtype == "bf16" and flash in kernels.entries else None
@@ -246,7 +245,7 @@ class HybridForward(Forward):
         names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
                   *self.prefill_rule_names, *self.chunked_rule_names,
                   self.qk_name, self.gated_attention_name, self.merged_attention_name, self.roped_attention_name,
-                  self.roped_merged_name, "gated_combine"]
+                  "gated_combine"]
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
@@ -403,7 +402,7 @@ class HybridForward(Forward):
         p = f"layers.{layer}."
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         layer_kv = b.kv.at(self.kv_index[layer] * b.layer_elems * b.kv_itemsize)
-        if decode and self.roped_attention:
+        if decode and self.roped_attention and not self.merged_attention:
             self.roped_gated_attention(layer, layer_kv, rows, stream)
             return
         k[self.qk_name].launch(
@@ -418,20 +417,17 @@ class HybridForward(Forward):
 
     def roped_gated_attention(self, layer: int, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
         """A decode step's ``qkv`` -> ``attn``: ``gated_attention_roped`` (norms, RoPE, the append and the
-        split partials, the gates into ``gate``), then ``gated_combine``; with ``merged_attention`` its
-        ``merged`` build, whose last block of each (row, head) merges."""
+        split partials, the gates into ``gate``), then ``gated_combine``."""
         c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
         p = f"layers.{layer}."
         H, D = c.num_heads, c.head_dim
         n_splits = self.n_splits(rows, decode=True)
-        kernel = k[self.roped_merged_name if self.merged_attention else self.roped_attention_name]
-        args = (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
-                b.part_o, b.part_ml, H, c.num_kv_heads, self.page_shift, inp.d_split, n_splits, self.scale, b.gate,
-                w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, c.rotary_dim // 2, float(c.rms_norm_eps))
-        if self.merged_attention:
-            kernel.launch((H, rows, n_splits), (kernel.meta["threads"],), args + (b.attn, b.attention_tickets), stream)
-            return
-        kernel.launch((H, rows, n_splits), (kernel.meta["threads"],), args, stream)
+        kernel = k[self.roped_attention_name]
+        kernel.launch((H, rows, n_splits), (kernel.meta["threads"],),
+                      (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
+                       b.part_o, b.part_ml, H, c.num_kv_heads, self.page_shift, inp.d_split, n_splits, self.scale,
+                       b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, c.rotary_dim // 2,
+                       float(c.rms_norm_eps)), stream)
         k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
                                                     n_splits, D, inp.d_split), stream)
 
