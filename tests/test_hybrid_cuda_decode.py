@@ -488,3 +488,27 @@ def test_dense_mlp_gemms_ask_l2_for_the_next_gemms_weights():
     moe_fwd = forward(CONFIGS["35b-a3b"])
     decode_launches(moe_fwd, 4)
     assert not any(kernel.meta.get("next") for kernel, _, _ in moe_fwd.k.log)
+
+
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_gated_attention_splits_cap_the_blocks(name):
+    """``HybridForward.decode_split``: MIN_SPLIT-key splits as the grid holds, at most ``decode_blocks``
+    blocks (rows x query heads x splits) in all, so long batched steps take longer splits; steps of 512
+    keys keep 32-key splits; every split length fits the grid; ``min_decode_split`` raises the floor."""
+    from ninfer.backends.cuda.forward import MAX_DECODE_SPLITS, MIN_SPLIT
+
+    config = CONFIGS[name]
+    fwd = forward(config)
+    assert fwd.decode_blocks == 4096
+    for rows in (1, 4, 8):
+        assert fwd.decode_split(513, rows) == 32
+        for length in (1, 33, 513, 2049, 8193, 40000):
+            split = fwd.decode_split(length, rows)
+            splits = -(-length // split)
+            assert split % MIN_SPLIT == 0 and splits <= MAX_DECODE_SPLITS
+            assert rows * config.num_heads * splits <= max(fwd.decode_blocks, rows * config.num_heads)
+    assert fwd.decode_split(8193, 8) > fwd.decode_split(8193, 1)
+    fwd.decode_blocks = 0
+    assert fwd.decode_split(8193, 8) == fwd.decode_split(8193, 1)
+    fwd.min_decode_split = 128
+    assert fwd.decode_split(513, 1) == 128

@@ -9,6 +9,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
                                      [--fused-step-ablation] [--merged-attention-ablation] [--conv-in-gemv-ablation]
                                      [--rule-norm-ablation] [--roped-attention-ablation]
+                                     [--attention-split-ablation KEYS[,KEYS...]] [--attention-blocks-ablation N[,N...]]
                                      [--route-experts-ablation] [--down-prefetch-ablation SHARE[,SHARE...]]
                                      [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
@@ -298,6 +299,12 @@ def ablations(args, forward) -> list[tuple]:
         value = not forward.roped_attention
         chosen.append((f"decode_roped_attention_{value}", f"roped_attention {value}",
                        [(forward, "roped_attention", value)]))
+    for keys in filter(None, args.attention_split_ablation.split(",")):  # longer decode attention splits
+        chosen.append((f"decode_attention_split_{keys}", f"attention splits of {keys}+ keys",
+                       [(forward, "min_decode_split", int(keys))]))
+    for blocks in filter(None, args.attention_blocks_ablation.split(",")):  # a cap on the attention's blocks
+        chosen.append((f"decode_attention_blocks_{blocks}", f"attention of at most {blocks} blocks",
+                       [(forward, "decode_blocks", int(blocks))]))
     if args.rule_norm_ablation:  # HybridForward.rule_norm_in_gemv flipped: the split rule's ticket scales, or the out GEMV
         value = not forward.rule_norm_in_gemv
         chosen.append((f"decode_rule_norm_in_gemv_{value}", f"rule_norm_in_gemv {value}",
@@ -533,6 +540,12 @@ def main(argv=None) -> int:
     parser.add_argument("--roped-attention-ablation", action="store_true",
                         help="decode again with HybridForward.roped_attention flipped (the decode attention's q/k "
                              "norms, RoPE and KV append inside its split attention)")
+    parser.add_argument("--attention-split-ablation", default="", metavar="KEYS[,KEYS...]",
+                        help="decode again with the gated attention's splits at least KEYS keys long "
+                             "(HybridForward.min_decode_split, a multiple of 32)")
+    parser.add_argument("--attention-blocks-ablation", default="", metavar="BLOCKS[,BLOCKS...]",
+                        help="decode again with the gated attention's splits capped at BLOCKS blocks a step "
+                             "(HybridForward.decode_blocks)")
     parser.add_argument("--rule-norm-ablation", action="store_true",
                         help="decode again with HybridForward.rule_norm_in_gemv flipped (the one- and two-row out "
                              "GEMV applies the split delta rule's gated RMSNorm)")

@@ -38,9 +38,9 @@ import numpy as np
 
 from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
-from ninfer.backends.cuda.forward import (DECODE_GEMMS, GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_SPLITS, PREFILL_ATTENTION,
-                                          Forward, attention_splits, carve_workspace, check_vocab, norm_threads,
-                                          prefill_attention_grid, sampler_regions, split_length,
+from ninfer.backends.cuda.forward import (DECODE_GEMMS, GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_SPLITS, MIN_SPLIT,
+                                          PREFILL_ATTENTION, Forward, attention_splits, carve_workspace, check_vocab,
+                                          norm_threads, prefill_attention_grid, sampler_regions, split_length,
                                           tensor_core_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.lane_slots import LaneSlots
@@ -197,6 +197,17 @@ class HybridForward(Forward):
     # before the grid wait): the same bits, one launch a layer fewer. ``merged_attention`` keeps the
     # three-launch form.
     roped_attention = True
+    # The shortest split (keys) of a decode step's gated attention; ``decode_split`` takes MIN_SPLIT-key
+    # splits, as many as the grid holds, unless this is longer or ``decode_blocks`` caps the splits.
+    # H100, 35B-A3B, GPU ms a step (tools/gpu_bench_hybrid.py --attention-split-ablation): at 512 keys
+    # 32 (the default) b1 2.85, 64 2.89, 96 2.94, 128 3.00; b8 5.53, 5.57, 5.56, 5.60.
+    min_decode_split = MIN_SPLIT
+    # The most blocks (rows x query heads x splits) of a decode step's attention (0: no cap): thousands of
+    # 32-key blocks cost a batch at long contexts. H100, GPU ms a step without -> with 4096 (2048)
+    # (--attention-blocks-ablation): 35B-A3B b8/2048 7.01 -> 6.95 (6.93), b8/8192 9.56 -> 9.37 (9.39),
+    # b4/8192 6.43 -> 6.43 (6.30), b1 level; 27B b8/2048 32.56-32.62 -> 32.33 (32.29). 2048 would cut
+    # b8 at 512 keys to 64-key splits (5.53 -> 5.57 above); 4096 leaves every step of 512 keys as it was.
+    decode_blocks = 4096
 
     def __init__(self, kernels: rt.Kernels, config: HybridConfig, weights: dict[str, rt.DevicePtr],
                  buffers: HybridBuffers, *, page_size: int, kv_dtype: str, lt=None):
@@ -433,8 +444,12 @@ class HybridForward(Forward):
 
     def decode_split(self, length: int, rows: int) -> int:
         """``gated_attention`` (a block per query head) keeps splits of MIN_SPLIT keys, as many as the grid
-        has: the dense kernel's block-count policy made the 27B's decode slower (b8 352.9 -> 327.3 tok/s)."""
-        return split_length(length, MAX_DECODE_SPLITS)
+        has, up to ``decode_blocks`` blocks in all: the dense kernel's block-count policy (320 blocks) made
+        the 27B's decode slower (b8 352.9 -> 327.3 tok/s)."""
+        splits = MAX_DECODE_SPLITS
+        if self.decode_blocks:
+            splits = max(1, self.decode_blocks // (rows * self.c.num_heads))
+        return max(split_length(length, splits), self.min_decode_split)
 
     def decode_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, decode: bool) -> None:
         """Split-K partials then their merge with the output gate: any head_dim and pool dtype."""
