@@ -39,6 +39,7 @@ from numba_kernels.deltanet import sigmoid
 from numba_kernels.rope import load_bf16, load_f32, store_bf16, store_f32
 
 HEAD_DIMS = (32, 64, 128, 256)
+ROPED_HEAD_DIMS = (32, 256)  # gated_attention_roped's builds: the spec models' head dim and the tests'
 MAX_HEAD_DIM = 256
 WARPS = 4
 KEYS = 4  # keys a warp of gated_attention loads before it scores any: one latency for four
@@ -477,10 +478,11 @@ KERNELS = {
 for _d in HEAD_DIMS:
     for _pool, _load, _ptr, _store, _stored in (("bf16", load_bf16, U16P, store_bf16, as_stored_bf16),
                                                 ("f32", load_f32, F32P, store_f32, as_stored_f32)):
-        KERNELS[f"gated_attention_roped_d{_d}_{_pool}"] = (
-            make_roped_attention(_d, _load, _store, _stored),
-            _attention_signature(_ptr) + (F32P, F32P, F32P, F32P, F32P, int32, float32),
-            {"threads": WARPS * 32, "grid_wait": 1})
+        if _d in ROPED_HEAD_DIMS:
+            KERNELS[f"gated_attention_roped_d{_d}_{_pool}"] = (
+                make_roped_attention(_d, _load, _store, _stored),
+                _attention_signature(_ptr) + (F32P, F32P, F32P, F32P, F32P, int32, float32),
+                {"threads": WARPS * 32, "grid_wait": 1})
         KERNELS[f"gated_attention_d{_d}_{_pool}"] = (make_attention(_d, _load), _attention_signature(_ptr),
                                                      {"threads": WARPS * 32, "grid_wait": 1})
         KERNELS[f"gated_attention_merged_d{_d}_{_pool}"] = (

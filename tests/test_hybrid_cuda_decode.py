@@ -417,7 +417,7 @@ def test_decode_attention_ropes_inside_the_split_attention(name):
     """``roped_attention`` (on by default): a decode attention layer launches ``gated_attention_roped`` over
     (query heads, rows, splits) from ``qkv`` into the partials, writing the gates, with the layer's pool,
     norms and rotary tables, then ``gated_combine``; no ``gated_qk_rope`` or ``gated_attention``. With
-    ``merged_attention``, the option off, or in prefill the q/k kernel runs."""
+    ``merged_attention``, the option off, a head dim without the build, or in prefill the q/k kernel runs."""
     config = CONFIGS[name]
     fwd = forward(config)
     roped = fwd.roped_attention_name
@@ -440,6 +440,10 @@ def test_decode_attention_ropes_inside_the_split_attention(name):
         setattr(fwd, option, value)
         launched = decode_launches(fwd, 1)
         assert roped not in launched and fwd.qk_name in launched
+    import attrs
+
+    other = forward(attrs.evolve(config, head_dim=128))  # no roped build at this head dim: the q/k kernel
+    assert other.qk_name in decode_launches(other, 1)
 
 
 def test_preload_o_takes_the_one_row_o_gemv():

@@ -255,8 +255,8 @@ class HybridForward(Forward):
         names += [name for name in (*self.unscaled_rule_names.values(), *HEAD_NORM_GEMVS) if name in self.k.entries]
         names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
                   *self.prefill_rule_names, *self.chunked_rule_names,
-                  self.qk_name, self.gated_attention_name, self.merged_attention_name, self.roped_attention_name,
-                  "gated_combine"]
+                  self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
+        names += [self.roped_attention_name] if self.roped_attention_name in self.k.entries else []
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
@@ -413,7 +413,7 @@ class HybridForward(Forward):
         p = f"layers.{layer}."
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         layer_kv = b.kv.at(self.kv_index[layer] * b.layer_elems * b.kv_itemsize)
-        if decode and self.roped_attention and not self.merged_attention:
+        if decode and self.roped_attention and not self.merged_attention and self.roped_attention_name in k.entries:
             self.roped_gated_attention(layer, layer_kv, rows, stream)
             return
         k[self.qk_name].launch(
