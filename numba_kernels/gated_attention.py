@@ -1,7 +1,7 @@
 """Gated full attention of the hybrid models: q/k preparation, paged attention, gated combine.
 
 The attention layer's projection row holds, per query head, ``D`` query then ``D`` gate values,
-then the K and V heads (``ninfer.models.hybrid``). Three kernels:
+then the K and V heads (``ninfer.models.hybrid``). The kernels:
 
 ``gated_qk_rope_{bf16|f32}``: grid ``(rows, n_heads + 2 n_kv)``, block ``D`` threads (one per
 dim, D in 32..256). Query heads: the gate goes to ``gate_out [rows, n_heads * D]``, the query
@@ -16,7 +16,10 @@ walks every 4th key, KEYS at a time (their page lookups and loads all out before
 first), lanes own ``D / 32`` dims, scores warp-reduced and folded into an online
 softmax; the warps merge and write the unnormalised partial (``o``, max, sum) in the
 ``attention.py`` layout. The split length is a step input (device memory), so one captured graph
-serves every context; blocks past a row's length exit at once.
+serves every context; blocks past a row's length exit at once. ``gated_attention_merged_d{D}``:
+the same, its last split block of each (row, head) merging. ``gated_attention_roped_d{D}`` (head
+dims 32 and 256): a decode step's ``gated_qk_rope`` and ``gated_attention`` in one launch
+(``make_roped_attention``).
 
 ``gated_combine``: grid ``(n_heads, rows)``, block ``D``: merges the splits of each (row, head) (their
 loads in groups: ``merge_splits``)
@@ -282,6 +285,19 @@ def make_roped_attention(D, load, store, as_stored):
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline=True)
+    def load_round(kc, page_tables, table, page_stride, page_shift, head_off, v_off, first, end, lane, at, keys,
+                   values):
+        """The lane's dims of keys ``first, first + WARPS, ...`` (KEYS of them; past the split: its last key)."""
+        page_mask = (int64(1) << page_shift) - 1
+        for g in range(KEYS):
+            t = min(first + g * WARPS, end - 1)
+            at[g] = int64(page_tables[table + (t >> page_shift)]) * page_stride + head_off + (t & page_mask) * D
+        for g in range(KEYS):
+            for e in range(E):
+                keys[g, e] = load(kc, at[g] + lane * E + e)
+                values[g, e] = load(kc, at[g] + v_off + lane * E + e)
+
+    @cuda.jit(device=True, inline=True)
     def rotated(sh, d, c, s, rot_half):
         """Dim ``d`` of the normalised head in ``sh`` after RoPE (``gated_qk_rope``'s arithmetic)."""
         if d < rot_half:
@@ -334,13 +350,8 @@ def make_roped_attention(D, load, store, as_stored):
         values = cuda.local.array((KEYS, E), float32)
         scores = cuda.local.array(KEYS, float32)
         first = start + warp
-        for g in range(KEYS):  # the warp's first round
-            t = min(first + g * WARPS, end - 1)
-            at[g] = int64(page_tables[table + (t >> page_shift)]) * page_stride + head_off + (t & page_mask) * D
-        for g in range(KEYS):
-            for e in range(E):
-                keys[g, e] = load(kc, at[g] + lane * E + e)
-                values[g, e] = load(kc, at[g] + v_off + lane * E + e)
+        load_round(kc, page_tables, table, page_stride, page_shift, head_off, v_off, first, end, lane, at, keys,
+                   values)  # the warp's first round
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         width = int64(2 * (n_heads + n_kv) * D)
@@ -386,14 +397,8 @@ def make_roped_attention(D, load, store, as_stored):
         loaded = True
         while first < end:  # as gated_attention's loop, the new key from shared memory
             if not loaded:
-                for g in range(KEYS):
-                    t = min(first + g * WARPS, end - 1)
-                    at[g] = (int64(page_tables[table + (t >> page_shift)]) * page_stride + head_off
-                             + (t & page_mask) * D)
-                for g in range(KEYS):
-                    for e in range(E):
-                        keys[g, e] = load(kc, at[g] + lane * E + e)
-                        values[g, e] = load(kc, at[g] + v_off + lane * E + e)
+                load_round(kc, page_tables, table, page_stride, page_shift, head_off, v_off, first, end, lane, at,
+                           keys, values)
             loaded = False
             for g in range(KEYS):
                 if min(first + g * WARPS, end - 1) == pos:

@@ -183,11 +183,11 @@ def test_gated_qk_rope_matches_numpy():
 def test_roped_attention_is_qk_rope_then_attention():
     """A hybrid decode step with ``roped_attention`` (``gated_attention_roped``: the q/k norms, RoPE and KV
     append inside the split attention, its first keys loaded before the grid wait) against
-    ``gated_qk_rope`` + ``gated_attention``, rows of one, two and three splits, query groups of two and
-    four: one launch a layer fewer; pool, gates, attention output, hidden states, logits, tokens and
-    states bit for bit."""
+    ``gated_qk_rope`` + ``gated_attention``, rows of one, two and three splits, two KV heads of four
+    query heads: one launch a layer fewer; pool, gates, attention output, hidden states, logits, tokens
+    and states bit for bit."""
     result = simulate("roped_attention", 3)
-    assert sorted(result) == ["4x2", "8x2"]
+    assert sorted(result) == ["8x2"]
     for shape, checks in result.items():
         assert checks["launches"] == [3, 2] and checks["roped_launched"] and checks["kv_written"], (shape, checks)
         assert all(checks["identical"].values()), (shape, checks)
