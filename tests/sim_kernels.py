@@ -754,32 +754,41 @@ def random_bits(rng, raw: np.ndarray) -> None:
         np.uint16).view(np.uint8)
 
 
+def hybrid_step(config, rng, rows: int, max_context: int, pages: int) -> tuple:
+    """(gpu, buffers, forward): a simulated ``HybridForward`` of ``config`` with random weights, pages of 16
+    keys (``pages`` a row from page 1 on), a bf16 pool of random keys and random states."""
+    from ninfer.backends.cuda import hybrid_forward as hf
+    from ninfer.backends.cuda.hybrid_weights import device_layout
+
+    gpu = kernel_sim.SimGpu()
+    kernel_sim.patch_runtime(gpu.device)
+    weights = put_weights(gpu, rng, device_layout(config))
+    buffers = hf.HybridBuffers(gpu.device, config, page_size=16, num_pages=rows * pages + 1, max_batch=8,
+                               max_context=max_context, max_rows=8, kv_dtype="bf16", state_slots=1)
+    buffers.init(None)
+    forward = hf.HybridForward(gpu.kernels, config, weights, buffers, page_size=16, kv_dtype="bf16")
+    random_bits(rng, gpu.device.bytes(buffers.kv))
+    states = gpu.device.bytes(buffers.states).view(np.float32)
+    states[:] = rng.standard_normal(states.size).astype(np.float32) * 0.3
+    return gpu, buffers, forward
+
+
 def case_hybrid_decode(rows: int) -> dict:
     """A whole ``HybridForward.decode`` step (a DeltaNet and a gated-attention layer, each MLP a MoE)
     with ``fused_step``, ``merged_attention``, ``fold_route`` and ``fold_combine`` off, then all on:
     the same states, KV appends, hidden states, logits and tokens bit for bit, in fewer launches."""
     import attrs
 
-    from ninfer.backends.cuda import hybrid_forward as hf
-    from ninfer.backends.cuda.hybrid_weights import device_layout
     from ninfer.convert.random_model import HYBRID_PRESETS
     from ninfer.models.hybrid import FULL, LINEAR, MOE
 
     # tiny-qwen3.5-moe cut to one layer of each kind and four experts (the simulator's time goes on blocks)
     config = attrs.evolve(HYBRID_PRESETS["tiny-qwen3.5-moe"], num_layers=2, layer_types=(LINEAR, FULL),
                                  mlp_types=(MOE, MOE), num_experts=4, num_experts_per_tok=2, vocab_size=256)
-    gpu = kernel_sim.SimGpu()
-    kernel_sim.patch_runtime(gpu.device)
     rng = np.random.default_rng(50 + rows)
-    weights = put_weights(gpu, rng, device_layout(config))
-    page_size, max_context, pages = 16, 64, 4
-    buffers = hf.HybridBuffers(gpu.device, config, page_size=page_size, num_pages=rows * pages + 1, max_batch=8,
-                               max_context=max_context, max_rows=8, kv_dtype="bf16", state_slots=1)
-    buffers.init(None)
-    forward = hf.HybridForward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16")
+    max_context, pages = 64, 4
+    gpu, buffers, forward = hybrid_step(config, rng, rows, max_context, pages)
     kv, states = gpu.device.bytes(buffers.kv), gpu.device.bytes(buffers.states)
-    random_bits(rng, kv)
-    states.view(np.float32)[:] = rng.standard_normal(states.size // 4).astype(np.float32) * 0.3
     kv_before, states_before = kv.copy(), states.copy()
     depth = decode_inputs(rng, forward, buffers.inputs, rows, config.vocab_size, max_context, pages)
     runs = []
@@ -815,8 +824,6 @@ def case_roped_attention(rows: int) -> dict:
     launches of each."""
     import attrs
 
-    from ninfer.backends.cuda import hybrid_forward as hf
-    from ninfer.backends.cuda.hybrid_weights import device_layout
     from ninfer.convert.random_model import HYBRID_PRESETS
     from ninfer.models.hybrid import DENSE, FULL, LINEAR
 
@@ -824,18 +831,9 @@ def case_roped_attention(rows: int) -> dict:
     for heads, kv_heads in ((8, 2),):
         config = attrs.evolve(HYBRID_PRESETS["tiny-qwen3.5"], num_layers=2, layer_types=(LINEAR, FULL),
                               mlp_types=(DENSE, DENSE), vocab_size=256, num_heads=heads, num_kv_heads=kv_heads)
-        gpu = kernel_sim.SimGpu()
-        kernel_sim.patch_runtime(gpu.device)
-        rng = np.random.default_rng(90 + rows + heads)
-        weights = put_weights(gpu, rng, device_layout(config))
-        page_size, max_context, pages = 16, 96, 6
-        buffers = hf.HybridBuffers(gpu.device, config, page_size=page_size, num_pages=rows * pages + 1, max_batch=8,
-                                   max_context=max_context, max_rows=8, kv_dtype="bf16", state_slots=1)
-        buffers.init(None)
-        forward = hf.HybridForward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16")
+        max_context, pages = 96, 6
+        gpu, buffers, forward = hybrid_step(config, np.random.default_rng(90 + rows + heads), rows, max_context, pages)
         kv, states = gpu.device.bytes(buffers.kv), gpu.device.bytes(buffers.states)
-        random_bits(rng, kv)
-        states.view(np.float32)[:] = rng.standard_normal(states.size // 4).astype(np.float32) * 0.3
         kv_before, states_before = kv.copy(), states.copy()
         positions = np.array([20, 50, 80][:rows], np.int32)  # one, two and three splits of 32 keys
         runs = []
