@@ -902,11 +902,11 @@ KERNELS["gemv_residual_m1p4"] = (make_gemv(1, 4, False, "residual", PRELOAD=4), 
 # A one-row DeltaNet out projection finishing the split delta rule's gated RMSNorm
 # (HybridForward.rule_norm_in_gemv), and its build holding four steps (Forward.preload_o).
 HEAD_NORM_SIG = MMA_SIG + (F32P, int32, int32)
-for _m, _preload in [(1, 1), (1, 4)]:
-    KERNELS[f"gemv_residual_headnorm_m{_m}" + (f"p{_preload}" if _preload > 1 else "")] = (
-        make_gemv(_m, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True), HEAD_NORM_SIG,
+for _preload in (1, 4):
+    KERNELS["gemv_residual_headnorm_m1" + (f"p{_preload}" if _preload > 1 else "")] = (
+        make_gemv(1, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True), HEAD_NORM_SIG,
         {"threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "head_norm": 1, "terms": 0,
-         "max_rows": _m, "grid_wait": 1})
+         "max_rows": 1, "grid_wait": 1})
 # The MoE router's early build asking L2, once its weights are in, for the first bytes of the next layer's
 # first GEMM (CudaMoe.next_prefetch): DRAM would idle through the routing that follows.
 KERNELS[mma_kernel_name(True, "store", *ROUTER_SHAPE, keep=True, early=True, NEXT=True)] = (

@@ -429,18 +429,17 @@ class HybridForward(Forward):
     def roped_gated_attention(self, layer: int, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
         """A decode step's ``qkv`` -> ``attn``: ``gated_attention_roped`` (norms, RoPE, the append and the
         split partials, the gates into ``gate``), then ``gated_combine``."""
-        c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
+        c, b, w, inp = self.c, self.b, self.w, self.b.inputs
         p = f"layers.{layer}."
-        H, D = c.num_heads, c.head_dim
+        H = c.num_heads
         n_splits = self.n_splits(rows, decode=True)
-        kernel = k[self.roped_attention_name]
+        kernel = self.k[self.roped_attention_name]
         kernel.launch((H, rows, n_splits), (kernel.meta["threads"],),
                       (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
                        b.part_o, b.part_ml, H, c.num_kv_heads, self.page_shift, inp.d_split, n_splits, self.scale,
                        b.gate, w[p + "q_norm"], w[p + "k_norm"], b.cos, b.sin, c.rotary_dim // 2,
                        float(c.rms_norm_eps)), stream)
-        k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
-                                                    n_splits, D, inp.d_split), stream)
+        self.gated_combine(rows, n_splits, stream)
 
     def decode_split(self, length: int, rows: int) -> int:
         """``gated_attention`` (a block per query head) keeps splits of MIN_SPLIT keys, as many as the grid
@@ -454,7 +453,7 @@ class HybridForward(Forward):
     def decode_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, decode: bool) -> None:
         """Split-K partials then their merge with the output gate: any head_dim and pool dtype."""
         c, b, k, inp = self.c, self.b, self.k, self.b.inputs
-        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        H, KV = c.num_heads, c.num_kv_heads
         n_splits = self.n_splits(rows, decode)
         args = (b.q, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions,
                 b.part_o, b.part_ml, H, KV, self.page_shift, inp.d_split, n_splits, self.scale)
@@ -465,8 +464,14 @@ class HybridForward(Forward):
             return
         attention = k[self.gated_attention_name]
         attention.launch((H, rows, n_splits), (attention.meta["threads"],), args, stream)
-        k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
-                                                    n_splits, D, inp.d_split), stream)
+        self.gated_combine(rows, n_splits, stream)
+
+    def gated_combine(self, rows: int, n_splits: int, stream) -> None:
+        """``attn`` = the split partials of ``rows`` rows merged, times ``sigmoid(gate)``."""
+        c, b, inp = self.c, self.b, self.b.inputs
+        H, D = c.num_heads, c.head_dim
+        self.k["gated_combine"].launch((H, rows), (D,), (b.attn, b.gate, b.part_o, b.part_ml, inp.d_positions, H,
+                                                         n_splits, D, inp.d_split), stream)
 
     def prefill_gated_attention(self, layer_kv: rt.DevicePtr, rows: int, stream) -> None:
         """Prefill rows on the tensor cores (``prefill_attention*.py``, bf16 pool), then the gate."""
