@@ -547,8 +547,8 @@ def main(argv=None) -> int:
                         help="decode again with the gated attention's splits capped at BLOCKS blocks a step "
                              "(HybridForward.decode_blocks)")
     parser.add_argument("--rule-norm-ablation", action="store_true",
-                        help="decode again with HybridForward.rule_norm_in_gemv flipped (the one- and two-row out "
-                             "GEMV applies the split delta rule's gated RMSNorm)")
+                        help="decode again with HybridForward.rule_norm_in_gemv flipped (the one-row out GEMV "
+                             "applies the split delta rule's gated RMSNorm)")
     parser.add_argument("--profile", action="store_true",
                         help="batch-1 decode's GPU time by kernel family (leave-one-out) and by kernel")
     parser.add_argument("--chunked-rule-ablation", action="store_true",
