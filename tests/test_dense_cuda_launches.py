@@ -2,7 +2,8 @@
 
 At the Qwen3-8B shape (2 layers): every kernel of a decode step of 1..8 rows is in ``kernel_names()``
 (modules cannot load during graph capture), each fused decode GEMM stays inside its buffers, and the
-step overlaps its launches exactly where its GEMMs are all the fp32 GEMV; a cuBLASLt prefill launches
+step overlaps its launches exactly where its GEMMs are all the fp32 GEMV (else its attention and staged
+ring GEMMs overlap); a cuBLASLt prefill launches
 the chunked rope (a thread per 16 dims of a head) over exactly its rows and the persistent attention
 at no more blocks than the GPU holds or there are items.
 """
@@ -47,26 +48,40 @@ def forward(max_rows=64, lt=None):
 
 def test_decode_launches_are_preloaded_in_bounds_and_overlapped_where_they_preload():
     """Every launch overlaps its predecessor where the step's GEMMs are the fp32 GEMV (it preloads);
-    with tensor-core GEMMs only the attention launches do."""
+    with tensor-core GEMMs the attention launches do, and (``staged``) the o and down GEMMs where their
+    shape is a ring (7 and 8 rows), which copies its first slots of weights before the wait."""
     fwd = forward()
+    assert fwd.staged == {"o", "down"}
     preloaded = set(fwd.kernel_names())
-    for rows in range(1, MAX_BATCH + 1):
-        fwd.k.log.clear()
-        fwd.k.overlaps.clear()
-        fwd.decode(rows, None)
-        launched = [kernel.name for kernel, _, _ in fwd.k.log]
-        assert set(launched) <= preloaded, sorted(set(launched) - preloaded)
-        for kernel, grid, args in fwd.k.log:
-            if "epilogue" in kernel.meta:
-                check_decode_gemm(kernel, grid, *args)
-        fp32_only = all(fw.DECODE_GEMMS[matrix][rows] == "fp32" for matrix in fw.DECODE_GEMMS)
-        assert launched[0] == "count_tokens" and not fwd.k.overlaps[0]
-        if fp32_only:
-            assert all(fwd.k.overlaps[1:]), (rows, fwd.k.overlaps)
-        else:  # only decode attention overlaps (the q/k/v GEMM: it stages keys before it waits)
+    for staged in (fwd.staged, frozenset()):
+        fwd.staged = staged
+        for rows in range(1, MAX_BATCH + 1):
+            fwd.k.log.clear()
+            fwd.k.overlaps.clear()
+            fwd.decode(rows, None)
+            launched = [kernel.name for kernel, _, _ in fwd.k.log]
+            assert set(launched) <= preloaded, sorted(set(launched) - preloaded)
+            for kernel, grid, args in fwd.k.log:
+                if "epilogue" in kernel.meta:
+                    check_decode_gemm(kernel, grid, *args)
+            fp32_only = all(fw.DECODE_GEMMS[matrix][rows] == "fp32" for matrix in fw.DECODE_GEMMS)
+            assert launched[0] == "count_tokens" and not fwd.k.overlaps[0]
+            assert any(name.startswith("gemv_normed_swiglu_m") for name in launched) == fp32_only
+            if fp32_only:
+                assert all(fwd.k.overlaps[1:]), (rows, fwd.k.overlaps)
+                continue
+            # decode attention overlaps the q/k/v GEMM (it stages keys before it waits)
+            rings = {matrix for matrix in staged if "r" in fw.DECODE_GEMMS[matrix][rows].split("s")[-1]}
+            assert bool(rings) == (rows >= 7 and bool(staged)), rows
+            layer = [fwd.decode_attention_name] + [fw.decode_gemm_name(m, "residual", False, rows) + "n"
+                                                   for m in ("o", "down") if m in rings]
             overlapped = [name for name, on in zip(launched, fwd.k.overlaps) if on]
-            assert overlapped == [fwd.decode_attention_name] * CONFIG.num_layers, (rows, overlapped)
-        assert any(name.startswith("gemv_normed_swiglu_m") for name in launched) == fp32_only
+            assert overlapped == layer * CONFIG.num_layers, (rows, overlapped)
+    fwd.overlap = False  # the master switch: nothing overlaps
+    fwd.staged = frozenset({"o", "down"})
+    fwd.k.overlaps.clear()
+    fwd.decode(MAX_BATCH, None)
+    assert not any(fwd.k.overlaps)
 
 
 @pytest.mark.parametrize("rows", [300, 64])
@@ -212,11 +227,14 @@ def test_batched_gemms_ask_l2_for_the_next_gemms_weights_where_set():
 
 def test_default_gemm_prefetch_by_rows():
     """The default policy (forward.GEMM_PREFETCH): o and down ask for 8 MiB from 3 rows on, gate/up only
-    up to 6 rows (at 7 and 8 the down GEMM is the ring shape, and it measured faster without)."""
+    up to 6 rows (at 7 and 8 the down GEMM is the ring shape, and it measured faster without); at 7 and
+    8 rows down asks for 16 MiB."""
     fwd = forward()
     for rows, nexts in ((4, {"o", "gate_up", "down"}), (8, {"o", "down"})):
         fwd.k.log.clear()
         fwd.decode(rows, None)
-        epilogues = {kernel.meta["epilogue"] for kernel, _, args in fwd.k.log if kernel.meta.get("next")}
-        assert epilogues == {"residual", "swiglu"} if "gate_up" in nexts else {"residual"}, rows
-        assert all(args[-1] == 8 << 20 for kernel, _, args in fwd.k.log if kernel.meta.get("next"))
+        asked = [(kernel.meta["epilogue"], args[1] is fwd.b.act, args[-1])
+                 for kernel, _, args in fwd.k.log if kernel.meta.get("next")]
+        assert {epilogue for epilogue, _, _ in asked} == ({"residual", "swiglu"} if "gate_up" in nexts else {"residual"})
+        down = 16 << 20 if rows >= 7 else 8 << 20
+        assert all(nbytes == (down if is_down else 8 << 20) for _, is_down, nbytes in asked), rows

@@ -2,7 +2,7 @@
 
     python3 tools/bench_decode_step.py [--reps 20] [--cases 1x512,8x512,8x8192] [--mma t4w4u1s3]
                                        [--only 'splits of,no attention'] [--prefetch-o 0,0.25]
-                                       [--gemm-prefetch 'none,o=8+gate_up=8+down=8']
+                                       [--gemm-prefetch 'none,o=8+gate_up=8+down=8'] [--staged 'none,o']
 
 Qwen3-8B shape, random bf16 weights made on the GPU by our fill kernel (as tools/gpu_bench.py). For
 each (batch x context) case it captures the decode step as a CUDA Graph under each variant and times
@@ -15,7 +15,8 @@ their predecessor (``Forward.overlap`` off: no programmatic dependent launch), w
 (tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
 overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
 by attention with and without the KV prefetch (``--prefetch-o``), what the batched GEMMs ask L2 for
-of the next GEMM's weights (``--gemm-prefetch``), decode attention in the prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
+of the next GEMM's weights (``--gemm-prefetch``), which ring-shaped GEMMs launch to overlap the kernel
+before them (``--staged``), decode attention in the prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
 ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
 in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
 all (wrong tokens, right cost of everything else: the difference is attention's share); with
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gemm-prefetch", default="", help="comma-separated Forward.gemm_prefetch settings to "
                         "time, each as matrix=MiB joined by '+' (the next GEMM's weights a decode GEMM asks L2 for), "
                         "or none")
+    parser.add_argument("--staged", default="", help="comma-separated sets of decode GEMMs launched to overlap the "
+                        "kernel before them (Forward.staged, ring shapes only), each as matrix[=shape] joined by '+', or none")
     parser.add_argument("--splits", default="32,64,128,256,512,1024,2048",
                         help="other attention split lengths to time (keys, multiples of 32)")
     args = parser.parse_args(argv)
@@ -121,6 +124,12 @@ def main(argv=None) -> int:
             measure_gemms(label, {matrix: {r: choice for r in table} for matrix, table in fw.DECODE_GEMMS.items()})
         for spec in filter(None, args.gemms.split(",")):  # per-matrix kernels: qkv=fp32+o=t1w16u4s3+...
             measure_gemms(spec, {matrix: {batch: choice} for matrix, choice in (p.split("=") for p in spec.split("+"))})
+        staged = runner.forward.staged
+        for spec in filter(None, args.staged.split(",")):  # o+down=t1w8u1s3r3: staged GEMMs, some in other shapes
+            items = [item.split("=") for item in spec.split("+") if item != "none"]
+            runner.forward.staged = frozenset(item[0] for item in items)
+            measure_gemms(f"staged {spec}", {item[0]: {batch: item[1]} for item in items if len(item) == 2})
+        runner.forward.staged = staged
         if attention != runner.forward.decode_attention_name:
             chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention
             measure(f"fused, {attention}")

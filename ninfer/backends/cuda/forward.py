@@ -10,6 +10,7 @@ directly or under CUDA Graph capture.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import numpy as np
@@ -145,10 +146,12 @@ PRELOADED_O_GEMV = "gemv_residual_m1p4"  # Forward.preload_o (numba_kernels/gemm
 # H100, ms a step (tools/bench_decode_step.py --gemm-prefetch), none -> 8 MiB at o, gate/up and down:
 # b3/512 6.216 -> 6.149, b4/512 6.262 -> 6.195, b6/512 6.342 -> 6.292, b8/512 6.534 -> 6.495, b8/2048
 # 7.209 -> 7.145, b8/4096 8.017 -> 7.939 (4 and 16 MiB did less). From 7 rows (down's ring shape)
-# without gate/up's: b8/512 6.460, b8/2048 7.133.
+# without gate/up's: b8/512 6.460, b8/2048 7.133. Since the ring steps launch o and down to overlap the
+# kernel before them (Forward.staged), down asks for 16 MiB at 7 and 8 rows: b8/512 6.066-6.074 ->
+# 6.034-6.041 in four calls, b7/512 6.005 -> 5.994 (o asking for 16 as well did no better).
 MIB = 1 << 20
 GEMM_PREFETCH = {"o": {rows: 8 * MIB for rows in range(3, 9)}, "gate_up": {rows: 8 * MIB for rows in range(3, 7)},
-                 "down": {rows: 8 * MIB for rows in range(3, 9)}}
+                 "down": {rows: (16 if rows >= 7 else 8) * MIB for rows in range(3, 9)}}
 
 
 # The chained norm (numba_kernels/gemm.py ``make_mma_gemv``'s ``chain``) of a step whose GEMMs are all
@@ -388,6 +391,16 @@ class Forward:
         # Off for the dense model: Qwen3-8B b1 on an H100 5.443 -> 5.451 ms at 512 keys, 5.696 -> 5.674
         # at 4096 (tools/bench_decode_step.py); on for MoE hybrids (HybridForward).
         self.preload_o = False
+        # In a step whose launches do not overlap (tensor-core rows), the decode GEMMs of these matrices
+        # launch to overlap the kernel before them where their shape is a ring (``mma_gemv`` RING, 7 and
+        # 8 rows): their blocks copy their first slots of weights into shared memory on the SMs that kernel
+        # leaves. H100, ms a step, none -> o and down (tools/bench_decode_step.py --staged, eight calls):
+        # b8/512 6.124-6.155 -> 6.050-6.074, b7/512 6.070-6.088 -> 5.991-6.031, b8/2048 6.784-6.793 ->
+        # 6.654-6.683; o alone 6.087-6.106 at b8/512. Staged q/k/v and gate/up (ring shapes, or builds
+        # loading their first round before the wait) were slower: their early blocks crowd the kernel
+        # before them (b8/512 6.34-8.08). So were o's two-tile rings holding half its weights, and a
+        # larger shared-memory carveout for the kernels before (docs/benchmarks.md).
+        self.staged: frozenset[str] = frozenset({"o", "down"})
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
     def kernel_names(self) -> list[str]:
@@ -427,6 +440,12 @@ class Forward:
         with the chained ones 0.2-0.8% faster (b8/512 5.032-5.042 ms against 5.067-5.074)."""
         fp32_only = all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in DECODE_GEMMS)
         return self.overlap and (fp32_only or self.chains(rows))
+
+    def stages(self, matrix: str, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows launches its ``matrix`` GEMM to overlap the kernel before
+        it on its own (``staged``): never inside a step that overlaps every launch (the hybrids')."""
+        ring = re.fullmatch(r"t\d+w\d+u\d+s\d+r\d+", DECODE_GEMMS[matrix][rows]) is not None
+        return matrix in self.staged and self.overlap and ring and not self.k.overlap.on
 
     def next_weights(self, i: int, blocks: int) -> tuple[rt.DevicePtr, int]:
         """(pointer, bytes) of what layer ``i``'s ``decode_attention`` grid of ``blocks`` blocks may ask L2
@@ -599,7 +618,8 @@ class Forward:
             producer = CHAIN_PRODUCERS[matrix]
             producer = self.k[decode_gemm_name(producer, *DECODE_FUSIONS[producer], rows, "out")]
             args = (y, b.xn, w, b.cos, rows, n, k, n, eps, b.norm_part, -(-k // producer.meta["cols"]))
-        kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
+        with self.k.overlapped() if self.stages(matrix, rows) else contextlib.nullcontext():
+            kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
 
     def decode_depths(self) -> tuple[int, ...]:
         """The attention grid depths (splits per row) a decode step is captured at, shallowest first:
