@@ -71,10 +71,10 @@ def test_decode_launches_are_preloaded_in_bounds_and_overlapped_where_they_prelo
                 assert all(fwd.k.overlaps[1:]), (rows, fwd.k.overlaps)
                 continue
             # decode attention overlaps the q/k/v GEMM (it stages keys before it waits)
-            rings = {matrix for matrix in staged if "r" in fw.DECODE_GEMMS[matrix][rows].split("s")[-1]}
+            names = {m: fw.decode_gemm_name(m, "residual", False, rows) + "n" for m in ("o", "down")}
+            rings = [m for m in ("o", "down") if m in staged and fwd.k[names[m]].meta.get("shared")]
             assert bool(rings) == (rows >= 7 and bool(staged)), rows
-            layer = [fwd.decode_attention_name] + [fw.decode_gemm_name(m, "residual", False, rows) + "n"
-                                                   for m in ("o", "down") if m in rings]
+            layer = [fwd.decode_attention_name] + [names[m] for m in rings]
             overlapped = [name for name, on in zip(launched, fwd.k.overlaps) if on]
             assert overlapped == layer * CONFIG.num_layers, (rows, overlapped)
     fwd.overlap = False  # the master switch: nothing overlaps
@@ -235,6 +235,7 @@ def test_default_gemm_prefetch_by_rows():
         fwd.decode(rows, None)
         asked = [(kernel.meta["epilogue"], args[1] is fwd.b.act, args[-1])
                  for kernel, _, args in fwd.k.log if kernel.meta.get("next")]
-        assert {epilogue for epilogue, _, _ in asked} == ({"residual", "swiglu"} if "gate_up" in nexts else {"residual"})
+        epilogues = {"residual", "swiglu"} if "gate_up" in nexts else {"residual"}
+        assert {epilogue for epilogue, _, _ in asked} == epilogues, rows
         down = 16 << 20 if rows >= 7 else 8 << 20
         assert all(nbytes == (down if is_down else 8 << 20) for _, is_down, nbytes in asked), rows

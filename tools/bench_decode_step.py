@@ -16,8 +16,8 @@ their predecessor (``Forward.overlap`` off: no programmatic dependent launch), w
 overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
 by attention with and without the KV prefetch (``--prefetch-o``), what the batched GEMMs ask L2 for
 of the next GEMM's weights (``--gemm-prefetch``), which ring-shaped GEMMs launch to overlap the kernel
-before them (``--staged``), decode attention in the prefill path's three launches instead of ``decode_attention``'s one, other attention split lengths than
-``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
+before them (``--staged``), decode attention in the prefill path's three launches instead of
+``decode_attention``'s one, other attention split lengths than ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
 in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
 all (wrong tokens, right cost of everything else: the difference is attention's share); with
 ``--attention NAME`` every variant runs that decode attention kernel, and the default one is timed too.
@@ -69,8 +69,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gemm-prefetch", default="", help="comma-separated Forward.gemm_prefetch settings to "
                         "time, each as matrix=MiB joined by '+' (the next GEMM's weights a decode GEMM asks L2 for), "
                         "or none")
-    parser.add_argument("--staged", default="", help="comma-separated sets of decode GEMMs launched to overlap the "
-                        "kernel before them (Forward.staged, ring shapes only), each as matrix[=shape] joined by '+', or none")
+    parser.add_argument("--staged", default="", help="comma-separated sets of decode GEMMs launched to overlap "
+                        "the kernel before them (Forward.staged, ring shapes only), each as matrix[=shape] joined "
+                        "by '+', or none")
     parser.add_argument("--splits", default="32,64,128,256,512,1024,2048",
                         help="other attention split lengths to time (keys, multiples of 32)")
     args = parser.parse_args(argv)
