@@ -60,7 +60,8 @@ def main(argv=None) -> int:
                         "(the default step always runs); empty: every variant")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     parser.add_argument("--gemms", default="", help="comma-separated decode GEMM choices to time, each as "
-                        "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3)")
+                        "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3; a matrix in "
+                        "Forward.staged keeps its staged shape, see --staged)")
     parser.add_argument("--attention", default="", help="the decode attention kernel of every variant (a "
                         "variant built into ptx/ under another name); the step with the default one is timed too")
     parser.add_argument("--prefetch-o", default="", help="comma-separated shares of each o projection that "
@@ -70,8 +71,7 @@ def main(argv=None) -> int:
                         "time, each as matrix=MiB joined by '+' (the next GEMM's weights a decode GEMM asks L2 for), "
                         "or none")
     parser.add_argument("--staged", default="", help="comma-separated sets of decode GEMMs launched to overlap "
-                        "the kernel before them (Forward.staged, ring shapes only), each as matrix[=shape] joined "
-                        "by '+', or none")
+                        "the kernel before them (Forward.staged), each as matrix[=ring shape] joined by '+', or none")
     parser.add_argument("--splits", default="32,64,128,256,512,1024,2048",
                         help="other attention split lengths to time (keys, multiples of 32)")
     args = parser.parse_args(argv)
@@ -127,9 +127,9 @@ def main(argv=None) -> int:
             measure_gemms(spec, {matrix: {batch: choice} for matrix, choice in (p.split("=") for p in spec.split("+"))})
         staged = runner.forward.staged
         for spec in filter(None, args.staged.split(",")):  # o+down=t1w8u1s3r3: staged GEMMs, some in other shapes
-            items = [item.split("=") for item in spec.split("+") if item != "none"]
-            runner.forward.staged = frozenset(item[0] for item in items)
-            measure_gemms(f"staged {spec}", {item[0]: {batch: item[1]} for item in items if len(item) == 2})
+            items = [item.split("=") + [fw.STAGED_SHAPE] for item in spec.split("+") if item != "none"]
+            runner.forward.staged = {item[0]: item[1] for item in items}
+            measure(f"fused, staged {spec}")
         runner.forward.staged = staged
         if attention != runner.forward.decode_attention_name:
             chosen_attention, runner.forward.decode_attention_name = runner.forward.decode_attention_name, attention

@@ -10,7 +10,6 @@ directly or under CUDA Graph capture.
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any
 
 import numpy as np
@@ -146,12 +145,15 @@ PRELOADED_O_GEMV = "gemv_residual_m1p4"  # Forward.preload_o (numba_kernels/gemm
 # H100, ms a step (tools/bench_decode_step.py --gemm-prefetch), none -> 8 MiB at o, gate/up and down:
 # b3/512 6.216 -> 6.149, b4/512 6.262 -> 6.195, b6/512 6.342 -> 6.292, b8/512 6.534 -> 6.495, b8/2048
 # 7.209 -> 7.145, b8/4096 8.017 -> 7.939 (4 and 16 MiB did less). From 7 rows (down's ring shape)
-# without gate/up's: b8/512 6.460, b8/2048 7.133. Since the ring steps launch o and down to overlap the
-# kernel before them (Forward.staged), down asks for 16 MiB at 7 and 8 rows: b8/512 6.066-6.074 ->
-# 6.034-6.041 in four calls, b7/512 6.005 -> 5.994 (o asking for 16 as well did no better).
+# without gate/up's: b8/512 6.460, b8/2048 7.133. A dense step's staged down (Forward.staged) copies its
+# own first weights over gate/up's tail: there gate/up asks for nothing (Forward.gemm_prefetch), and down
+# asks for 16 MiB at 7 and 8 rows: H100, b8/512 6.066-6.074 -> 6.034-6.041 ms in four calls, b7/512 6.005
+# -> 5.994 (o asking for 16 as well did no better).
 MIB = 1 << 20
 GEMM_PREFETCH = {"o": {rows: 8 * MIB for rows in range(3, 9)}, "gate_up": {rows: 8 * MIB for rows in range(3, 7)},
                  "down": {rows: (16 if rows >= 7 else 8) * MIB for rows in range(3, 9)}}
+# The ring shape (numba_kernels/gemm.py RING_SHAPES) a staged decode GEMM launches (Forward.staged).
+STAGED_SHAPE = "t1w8u1s3r3"
 
 
 # The chained norm (numba_kernels/gemm.py ``make_mma_gemv``'s ``chain``) of a step whose GEMMs are all
@@ -164,10 +166,12 @@ CHAIN_OUT_GEMMS = {"down": "t1w16u4s3", "o": "t1w16u4s3"}
 CHAIN_PRODUCERS = {"qkv": "down", "gate_up": "o", "lm_head": "down"}  # whose partial sums each reads
 
 
-def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int, chain: str = "") -> str:
+def decode_gemm_name(matrix: str, epilogue: str, normed: bool, rows: int, chain: str = "",
+                     shape: str | None = None) -> str:
     """The kernel a decode step of ``rows`` rows launches for ``matrix``; ``chain``: "out" for a residual
-    GEMM writing the next norm's input, "in" for a normed GEMM reading it."""
-    choice = DECODE_GEMMS[matrix][rows]
+    GEMM writing the next norm's input, "in" for a normed GEMM reading it; ``shape``: a tensor-core shape
+    in place of DECODE_GEMMS' choice (a staged GEMM's, ``Forward.staged``)."""
+    choice = shape or DECODE_GEMMS[matrix][rows]
     if chain == "in":
         return f"mma_gemv_normin_{epilogue}_{CHAIN_IN_GEMMS[matrix]}"
     if chain == "out":
@@ -385,22 +389,32 @@ class Forward:
         # 5.737 -> 5.707, b4/512 6.121 -> 6.054, b8/512 6.394 -> 6.344, b1/2048 5.418 -> 5.410 (H200: b1/512
         # 4.030 -> 4.020, b8/512 5.120 -> 5.110); 0.125 and 0.375 did no better, the whole matrix worse.
         self.attention_prefetch = 0.25
-        self.gemm_prefetch = {matrix: dict(table) for matrix, table in GEMM_PREFETCH.items()}
+        # gate/up asks for nothing where down is staged (``staged``): down's blocks copy their own first
+        # weights over gate/up's tail. H100 (the second card below), ms a step, gate/up's 8 MiB -> none,
+        # o and down staged: b3/512 6.098-6.107 -> 6.048-6.049, b4/512 6.111-6.114 -> 6.071-6.074, b6/512
+        # 6.208-6.209 -> 6.169-6.172, b4/4096 6.847-6.849 -> 6.805-6.810.
+        self.gemm_prefetch = {matrix: dict(table) for matrix, table in GEMM_PREFETCH.items() if matrix != "gate_up"}
         # A one-row step's o projection holds its first four steps of weights before its wait
         # (PRELOADED_O_GEMV), while the kernel before it (attention, the delta rule) leaves DRAM idle.
         # Off for the dense model: Qwen3-8B b1 on an H100 5.443 -> 5.451 ms at 512 keys, 5.696 -> 5.674
         # at 4096 (tools/bench_decode_step.py); on for MoE hybrids (HybridForward).
         self.preload_o = False
-        # In a step whose launches do not overlap (tensor-core rows), the decode GEMMs of these matrices
-        # launch to overlap the kernel before them where their shape is a ring (``mma_gemv`` RING, 7 and
-        # 8 rows): their blocks copy their first slots of weights into shared memory on the SMs that kernel
-        # leaves. H100, ms a step, none -> o and down (tools/bench_decode_step.py --staged, eight calls):
-        # b8/512 6.124-6.155 -> 6.050-6.074, b7/512 6.070-6.088 -> 5.991-6.031, b8/2048 6.784-6.793 ->
-        # 6.654-6.683; o alone 6.087-6.106 at b8/512. Staged q/k/v and gate/up (ring shapes, or builds
-        # loading their first round before the wait) were slower: their early blocks crowd the kernel
-        # before them (b8/512 6.34-8.08). So were o's two-tile rings holding half its weights, and a
-        # larger shared-memory carveout for the kernels before (docs/benchmarks.md).
-        self.staged: frozenset[str] = frozenset({"o", "down"})
+        # A dense step of tensor-core rows (one that does not overlap every launch) launches the GEMMs of
+        # these matrices in this ring shape (``mma_gemv`` RING), overlapping the kernel before them: their
+        # blocks copy their first slots of weights into shared memory on the SMs that kernel leaves, and
+        # stream while its last blocks finish. H100, ms a step (tools/bench_decode_step.py --staged),
+        # none -> o and down, both in STAGED_SHAPE:
+        # - from 7 rows, where DECODE_GEMMS has that shape anyway (eight calls on one card, two on another):
+        #   b8/512 6.124-6.155 -> 6.050-6.074 and 6.316-6.318 -> 6.243-6.250, b7/512 6.070-6.088 ->
+        #   5.991-6.031 and 6.263-6.269 -> 6.190-6.196, b8/2048 6.784-6.793 -> 6.654-6.683;
+        # - at 3-6 rows, against DECODE_GEMMS' t1w16u4s3 unstaged (the second card, two runs): b4/512
+        #   6.151-6.154 -> 6.111-6.114, b6/512 6.254-6.255 -> 6.208-6.209, b4/4096 6.989-6.991 ->
+        #   6.847-6.849, b3/512 level (6.103-6.104 against 6.098-6.107).
+        # Staged q/k/v and gate/up (ring shapes, or builds loading their first round before the wait) were
+        # slower: an SM keeps its split of L1 and shared memory while any block is resident, so their
+        # blocks ran with a ring kernel's small L1 (b8/512 6.34-8.08). So were o's two-tile rings holding
+        # half its weights, and asking for a larger shared-memory carveout (docs/benchmarks.md).
+        self.staged = {"o": STAGED_SHAPE, "down": STAGED_SHAPE}
         self.layer_kv_bytes_per_key = 2 * config.num_kv_heads * config.head_dim * KV_DTYPES[kv_dtype]
 
     def kernel_names(self) -> list[str]:
@@ -414,6 +428,8 @@ class Forward:
         names += [decode_gemm_name(matrix, epilogue, normed, m, "in" if normed else "out")
                   for m in range(1, GEMV_MAX_ROWS + 1) if chains_norms(m)
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
+        names += [decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], GEMV_MAX_ROWS, shape=shape)
+                  for matrix, shape in self.staged.items()]
         names += [name + "n" for name in names if name + "n" in self.k.entries]  # the NEXT builds
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)] + [PRELOADED_O_GEMV]
 
@@ -441,11 +457,13 @@ class Forward:
         fp32_only = all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in DECODE_GEMMS)
         return self.overlap and (fp32_only or self.chains(rows))
 
-    def stages(self, matrix: str, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows launches its ``matrix`` GEMM to overlap the kernel before
-        it on its own (``staged``): never inside a step that overlaps every launch (the hybrids')."""
-        ring = re.fullmatch(r"t\d+w\d+u\d+s\d+r\d+", DECODE_GEMMS[matrix][rows]) is not None
-        return matrix in self.staged and self.overlap and ring and not self.k.overlap.on
+    def staged_shape(self, matrix: str, rows: int) -> str | None:
+        """The ring shape a decode step of ``rows`` rows launches its ``matrix`` GEMM in to overlap the
+        kernel before it (``staged``), or None: not at the fp32 GEMV's rows, nor inside a step that
+        overlaps every launch (one or two rows, chained norms, the hybrids')."""
+        if matrix not in self.staged or not self.overlap or self.k.overlap.on or DECODE_GEMMS[matrix][rows] == "fp32":
+            return None
+        return self.staged[matrix]
 
     def next_weights(self, i: int, blocks: int) -> tuple[rt.DevicePtr, int]:
         """(pointer, bytes) of what layer ``i``'s ``decode_attention`` grid of ``blocks`` blocks may ask L2
@@ -597,7 +615,8 @@ class Forward:
         ``then``: the next GEMM's weights, whose first ``gemm_prefetch[matrix][rows]`` bytes a
         tensor-core shape with a ``NEXT`` build asks L2 for at its tail."""
         epilogue, normed = DECODE_FUSIONS[matrix]
-        name = decode_gemm_name(matrix, epilogue, normed, rows, chain)
+        staged = self.staged_shape(matrix, rows)
+        name = decode_gemm_name(matrix, epilogue, normed, rows, chain, staged)
         if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
             name = PRELOADED_O_GEMV
         asked = self.gemm_prefetch.get(matrix, {}).get(rows, 0)
@@ -618,7 +637,7 @@ class Forward:
             producer = CHAIN_PRODUCERS[matrix]
             producer = self.k[decode_gemm_name(producer, *DECODE_FUSIONS[producer], rows, "out")]
             args = (y, b.xn, w, b.cos, rows, n, k, n, eps, b.norm_part, -(-k // producer.meta["cols"]))
-        with self.k.overlapped() if self.stages(matrix, rows) else contextlib.nullcontext():
+        with self.k.overlapped() if staged else contextlib.nullcontext():
             kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
 
     def decode_depths(self) -> tuple[int, ...]:
