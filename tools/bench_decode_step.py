@@ -17,8 +17,9 @@ overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o 
 by attention with and without the KV prefetch (``--prefetch-o``), what the batched GEMMs ask L2 for
 of the next GEMM's weights (``--gemm-prefetch``), which ring-shaped GEMMs launch to overlap the kernel
 before them (``--staged``), decode attention in the prefill path's three launches instead of
-``decode_attention``'s one, other attention split lengths than ``forward.decode_split`` picks, a grid exactly as deep as the step's splits (the runner's graphs come
-in a few depths, ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
+``decode_attention``'s one, other attention split lengths than ``forward.decode_split`` picks, a grid
+exactly as deep as the step's splits (the runner's graphs come in a few depths,
+``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
 all (wrong tokens, right cost of everything else: the difference is attention's share); with
 ``--attention NAME`` every variant runs that decode attention kernel, and the default one is timed too.
 """
@@ -60,8 +61,8 @@ def main(argv=None) -> int:
                         "(the default step always runs); empty: every variant")
     parser.add_argument("--mma", default="t4w4u1s3", help="tensor-core shape of the 'mma only' variant")
     parser.add_argument("--gemms", default="", help="comma-separated decode GEMM choices to time, each as "
-                        "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3; a matrix in "
-                        "Forward.staged keeps its staged shape, see --staged)")
+                        "matrix=kernel joined by '+' (kernel: fp32 or a tensor-core shape such as t4w4u1s3; a "
+                        "matrix in Forward.staged keeps its staged shape, see --staged)")
     parser.add_argument("--attention", default="", help="the decode attention kernel of every variant (a "
                         "variant built into ptx/ under another name); the step with the default one is timed too")
     parser.add_argument("--prefetch-o", default="", help="comma-separated shares of each o projection that "
