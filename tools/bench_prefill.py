@@ -10,6 +10,10 @@ sampled after the last; the runner splits each chunk into sub-chunks of ``max_pr
 each pass after ``--pause`` seconds of an idle GPU; the peer's forward is timed the same way),
 the share of that time spent in attention (the same prefill with the attention launches left out),
 TTFT of a 512-token prompt, and transformers eager's forward of the same prompt measured in this run.
+``--tune`` times each chunk size twice, passes alternating: with cuBLASLt's first picks and with the
+algorithms ``CudaRunner.tune_prefill_gemms`` chose for that many rows (tuned here at any size; ``ninfer
+serve`` tunes chunks of ``TUNE_MIN_ROWS`` or more). ``--tune-passes`` times every algorithm of every GEMM
+by whole prefills instead (slow, and a pass varies by about 1%).
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
 kernel recorded by CUPTI (torch.profiler), summed by kernel name, and the device's idle time between
 kernels, by the kernel that ended each idle stretch.
@@ -56,6 +60,57 @@ def prefill_seconds(runner, tokens: int, chunk: int, reps: int, pause: float = 0
         feed_prompt(runner, tokens, chunk)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
+
+
+def alternating(runner, tokens: int, chunk: int, reps: int, pause: float, variants: dict) -> dict[str, float]:
+    """Median seconds of a prefill under each of ``variants`` (name: a function that sets the runner
+    up), passes alternating between them, one untimed pass of each first."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(reps + 1):
+        for name, apply in variants.items():
+            apply()
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            feed_prompt(runner, tokens, chunk)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def tuned_against_first(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
+    """Tune the prefill GEMMs of ``chunk`` rows, then time passes alternately with the heuristic's first
+    algorithms and the tuned ones: median seconds of each."""
+    tuning = runner.tune_prefill_gemms(chunk, min_rows=0)
+    lt = runner.forward.lt
+    tuned = lt.chosen()
+    first = {key: 0 for key in tuned}
+    medians = alternating(runner, tokens, chunk, reps, pause,
+                          {"first": lambda: lt.choose_all(first), "tuned": lambda: lt.choose_all(tuned)})
+    lt.choose_all(tuned)
+    return {"tuning": tuning, **medians}
+
+
+def algorithms_by_passes(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
+    """Each algorithm of each prefill GEMM of ``chunk`` rows timed by whole prefills: that GEMM on that
+    algorithm, every other on the heuristic's first pick, passes alternating with all-first passes.
+    Returns, by shape, each algorithm's median pass time over the all-first median (1.0: level)."""
+    runner.tune_prefill_gemms(chunk, min_rows=0)  # plans of the heuristic's first TUNE_CHOICES algorithms
+    lt = runner.forward.lt
+    first = {key: 0 for key in lt.chosen()}
+
+    def one(key, index):
+        lt.choose_all(first)
+        lt.choose(*key, index)
+
+    ratios = {}
+    for key in (key for key in first if key[0] == chunk):
+        ratios[f"{key[0]}x{key[2]}x{key[1]}"] = found = []
+        for index in range(lt.algorithms(*key)):
+            m = alternating(runner, tokens, chunk, reps, pause,
+                            {"first": lambda: lt.choose_all(first), "one": lambda: one(key, index)})
+            found.append(round(m["one"] / m["first"], 4))
+    lt.choose_all(first)
+    return ratios
 
 
 def without_attention(runner):
@@ -114,6 +169,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--peer", choices=("eager", "none"), default="eager")
     parser.add_argument("--profile", action="store_true", help="where one prefill's device time goes, by kernel")
+    parser.add_argument("--tune-passes", action="store_true",
+                        help="each GEMM algorithm of each chunk size timed by whole prefills (slow)")
+    parser.add_argument("--tune", action="store_true",
+                        help="each chunk size also with its GEMM algorithms tuned, alternating with the first picks")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds the GPU idles before each timed prefill, ours and the peer's alike")
     parser.add_argument("--json", type=Path)
@@ -143,6 +202,18 @@ def main(argv=None) -> int:
         report["prefill"].append(r)
         print(f"  chunks of {chunk}: {seconds * 1e3:.0f} ms = {r['tok_s']:.0f} tok/s "
               f"(attention {100 * r['attention_share']:.0f}%)", flush=True)
+        if args.tune:
+            r["tune"] = ab = tuned_against_first(runner, args.tokens, chunk, args.reps, args.pause)
+            print(f"    tuned in {ab['tuning']['seconds']} s, chose "
+                  + ", ".join(f"{shape} #{g['chose']}" for shape, g in ab['tuning']['gemms'].items())
+                  + f": first picks {ab['first'] * 1e3:.1f} ms = {args.tokens / ab['first']:.0f} tok/s, "
+                  f"tuned {ab['tuned'] * 1e3:.1f} ms = {args.tokens / ab['tuned']:.0f} tok/s", flush=True)
+            for shape, g in ab["tuning"]["gemms"].items():
+                print(f"      {shape}: ms a call by algorithm {g['ms']}", flush=True)
+        if args.tune_passes:
+            r["tune_passes"] = by_passes = algorithms_by_passes(runner, args.tokens, chunk, args.reps, args.pause)
+            for shape, ratios in by_passes.items():
+                print(f"    {shape}: prefill time by algorithm over the first picks' {ratios}", flush=True)
     if args.profile:
         profile = report["profile"] = kernel_profile(runner, args.tokens, max(chunks))
         print(f"  device time by kernel (one prefill in chunks of {max(chunks)}): {profile['busy_us'] / 1e3:.1f} ms busy",

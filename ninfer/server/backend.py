@@ -52,10 +52,11 @@ def cuda_available() -> bool:
 
 def prefill_gemm() -> str:
     """Prefill GEMMs on the tensor cores through cuBLASLt when nvmath-python (the cuda extra) is
-    installed: about 3x our fp32 kernel at 8192 tokens (docs/benchmarks.md); else the fp32 kernel."""
+    installed: about 3x our fp32 kernel at 8192 tokens (docs/benchmarks.md), with each GEMM of a whole
+    chunk running the fastest of the heuristic's algorithms, timed at startup; else the fp32 kernel."""
     import importlib.util
 
-    return "cublaslt" if importlib.util.find_spec("nvmath") is not None else "fp32"
+    return "cublaslt-tuned" if importlib.util.find_spec("nvmath") is not None else "fp32"
 
 
 def prefill_rows(config: EngineConfig) -> int:

@@ -260,6 +260,9 @@ def _log_runner_startup(facts: dict[str, Any] | None) -> None:
     if "graph_capture_s" in facts:
         parts.append(f"{facts.get('graph_count', '')} decode graphs captured in {facts['graph_capture_s']} s "
                      f"({facts['graph_bytes'] / 2**20:.0f} MiB, {facts['graph_nodes']} nodes each)".lstrip())
+    tuning = facts.get("prefill_gemm_tuning")
+    if tuning and tuning["gemms"]:
+        parts.append(f"prefill GEMMs of {tuning['rows']} rows tuned in {tuning['seconds']} s")
     parts.append(f"{facts['free_bytes_after_startup'] / 2**30:.2f} GiB free")
     log.info("CUDA startup: %s", "; ".join(parts))
     log.debug("CUDA startup record: %s", facts)
@@ -347,7 +350,8 @@ def _cuda_environment(args: argparse.Namespace, facts: dict[str, Any] | None) ->
     if facts is None:
         return None
     return {"device": args.device, "name": facts["device"], "sync": facts.get("sync"),
-            "prefill_gemm": facts.get("prefill_gemm"), "weights_upload_gb_per_s": facts.get("weights_upload_gb_per_s"),
+            "prefill_gemm": facts.get("prefill_gemm"), "prefill_gemm_tuning": facts.get("prefill_gemm_tuning"),
+            "weights_upload_gb_per_s": facts.get("weights_upload_gb_per_s"),
             "weights_random_fill_s": facts.get("weights_random_fill_s")}
 
 

@@ -69,13 +69,13 @@ def greedy_artifact(request, tmp_path_factory):
     return _artifact(tmp_path_factory, request.param, *GREEDY_CONFIGS[request.param])
 
 
-def _runners(artifact, kv_dtype="f32", cuda_graph=True):
+def _runners(artifact, kv_dtype="f32", cuda_graph=True, prefill_gemm="fp32"):
     from ninfer.backends.cuda.hybrid_runner import CudaHybridRunner
 
     kw = dict(page_size=PAGE, num_pages=BATCH * PAGES_PER_LANE + 4, max_batch=BATCH, max_context=MAX_CTX,
               state_slots=EXTRA_SLOTS)
     return HybridRunner(artifact, **kw), CudaHybridRunner(artifact, kv_dtype=kv_dtype, cuda_graph=cuda_graph,
-                                                          max_prefill_rows=64, **kw)
+                                                          max_prefill_rows=64, prefill_gemm=prefill_gemm, **kw)
 
 
 def _table(lane):
@@ -321,8 +321,16 @@ def test_prefill_and_decode_logits_match_the_reference(artifact, kv_dtype, tol):
     _check_logits(artifact, kv_dtype, tol)
 
 
-def _check_logits(artifact, kv_dtype, tol):
-    reference, cuda = _runners(artifact, kv_dtype=kv_dtype)
+def test_tuned_cublaslt_prefill_matches_the_reference(artifact):
+    """``ninfer serve``'s prefill GEMMs: cuBLASLt on bf16 activations, their algorithms timed (which
+    prefills lane 0 once: the lanes checked include it)."""
+    _check_logits(artifact, "bf16", 5e-2, prefill_gemm="cublaslt-tuned")
+
+
+def _check_logits(artifact, kv_dtype, tol, prefill_gemm="fp32"):
+    reference, cuda = _runners(artifact, kv_dtype=kv_dtype, prefill_gemm=prefill_gemm)
+    if prefill_gemm == "cublaslt-tuned":  # its 64-row sub-chunks are below TUNE_MIN_ROWS
+        assert cuda.tune_prefill_gemms(min_rows=0)["gemms"]
     try:
         vocab = reference.info.vocab_size
         for lane, n in ((0, 150), (2, 37)):  # 150 rows: three prefill sub-chunks of 64

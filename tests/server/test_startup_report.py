@@ -18,7 +18,9 @@ from server.conftest import serve_args
 
 GIB = 2**30
 # The keys CudaRunner._setup and the weight upload write, with the --kv-capacity auto ledger.
-FACTS = {"device": "NVIDIA H200", "sync": "blocking", "kv_dtype": "bf16", "prefill_gemm": "cublaslt",
+TUNING = {"rows": 1024, "seconds": 0.42, "gemms": {"1024x4096x6144": {"ms": [0.091, 0.083], "chose": 1}}}
+FACTS = {"device": "NVIDIA H200", "sync": "blocking", "kv_dtype": "bf16", "prefill_gemm": "cublaslt-tuned",
+         "prefill_gemm_tuning": TUNING,
          "kv_pages": 40, "workspace_bytes": 3 * GIB,
          "kv_auto": {"free_bytes": 100 * GIB, "workspace_without_kv": GIB, "graph_reserve": 64 << 20,
                      "headroom": GIB, "page_bytes": 1 << 20, "pages": 40},
@@ -54,7 +56,8 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
     nursery.cancel_scope.cancel()
     lines = [r.getMessage() for r in caplog.records]
     assert ("CUDA startup: NVIDIA H200; weights 16.00 GiB at 21.5 GB/s; workspace 3.00 GiB incl. 40 KV pages; "
-            "16 decode graphs captured in 1.234 s (12 MiB, 321 nodes each); 5.00 GiB free") in lines
+            "16 decode graphs captured in 1.234 s (12 MiB, 321 nodes each); prefill GEMMs of 1024 rows tuned in "
+            "0.42 s; 5.00 GiB free") in lines
     assert ("--kv-capacity auto: 640 tokens (40 pages, 0.04 GiB; 100.00 GiB were free after the weights)"
             in lines)
 
@@ -67,8 +70,9 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
                                            "state_slots": None, "state_bytes": None}}
     assert rec["cuda_graph"] == {"enabled": True, "reserve_bytes": 64 << 20, "count": 16, "bytes": 12 << 20,
                                  "nodes_per_graph": 321, "capture_seconds": 1.234}
-    assert rec["cuda"] == {"device": 0, "name": "NVIDIA H200", "sync": "blocking", "prefill_gemm": "cublaslt",
-                           "weights_upload_gb_per_s": 21.5, "weights_random_fill_s": None}
+    assert rec["cuda"] == {"device": 0, "name": "NVIDIA H200", "sync": "blocking", "prefill_gemm": "cublaslt-tuned",
+                           "prefill_gemm_tuning": TUNING, "weights_upload_gb_per_s": 21.5,
+                           "weights_random_fill_s": None}
     assert rec["context_cost_source"].startswith("compiled transfer, generic prefill (hardware cuda, model Qwen3ForCausalLM-h64")
     assert rec["context_cache"]["device_state_capacity_slots"] == 4  # C + H, H defaulting to C
 
@@ -104,7 +108,8 @@ async def test_reference_backend_reports_no_device(start_server, tmp_path):
 def test_runner_startup_line_for_random_weights(caplog):
     caplog.set_level(logging.INFO, logger="ninfer")
     facts = {k: v for k, v in FACTS.items() if not k.startswith("graph_") and k != "weights_upload_gb_per_s"}
-    main._log_runner_startup(facts | {"weights_random_fill_s": 0.8})
+    untuned = {"rows": 1024, "seconds": 0.0, "gemms": {}}  # below TUNE_MIN_ROWS: nothing to say
+    main._log_runner_startup(facts | {"weights_random_fill_s": 0.8, "prefill_gemm_tuning": untuned})
     main._log_runner_startup(None)  # the reference backend: nothing
     assert [r.getMessage() for r in caplog.records] == [
         "CUDA startup: NVIDIA H200; weights 16.00 GiB made on the device; workspace 3.00 GiB incl. 40 KV pages; "

@@ -39,6 +39,7 @@ from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS, PREFILL_SPLIT, Forward,
                                           StepBuffers, check_supported)
+from ninfer.backends.cuda.cublaslt import TUNE_MIN_ROWS, LtMatmul
 from ninfer.backends.cuda.host_arena import HostArena
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
@@ -167,7 +168,7 @@ class CudaRunner:
         def buffers(pages: int) -> StepBuffers:
             return self._make_buffers(page_size=page_size, num_pages=pages, max_batch=max_batch,
                                       max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
-                                      tensor_core_prefill=prefill_gemm == "cublaslt")
+                                      tensor_core_prefill=prefill_gemm != "fp32")
 
         kv_sizing = None
         if num_pages == AUTO:  # whatever else the workspace holds comes first; the pool gets the rest
@@ -176,9 +177,7 @@ class CudaRunner:
         self.buffers = buffers(num_pages)
         self.buffers.init(stream)
         self._lt = None
-        if prefill_gemm == "cublaslt":
-            from ninfer.backends.cuda.cublaslt import LtMatmul
-
+        if prefill_gemm != "fp32":
             self._lt = LtMatmul(self.buffers.lt_workspace)
         self.forward = self._make_forward(weights, page_size=page_size, kv_dtype=kv_dtype)
         for name in self.forward.kernel_names():  # module loads are not allowed during capture
@@ -212,10 +211,36 @@ class CudaRunner:
             self.startup["graph_bytes"] = free_before - device.free_memory()
             self.startup["graph_nodes"] = next(iter(self.graphs[1].values()))[0].nodes
             self.startup["graph_count"] = sum(2 * len(by_depth) for by_depth in self.graphs.values())
+        if prefill_gemm == "cublaslt-tuned":
+            self.startup["prefill_gemm_tuning"] = self.tune_prefill_gemms()
         self.startup["host_arena_bytes"] = 0
         if host_arena_bytes:  # 0: --host-context-mib 0, no Host backing at all
             self.attach_host_arena(host_arena_bytes + host_arena_state_images * self.state_bytes)
         self.startup["free_bytes_after_startup"] = device.free_memory()
+
+    @_on_device
+    def tune_prefill_gemms(self, rows: int | None = None, min_rows: int = TUNE_MIN_ROWS) -> dict[str, Any]:
+        """Prefill ``rows`` tokens (default: a whole sub-chunk) in one pass, token 0 in lane 0 over
+        the first pages, with cuBLASLt noting its GEMMs; then time each GEMM's algorithms over the
+        model's weights (``LtMatmul.tune``): prefills of that many rows run the fastest from then on.
+        Fewer than ``min_rows`` rows keep the heuristic's picks (``TUNE_MIN_ROWS`` says why). The
+        startup of a ``cublaslt-tuned`` runner calls it, before any request: the pass writes KV pages
+        and a lane that no request holds. Returns what was timed and chosen, and the seconds."""
+        if self._lt is None:
+            raise RuntimeError("tune_prefill_gemms: this runner's prefill GEMMs are not cuBLASLt's")
+        info = self.info
+        rows = min(rows or self.buffers.rows, self.buffers.rows, info.max_context, info.num_pages * info.page_size)
+        if rows < min_rows:
+            return {"rows": rows, "seconds": 0.0, "gemms": {}}
+        start = time.perf_counter()
+        pages = np.arange(-(-rows // info.page_size), dtype=np.int32)
+        with self._lt.recording():
+            self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
+        events = (self.device.event(timing=True), self.device.event(timing=True))
+        gemms = self._lt.tune_recorded(self.stream, events)
+        for event in events:
+            rt.check(rt.cu.cuEventDestroy(event), "cuEventDestroy")
+        return {"rows": rows, "seconds": round(time.perf_counter() - start, 3), "gemms": gemms}
 
     # -- what a model family changes: its buffers, its forward pass, its start-up figures --------
 
