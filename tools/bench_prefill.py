@@ -52,14 +52,9 @@ def feed_prompt(runner, tokens: int, chunk: int) -> None:
 def prefill_seconds(runner, tokens: int, chunk: int, reps: int, pause: float = 0.0) -> float:
     """Median wall time to prefill ``tokens`` in chunks of ``chunk`` and sample the first token, each
     pass after ``pause`` seconds of an idle GPU (the peer is timed the same way: passes back to back
-    and passes after a pause can run at different clocks)."""
-    times = []
-    for _ in range(reps + 1):  # the first pass plans cuBLASLt for these row counts
-        time.sleep(pause)
-        t0 = time.perf_counter()
-        feed_prompt(runner, tokens, chunk)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
+    and passes after a pause can run at different clocks); the first pass, untimed, plans cuBLASLt
+    for these row counts."""
+    return alternating(runner, tokens, chunk, reps, pause, {"": lambda: None})[""]
 
 
 def alternating(runner, tokens: int, chunk: int, reps: int, pause: float, variants: dict) -> dict[str, float]:

@@ -39,7 +39,7 @@ from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS, PREFILL_SPLIT, Forward,
                                           StepBuffers, check_supported)
-from ninfer.backends.cuda.cublaslt import TUNE_MIN_ROWS, LtMatmul
+from ninfer.backends.cuda import cublaslt
 from ninfer.backends.cuda.host_arena import HostArena
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
@@ -178,7 +178,7 @@ class CudaRunner:
         self.buffers.init(stream)
         self._lt = None
         if prefill_gemm != "fp32":
-            self._lt = LtMatmul(self.buffers.lt_workspace)
+            self._lt = cublaslt.LtMatmul(self.buffers.lt_workspace)
         self.forward = self._make_forward(weights, page_size=page_size, kv_dtype=kv_dtype)
         for name in self.forward.kernel_names():  # module loads are not allowed during capture
             self.kernels[name]
@@ -219,18 +219,19 @@ class CudaRunner:
         self.startup["free_bytes_after_startup"] = device.free_memory()
 
     @_on_device
-    def tune_prefill_gemms(self, rows: int | None = None, min_rows: int = TUNE_MIN_ROWS) -> dict[str, Any]:
+    def tune_prefill_gemms(self, rows: int | None = None, min_rows: int | None = None) -> dict[str, Any]:
         """Prefill ``rows`` tokens (default: a whole sub-chunk) in one pass, token 0 in lane 0 over
         the first pages, with cuBLASLt noting its GEMMs; then time each GEMM's algorithms over the
         model's weights (``LtMatmul.tune``): prefills of that many rows run the fastest from then on.
-        Fewer than ``min_rows`` rows keep the heuristic's picks (``TUNE_MIN_ROWS`` says why). The
+        Fewer than ``min_rows`` rows (default ``cublaslt.TUNE_MIN_ROWS``, which says why) keep the
+        heuristic's picks. The
         startup of a ``cublaslt-tuned`` runner calls it, before any request: the pass writes KV pages
         and a lane that no request holds. Returns what was timed and chosen, and the seconds."""
         if self._lt is None:
             raise RuntimeError("tune_prefill_gemms: this runner's prefill GEMMs are not cuBLASLt's")
         info = self.info
         rows = min(rows or self.buffers.rows, self.buffers.rows, info.max_context, info.num_pages * info.page_size)
-        if rows < min_rows:
+        if rows < (cublaslt.TUNE_MIN_ROWS if min_rows is None else min_rows):
             return {"rows": rows, "seconds": 0.0, "gemms": {}}
         start = time.perf_counter()
         pages = np.arange(-(-rows // info.page_size), dtype=np.int32)
