@@ -124,14 +124,12 @@ class LtMatmul:
         """Note every ``matmul`` in the block (it still runs): the shape, its buffers and flags, and
         each weight matrix it was called with, for ``tune_recorded``. Shapes first planned here ask
         the heuristic for ``TUNE_CHOICES`` algorithms."""
-        self._recorded, choices, self.choices = {}, self.choices, TUNE_CHOICES
+        self._recorded = {}
         try:
             yield
         except BaseException:
             self._recorded = None
             raise
-        finally:
-            self.choices = choices
 
     def tune_recorded(self, stream, events) -> dict[str, dict]:
         """``tune`` every shape noted by ``recording`` over the weights it was called with. Returns,
@@ -195,7 +193,7 @@ class LtMatmul:
             raise ValueError(f"cuBLASLt {rows}x{k} @ {k}x{n}: a buffer is too small")
         if accumulate and out_bf16:
             raise ValueError("cuBLASLt: the residual stream it adds into stays fp32")
-        plan = self._plan(rows, n, k, out_bf16)
+        plan = self._plan(rows, n, k, out_bf16, TUNE_CHOICES if self._recorded is not None else None)
         if self._recorded is not None:
             noted = self._recorded.setdefault((rows, n, k, out_bf16), (y, x_bf16, accumulate, []))
             if all(w.addr != seen.addr for seen in noted[3]):
