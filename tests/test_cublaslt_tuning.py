@@ -126,3 +126,6 @@ def test_a_plan_made_with_one_choice_is_made_again_for_tuning(lt):
     assert lt.chosen() == {(64, 128, 256, False): 0}
     lt.choose_all({(64, 128, 256, False): 3})
     assert lt.chosen() == {(64, 128, 256, False): 3}
+    lt.cost[0] = 1.0
+    lt.tune(y, x, [w], 32, 128, 256, 0, ("start", "stop"), choices=3)  # a new shape, planned here
+    assert lt.lt.asked[-1] == 3 and lt.chosen()[(32, 128, 256, False)] == 2  # 0.8 ms, the fastest of three

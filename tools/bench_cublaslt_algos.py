@@ -5,7 +5,8 @@
 For every prefill GEMM of a layer (qkv and gate_up written in bf16, o and down adding into the fp32
 residual stream, as ``Forward.layers`` runs them) it asks the heuristic for up to ``--choices``
 algorithms and times each on random bf16 operands (our fill kernel) with CUDA events, ``--reps``
-back-to-back launches after one warm-up. Prints TFLOP/s per algorithm, the heuristic's first marked.
+back-to-back launches after an untimed turn of as many (``LtMatmul.tune``, one round). Prints TFLOP/s
+per algorithm, the heuristic's first marked.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ def main(argv=None) -> int:
     stream = device.stream()
     kernels = rt.Kernels(device)
     lt = LtMatmul(device.alloc(WORKSPACE_BYTES, "lt workspace"))
-    lt.choices = args.choices
     max_rows = max(int(r) for r in args.rows.split(","))
     x = device.alloc(max_rows * 12288 * 2, "x")
     y = device.alloc(max_rows * 24576 * 4, "y")
@@ -47,26 +47,15 @@ def main(argv=None) -> int:
     fill(kernels, x, max_rows * 12288, 1, stream)
     fill(kernels, w, 24576 * 4096, 2, stream)
     rt.memset32(y, 0, y.nbytes // 4, stream)
-    start, stop = device.event(timing=True), device.event(timing=True)
+    events = device.event(timing=True), device.event(timing=True)
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (n, k, out_bf16, accumulate) in SHAPES.items():
-            count = lt.algorithms(rows, n, k, out_bf16)
+            # one untimed turn over the algorithms, then one timed: --reps calls each, the same weights
+            ms = lt.tune(y, x, [w] * args.reps, rows, n, k, stream, events, accumulate=accumulate,
+                         out_bf16=out_bf16, rounds=1, choices=args.choices)
             flops = 2.0 * rows * n * k
-            figures = []
-            for index in range(count):
-                lt.choose(rows, n, k, out_bf16, index)
-                try:
-                    lt.matmul(y, x, w, rows, n, k, stream, accumulate=accumulate, out_bf16=out_bf16)
-                    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-                    for _ in range(args.reps):
-                        lt.matmul(y, x, w, rows, n, k, stream, accumulate=accumulate, out_bf16=out_bf16)
-                    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-                    rt.synchronize(stream)
-                except Exception as exc:  # noqa: BLE001 - an algorithm may refuse the shape; say so, go on
-                    figures.append(f"#{index} failed ({exc.__class__.__name__})")
-                    continue
-                ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / args.reps
-                figures.append(f"#{index} {flops / ms / 1e9:.0f}")
+            figures = [f"#{index} failed" if t == float("inf") else f"#{index} {flops / t / 1e9:.0f}"
+                       for index, t in enumerate(ms)]
             print(f"rows={rows} {name} [{n} x {k}]: TFLOP/s by algorithm (#0 = heuristic's pick): "
                   + ", ".join(figures), flush=True)
     lt.close()

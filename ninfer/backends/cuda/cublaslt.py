@@ -142,13 +142,13 @@ class LtMatmul:
 
     def tune(self, y: rt.DevicePtr, x_bf16: rt.DevicePtr, weights: Sequence[rt.DevicePtr], rows: int, n: int,
              k: int, stream, events, accumulate: bool = False, out_bf16: bool = False,
-             rounds: int = TUNE_ROUNDS) -> list[float]:
-        """Time the algorithms of this shape's plan (the heuristic's first ``TUNE_CHOICES`` where the
-        plan is made here) and run the ``fastest`` from now on. Each timing is one call per matrix of
+             rounds: int = TUNE_ROUNDS, choices: int = TUNE_CHOICES) -> list[float]:
+        """Time the algorithms of this shape's plan (the heuristic's first ``choices`` where the plan
+        is made here, or had fewer) and run the ``fastest`` from now on. Each timing is one call per matrix of
         ``weights`` (a model's layers: more bytes than L2 holds, as a prefill pass reads them), the
         algorithms taken in turn ``rounds`` times after one untimed turn; ``events``: two timing
         events. Returns each algorithm's median milliseconds a call (``inf`` where it failed)."""
-        plan = self._plan(rows, n, k, out_bf16, TUNE_CHOICES)
+        plan = self._plan(rows, n, k, out_bf16, choices)
         start, stop = events
         samples: list[list[float]] = [[] for _ in range(plan.count)]
         for turn in range(rounds + 1):

@@ -224,9 +224,9 @@ class CudaRunner:
         the first pages, with cuBLASLt noting its GEMMs; then time each GEMM's algorithms over the
         model's weights (``LtMatmul.tune``): prefills of that many rows run the fastest from then on.
         Fewer than ``min_rows`` rows (default ``cublaslt.TUNE_MIN_ROWS``, which says why) keep the
-        heuristic's picks. The
-        startup of a ``cublaslt-tuned`` runner calls it, before any request: the pass writes KV pages
-        and a lane that no request holds. Returns what was timed and chosen, and the seconds."""
+        heuristic's picks. The startup of a ``cublaslt-tuned`` runner calls it, before any request:
+        the pass writes KV pages and a lane that no request holds. Returns what was timed and chosen,
+        and the seconds."""
         if self._lt is None:
             raise RuntimeError("tune_prefill_gemms: this runner's prefill GEMMs are not cuBLASLt's")
         info = self.info
