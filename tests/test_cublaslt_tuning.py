@@ -57,7 +57,7 @@ def lt(monkeypatch):
     matmul = cublaslt.LtMatmul.__new__(cublaslt.LtMatmul)
     fake = FakeLt()
     matmul.lt, matmul.workspace, matmul.handle = fake, rt.DevicePtr(1 << 40, 1 << 20, "ws"), 0
-    matmul._plans, matmul.choices, matmul._recorded = {}, 1, None
+    matmul._plans, matmul.choices, matmul._recorded, matmul.generation = {}, 1, None, 0
     matmul._alpha, matmul._beta = np.ones(1, np.float32), np.zeros(1, np.float32)
     matmul.cost = {0: 1.0, 1: 0.9, 2: 0.8, 3: 1.2, 4: 0.85}
     marks = {}
@@ -129,3 +129,21 @@ def test_a_plan_made_with_one_choice_is_made_again_for_tuning(lt):
     lt.cost[0] = 1.0
     lt.tune(y, x, [w], 32, 128, 256, 0, ("start", "stop"), choices=3)  # a new shape, planned here
     assert lt.lt.asked[-1] == 3 and lt.chosen()[(32, 128, 256, False)] == 2  # 0.8 ms, the fastest of three
+
+
+def test_the_generation_counts_changes_of_a_planned_shapes_algorithm(lt):
+    """A CUDA graph of these GEMMs is captured again once the generation moves: a new shape leaves the
+    planned ones as they were, a choice of another algorithm or a plan made again does not."""
+    x, y, w = buf(1), buf(2), buf(3)
+    lt.matmul(y, x, w, 64, 128, 256, 0)
+    lt.matmul(y, x, w, 22, 128, 256, 0)  # a shape of its own (a prompt's last sub-chunk)
+    assert lt.generation == 0
+    lt.algorithms(64, 128, 256)  # the plan as it is
+    assert lt.generation == 0
+    lt.tune(y, x, [w], 64, 128, 256, 0, ("start", "stop"))  # planned again with more algorithms
+    assert lt.generation > 0
+    settled = lt.generation
+    lt.choose(64, 128, 256, False, lt.chosen()[(64, 128, 256, False)])  # the same algorithm
+    assert lt.generation == settled
+    lt.choose(64, 128, 256, False, 3)
+    assert lt.generation == settled + 1

@@ -13,7 +13,10 @@ TTFT of a 512-token prompt, and transformers eager's forward of the same prompt 
 ``--tune`` times each chunk size twice, passes alternating: with cuBLASLt's first picks and with the
 algorithms ``CudaRunner.tune_prefill_gemms`` chose for that many rows (tuned here at any size; ``ninfer
 serve`` tunes chunks of ``TUNE_MIN_ROWS`` or more). ``--tune-passes`` times every algorithm of every GEMM
-by whole prefills instead (slow, and a pass varies by about 1%).
+by whole prefills instead (slow, and a pass varies by about 1%); both launch kernel by kernel (a
+graph would be captured again at every switch of algorithm). Chunks of the size timed replay the
+prefill graph, as ``ninfer serve``'s whole chunks do (``CudaRunner.graph_prefill_rows``);
+``--graph-ablation`` times each chunk size with and without it, passes alternating.
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
 kernel recorded by CUPTI (torch.profiler), summed by kernel name, and the device's idle time between
 kernels, by the kernel that ended each idle stretch.
@@ -72,9 +75,36 @@ def alternating(runner, tokens: int, chunk: int, reps: int, pause: float, varian
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def launched(runner):
+    """Context: every prefill pass launched kernel by kernel (no prefill graph), as before afterwards."""
+    class Switch:
+        def __enter__(self):
+            self.was, runner.graph_prefill_rows = runner.graph_prefill_rows, None
+
+        def __exit__(self, *exc):
+            runner.graph_prefill_rows = self.was
+
+    return Switch()
+
+
+def graph_against_launches(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:
+    """Median seconds of a prefill in chunks of ``chunk``, each chunk replaying the prefill graph or
+    launched kernel by kernel, passes alternating."""
+    def rows(graph_rows):
+        return lambda: setattr(runner, "graph_prefill_rows", graph_rows)
+
+    with launched(runner):
+        return alternating(runner, tokens, chunk, reps, pause, {"graph": rows(chunk), "launches": rows(None)})
+
+
 def tuned_against_first(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
     """Tune the prefill GEMMs of ``chunk`` rows, then time passes alternately with the heuristic's first
     algorithms and the tuned ones: median seconds of each."""
+    with launched(runner):
+        return _tuned_against_first(runner, tokens, chunk, reps, pause)
+
+
+def _tuned_against_first(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
     tuning = runner.tune_prefill_gemms(chunk, min_rows=0)
     lt = runner.forward.lt
     tuned = lt.chosen()
@@ -89,6 +119,11 @@ def algorithms_by_passes(runner, tokens: int, chunk: int, reps: int, pause: floa
     """Each algorithm of each prefill GEMM of ``chunk`` rows timed by whole prefills: that GEMM on that
     algorithm, every other on the heuristic's first pick, passes alternating with all-first passes.
     Returns, by shape, each algorithm's median pass time over the all-first median (1.0: level)."""
+    with launched(runner):
+        return _algorithms_by_passes(runner, tokens, chunk, reps, pause)
+
+
+def _algorithms_by_passes(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
     runner.tune_prefill_gemms(chunk, min_rows=0)  # plans of the heuristic's first TUNE_CHOICES algorithms
     lt = runner.forward.lt
     first = {key: 0 for key in lt.chosen()}
@@ -114,11 +149,14 @@ def without_attention(runner):
 
     class Skip:
         def __enter__(self):
-            # no launch; the output buffer it would have written
+            # no launch; the output buffer it would have written (and no graph, which would launch it)
+            self.launched = launched(runner)
+            self.launched.__enter__()
             forward.prefill_attention = lambda kv, rows, stream, bf16=False: forward.b.x_bf16 if bf16 else forward.b.attn
 
         def __exit__(self, *exc):
             del forward.prefill_attention
+            self.launched.__exit__(*exc)
 
     return Skip()
 
@@ -168,6 +206,8 @@ def main(argv=None) -> int:
                         help="each GEMM algorithm of each chunk size timed by whole prefills (slow)")
     parser.add_argument("--tune", action="store_true",
                         help="each chunk size also with its GEMM algorithms tuned, alternating with the first picks")
+    parser.add_argument("--graph-ablation", action="store_true",
+                        help="each chunk size also with whole chunks launched kernel by kernel, alternating with the graph")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds the GPU idles before each timed prefill, ours and the peer's alike")
     parser.add_argument("--json", type=Path)
@@ -189,6 +229,7 @@ def main(argv=None) -> int:
     report: dict = {"device": device.name, "tokens": args.tokens, "prefill": []}
     print(f"{device.name}: prefill of {args.tokens} tokens, Qwen3-8B shape, bf16 KV, cuBLASLt GEMMs", flush=True)
     for chunk in chunks:
+        runner.graph_prefill_rows = chunk  # as ninfer serve prefills its whole chunks (no decode graphs here)
         seconds = prefill_seconds(runner, args.tokens, chunk, args.reps, args.pause)
         with without_attention(runner):
             rest = prefill_seconds(runner, args.tokens, chunk, 1, args.pause)  # timed as the full prefill
@@ -197,6 +238,10 @@ def main(argv=None) -> int:
         report["prefill"].append(r)
         print(f"  chunks of {chunk}: {seconds * 1e3:.0f} ms = {r['tok_s']:.0f} tok/s "
               f"(attention {100 * r['attention_share']:.0f}%)", flush=True)
+        if args.graph_ablation:
+            r["graph_ablation"] = ab = graph_against_launches(runner, args.tokens, chunk, args.reps, args.pause)
+            print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
+                  flush=True)
         if args.tune:
             r["tune"] = ab = tuned_against_first(runner, args.tokens, chunk, args.reps, args.pause)
             print(f"    tuned in {ab['tuning']['seconds']} s, chose "
@@ -222,6 +267,7 @@ def main(argv=None) -> int:
             print(f"    {name[:60]:60s} {us / 1e3:8.2f} ms", flush=True)
     for tokens in (512, args.tokens):
         chunk = min(tokens, 1024)  # ninfer serve's default --prefill-chunk
+        runner.graph_prefill_rows = 1024  # whose whole chunks replay the graph
         ttft = prefill_seconds(runner, tokens, chunk, args.reps, args.pause)
         report[f"ttft_{tokens}_ms"] = ttft * 1e3
         print(f"  TTFT {tokens} tokens (chunks of {chunk}): {ttft * 1e3:.1f} ms", flush=True)

@@ -260,6 +260,10 @@ def _log_runner_startup(facts: dict[str, Any] | None) -> None:
     if "graph_capture_s" in facts:
         parts.append(f"{facts.get('graph_count', '')} decode graphs captured in {facts['graph_capture_s']} s "
                      f"({facts['graph_bytes'] / 2**20:.0f} MiB, {facts['graph_nodes']} nodes each)".lstrip())
+    prefill_graph = facts.get("prefill_graph")
+    if prefill_graph:
+        parts.append(f"prefill graph of {prefill_graph['rows']} rows ({prefill_graph['nodes']} nodes) "
+                     f"in {prefill_graph['seconds']} s")
     tuning = facts.get("prefill_gemm_tuning")
     if tuning and tuning["gemms"]:
         parts.append(f"prefill GEMMs of {tuning['rows']} rows tuned in {tuning['seconds']} s")
@@ -338,12 +342,14 @@ def _device_memory(facts: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _graph_allowance(args: argparse.Namespace, facts: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the decode graphs were allowed (the estimate auto sizing reserved) and what they took."""
+    """What the graphs were allowed (the estimate auto sizing reserved) and what they took: the decode
+    graphs' count, bytes, nodes and seconds, and the prefill graph (``prefill``: rows, nodes, seconds)."""
     if facts is None:
         return None
     return {"enabled": not args.no_cuda_graph, "reserve_bytes": (facts.get("kv_auto") or {}).get("graph_reserve"),
             "count": facts.get("graph_count"), "bytes": facts.get("graph_bytes"),
-            "nodes_per_graph": facts.get("graph_nodes"), "capture_seconds": facts.get("graph_capture_s")}
+            "nodes_per_graph": facts.get("graph_nodes"), "capture_seconds": facts.get("graph_capture_s"),
+            "prefill": facts.get("prefill_graph") or None}
 
 
 def _cuda_environment(args: argparse.Namespace, facts: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -105,6 +105,39 @@ def test_tuned_prefill_gemms_prefill_as_the_reference(artifact, monkeypatch):
         gpu.close()
 
 
+@pytest.mark.parametrize("prefill_gemm", ["fp32", "cublaslt"])
+def test_prefill_graph_replays_the_same_pass(artifact, prefill_gemm):
+    """Whole sub-chunks replay the prefill graph captured at startup: the same logits and KV bits as
+    the pass launched kernel by kernel. Once cuBLASLt's algorithms change (tuning), the next whole
+    sub-chunk runs kernel by kernel and the one after is captured anew, again with the same bits."""
+    _, gpu = _runners(artifact, "bf16", prefill_gemm=prefill_gemm)
+    try:
+        assert gpu.graph_prefill_rows == 64 and gpu.startup["prefill_graph"]["rows"] == 64
+        assert gpu.startup["prefill_graph"]["nodes"] > 0
+        prompt = np.random.default_rng(2).integers(0, gpu.info.vocab_size, 150).astype(np.int32)  # 64 + 64 + 22 rows
+
+        def prefill(graph: bool):
+            gpu.graph_prefill_rows = 64 if graph else None
+            chunk = PrefillChunk(lane=1, tokens=prompt, start=0, page_table=_table(1), return_logits=True)
+            return gpu.prefill(chunk).logits, gpu.read_pages(_table(1)[:10])
+
+        captured = gpu._prefill_graph[0]
+        want = prefill(False)
+        for got, expected in zip(prefill(True), want):
+            np.testing.assert_array_equal(got, expected)
+        assert gpu._prefill_graph[0] is captured  # replayed, not captured again
+        if prefill_gemm == "cublaslt":
+            before = gpu.forward.lt.generation
+            gpu.tune_prefill_gemms(min_rows=0)  # plans again with more algorithms, picks the fastest
+            assert gpu.forward.lt.generation > before
+            want = prefill(False)
+            for got, expected in zip(prefill(True), want):
+                np.testing.assert_array_equal(got, expected)
+            assert gpu._prefill_graph[0] is not captured and gpu._prefill_graph[1] == gpu.forward.lt.generation
+    finally:
+        gpu.close()
+
+
 def test_tied_lm_head_logits(tmp_path):
     from ninfer.artifact import open_artifact
 

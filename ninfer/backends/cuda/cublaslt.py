@@ -71,6 +71,9 @@ class LtMatmul:
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self._recorded: dict | None = None  # what ``recording`` notes, while it does
+        # Counts changes of a planned shape's algorithm (``choose``, a plan made again): a CUDA graph
+        # that captured these GEMMs replays the algorithms of the generation it was captured in.
+        self.generation = 0
 
     def _set(self, setter, obj, attr, value: int) -> None:
         buf = np.array([value], np.int32 if attr != self.lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES else np.uint64)
@@ -86,6 +89,7 @@ class LtMatmul:
             return plan
         if plan is not None:
             self._destroy(self._plans.pop(key))
+            self.generation += 1
         lt = self.lt
         desc = lt.matmul_desc_create(CUBLAS_COMPUTE_32F, CUDA_R_32F)
         self._set(lt.matmul_desc_set_attribute, desc, lt.MatmulDescAttribute.TRANSA, CUBLAS_OP_T)
@@ -117,7 +121,10 @@ class LtMatmul:
         plan = self._plan(rows, n, k, out_bf16)
         if not 0 <= index < plan.count:
             raise ValueError(f"cuBLASLt: algorithm {index} of {plan.count}")
-        plan.algo = plan.results.ptr + index * self.lt.matmul_heuristic_result_dtype.itemsize
+        algo = plan.results.ptr + index * self.lt.matmul_heuristic_result_dtype.itemsize
+        if algo != plan.algo:
+            plan.algo = algo
+            self.generation += 1
 
     @contextlib.contextmanager
     def recording(self):
