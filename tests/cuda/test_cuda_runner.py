@@ -133,7 +133,7 @@ def test_prefill_graph_replays_the_same_pass(artifact, prefill_gemm):
             want = prefill(False)
             for got, expected in zip(prefill(True), want):
                 np.testing.assert_array_equal(got, expected)
-            assert gpu._prefill_graph[0] is not captured and gpu._prefill_graph[1] == gpu.forward.lt.generation
+            assert gpu._prefill_graph[0] is not captured and gpu._prefill_graph[1] == (64, gpu.forward.lt.generation)
     finally:
         gpu.close()
 

@@ -103,6 +103,10 @@ class CudaRunner:
     PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode
     # Whether whole prefill sub-chunks replay a graph where ``cuda_graph`` is on (HybridRunner: not yet).
     PREFILL_GRAPH = True
+    # Up to how many rows: a graph saves the gaps between a pass's launches (1024-row passes of the
+    # Qwen3-8B shape 2% faster on an H100), which a larger pass has fewer of for its time; one 8192-row
+    # pass measured 2% slower as a graph, twice, for reasons not found (docs/benchmarks.md).
+    PREFILL_GRAPH_MAX_ROWS = 2048
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int,
                  max_context: int, device: int | rt.Device = 0, kv_dtype: str = "bf16",
@@ -216,7 +220,8 @@ class CudaRunner:
             self.startup["graph_nodes"] = next(iter(self.graphs[1].values()))[0].nodes
             self.startup["graph_count"] = sum(2 * len(by_depth) for by_depth in self.graphs.values())
         # The sub-chunk size whose passes replay the prefill graph (None: none do); tools may change it.
-        self.graph_prefill_rows = self.buffers.rows if cuda_graph and self.PREFILL_GRAPH else None
+        graphed = cuda_graph and self.PREFILL_GRAPH and self.buffers.rows <= self.PREFILL_GRAPH_MAX_ROWS
+        self.graph_prefill_rows = self.buffers.rows if graphed else None
         self._prefill_graph: tuple[rt.Graph, tuple[int, int]] | None = None  # with its (rows, GEMM generation)
         self._prefill_warmed: tuple[int, int] | None = None  # the last (rows, generation) run kernel by kernel
         if prefill_gemm == "cublaslt-tuned":
@@ -245,8 +250,12 @@ class CudaRunner:
             return {"rows": rows, "seconds": 0.0, "gemms": {}}
         start = time.perf_counter()
         pages = np.arange(-(-rows // info.page_size), dtype=np.int32)
-        with self._lt.recording():
-            self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
+        graph_rows, self.graph_prefill_rows = self.graph_prefill_rows, None  # recording needs the launches
+        try:
+            with self._lt.recording():
+                self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
+        finally:
+            self.graph_prefill_rows = graph_rows
         events = (self.device.event(timing=True), self.device.event(timing=True))
         gemms = self._lt.tune_recorded(self.stream, events)
         for event in events:
