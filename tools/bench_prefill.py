@@ -15,8 +15,9 @@ algorithms ``CudaRunner.tune_prefill_gemms`` chose for that many rows (tuned her
 serve`` tunes chunks of ``TUNE_MIN_ROWS`` or more). ``--tune-passes`` times every algorithm of every GEMM
 by whole prefills instead (slow, and a pass varies by about 1%); both launch kernel by kernel (a
 graph would be captured again at every switch of algorithm). Chunks of the size timed replay the
-prefill graph, as ``ninfer serve``'s whole chunks do (``CudaRunner.graph_prefill_rows``);
-``--graph-ablation`` times each chunk size with and without it, passes alternating.
+prefill graph where ``ninfer serve``'s whole chunks of that size would (``CudaRunner.graph_prefill_rows``,
+``PREFILL_GRAPH_MAX_ROWS``); ``--graph-ablation`` times each chunk size with and without one, passes
+alternating.
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
 kernel recorded by CUPTI (torch.profiler), summed by kernel name, and the device's idle time between
 kernels, by the kernel that ended each idle stretch.
@@ -229,7 +230,8 @@ def main(argv=None) -> int:
     report: dict = {"device": device.name, "tokens": args.tokens, "prefill": []}
     print(f"{device.name}: prefill of {args.tokens} tokens, Qwen3-8B shape, bf16 KV, cuBLASLt GEMMs", flush=True)
     for chunk in chunks:
-        runner.graph_prefill_rows = chunk  # as ninfer serve prefills its whole chunks (no decode graphs here)
+        # As ninfer serve prefills whole chunks of this size (decode graphs are not needed here).
+        runner.graph_prefill_rows = chunk if chunk <= runner.PREFILL_GRAPH_MAX_ROWS else None
         seconds = prefill_seconds(runner, args.tokens, chunk, args.reps, args.pause)
         with without_attention(runner):
             rest = prefill_seconds(runner, args.tokens, chunk, 1, args.pause)  # timed as the full prefill
