@@ -4,9 +4,9 @@ Weights live in one device allocation; activations, the KV pool, RoPE tables, sa
 the per-step inputs in one workspace allocation (``forward.StepBuffers``). A decode step writes its
 inputs into pinned memory and replays the CUDA Graph captured for exactly that batch size (or launches
 directly with ``cuda_graph=False``): the graph copies the inputs up, runs the step and copies back
-only the sampled token ids. Prefill runs in sub-chunks of ``max_prefill_rows`` rows: a whole one
-replays the prefill graph (``cuda_graph``; ``_prefill_layers`` says when it is captured), a shorter
-one launches its kernels one by one.
+only the sampled token ids. Prefill runs in sub-chunks of ``max_prefill_rows`` rows: a whole one of
+at most ``PREFILL_GRAPH_MAX_ROWS`` replays the prefill graph (``cuda_graph``; ``_prefill_layers`` says
+when it is captured), any other launches its kernels one by one.
 
 Requests are validated by the checks every backend shares (``ninfer/backends/inputs.py``): a wrong
 lane, token, position or page table raises ``ValueError`` naming the field before anything reaches
