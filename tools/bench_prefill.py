@@ -26,6 +26,7 @@ kernels, by the kernel that ended each idle stretch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -76,16 +77,14 @@ def alternating(runner, tokens: int, chunk: int, reps: int, pause: float, varian
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+@contextlib.contextmanager
 def launched(runner):
     """Context: every prefill pass launched kernel by kernel (no prefill graph), as before afterwards."""
-    class Switch:
-        def __enter__(self):
-            self.was, runner.graph_prefill_rows = runner.graph_prefill_rows, None
-
-        def __exit__(self, *exc):
-            runner.graph_prefill_rows = self.was
-
-    return Switch()
+    was, runner.graph_prefill_rows = runner.graph_prefill_rows, None
+    try:
+        yield
+    finally:
+        runner.graph_prefill_rows = was
 
 
 def graph_against_launches(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:
@@ -144,22 +143,18 @@ def _algorithms_by_passes(runner, tokens: int, chunk: int, reps: int, pause: flo
     return ratios
 
 
+@contextlib.contextmanager
 def without_attention(runner):
-    """Context: the runner's prefill attention launches skipped (their share of the prefill time)."""
+    """Context: the runner's prefill attention launches skipped (their share of the prefill time);
+    passes launched kernel by kernel, since a graph would still launch it."""
     forward = runner.forward
-
-    class Skip:
-        def __enter__(self):
-            # no launch; the output buffer it would have written (and no graph, which would launch it)
-            self.launched = launched(runner)
-            self.launched.__enter__()
-            forward.prefill_attention = lambda kv, rows, stream, bf16=False: forward.b.x_bf16 if bf16 else forward.b.attn
-
-        def __exit__(self, *exc):
+    with launched(runner):
+        # no launch; the output buffer it would have written
+        forward.prefill_attention = lambda kv, rows, stream, bf16=False: forward.b.x_bf16 if bf16 else forward.b.attn
+        try:
+            yield
+        finally:
             del forward.prefill_attention
-            self.launched.__exit__(*exc)
-
-    return Skip()
 
 
 def kernel_profile(runner, tokens: int, chunk: int) -> dict:
