@@ -101,7 +101,7 @@ class CudaRunner:
     """A dense (Llama / Qwen3) model on the GPU; see the module docstring."""
 
     PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode
-    # Whether whole prefill sub-chunks replay a graph where ``cuda_graph`` is on (HybridRunner: not yet).
+    # Whether whole prefill sub-chunks replay a graph where ``cuda_graph`` is on (CudaHybridRunner: not yet).
     PREFILL_GRAPH = True
     # Up to how many rows: a graph saves the gaps between a pass's launches (1024-row passes of the
     # Qwen3-8B shape 2% faster on an H100), which a larger pass has fewer of for its time; one 8192-row
