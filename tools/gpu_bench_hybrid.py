@@ -3,7 +3,7 @@ weights made on the GPU, side by side with transformers on the same shapes in th
 
     python tools/gpu_bench_hybrid.py --model 27b|a3b [--json OUT.json] [--steps 16] [--prefill 8192]
                                      [--batches 1,4,8] [--context 512] [--prefill-rows 512]
-                                     [--prefill-rows-ablation ROWS[,ROWS...]]
+                                     [--prefill-rows-ablation ROWS[,ROWS...]] [--prefill-graph-ablation]
                                      [--moe-prefill-ablation 'GATE_UP,DOWN,PAIRS;...']
                                      [--peer transformers|none]
                                      [--overlap-ablation] [--fold-route-ablation] [--fold-combine-ablation]
@@ -157,7 +157,8 @@ def _prefill(runner, lane: int, tokens: np.ndarray, start: int) -> float:
 
 def bench_prefill(runner, tokens: int) -> dict:
     _forget_states(runner)
-    _prefill(runner, 0, _prompt(min(tokens, runner.buffers.rows)), 0)  # warm-up: module loads, a sub-chunk's plans
+    for _ in range(2):  # warm-up: module loads and a sub-chunk's plans, then the prefill graph's capture
+        _prefill(runner, 0, _prompt(min(tokens, runner.buffers.rows)), 0)
     seconds = _prefill(runner, 0, _prompt(tokens), 0)
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
@@ -229,12 +230,19 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
         print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
+        if args.prefill_graph_ablation:  # every sub-chunk launched kernel by kernel, then the graph again
+            for key, rows in (("prefill_launched", None), ("prefill_graph_again", runner.graph_prefill_rows)):
+                runner.graph_prefill_rows = rows
+                report[key] = r = bench_prefill(runner, args.prefill)
+                print(f"ours prefill, {'graph' if rows else 'launched'}: {r['seconds'] * 1e3:.1f} ms = "
+                      f"{r['tok_s']:.0f} tok/s", flush=True)
     bench_ttft(runner, 512)  # warm-up: every prefill shape once
     report["ttft"] = r = bench_ttft(runner)
     print(f"ours TTFT of a {TURN}-token turn after {CONVERSATION} tokens: cold {r['cold_ms']:.0f} ms, "
           f"reused {r['reused_ms']:.1f} ms ({r['speedup']:.0f}x)", flush=True)
     if args.chunked_rule_ablation:  # prefill again with the delta rule's other form
         runner.forward.chunked_rule = not chunked_default
+        runner.forget_prefill_graph()  # captured with the other form
         label = f"chunked_rule {runner.forward.chunked_rule}"
         if args.prefill:
             report["prefill_chunked_rule"] = r = bench_prefill(runner, args.prefill)
@@ -243,23 +251,27 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         report["ttft_chunked_rule"] = r = bench_ttft(runner)
         print(f"ours TTFT, {label}: cold {r['cold_ms']:.0f} ms, reused {r['reused_ms']:.1f} ms", flush=True)
         runner.forward.chunked_rule = chunked_default
-    built_rows = runner.buffers.rows
+        runner.forget_prefill_graph()
+    built_rows, graph_rows = runner.buffers.rows, runner.graph_prefill_rows
     for rows in (int(v) for v in filter(None, args.prefill_rows_ablation.split(","))):  # smaller sub-chunks
         if args.prefill:  # the prefill loop's step (below built_rows: main checks); the buffers stay as built
             runner.buffers.rows = rows
+            runner.graph_prefill_rows = rows if graph_rows else None  # as ninfer serve's chunks of that size
             report[f"prefill_rows_{rows}"] = r = bench_prefill(runner, args.prefill)
             print(f"ours prefill, sub-chunks of {rows} rows, {r['tokens']} tokens: {r['seconds']:.2f} s = "
                   f"{r['tok_s']:.0f} tok/s", flush=True)
-    runner.buffers.rows = built_rows
+    runner.buffers.rows, runner.graph_prefill_rows = built_rows, graph_rows
     moe = runner.forward.moe
     for spec in filter(None, args.moe_prefill_ablation.split(";")):  # other grouped prefill GEMMs, full sub-chunks
         if args.prefill and moe is not None:
             gate_up, down, pairs = spec.split(",")
             was, moe.prefill_gemms = moe.prefill_gemms, (gate_up, down, int(pairs))
+            runner.forget_prefill_graph()  # captured with the other GEMMs
             report[f"prefill_moe_{gate_up}_{down}_{pairs}"] = r = bench_prefill(runner, args.prefill)
             print(f"ours prefill, MoE GEMMs {gate_up} {down} ({pairs} pairs a chunk), {r['tokens']} tokens: "
                   f"{r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
             moe.prefill_gemms = was
+            runner.forget_prefill_graph()
     runner.close()
     del tensors, ptrs
     torch.cuda.empty_cache()
@@ -385,7 +397,9 @@ def ablations(args, forward) -> list[tuple]:
 
 
 def recapture(runner) -> None:
-    """Capture the runner's decode graphs again (after a change to its forward's options)."""
+    """Capture the runner's decode graphs again (after a change to its forward's options); the prefill
+    graph is captured again at the second whole sub-chunk after."""
+    runner.forget_prefill_graph()
     for rows, by_depth in runner.graphs.items():
         for graph in (g for pair in by_depth.values() for g in pair):
             graph.destroy()
@@ -489,6 +503,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-rows-ablation", default="", metavar="ROWS[,ROWS...]",
                         help="prefill again in sub-chunks of ROWS rows (each below --prefill-rows, whose buffers "
                              "serve them)")
+    parser.add_argument("--prefill-graph-ablation", action="store_true",
+                        help="prefill again with every sub-chunk launched kernel by kernel, then with the graph")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--peer", choices=("transformers", "none"), default="transformers")
     parser.add_argument("--peer-tokens", type=int, default=8, help="tokens each peer decode generates")

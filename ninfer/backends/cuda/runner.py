@@ -304,6 +304,13 @@ class CudaRunner:
         """What a prefill graph depends on: its rows, and the generation of cuBLASLt's algorithms."""
         return rows, self._lt.generation if self._lt is not None else 0
 
+    def forget_prefill_graph(self) -> None:
+        """For tools that change the forward's options (its kernels, its GEMM engine) between prefills,
+        which the graph does not see: the next whole sub-chunk runs kernel by kernel, loading any new
+        kernel, and the one after is captured anew."""
+        self._drop_prefill_graph()
+        self._prefill_warmed = None
+
     def _drop_prefill_graph(self) -> None:
         if getattr(self, "_prefill_graph", None) is not None:
             rt.synchronize(self.stream)  # a replay still in flight finishes before its graph goes
