@@ -108,7 +108,10 @@ class Engine:
         if not self._closed:
             self._closed = True
             self._worker.post("close")
-            await trio.to_thread.run_sync(self._worker.join, abandon_on_cancel=False)
+            # Shielded: a server stops by cancelling its scope, and the runner's device memory must be
+            # back before the caller goes on (a process that starts another engine, as the GPU tests do).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._worker.join, abandon_on_cancel=False)
 
     # -- public surface -------------------------------------------------------------------
 

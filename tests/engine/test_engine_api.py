@@ -242,6 +242,28 @@ async def test_engine_failure_makes_it_unavailable():
             engine.reserve()
 
 
+class SlowClosingRunner(SimulatedRunner):
+    """A runner whose close takes a while, as freeing a GPU's memory does."""
+
+    closed = False
+
+    def close(self):
+        time.sleep(0.05)
+        self.closed = True
+
+
+async def test_an_engine_cancelled_from_outside_has_closed_its_runner_when_it_returns():
+    """A server stops by cancelling its scope: the engine still waits for its worker to close the
+    runner it owns, so the device memory is back before the caller goes on."""
+    cfg = config()
+    runner = SlowClosingRunner(page_size=16, num_pages=cfg.kv_pages, max_batch=2, max_context=256, vocab_size=256)
+    with trio.CancelScope() as scope:
+        async with Engine.open(runner, cfg, close_runner=True):
+            scope.cancel()
+            await trio.sleep_forever()
+    assert runner.closed
+
+
 async def test_malformed_context_cost_presets_abort_startup(tmp_path):
     bad = tmp_path / "presets.json"
     bad.write_text('{"transfer": [{"hardware": "simulated", "seconds_per_byte": -1}]}')
