@@ -646,3 +646,28 @@ def test_engine_turn_that_stops_with_a_step_launched_ahead_resumes_exactly(greed
 @pytest.mark.parametrize("name", list(MOE_CONFIGS))
 def test_moe_model_logits_match_the_reference(tmp_path_factory, name, kv_dtype, tol):
     _check_logits(_artifact(tmp_path_factory, name, MOE_CONFIGS[name], 5), kv_dtype, tol)
+
+
+@pytest.mark.parametrize("name, kv_dtype", [("wide", "bf16"), ("next-dense", "f32"), ("tiny-qwen3.5-moe", "bf16")])
+def test_prefill_graph_replays_the_same_pass(tmp_path_factory, name, kv_dtype):
+    """Whole 64-row sub-chunks replay the prefill graph captured at startup (DeltaNet, gated
+    attention, MoE): the same logits, KV pages and recurrent state, bit for bit, as the pass launched
+    kernel by kernel. Last in the file: the MoE case runs the MoE kernels."""
+    config = {**CONFIGS, **MOE_CONFIGS}[name]
+    _, cuda = _runners(_artifact(tmp_path_factory, name, config, 5), kv_dtype=kv_dtype)
+    try:
+        assert cuda.graph_prefill_rows == 64 and cuda.startup["prefill_graph"]["nodes"] > 0
+        captured = cuda._prefill_graph[0]
+        prompt = _prompt(1, 150, cuda.info.vocab_size)  # 64 + 64 + 22 rows
+
+        def prefill(graph: bool):
+            cuda.graph_prefill_rows = 64 if graph else None
+            chunk = PrefillChunk(lane=1, tokens=prompt, start=0, page_table=_table(1), return_logits=True)
+            return cuda.prefill(chunk).logits, cuda.read_pages(_table(1)[:10].tolist()), cuda.read_state(1)
+
+        want = prefill(False)
+        for got, expected in zip(prefill(True), want):
+            np.testing.assert_array_equal(got, expected)
+        assert cuda._prefill_graph[0] is captured  # replayed, not captured again
+    finally:
+        cuda.close()

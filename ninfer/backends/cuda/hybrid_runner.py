@@ -54,7 +54,6 @@ class CudaHybridRunner(CudaRunner):
     """A Qwen3-Next / Qwen3.5 hybrid on the GPU; see the module docstring."""
 
     PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode: a lane's two images (lane_slots.py)
-    PREFILL_GRAPH = False  # its prefill (DeltaNet, MoE) is launched kernel by kernel: replay not yet checked
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int, max_context: int,
                  device: int | rt.Device = 0, kv_dtype: str = "bf16", cuda_graph: bool = True,

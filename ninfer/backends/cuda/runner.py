@@ -101,11 +101,10 @@ class CudaRunner:
     """A dense (Llama / Qwen3) model on the GPU; see the module docstring."""
 
     PIPELINED_DECODE = True  # RunnerInfo.pipelined_decode
-    # Whether whole prefill sub-chunks replay a graph where ``cuda_graph`` is on (CudaHybridRunner: not yet).
-    PREFILL_GRAPH = True
-    # Up to how many rows: a graph saves the gaps between a pass's launches (1024-row passes of the
-    # Qwen3-8B shape 2% faster on an H100), which a larger pass has fewer of for its time; one 8192-row
-    # pass measured 2% slower as a graph, twice, for reasons not found (docs/benchmarks.md).
+    # Whole prefill sub-chunks of up to this many rows replay a graph where ``cuda_graph`` is on: a graph
+    # saves the gaps between a pass's launches (1024-row passes of the Qwen3-8B shape 2-2.6% faster on
+    # an H100, 2048 and 4096 level), which a larger pass has fewer of for its time; one 8192-row pass
+    # measured 2% slower as a graph, twice, for reasons not found (docs/benchmarks.md).
     PREFILL_GRAPH_MAX_ROWS = 2048
 
     def __init__(self, artifact: Any, *, page_size: int = 16, num_pages: int | str, max_batch: int,
@@ -220,7 +219,7 @@ class CudaRunner:
             self.startup["graph_nodes"] = next(iter(self.graphs[1].values()))[0].nodes
             self.startup["graph_count"] = sum(2 * len(by_depth) for by_depth in self.graphs.values())
         # The sub-chunk size whose passes replay the prefill graph (None: none do); tools may change it.
-        graphed = cuda_graph and self.PREFILL_GRAPH and self.buffers.rows <= self.PREFILL_GRAPH_MAX_ROWS
+        graphed = cuda_graph and self.buffers.rows <= self.PREFILL_GRAPH_MAX_ROWS
         self.graph_prefill_rows = self.buffers.rows if graphed else None
         self._prefill_graph: tuple[rt.Graph, tuple[int, int]] | None = None  # with its (rows, GEMM generation)
         self._prefill_warmed: tuple[int, int] | None = None  # the last (rows, generation) run kernel by kernel
