@@ -248,11 +248,10 @@ class CudaRunner:
         if rows < (cublaslt.TUNE_MIN_ROWS if min_rows is None else min_rows):
             return {"rows": rows, "seconds": 0.0, "gemms": {}}
         start = time.perf_counter()
-        pages = np.arange(-(-rows // info.page_size), dtype=np.int32)
         graph_rows, self.graph_prefill_rows = self.graph_prefill_rows, None  # recording needs the launches
         try:
             with self._lt.recording():
-                self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
+                self._startup_prefill(rows)
         finally:
             self.graph_prefill_rows = graph_rows
         events = (self.device.event(timing=True), self.device.event(timing=True))
@@ -271,12 +270,17 @@ class CudaRunner:
         if rows > min(info.max_context, info.num_pages * info.page_size):
             return {}
         start = time.perf_counter()
-        pages = np.arange(-(-rows // info.page_size), dtype=np.int32)
         for _ in range(2):
-            self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
+            self._startup_prefill(rows)
         rt.synchronize(self.stream)
         graph = self._prefill_graph[0]
         return {"rows": rows, "nodes": graph.nodes, "seconds": round(time.perf_counter() - start, 3)}
+
+    def _startup_prefill(self, rows: int) -> None:
+        """The pass that tuning and the graph's capture make: ``rows`` tokens 0 in lane 0 over the first
+        pages (at startup no request holds them)."""
+        pages = np.arange(-(-rows // self.info.page_size), dtype=np.int32)
+        self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
 
     def _prefill_layers(self, rows: int, stream) -> None:
         """One sub-chunk's layers. A sub-chunk of ``graph_prefill_rows`` rows (by default a whole one)
