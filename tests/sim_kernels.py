@@ -14,7 +14,9 @@ tests/test_kernels_sim.py to judge. The cases are the decode kernels written wit
   bit for bit the separate launches, the tickets back at zero, and the reference MoE;
 - ``decode``: a whole ``Forward.decode`` step (rope, KV append, tensor-core decode attention, the
   GEMVs, sampling) with ``chain_norm`` off and on, over the simulated device and runtime;
-- ``split_attention``: the CUDA-core split attention of prefill rows and its combine against NumPy.
+- ``split_attention``: the CUDA-core split attention of prefill rows and its combine against NumPy;
+- ``decode_attention``: the dense decode attention over a bf16 pool in pages of 64 and of 4 keys
+  against NumPy.
 """
 
 from __future__ import annotations
@@ -726,6 +728,65 @@ def case_split_attention(rows: int) -> dict:
                              attention_in_numpy(q, pool, table, positions, heads))}
 
 
+def case_decode_attention(rows: int) -> dict:
+    """``decode_attention_g2_d64_bf16`` (one launch: rope, the KV append, the tensor-core key phase, the
+    split merge) over a bf16 pool of 4 query heads on 2 KV heads in shuffled pages. Pages of 64 keys, rows
+    of 2200 and 40 keys in one split of 2208 (a warp of the long row folds 35 tiles) and in splits of 64
+    (merged); pages of 4 keys (a tile spans pages), rows of 300 and 40 keys. Relative error of the output
+    against NumPy, and whether the new keys landed where their pages say."""
+    from ninfer.artifact.bf16 import from_float32, to_float32
+
+    kv, group, d = 2, 2, 64
+    heads = kv * group
+    result = {}
+    for page, long, split in ((64, 2200, 2208), (4, 300, 320)):
+        lengths = np.array([long, 40][:rows])
+        positions = (lengths - 1).astype(np.int32)
+        max_ctx = split + 32
+        gpu = kernel_sim.SimGpu(256 << 20)
+        rng = np.random.default_rng(100 + page + rows)
+        max_pages = max_ctx // page
+        num_pages = rows * max_pages + 1
+        table = rng.permutation(num_pages)[:rows * max_pages].reshape(rows, max_pages).astype(np.int32)
+        pool = to_float32(from_float32(rng.standard_normal((num_pages, 2, kv, page, d)).astype(np.float32)))
+        qkv = rng.standard_normal((rows, (heads + 2 * kv) * d)).astype(np.float32)
+        angles = np.arange(max_ctx)[:, None] * (1.0 / 10000 ** (np.arange(0, d, 2) / d))[None]
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        half = d // 2
+
+        def rope(x, pos):
+            c, s_ = cos[pos], sin[pos]
+            return np.concatenate([x[..., :half] * c - x[..., half:] * s_, x[..., half:] * c + x[..., :half] * s_], -1)
+
+        want_pool = pool.copy()
+        q = np.zeros((rows, heads + 2 * kv, d), np.float32)
+        for r in range(rows):
+            x = qkv[r].reshape(heads + 2 * kv, d)
+            q[r, :heads] = rope(x[:heads], positions[r])
+            at = table[r, positions[r] // page]
+            want_pool[at, 0, :, positions[r] % page] = to_float32(from_float32(rope(x[heads:heads + kv], positions[r])))
+            want_pool[at, 1, :, positions[r] % page] = to_float32(from_float32(x[heads + kv:]))
+        want = attention_in_numpy(q, want_pool, table, positions, heads)
+        d_pool = gpu.put(from_float32(pool))
+        zeros = gpu.put(np.zeros((heads + 2 * kv) * d, np.float32))
+        errors = []
+        for split_len in (split, 64):
+            splits = -(-max_ctx // split_len)
+            part_o, part_ml = gpu.empty(rows * heads * splits * d * 4), gpu.empty(rows * heads * splits * 2 * 4)
+            out = gpu.empty(rows * heads * d * 4)
+            d_pool = gpu.put(from_float32(pool))  # each launch appends to the pool as it was
+            gpu.launch("decode_attention_g2_d64_bf16", (kv, rows, splits), (128,),
+                       (gpu.put(qkv), zeros, zeros, zeros, gpu.put(cos), gpu.put(sin), d_pool, d_pool,
+                        2 * kv * page * d, gpu.put(table), max_pages, gpu.put(np.arange(rows, dtype=np.int32)),
+                        gpu.put(positions), out, part_o, part_ml, gpu.put(np.zeros(rows * kv, np.int32)), heads, kv,
+                        page.bit_length() - 1, gpu.put(np.array([split_len, 0], np.int32)), splits,
+                        float(np.float32(d ** -0.5)), 0, 0, 1e-6, d_pool, 0))
+            errors.append(rel(gpu.get(out, np.float32, (rows, heads * d)), want))
+        result[f"page{page}"] = max(errors)
+        result[f"page{page} pool"] = bool(np.array_equal(to_float32(gpu.get(d_pool, np.uint16, pool.shape)), want_pool))
+    return result
+
+
 def decode_inputs(rng, forward, inp, rows: int, vocab: int, max_context: int, pages: int, positions=None) -> int:
     """A greedy decode step's inputs for ``rows`` lanes whose keys are already cached (1 .. max_context - 2
     of them unless ``positions`` are given, ``pages`` pages a lane from page 1 on), uploaded; returns the
@@ -862,7 +923,7 @@ def case_roped_attention(rows: int) -> dict:
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
          "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "gated_qk_rope": case_gated_qk_rope,
          "roped_attention": case_roped_attention, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
-         "split_attention": case_split_attention}
+         "split_attention": case_split_attention, "decode_attention": case_decode_attention}
 
 
 def main() -> None:

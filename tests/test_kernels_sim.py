@@ -30,7 +30,8 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
          ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
          ("gated_combine", 3), ("split_attention", 4), ("conv_gemv", 1), ("conv_gemv", 2),
-         ("rule_norm_gemv", 1), ("gated_qk_rope", 3), ("roped_attention", 3)]
+         ("rule_norm_gemv", 1), ("gated_qk_rope", 3), ("roped_attention", 3),
+         ("decode_attention", 2)]
 _runs: dict = {}
 
 
@@ -210,6 +211,15 @@ def test_gated_attention_and_its_split_merge_match_numpy():
     (keys in groups of KEYS a warp) and the merge over a paged pool against attention in NumPy."""
     result = simulate("gated_combine", 3)
     assert result["combine"] < TOL and result["attention"] < TOL, result
+
+
+def test_decode_attention_over_pages_of_any_size_matches_numpy():
+    """``decode_attention_g2_d64_bf16`` over pages of 64 keys (a warp folds 35 tiles of a split) and of
+    4 (a tile spans pages), one split a row and several: the output against NumPy to the tolerance of
+    its bf16 pool and two-part q and P, the new K/V where the row's page table says."""
+    result = simulate("decode_attention", 2)
+    for page in (64, 4):
+        assert result[f"page{page}"] < 1e-4 and result[f"page{page} pool"], result
 
 
 def test_split_attention_of_prefill_rows_matches_numpy():

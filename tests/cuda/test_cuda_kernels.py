@@ -412,11 +412,29 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     Four decode rows (each its own sequence, shuffled pages) with 700, 37, 1 and 96 keys: the new
     key alone, a split ending exactly at the new key, one split (direct output) and up to 22 (over
     the bf16 pool on tensor cores, over the fp32 pool on CUDA cores)."""
-    rng = np.random.default_rng(7 * group + head_dim)
-    KV, D, ps, layers, layer = 2, head_dim, 16, 2, 1
+    _decode_attention_case(gpu, kv_dtype, group, head_dim, 16, [700, 37, 1, 96], 768,
+                           ((32, 1, 0, 0), (256, 2, 1, -48), (96, 3, 0.5, 16), (768, 3, 0, 4096), (32, 0, 1, 0)))
+
+
+@pytest.mark.parametrize("ps", [4, 64])
+@pytest.mark.parametrize("group,head_dim", [(1, 128), (4, 128), (8, 64)])
+def test_decode_attention_over_other_page_sizes(gpu, group, head_dim, ps):
+    """The bf16 pool's kernel with pages of 4 keys (a tensor-core tile of 16 keys spans pages) and of 64
+    (a page holds tiles of several warps): rows of 2300, 37 and 1 keys in one split (a warp folds 36
+    tiles) and in splits of 64 and 256."""
+    _decode_attention_case(gpu, "bf16", group, head_dim, ps, [2300, 37, 1], 2304,
+                           ((2304, 0, 0, 0), (64, 1, 0, 0), (256, 2, 0.5, 16)))
+
+
+def _decode_attention_case(gpu, kv_dtype, group, head_dim, ps, lengths, max_ctx, launches):
+    """``decode_attention`` of ``lengths`` keys a row (the last appended by the launch) over pages of
+    ``ps`` keys against NumPy, once per (split length, prefetch bits, share of the pool's bytes and bytes
+    more that the launch asks L2 for) of ``launches``; then the appended K/V."""
+    rng = np.random.default_rng(7 * group + head_dim + ps)
+    KV, D, layers, layer = 2, head_dim, 2, 1
     H = KV * group
-    lengths = np.array([700, 37, 1, 96])
-    rows, max_ctx = len(lengths), 768
+    lengths = np.array(lengths)
+    rows = len(lengths)
     max_pages = max_ctx // ps
     num_pages = rows * max_pages + 3
     tables = rng.permutation(num_pages)[:rows * max_pages].reshape(rows, max_pages).astype(np.int32)
@@ -445,12 +463,12 @@ def test_decode_attention_appends_and_attends(gpu, kv_dtype, group, head_dim):
     counters = gpu.put(np.zeros(rows * KV, np.int32))
     d_qkv, d_tables, d_positions = gpu.put(qkv), gpu.put(tables), gpu.put(positions)
     name = f"decode_attention_g{group}_d{D}_{kv_dtype}"
-    # 768: one split, no merge; 32 again: the tickets were reset. ``prefetch`` bits: 1, pages asked of L2
-    # before the wait; 2, the first ``ahead`` bytes of a "next kernel's weights" (the pool itself) asked of
-    # L2 after it. Hints that must change nothing (the last block's share is a short one).
+    # A split of max_ctx: no merge; a length again: the tickets were reset. ``prefetch`` bits: 1, pages
+    # asked of L2 before the wait; 2, the first ``ahead`` bytes of a "next kernel's weights" (the pool
+    # itself) asked of L2 after it. Hints that must change nothing (the last block's share is a short one).
     pool_bytes = pool.size * itemsize
-    for split, prefetch, ahead in ((32, 1, 0), (256, 2, pool_bytes - 48), (96, 3, pool_bytes // 2 + 16),
-                                   (768, 3, 4096), (32, 0, pool_bytes)):
+    for split, prefetch, share, more in launches:
+        ahead = int(share * pool_bytes) + more
         n_splits = -(-max_ctx // split)
         part_o, part_ml = gpu.empty(rows * H * n_splits * D * 4), gpu.empty(rows * H * n_splits * 2 * 4)
         out = gpu.empty(rows * H * D * 4)
