@@ -214,9 +214,9 @@ def test_gated_attention_and_its_split_merge_match_numpy():
 
 
 def test_decode_attention_over_pages_of_any_size_matches_numpy():
-    """``decode_attention_g2_d64_bf16`` over pages of 64 keys (a warp folds 35 tiles of a split) and of
-    4 (a tile spans pages), one split a row and several: the output against NumPy to the tolerance of
-    its bf16 pool and two-part q and P, the new K/V where the row's page table says."""
+    """``decode_attention_g2_d64_bf16`` over pages of 64 keys and of 4 (a tile spans pages), one split a
+    row and several: the output against NumPy to the tolerance of the bf16 pool and two-part q and P,
+    the new K/V where the row's page table says."""
     result = simulate("decode_attention", 2)
     for page in (64, 4):
         assert result[f"page{page}"] < 1e-4 and result[f"page{page} pool"], result

@@ -427,9 +427,9 @@ def test_decode_attention_over_other_page_sizes(gpu, group, head_dim, ps):
 
 
 def _decode_attention_case(gpu, kv_dtype, group, head_dim, ps, lengths, max_ctx, launches):
-    """``decode_attention`` of ``lengths`` keys a row (the last appended by the launch) over pages of
-    ``ps`` keys against NumPy, once per (split length, prefetch bits, share of the pool's bytes and bytes
-    more that the launch asks L2 for) of ``launches``; then the appended K/V."""
+    """``decode_attention`` of ``lengths`` keys a row (the last appended by the launch)
+    over pages of ``ps`` keys against NumPy, once per (split length, prefetch bits, share of the pool's
+    bytes and bytes more that the launch asks L2 for) of ``launches``; then the appended K/V."""
     rng = np.random.default_rng(7 * group + head_dim + ps)
     KV, D, layers, layer = 2, head_dim, 2, 1
     H = KV * group
