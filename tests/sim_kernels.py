@@ -767,7 +767,6 @@ def case_decode_attention(rows: int) -> dict:
             want_pool[at, 0, :, positions[r] % page] = to_float32(from_float32(rope(x[heads:heads + kv], positions[r])))
             want_pool[at, 1, :, positions[r] % page] = to_float32(from_float32(x[heads + kv:]))
         want = attention_in_numpy(q, want_pool, table, positions, heads)
-        d_pool = gpu.put(from_float32(pool))
         zeros = gpu.put(np.zeros((heads + 2 * kv) * d, np.float32))
         errors, pool_equal = [], True
         for split_len in (split, 64):
