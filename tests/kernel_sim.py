@@ -8,7 +8,9 @@ adds them, before any ``numba_kernels`` module is imported:
 - warp collectives (shuffles, votes, ``syncwarp``, ``redux.sync``, ``mma.sync``, ``movmatrix``): each
   lane posts its operands under its count of collectives so far; the last lane of the warp to post
   computes every lane's result. A lane that never arrives (a collective in divergent code, which the
-  hardware does not allow either) fails the kernel after ``COLLECTIVE_TIMEOUT_S``;
+  hardware does not allow either) fails the kernel after ``COLLECTIVE_TIMEOUT_S``. The lanes (and a
+  block's threads at a barrier) wait each on its own lock, which the last to arrive opens;
+- ``numba_kernels.common``'s ``warp_sum`` / ``warp_max``: one collective instead of five shuffles;
 - each intrinsic is replaced at its definition (``numba.cuda.extending.intrinsic`` is swapped for a
   decorator that looks the function up by its qualified name in ``_SIMULATED``), so the kernels that
   ``numba_kernels`` builds at import already call the Python versions; ones without a version
@@ -52,11 +54,14 @@ _ABSENT = object()  # a lane's operand not posted yet
 class _Warp:
     def __init__(self, lanes: int):
         self.lanes = lanes
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.rounds: dict[int, dict] = {}
 
 
 def _warp_of(thread) -> _Warp:
+    """The calling thread's warp, looked up once a block (``Worker.assign`` clears ``sim_warp``)."""
+    if thread.sim_warp is not None:
+        return thread.sim_warp
     manager = thread._manager
     with _LOCK:
         warps = manager.__dict__.setdefault("sim_warps", {})
@@ -64,7 +69,22 @@ def _warp_of(thread) -> _Warp:
         if warp not in warps:
             threads = int(np.prod(manager._block_dim))
             warps[warp] = _Warp(min(32, threads - 32 * warp))
-        return warps[warp]
+        thread.sim_warp = warps[warp]
+        return thread.sim_warp
+
+
+def _wait_at_gate(thread, what: str, missing=lambda: "") -> None:
+    """Block the calling simulated thread until another opens its gate (``thread.gate``, a lock it
+    holds). Each waiter has its own gate, opened once by whoever completes the barrier or collective,
+    so a release wakes exactly the threads it frees: one condition shared by the block or warp woke
+    them all to race for its lock, most of a collective's time. Gives up on an aborted block, or
+    after ``COLLECTIVE_TIMEOUT_S`` (a thread that never arrives: divergent code)."""
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+    while not thread.gate.acquire(timeout=0.5):
+        if thread.abort:
+            raise RuntimeError(f"abort flag set while waiting on {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {missing() or 'the other threads'} never arrived (divergent code?)")
 
 
 def collective(value, combine):
@@ -72,29 +92,28 @@ def collective(value, combine):
     once, on the last lane to post, and returns each lane's result; returns this lane's."""
     thread = threading.current_thread()
     warp = _warp_of(thread)
-    count = thread.__dict__.get("sim_collectives", 0)
+    count = thread.sim_collectives
     thread.sim_collectives = count + 1
     lane = thread.thread_id & 31
-    with warp.cond:
-        round_ = warp.rounds.setdefault(count, {"values": [_ABSENT] * warp.lanes, "posted": 0, "taken": 0})
+    with warp.lock:
+        round_ = warp.rounds.get(count)
+        if round_ is None:
+            round_ = warp.rounds[count] = {"values": [_ABSENT] * warp.lanes, "posted": 0, "waiting": []}
         round_["values"][lane] = value
         round_["posted"] += 1
-        if round_["posted"] == warp.lanes:
-            round_["results"] = combine(round_["values"])
-            warp.cond.notify_all()
-        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
-        while "results" not in round_:
-            if thread.abort:
-                raise RuntimeError("abort flag set while waiting on a warp collective")
-            if time.monotonic() > deadline:
-                missing = [i for i, v in enumerate(round_["values"]) if v is _ABSENT]
-                raise RuntimeError(f"warp collective {count}: lanes {missing} never arrived (divergent code?)")
-            warp.cond.wait(timeout=0.5)
-        result = round_["results"][lane]
-        round_["taken"] += 1
-        if round_["taken"] == warp.lanes:
+        last = round_["posted"] == warp.lanes
+        if last:
             del warp.rounds[count]
-    return result
+        else:
+            round_["waiting"].append(thread.gate)
+    if last:
+        results = round_["results"] = combine(round_["values"])
+        for gate in round_["waiting"]:
+            gate.release()
+        return results[lane]
+    _wait_at_gate(thread, f"warp collective {count}",
+                  lambda: f"lanes {[i for i, v in enumerate(round_['values']) if v is _ABSENT]}")
+    return round_["results"][lane]
 
 
 def _shuffle(source):
@@ -123,6 +142,31 @@ def _vote(reduce):
 
 def _ballot(posted):
     return np.uint32(sum(1 << i for i, p in enumerate(posted) if p))
+
+
+def _butterfly(reduce):
+    """``numba_kernels.common``'s warp_sum / warp_max in one collective instead of five shuffles (each
+    a round of the warp's threads waking one another: most of a reduction-heavy kernel's time here).
+    The rounds are played on the posted values as the shuffles would play them, lane ``l`` combining
+    its value with lane ``l ^ offset``'s (a lane past a partial warp's end: its own), so every lane gets
+    the same bits; ``tests/sim_kernels.py``'s ``collectives`` case checks that."""
+    def reduced(value):
+        def combine(posted):
+            n = len(posted)
+            for offset in (16, 8, 4, 2, 1):
+                posted = [reduce(v, posted[lane ^ offset] if lane ^ offset < n else v)
+                          for lane, v in enumerate(posted)]
+            return posted
+        return collective(value, combine)
+    return reduced
+
+
+def _install_warp_reductions() -> None:
+    import numba_kernels.common as common
+
+    common.shuffled_warp_sum, common.shuffled_warp_max = common.warp_sum, common.warp_max
+    common.warp_sum = _butterfly(lambda mine, other: mine + other)
+    common.warp_max = _butterfly(max)
 
 
 def _install_warp_functions() -> None:
@@ -375,25 +419,34 @@ class _Block:
     the device) and its end: what the simulator's manager found by polling every thread."""
 
     def __init__(self, threads: int):
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.live = threads
-        self.arrived = 0
-        self.generation = 0
+        self.waiting: list = []  # the gates of the threads at the barrier
+        self.finished = threading.Event()
         self.failure = None
         self.workers: list = []
 
-    def release_if_all_arrived(self) -> None:  # with cond held
-        if self.arrived and self.arrived == self.live:
-            self.arrived = 0
-            self.generation += 1
-            self.cond.notify_all()
+    def arrive(self, gate=None) -> None:
+        """A thread reaches the barrier (with its ``gate``) or returns (none): the barrier opens when
+        every live thread is at it."""
+        with self.lock:
+            if gate is None:
+                self.live -= 1
+            else:
+                self.waiting.append(gate)
+            opened = self.waiting if self.waiting and len(self.waiting) == self.live else []
+            if opened:
+                self.waiting = []
+            if not self.live:
+                self.finished.set()
+        for waiting in opened:
+            waiting.release()
 
     def fail(self, failure) -> None:
-        with self.cond:
+        with self.lock:
             self.failure = self.failure or failure
             for worker in self.workers:
                 worker.abort = True
-            self.cond.notify_all()
 
 
 @functools.cache
@@ -408,6 +461,8 @@ def _worker_class():
         def __init__(self, manager):
             super().__init__(lambda: None, manager, (0, 0, 0), (0, 0, 0), False)
             self.go = threading.Event()
+            self.gate = threading.Lock()  # held but while another thread opens it (_wait_at_gate)
+            self.gate.acquire()
             self.block = None
             self.job = None
 
@@ -421,22 +476,14 @@ def _worker_class():
             self.exception = None
             self.abort = False
             self.sim_collectives = 0
+            self.sim_warp = None
+            self.gate.acquire(blocking=False)  # closed again if an aborted block left it open
             self.job = job
             self.go.set()
 
         def syncthreads(self):
-            block = self.block
-            with block.cond:
-                generation = block.generation
-                block.arrived += 1
-                block.release_if_all_arrived()
-                deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
-                while block.generation == generation:
-                    if self.abort:
-                        raise RuntimeError("abort flag set on syncthreads call")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("syncthreads: the block's other threads never arrived")
-                    block.cond.wait(timeout=0.5)
+            self.block.arrive(self.gate)
+            _wait_at_gate(self, "syncthreads")
 
         def run(self):
             while True:
@@ -449,10 +496,7 @@ def _worker_class():
                     block.fail((type(e)(f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}: {e}"),
                                 sys.exc_info()[2]))
                 finally:
-                    with block.cond:
-                        block.live -= 1
-                        block.release_if_all_arrived()
-                        block.cond.notify_all()
+                    block.arrive()
 
     return Worker
 
@@ -475,9 +519,7 @@ def _run_block(self, grid_point, *args):
     job = lambda: self._f(*args)  # noqa: E731
     for worker, point in zip(workers, points):
         worker.assign(self, block, grid_point, point, job)
-    with block.cond:
-        while block.live:
-            block.cond.wait(timeout=0.5)
+    block.finished.wait()
     if block.failure:
         raise block.failure[0].with_traceback(block.failure[1])
 
@@ -490,6 +532,7 @@ def install() -> None:
     _extending.intrinsic = _simulated_intrinsic
     _libdevice.int_as_float = int_as_float
     _libdevice.float_as_int = float_as_int
+    _install_warp_reductions()  # imports numba_kernels.common: after the intrinsics are swapped
 
 
 # -- a device over NumPy memory -----------------------------------------------------------------------

@@ -36,6 +36,8 @@ import kernel_sim  # noqa: E402
 
 kernel_sim.install()
 
+from numba import cuda  # noqa: E402  (a case's own kernels: the simulator swaps this global)
+
 from ninfer.backends.reference.forward import rms_norm, silu  # noqa: E402
 
 EPS = np.float32(1e-6)
@@ -920,10 +922,64 @@ def case_roped_attention(rows: int) -> dict:
     return result
 
 
+def case_collectives(rows: int) -> dict:
+    """The simulator's own collectives (tests/kernel_sim.py). Its one-collective ``warp_sum`` /
+    ``warp_max`` (``_butterfly``) against the shuffle-by-shuffle device functions they stand in for, in
+    a block of ``32 * rows + 16`` threads (a partial last warp): the same bits in every lane, for sums
+    whose value depends on the order of the additions and maxima over NaNs and signed zeros. Then a
+    thread that raises while the others wait at a barrier and in a shuffle: the launch raises its error
+    at once, and the pooled threads reduce as before in the next launch."""
+    import time
+
+    import numba_kernels.common as common
+
+    @cuda.jit
+    def reduce_both_ways(x, m, out):
+        i = cuda.threadIdx.x
+        out[0, i] = common.warp_sum(x[i])
+        out[1, i] = common.shuffled_warp_sum(x[i])
+        out[2, i] = common.warp_max(m[i])
+        out[3, i] = common.shuffled_warp_max(m[i])
+
+    @cuda.jit
+    def one_thread_fails(out):
+        i = cuda.threadIdx.x
+        if i == 37:
+            raise ValueError("thread 37 fails")
+        out[i] = cuda.shfl_xor_sync(0xFFFFFFFF, float(i), 1)  # warp 1 waits here for its lane 5
+        cuda.syncthreads()  # the other warps wait here for warp 1
+
+    threads = 32 * rows + 16
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(threads) * 10.0 ** rng.integers(-2, 3, threads)).astype(np.float32)
+    m = rng.standard_normal(threads).astype(np.float32)
+    m[[3, threads - 14]], m[[5, 6]] = np.nan, (-0.0, 0.0)  # NaNs in the first and the partial warp
+
+    def reduced() -> np.ndarray:
+        out = np.zeros((4, threads), np.float32)
+        reduce_both_ways[1, threads](x, m, out)
+        return out
+
+    out = reduced()
+    bits = out.view(np.uint32)
+    started = time.monotonic()
+    try:
+        one_thread_fails[1, threads](np.zeros(threads, np.float32))
+        failure = ""
+    except ValueError as error:
+        failure = str(error)
+    failed_in = time.monotonic() - started
+    return {"sum_identical": bool(np.array_equal(bits[0], bits[1])), "max_identical": bool(np.array_equal(bits[2], bits[3])),
+            "sum_vs_numpy": rel(out[0, 32:64], np.full(32, x[32:64].astype(np.float64).sum())),
+            "failure": failure, "failed_in_s": failed_in,
+            "same_after_failure": bool(np.array_equal(reduced().view(np.uint32), bits))}
+
+
 CASES = {"gemv": case_gemv, "chain": case_chain, "moe": case_moe, "moe_gemv": case_moe_gemv, "decode": case_decode,
          "deltanet_step": case_deltanet_step, "conv_gemv": case_conv_gemv, "rule_norm_gemv": case_rule_norm_gemv, "gated_qk_rope": case_gated_qk_rope,
          "roped_attention": case_roped_attention, "hybrid_decode": case_hybrid_decode, "gated_combine": case_gated_combine,
-         "split_attention": case_split_attention, "decode_attention": case_decode_attention}
+         "split_attention": case_split_attention, "decode_attention": case_decode_attention,
+         "collectives": case_collectives}
 
 
 def main() -> None:

@@ -26,12 +26,13 @@ pytest.importorskip("numba")
 SCRIPT = Path(__file__).resolve().parent / "sim_kernels.py"
 TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums in float64
 # Every (case, rows) the tests below ask for: the first test to ask starts them all, as many at once
-# as there are CPUs (each is one busy process; together they take minutes, not the sum of them).
-CASES = [("gemv", 1), ("gemv", 8), ("chain", 3), ("chain", 8), ("moe", 3), ("moe", 8), ("moe_gemv", 1), ("moe_gemv", 2),
-         ("decode", 3), ("decode", 8), ("deltanet_step", 1), ("deltanet_step", 3), ("hybrid_decode", 3),
-         ("gated_combine", 3), ("split_attention", 4), ("conv_gemv", 1), ("conv_gemv", 2),
-         ("rule_norm_gemv", 1), ("gated_qk_rope", 3), ("roped_attention", 3),
-         ("decode_attention", 2)]
+# as there are CPUs (each is one busy process; together they take minutes, not the sum of them),
+# the longest first (seconds, two at a time on two CPUs: the MoE cases 75-105, roped_attention and
+# hybrid_decode 60-70, the whole dense step 35-50, the rest under 20), so that none starts last.
+CASES = [("moe", 8), ("moe", 3), ("moe_gemv", 1), ("roped_attention", 3), ("hybrid_decode", 3), ("decode", 8),
+         ("decode", 3), ("moe_gemv", 2), ("decode_attention", 2), ("rule_norm_gemv", 1), ("gemv", 1), ("chain", 3),
+         ("chain", 8), ("gemv", 8), ("deltanet_step", 3), ("conv_gemv", 2), ("split_attention", 4), ("conv_gemv", 1),
+         ("deltanet_step", 1), ("gated_combine", 3), ("gated_qk_rope", 3), ("collectives", 2)]
 _runs: dict = {}
 
 
@@ -227,3 +228,16 @@ def test_split_attention_of_prefill_rows_matches_numpy():
     ``warp_factors``) and ``attention_combine`` over a paged fp32 pool: rows with 3, 1, 2 and 2 splits
     of keys, splits past a row's keys left empty, against attention in NumPy."""
     assert simulate("split_attention", 4)["attention"] < TOL
+
+
+def test_the_simulators_collectives():
+    """tests/kernel_sim.py plays ``warp_sum`` / ``warp_max`` as one warp collective (five were most of
+    the simulated MoE GEMVs' time): every lane's bits must be those of the five shuffles, in full warps
+    and a partial one, for sums whose rounding depends on the order and maxima over NaNs and zeros. A
+    thread that raises while the rest of its block waits (in a shuffle, at a barrier) ends the launch
+    with its error within the waits' half-second poll, and the pooled threads work on afterwards."""
+    result = simulate("collectives", 2)
+    assert result["sum_identical"] and result["max_identical"], result
+    assert result["sum_vs_numpy"] < TOL, result
+    assert result["failure"].endswith("thread 37 fails") and result["failed_in_s"] < 10, result
+    assert result["same_after_failure"], result
