@@ -47,16 +47,19 @@ def assemble(ptxas: str, arch: str, directory: Path = PTX_DIR, cubins: Path | No
     """{module file: ptxas resource report}; raises RuntimeError listing the modules that failed. With
     ``cubins`` (a folder) the machine code is kept there, ``<module file>.cubin``, for ``early_loads``."""
     manifest = json.loads((directory / "manifest.json").read_text())
-    reports, failures = {}, []
-    for name, entry in sorted(manifest["kernels"].items()):
-        out = str(cubins / (entry["file"] + ".cubin")) if cubins else "/dev/null"
-        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", str(directory / entry["file"]), "-o", out],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            failures.append(f"{entry['file']}: {proc.stderr.strip()}")
-        reports[entry["file"]] = " ".join(line.split(":", 1)[-1].strip()
-                                          for line in proc.stderr.splitlines()
-                                          if "Used" in line or "stack frame" in line)
+    files = sorted({entry["file"] for entry in manifest["kernels"].values()})
+
+    def assembled(file: str) -> tuple[str, subprocess.CompletedProcess]:
+        out = str(cubins / (file + ".cubin")) if cubins else "/dev/null"
+        return file, subprocess.run([ptxas, f"-arch={arch}", "-v", str(directory / file), "-o", out],
+                                    capture_output=True, text=True)
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # ptxas: ~0.1-2 s a module
+        runs = dict(pool.map(assembled, files))
+    failures = [f"{file}: {run.stderr.strip()}" for file, run in runs.items() if run.returncode != 0]
+    reports = {file: " ".join(line.split(":", 1)[-1].strip() for line in run.stderr.splitlines()
+                              if "Used" in line or "stack frame" in line)
+               for file, run in runs.items()}
     if failures:
         raise RuntimeError("ptxas rejected:\n" + "\n".join(failures))
     return reports
