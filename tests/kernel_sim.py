@@ -416,7 +416,7 @@ def _simulated_intrinsic(fn):
 
 class _Block:
     """One block's barrier over its live threads (a thread that has returned no longer counts, as on
-    the device) and its end: what the simulator's manager found by polling every thread."""
+    the device) and its end (``finished``), which the simulator's manager found by polling every thread."""
 
     def __init__(self, threads: int):
         self.lock = threading.Lock()
@@ -461,7 +461,7 @@ def _worker_class():
         def __init__(self, manager):
             super().__init__(lambda: None, manager, (0, 0, 0), (0, 0, 0), False)
             self.go = threading.Event()
-            self.gate = threading.Lock()  # held but while another thread opens it (_wait_at_gate)
+            self.gate = threading.Lock()  # locked, but from another thread's opening it to this one passing it
             self.gate.acquire()
             self.block = None
             self.job = None

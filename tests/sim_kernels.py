@@ -928,7 +928,7 @@ def case_collectives(rows: int) -> dict:
     a block of ``32 * rows + 16`` threads (a partial last warp): the same bits in every lane, for sums
     whose value depends on the order of the additions and maxima over NaNs and signed zeros. Then a
     thread that raises while the others wait at a barrier and in a shuffle: the launch raises its error
-    at once, and the pooled threads reduce as before in the next launch."""
+    within the waits' half-second poll, and the pooled threads reduce as before in the next launch."""
     import time
 
     import numba_kernels.common as common

@@ -28,7 +28,7 @@ TOL = 1e-6  # fp32-faithful (three bf16 parts an activation); the simulator sums
 # Every (case, rows) the tests below ask for: the first test to ask starts them all, as many at once
 # as there are CPUs (each is one busy process; together they take minutes, not the sum of them),
 # the longest first (seconds, two at a time on two CPUs: the MoE cases 75-105, roped_attention and
-# hybrid_decode 60-70, the whole dense step 35-50, the rest under 20), so that none starts last.
+# hybrid_decode 60-70, the whole dense step 35-50, the rest under 20): no long one starts last.
 CASES = [("moe", 8), ("moe", 3), ("moe_gemv", 1), ("roped_attention", 3), ("hybrid_decode", 3), ("decode", 8),
          ("decode", 3), ("moe_gemv", 2), ("decode_attention", 2), ("rule_norm_gemv", 1), ("gemv", 1), ("chain", 3),
          ("chain", 8), ("gemv", 8), ("deltanet_step", 3), ("conv_gemv", 2), ("split_attention", 4), ("conv_gemv", 1),
