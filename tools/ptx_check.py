@@ -43,11 +43,16 @@ def find_tool(tool: str, explicit: str | None = None) -> str | None:
     return None
 
 
+def module_files(directory: Path) -> list[str]:
+    """The PTX module files ``directory``'s manifest lists, sorted."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    return sorted({entry["file"] for entry in manifest["kernels"].values()})
+
+
 def assemble(ptxas: str, arch: str, directory: Path = PTX_DIR, cubins: Path | None = None) -> dict[str, str]:
     """{module file: ptxas resource report}; raises RuntimeError listing the modules that failed. With
     ``cubins`` (a folder) the machine code is kept there, ``<module file>.cubin``, for ``early_loads``."""
-    manifest = json.loads((directory / "manifest.json").read_text())
-    files = sorted({entry["file"] for entry in manifest["kernels"].values()})
+    files = module_files(directory)
 
     def assembled(file: str) -> tuple[str, subprocess.CompletedProcess]:
         out = str(cubins / (file + ".cubin")) if cubins else "/dev/null"
@@ -103,8 +108,7 @@ def early_loads(nvdisasm: str, cubins: Path, directory: Path = PTX_DIR) -> dict[
     """{module file: (loads above the grid wait in the PTX, in the SASS)} for every module with early
     loads, read from the machine code ``assemble`` kept in ``cubins``; raises RuntimeError naming the
     modules whose SASS has fewer (ptxas sank them)."""
-    manifest = json.loads((directory / "manifest.json").read_text())
-    files = sorted({entry["file"] for entry in manifest["kernels"].values()})
+    files = module_files(directory)
     written = {f: ptx_loads_before_wait((directory / f).read_text()) for f in files}
     early = [f for f in files if written[f]]
 
