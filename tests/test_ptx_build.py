@@ -119,3 +119,17 @@ def test_early_load_counting():
     assert check.ptx_loads_before_wait(PTX.replace("griddepcontrol.wait", "")) == 0  # no wait: none early
     assert check.sass_loads_before_wait(SASS) == 3  # past the early exit's wait, up to the main path's
     assert check.sass_loads_before_wait(SASS.replace("/*0830*/                   ACQBULK ;", "")) == 4
+
+
+def test_the_edge_benchmarks_ptx_assembles(tmp_path):
+    """tools/bench_kernel_edge.py loads hand-written PTX on the GPU: ptxas must take it here first."""
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_kernel_edge
+
+    source = tmp_path / "edge.ptx"
+    source.write_text(bench_kernel_edge.PTX)
+    done = subprocess.run([_tool("ptxas"), "-arch=sm_90a", str(source), "-o", str(tmp_path / "edge.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
