@@ -71,6 +71,20 @@ def load_activations(x, at, norm_w, norm_at, normed, xr, i):
     return squares
 
 
+@cuda.jit(device=True, inline=True)
+def keep_normed(kept, x, norm_w, inv, rows, k, tid, threads):
+    """This block's columns (a 1 / gridDim share, in 4-column steps) of ``kept = x / rms * norm_w``
+    (``inv``: each row's 1 / rms), written by the block's ``threads`` threads."""
+    share = (((k + 3) >> 2) + cuda.gridDim.x - 1) // cuda.gridDim.x * 4
+    first = cuda.blockIdx.x * share
+    width = min(share, k - first)
+    for idx in range(tid, rows * max(width, 0), threads):
+        r = idx // width
+        kk = first + idx % width
+        at = int64(r) * k + kk
+        kept[at] = x[at] * inv[r] * norm_w[kk]
+
+
 def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     """(weight_rows, load, accumulate): the fp32 GEMVs' block of ``COLS`` weight rows (with ``SWIGLU``
     the first COLS / 2 are gate rows, the rest the matching up rows) and one 16-byte step of them
@@ -119,7 +133,7 @@ def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     return weight_rows, load, accumulate
 
 
-def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=False):
+def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=False, KEEP=False, NEXT=False):
     """``COLS`` weight rows per block: each x value loaded serves that many rows.
 
     ``PRELOAD`` (name suffix ``p{PRELOAD}``): each thread's first PRELOAD steps of weights, not one, are
@@ -140,6 +154,11 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
     ``1 / sqrt(sum / head_dim + eps)`` of the head's ``splits`` partial sums of squares at
     ``partials[(r * heads + h) * splits ..]`` as it is loaded: the split rule's scaling, bit for bit,
     without its ticket and last block.
+    ``KEEP`` and ``NEXT`` (normed, "store"; last arguments ``kept, next_w, next_bytes``; the MoE router
+    of a one-row step, ``gemv_normed_keep_store_m1c{COLS}p{PRELOAD}n``, CudaMoe.router_gemv) are
+    ``make_mma_gemv``'s ``keep`` and ``NEXT``: each block also writes its share of ``kept = rmsnorm(x) *
+    norm_w`` (``keep_normed``), and thread 0 asks L2 for the block's share of the first ``next_bytes``
+    of ``next_w`` once the block has streamed its rows.
     Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.2-1.7%
     slower on the H200). Also timed and dropped (tools/bench_decode_gemm.py, one row): 2 or 4 chunks
     of each row in flight a thread (96 / 168 registers: fewer blocks, 3-25% slower), and thread 0
@@ -147,6 +166,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
     SWIGLU = epilogue == "swiglu"
     CONV = epilogue == "conv"
     assert not HEAD_NORM or (epilogue == "residual" and not normed)
+    assert KEEP == NEXT and (not KEEP or (normed and epilogue == "store"))
     OUT_COLS = COLS // 2 if SWIGLU else COLS
     weight_rows, load_weights, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
@@ -172,7 +192,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
                     xr[r, e] = float32(0.0)
 
     def gemv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels, conv_w,
-             partials, splits, head_dim):
+             partials, splits, head_dim, kept, next_w, next_bytes):
         red = cuda.shared.array((GEMV_WARPS, M, COLS), float32)
         red_ss = cuda.shared.array((GEMV_WARPS, M), float32)
         tid = cuda.threadIdx.x
@@ -238,6 +258,8 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
             accumulate(acc, raw, xr)
             # The registers are free again: the next step's weights go out now.
             load_weights(w, row_of, words, chunks, j + GEMV_THREADS, raw)
+        if NEXT and tid == 0:
+            prefetch_block_share(next_w, next_bytes)
         for r in range(M):
             for c in range(COLS):
                 v = acc[r, c]
@@ -252,6 +274,15 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
                 if lane == 0:
                     red_ss[warp, r] = v
         cuda.syncthreads()
+        if KEEP:  # every thread writes kept values: each row's 1 / rms through shared memory
+            inv_kept = cuda.shared.array(M, float32)
+            if tid < M:
+                sq = float32(0.0)
+                for wp in range(GEMV_WARPS):
+                    sq += red_ss[wp, tid]
+                inv_kept[tid] = float32(1.0) / math.sqrt(sq / float32(k) + eps)
+            cuda.syncthreads()
+            keep_normed(kept, x, norm_w, inv_kept, rows, k, tid, GEMV_THREADS)
         if tid < M * OUT_COLS:
             r = tid // OUT_COLS
             c = tid % OUT_COLS
@@ -290,26 +321,33 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
         def conv(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels,
                  conv_w):
             body(y, x, w, norm_w, rows, n, k, ldy, eps, mixed, states, slot_stride, lanes, lanes_out, channels,
-                 conv_w, y, 0, 0)
+                 conv_w, y, 0, 0, y, y, 0)
 
         return conv
     if HEAD_NORM:
         def head_normed(y, x, w, norm_w, rows, n, k, ldy, eps, partials, splits, head_dim):
             no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
             body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, partials, splits,
-                 head_dim)
+                 head_dim, y, y, 0)
 
         return head_normed
+    if KEEP:
+        def kept_next(y, x, w, norm_w, rows, n, k, ldy, eps, kept, next_w, next_bytes):
+            no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0, kept, next_w,
+                 next_bytes)
+
+        return kept_next
     if normed or epilogue != "store":
         def fused(y, x, w, norm_w, rows, n, k, ldy, eps):
             no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
-            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0)
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0, y, y, 0)
 
         return fused
 
     def plain(y, x, w, rows, n, k, ldy):  # the undecorated product (prefill tails, the LM head of prefill)
         no_lanes = cuda.local.array(1, int32)
-        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0)
+        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0, x, x, 0)
 
     return plain
 
@@ -723,7 +761,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         if normed:
             cuda.syncthreads()
         if keep:
-            keep_normed(kept, x, norm_w, inv, rows, k, tid)
+            keep_normed(kept, x, norm_w, inv, rows, k, tid, THREADS)
         # One output per thread: consecutive threads take consecutive columns of one row.
         for idx in range(tid, OUTS, THREADS):
             r = idx // (T * COLS)
@@ -760,18 +798,6 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                     square += cuda.shfl_xor_sync(0xFFFFFFFF, square, offset)
                 if i == 0 and r < rows:
                     part[cuda.blockIdx.x * 8 + r] = square
-
-    @cuda.jit(device=True, inline=True)
-    def keep_normed(kept, x, norm_w, inv, rows, k, tid):
-        """This block's columns (a 1 / gridDim share, in 4-column steps) of ``kept = x / rms * norm_w``."""
-        share = (((k + 3) >> 2) + cuda.gridDim.x - 1) // cuda.gridDim.x * 4
-        first = cuda.blockIdx.x * share
-        width = min(share, k - first)
-        for idx in range(tid, rows * max(width, 0), THREADS):
-            r = idx // width
-            kk = first + idx % width
-            at = int64(r) * k + kk
-            kept[at] = x[at] * inv[r] * norm_w[kk]
 
     if keep and NEXT:
         def mma_gemv(y, x, w, norm_w, rows, n, k, ldy, eps, kept, next_w, next_bytes):
@@ -907,6 +933,17 @@ for _preload in (1, 4):
         make_gemv(1, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True), HEAD_NORM_SIG,
         {"threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "head_norm": 1, "terms": 0,
          "max_rows": 1, "grid_wait": 1})
+# The one-row MoE router as an fp32 GEMV (CudaMoe.router_gemv): two steps a thread (a 2048-wide row's
+# whole share) held before the wait, in blocks small enough to sit beside the o / out GEMV that runs
+# before it, so its weights stream during that GEMV instead of after it (the tensor-core router's
+# blocks of 512 threads wait for SMs the GEMV leaves); it keeps the normalised row and asks L2 for the
+# next layer's first weights as the tensor-core router's ``en`` build does (``next_bytes`` 0: nothing).
+ROUTER_GEMV_COLS = (2, 4)
+for _cols in ROUTER_GEMV_COLS:
+    KERNELS[f"gemv_normed_keep_store_m1c{_cols}p2n"] = (
+        make_gemv(1, _cols, True, "store", PRELOAD=2, KEEP=True, NEXT=True), MMA_SIG + (F32P, U32P, int32),
+        {"threads": GEMV_THREADS, "cols": _cols, "epilogue": "store", "normed": 1, "keep": 1, "terms": 0,
+         "max_rows": 1, "grid_wait": 1, "next": 1})
 # The MoE router's early build asking L2, once its weights are in, for the first bytes of the next layer's
 # first GEMM (CudaMoe.next_prefetch): DRAM would idle through the routing that follows.
 KERNELS[mma_kernel_name(True, "store", *ROUTER_SHAPE, keep=True, early=True, NEXT=True)] = (

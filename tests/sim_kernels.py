@@ -411,6 +411,7 @@ def case_moe_gemv(rows: int) -> dict:
                     "identical": bool(np.array_equal(got[0], plain[0])) if routed is None
                     else rel(got[0] - t.resid, plain[0] - t.resid)}
         result["next_prefetch"] = next_prefetch(t, ROUTED_GATE_UPS[0], COMBINED_DOWNS[0])
+        result["router_gemv"] = router_gemv(t, ROUTED_GATE_UPS[0], COMBINED_DOWNS[0])
         moe.combined_down = moe.routed_gate_up = None
     return result
 
@@ -435,6 +436,32 @@ def next_prefetch(t, routed: str, combined: str) -> dict:
             "plain_launched": sorted(set(t.launches[-2]) - set(t.launches[-1])),
             "router": NEXT_ROUTER_GEMM, "next_bytes_asked": t.gpu.device.prefetched - before,
             "then_bytes": then.nbytes}
+
+
+def router_gemv(t, routed: str, combined: str) -> dict:
+    """``CudaMoe.router_gemv``: a one-row step (the routing gate/up, the combining down, the router asking
+    L2 for the next layer's first weights) with each fp32 GEMV router build against the tensor-core
+    router: the build launched, the same picks, the pick weights, the normalised row and the MoE to fp32
+    rounding, and the same bytes asked of L2."""
+    from ninfer.backends.cuda.moe import ROUTER_GEMVS
+
+    moe = t.moe
+    moe.routed_gate_up, moe.combined_down, moe.down_prefetch = routed, combined, 0.0
+    then = t.gpu.empty(3 << 10, poison=0)
+    moe.next_prefetch, moe.router_gemv = 1 << 20, None
+    plain = t.run(then)
+    want = t.reference_moe()
+    result = {}
+    for name in ROUTER_GEMVS:
+        moe.router_gemv = name
+        before = t.gpu.device.prefetched
+        got = t.run(then)
+        result[name] = {"launched": name in t.launches[-1], "picks_identical": bool(np.array_equal(got[2], plain[2])),
+                        "pick_weights": rel(got[3], plain[3]), "normed": rel(got[1], plain[1]),
+                        "vs_plain": rel(got[0] - t.resid, plain[0] - t.resid), "vs_reference": rel(got[0] - t.resid, want),
+                        "next_bytes_asked": t.gpu.device.prefetched - before, "then_bytes": then.nbytes}
+    moe.router_gemv = None
+    return result
 
 
 def plan_of(gpu, moe) -> dict:

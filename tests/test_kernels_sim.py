@@ -98,11 +98,19 @@ def test_moe_gemv_builds_are_the_mma_ones_to_rounding(rows):
     rounding of theirs and of the reference. One row: the gate/up GEMVs that route the row themselves
     write moe_route's plan (the shared pair's weight to rounding) and the same MoE; the down GEMVs with
     the combine folded in give the launched-apart result bit for bit, and so does the router asking L2
-    for the next layer's first weights (``CudaMoe.next_prefetch``), which asks for exactly those bytes."""
+    for the next layer's first weights (``CudaMoe.next_prefetch``), which asks for exactly those bytes;
+    the router as an fp32 GEMV (``CudaMoe.router_gemv``, each build) picks the same experts and gives
+    the normalised row, the pick weights and the MoE to fp32 rounding, asking L2 for the same bytes."""
     result = simulate("moe_gemv", rows)
     assert result["mma"] < TOL
     after = result.pop("next_prefetch", None)
+    gemv_router = result.pop("router_gemv", None)
     if rows == 1:
+        assert len(gemv_router) == 2
+        for name, checks in gemv_router.items():
+            assert checks["launched"] and checks["picks_identical"], (name, checks)
+            assert max(checks[key] for key in ("pick_weights", "normed", "vs_plain", "vs_reference")) < TOL, checks
+            assert checks["next_bytes_asked"] == checks["then_bytes"], checks
         assert after["identical"], after
         assert after["launched"] == [after["router"]] and len(after["plain_launched"]) == 1, after
         assert after["next_bytes_asked"] == after["then_bytes"], after

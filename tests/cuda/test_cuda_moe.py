@@ -248,6 +248,39 @@ def test_next_prefetch_changes_no_bit(gpu, case):
         moe.__dict__.pop("next_prefetch", None)
 
 
+def test_router_gemv_matches_reference(gpu, case):
+    """``CudaMoe.router_gemv``: a one-row step whose normalising router is an fp32 GEMV (each build, with
+    and without asking L2 for the next layer's first weights) picks the reference's experts with its
+    weights, keeps the normalised row, and adds the reference's MoE into the residual stream."""
+    from ninfer.backends.cuda.moe import ROUTER_GEMVS
+
+    name, config, layer, block, moe = case
+    rng = np.random.default_rng(93)
+    H = config.hidden_size
+    x = rng.standard_normal((1, H), dtype=np.float32)
+    resid = rng.standard_normal((1, H), dtype=np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+    d_w, d_normed = gpu.put(norm_w), gpu.empty(H * 4)
+    then = block.device[f"layers.{layer}.experts.gate_up"]  # any weights: they are only asked of L2
+    normed = (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * norm_w).astype(np.float32)
+    want = _reference(config, block.reference, normed)
+    try:
+        for build in ROUTER_GEMVS:
+            for ask in (None, then):
+                moe.router_gemv = build
+                d_x, d_y = gpu.put(x), gpu.put(resid)
+                moe.forward(d_y, d_x, block.device, layer, 1, gpu.stream, residual=True,
+                            norm=(d_w, 1e-6, d_normed), then=ask)
+                got = gpu.get(d_y, np.float32, (1, H))
+                for ptr in (d_x, d_y):
+                    gpu.device.free(ptr)
+                assert rel_err(got - resid, want) < DECODE_TOL, (build, ask is None)
+                assert rel_err(gpu.get(d_normed, np.float32, (1, H)), normed) < DECODE_TOL, build
+                _check_routing(gpu, moe, config, block, normed)
+    finally:
+        moe.__dict__.pop("router_gemv", None)
+
+
 def test_prefill_chunk_matches_reference(gpu, case):
     name, config, layer, block, moe = case
     x = np.random.default_rng(99).standard_normal((PREFILL_ROWS[name], config.hidden_size), dtype=np.float32)

@@ -7,7 +7,8 @@ probable experts with ties to the lower id, weights renormalised when ``norm_top
 Routing never leaves the device, so a decode step's MoE can be captured in a CUDA Graph:
 
 1. router logits ``[rows, E]``: the tensor-core decode GEMM (``mma_gemv``, fp32-faithful) for up to
-   8 rows, the grouped GEMM's dense form (``moe_router_*``, also three bf16 parts) for prefill rows;
+   8 rows (with ``router_gemv`` one row's is an fp32 GEMV), the grouped GEMM's dense form
+   (``moe_router_*``, also three bf16 parts) for prefill rows;
 2. ``moe_topk`` (one warp a row): softmax, top-k, renormalisation, and the shared-expert gate
    ``sigmoid(shared_gate . x)``;
 3. ``moe_plan`` (one block): the (row, slot) pairs sorted by expert and cut into chunks of at most
@@ -64,6 +65,9 @@ ROUTER_NORMED_DECODE_GEMM = "mma_gemv_normed_keep_store_t1w16u4s3"
 # and that build asking L2 for the next layer's first weights (CudaMoe.next_prefetch).
 EARLY_ROUTER_GEMM = ROUTER_NORMED_DECODE_GEMM + "e"
 NEXT_ROUTER_GEMM = EARLY_ROUTER_GEMM + "n"
+# The one-row router as an fp32 GEMV of 2 or 4 experts a block (CudaMoe.router_gemv; numba_kernels/gemm.py
+# ROUTER_GEMV_COLS): it normalises, keeps the row and asks L2 for the next layer as NEXT_ROUTER_GEMM does.
+ROUTER_GEMVS = ("gemv_normed_keep_store_m1c2p2n", "gemv_normed_keep_store_m1c4p2n")
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
 ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
@@ -187,13 +191,20 @@ class CudaMoe:
     # With the expert GEMVs' weights at L2's evict-first priority it was the same (2.90). A batch's experts,
     # hundreds of MB a layer, would evict the bytes before the next layer reads them: one row only.
     next_prefetch = 8 << 20
+    # A one-row step's normalising router as this fp32 GEMV build (one of ROUTER_GEMVS) instead of the
+    # tensor-core GEMM. That GEMM's 16 blocks of 512 threads (108 registers each) do not fit beside the
+    # o / out GEMV's blocks before it, so they load their weights only as that GEMV's blocks leave; the
+    # GEMV's 64-128 blocks of 128 threads (48-64 registers) sit beside them and hold the router's weights
+    # before the wait. None: the tensor-core GEMM. Off until timed (tools/gpu_bench_hybrid.py
+    # --router-gemv-ablation).
+    router_gemv: str | None = None
 
     @staticmethod
     def kernel_names() -> list[str]:
         """Every kernel ``forward`` may launch (load them before graph capture)."""
         routes = [f"{kind}_e{e}" for kind in ("moe_route", "moe_router_route") for e in ROUTE_EXPERTS]
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
-                ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, NEXT_ROUTER_GEMM, ROUTER_PREFILL_GEMM,
+                ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, NEXT_ROUTER_GEMM, *ROUTER_GEMVS, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
                 *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1])]
 
@@ -349,19 +360,22 @@ class CudaMoe:
                              norm: tuple[rt.DevicePtr, float, rt.DevicePtr], rows: int, stream,
                              then: rt.DevicePtr | None = None) -> rt.DevicePtr:
         """``logits[:rows] = (rmsnorm(x) * weight) @ router.T``, the normalised rows into ``normed``
-        as well (returned: the rest of the layer reads them); the early build asks L2 for the first
-        ``next_prefetch`` bytes of ``then``."""
+        as well (returned: the rest of the layer reads them); the early build and ``router_gemv`` ask L2
+        for the first ``next_prefetch`` bytes of ``then``."""
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"the MoE's normalising router takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         weight, eps, normed = norm
         E, H = self.c.num_experts, self.c.hidden_size
         args = (self.logits, x, router, weight, rows, E, H, E, eps, normed)
-        name = EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
+        one_row_gemv = rows == 1 and self.router_gemv is not None
+        name = self.router_gemv if one_row_gemv else EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
         blocks = -(-E // self.k[name].meta["cols"])
         ahead = 0
         if then is not None and rows == 1:  # a batch's expert streams would evict the bytes first
             ahead = prefetch_bytes(min(self.next_prefetch, then.nbytes), blocks)
-        if self.early_router and ahead:
+        if one_row_gemv:  # its one build asks for nothing when given 0 bytes
+            args += (then if ahead else router, ahead)
+        elif self.early_router and ahead:
             name, args = NEXT_ROUTER_GEMM, args + (then, ahead)
         kernel = self.k[name]
         kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
