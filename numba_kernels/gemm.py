@@ -154,11 +154,13 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
     ``1 / sqrt(sum / head_dim + eps)`` of the head's ``splits`` partial sums of squares at
     ``partials[(r * heads + h) * splits ..]`` as it is loaded: the split rule's scaling, bit for bit,
     without its ticket and last block.
-    ``KEEP`` and ``NEXT`` (normed, "store"; last arguments ``kept, next_w, next_bytes``; the MoE router
-    of a one-row step, ``gemv_normed_keep_store_m1c{COLS}p{PRELOAD}n``, CudaMoe.router_gemv) are
-    ``make_mma_gemv``'s ``keep`` and ``NEXT``: each block also writes its share of ``kept = rmsnorm(x) *
-    norm_w`` (``keep_normed``), and thread 0 asks L2 for the block's share of the first ``next_bytes``
-    of ``next_w`` once the block has streamed its rows.
+    ``NEXT`` (name suffix ``n``; last arguments ``next_w, next_bytes``) is ``make_mma_gemv``'s: thread 0
+    asks L2 for the block's share of the first ``next_bytes`` of ``next_w`` once the block has streamed
+    its rows (a MoE hybrid's one-row o / out GEMV asking for the layer's router,
+    HybridForward.router_prefetch). ``KEEP`` (normed, "store", with NEXT; ``kept`` before the NEXT
+    arguments; the MoE router of a one-row step, ``gemv_normed_keep_store_m1c{COLS}p{PRELOAD}n``,
+    CudaMoe.router_gemv) is its ``keep``: each block also writes its share of ``kept = rmsnorm(x) *
+    norm_w`` (``keep_normed``).
     Weights come through ``ld.global.nc.L1::no_allocate`` (a plain ``ld.global`` measured 0.2-1.7%
     slower on the H200). Also timed and dropped (tools/bench_decode_gemm.py, one row): 2 or 4 chunks
     of each row in flight a thread (96 / 168 registers: fewer blocks, 3-25% slower), and thread 0
@@ -166,7 +168,8 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
     SWIGLU = epilogue == "swiglu"
     CONV = epilogue == "conv"
     assert not HEAD_NORM or (epilogue == "residual" and not normed)
-    assert KEEP == NEXT and (not KEEP or (normed and epilogue == "store"))
+    assert not KEEP or (NEXT and normed and epilogue == "store")
+    assert not NEXT or epilogue in ("store", "residual")
     OUT_COLS = COLS // 2 if SWIGLU else COLS
     weight_rows, load_weights, accumulate = make_gemv_step(M, COLS, SWIGLU)
 
@@ -324,6 +327,13 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
                  conv_w, y, 0, 0, y, y, 0)
 
         return conv
+    if HEAD_NORM and NEXT:
+        def head_normed_next(y, x, w, norm_w, rows, n, k, ldy, eps, partials, splits, head_dim, next_w, next_bytes):
+            no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, partials, splits,
+                 head_dim, y, next_w, next_bytes)
+
+        return head_normed_next
     if HEAD_NORM:
         def head_normed(y, x, w, norm_w, rows, n, k, ldy, eps, partials, splits, head_dim):
             no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
@@ -338,6 +348,13 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
                  next_bytes)
 
         return kept_next
+    if NEXT:
+        def fused_next(y, x, w, norm_w, rows, n, k, ldy, eps, next_w, next_bytes):
+            no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
+            body(y, x, w, norm_w, rows, n, k, ldy, eps, y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0, y, next_w,
+                 next_bytes)
+
+        return fused_next
     if normed or epilogue != "store":
         def fused(y, x, w, norm_w, rows, n, k, ldy, eps):
             no_lanes = cuda.local.array(1, int32)  # the conv's arguments: unused
@@ -925,14 +942,19 @@ for _m in CONV_GEMV_ROWS:
 KERNELS["gemv_residual_m1p4"] = (make_gemv(1, 4, False, "residual", PRELOAD=4), MMA_SIG, {
     "threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "terms": 0, "max_rows": 1,
     "grid_wait": 1})
+# Its build asking L2 at its tail for the next GEMM's first weights (a MoE layer's router:
+# HybridForward.router_prefetch).
+KERNELS["gemv_residual_m1p4n"] = (make_gemv(1, 4, False, "residual", PRELOAD=4, NEXT=True), MMA_SIG + (U32P, int32),
+                                  {**KERNELS["gemv_residual_m1p4"][2], "next": 1})
 # A one-row DeltaNet out projection finishing the split delta rule's gated RMSNorm
 # (HybridForward.rule_norm_in_gemv), and its build holding four steps (Forward.preload_o).
 HEAD_NORM_SIG = MMA_SIG + (F32P, int32, int32)
-for _preload in (1, 4):
-    KERNELS["gemv_residual_headnorm_m1" + (f"p{_preload}" if _preload > 1 else "")] = (
-        make_gemv(1, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True), HEAD_NORM_SIG,
+for _preload, _next in ((1, False), (4, False), (4, True)):  # and the preloaded one asking L2 for the router
+    KERNELS["gemv_residual_headnorm_m1" + (f"p{_preload}" if _preload > 1 else "") + ("n" if _next else "")] = (
+        make_gemv(1, 4, False, "residual", PRELOAD=_preload, HEAD_NORM=True, NEXT=_next),
+        HEAD_NORM_SIG + ((U32P, int32) if _next else ()),
         {"threads": GEMV_THREADS, "cols": 4, "epilogue": "residual", "normed": 0, "head_norm": 1, "terms": 0,
-         "max_rows": 1, "grid_wait": 1})
+         "max_rows": 1, "grid_wait": 1, **({"next": 1} if _next else {})})
 # The one-row MoE router as an fp32 GEMV (CudaMoe.router_gemv): two steps a thread (a 2048-wide row's
 # whole share) held before the wait, in blocks small enough to sit beside the o / out GEMV that runs
 # before it, so its weights stream during that GEMV instead of after it (the tensor-core router's

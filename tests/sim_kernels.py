@@ -165,8 +165,10 @@ def case_conv_gemv(rows: int) -> dict:
 def case_rule_norm_gemv(rows: int) -> dict:
     """``deltanet_rule_s2u`` then ``gemv_residual_headnorm_m1`` (the out GEMV scaling each head by its
     gated RMSNorm: ``HybridForward.rule_norm_in_gemv``) against ``deltanet_rule_s2`` (its last block
-    scales) then ``gemv_residual_m1``, and the same with their ``p4`` builds: the residual stream and
-    the states bit for bit, lanes out of order and written out of place, the tickets back at zero."""
+    scales) then ``gemv_residual_m1``, and the same with their ``p4`` builds and the ``p4n`` builds that
+    ask L2 for the next weights (``HybridForward.router_prefetch``): the residual stream and the states bit
+    for bit, lanes out of order and written out of place, the tickets back at zero, each ``n`` build
+    asking for exactly the bytes it is given."""
     gpu = kernel_sim.SimGpu()
     rng = np.random.default_rng(80 + rows)
     n_k, n_v, d, hidden = 2, 4, 32, 48
@@ -184,9 +186,12 @@ def case_rule_norm_gemv(rows: int) -> dict:
     bits, _ = bf16_matrix(rng, hidden, value_dim)
     y0 = rng.standard_normal((rows, hidden)).astype(np.float32)
     tickets = gpu.put(np.zeros(rows * n_v, np.int32))
-    builds = ["", "p4"]
-    result = {}
+    builds = ["", "p4", "p4n"]
+    then = gpu.empty(1 << 10, poison=0)  # the next weights the n builds ask L2 for
+    result, ys = {}, {}
     for build in builds:
+        ask = (then, then.nbytes) if build.endswith("n") else ()
+        before = gpu.device.prefetched
         runs = []
         for unscaled in (False, True):
             states, out, partials = gpu.put(states0), gpu.empty(rows * value_dim * 4), gpu.empty(rows * n_v * 2 * 4)
@@ -197,15 +202,18 @@ def case_rule_norm_gemv(rows: int) -> dict:
             core = gpu.get(out, np.float32, (rows, value_dim))
             if unscaled:
                 y = gemv(gpu, f"gemv_residual_headnorm_m{rows}{build}", core, bits, np.zeros(1, np.float32), y0, hidden,
-                         extra=(partials, 2, d))
+                         extra=(partials, 2, d, *ask))
             else:
-                y = gemv(gpu, f"gemv_residual_m{rows}{build}", core, bits, np.zeros(1, np.float32), y0, hidden)
+                y = gemv(gpu, f"gemv_residual_m{rows}{build}", core, bits, np.zeros(1, np.float32), y0, hidden,
+                         extra=ask)
             runs.append((y, gpu.get(states, np.float32, ((2 * rows + 1) * slot,))))
         (y_a, states_a), (y_b, states_b) = runs
-        result[f"m{rows}{build}"] = {"residual_equal": bool(np.array_equal(y_a, y_b)),
+        ys[build] = y_b
+        result[f"m{rows}{build}"] = {"as_without_n": bool(np.array_equal(y_b, ys[build.rstrip("n")])),"residual_equal": bool(np.array_equal(y_a, y_b)),
                                      "states_equal": bool(np.array_equal(states_a, states_b)),
                                      "residual_moved": bool((y_b != y0).all()), "finite": bool(np.isfinite(y_b).all()),
-                                     "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any())}
+                                     "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any()),
+                                     "asked": gpu.device.prefetched - before == (2 * then.nbytes if ask else 0)}
     return result
 
 

@@ -174,10 +174,10 @@ def test_the_in_proj_gemv_with_the_conv_is_gemv_then_conv(rows):
 
 def test_the_out_gemv_scaling_the_split_rule_is_the_ticketed_rule():
     """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m1`` (``HybridForward.rule_norm_in_gemv``) against
-    ``deltanet_rule_s2`` + ``gemv_residual_m1``, and their ``p4`` builds: the residual stream and the
-    states bit for bit."""
+    ``deltanet_rule_s2`` + ``gemv_residual_m1``, and their ``p4`` and ``p4n`` builds: the residual stream
+    and the states bit for bit, the ``n`` builds asking L2 for the bytes they are given."""
     result = simulate("rule_norm_gemv", 1)
-    assert sorted(result) == ["m1", "m1p4"]
+    assert sorted(result) == ["m1", "m1p4", "m1p4n"]
     for build, checks in result.items():
         assert all(checks.values()), (build, checks)
 

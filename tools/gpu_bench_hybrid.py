@@ -14,7 +14,8 @@ weights made on the GPU, side by side with transformers on the same shapes in th
                                      [--gemm-prefetch-ablation]
                                      [--rule-splits-ablation N[,N...]] [--early-router-ablation]
                                      [--moe-gemms-ablation 'GATE_UP,DOWN;...'] [--chunked-rule-ablation]
-                                     [--next-prefetch-ablation MIB[,MIB...]] [--profile]
+                                     [--next-prefetch-ablation MIB[,MIB...]] [--router-prefetch-ablation MIB[,MIB...]]
+                                     [--moe-builds-ablation 'OPTION=NAME|off[+...];...'] [--profile]
 
 Prints, all measured in this one run on this one card: device-to-device copy bandwidth (the
 roofline's denominator); decode tok/s at each batch (one step at a time; pipelined, the next step
@@ -380,6 +381,11 @@ def ablations(args, forward) -> list[tuple]:
             break
         chosen.append((f"decode_next_prefetch_{mib}", f"MoE router asks L2 for {float(mib):g} MiB of the next layer",
                        [(moe, "next_prefetch", int(float(mib) * (1 << 20)))]))
+    for mib in filter(None, args.router_prefetch_ablation.split(",")):  # HybridForward.router_prefetch: MIB MiB
+        if moe is None:
+            break
+        chosen.append((f"decode_router_prefetch_{mib}", f"o / out GEMV asks L2 for {float(mib):g} MiB of the router",
+                       [(forward, "router_prefetch", int(float(mib) * (1 << 20)))]))
     for spec in filter(None, args.moe_builds_ablation.split(";")):  # CudaMoe's optional one-row builds
         if moe is None:
             break
@@ -548,6 +554,9 @@ def main(argv=None) -> int:
     parser.add_argument("--next-prefetch-ablation", default="", metavar="MIB[,MIB...]",
                         help="decode again with a one-row step's MoE router asking L2 for the first MIB MiB of the "
                              "next layer's first GEMM (CudaMoe.next_prefetch; 0: nothing)")
+    parser.add_argument("--router-prefetch-ablation", default="", metavar="MIB[,MIB...]",
+                        help="decode again with a one-row step's o / out GEMV asking L2 for the first MIB MiB of the "
+                             "layer's MoE router (HybridForward.router_prefetch; 0: nothing)")
     parser.add_argument("--moe-prefill-ablation", default="", metavar="GATE_UP,DOWN,PAIRS[;...]",
                         help="prefill again (sub-chunks of --prefill-rows) with other grouped MoE prefill GEMMs "
                              "and PAIRS pairs a chunk (CudaMoe.prefill_gemms; their builds' 8 x P pairs)")

@@ -247,11 +247,12 @@ def test_split_rule_is_the_rule(splits):
     assert not gpu.get(tickets, np.int32, (rows * nv,)).any()
 
 
-@pytest.mark.parametrize("build", ["", "p4"])
+@pytest.mark.parametrize("build", ["", "p4", "p4n"])
 def test_out_gemv_scaling_the_split_rule_is_the_ticketed_rule(build):
     """``deltanet_rule_s2u`` + ``gemv_residual_headnorm_m1{build}`` (``HybridForward.rule_norm_in_gemv``)
     against ``deltanet_rule_s2`` + ``gemv_residual_m1{build}`` at the 35B-A3B's head dim and widths:
-    the residual stream and the states bit for bit (the lane's slots written out of place)."""
+    the residual stream and the states bit for bit (the lane's slots written out of place); the ``n``
+    builds ask L2 for 1 MiB of the weights (``HybridForward.router_prefetch``)."""
     rows = 1
     from ninfer.artifact.bf16 import from_float32
 
@@ -280,6 +281,7 @@ def test_out_gemv_scaling_the_split_rule_is_the_ticketed_rule(build):
                    args if unscaled else args + (tickets,))
         gemv = f"gemv_residual_{'headnorm_' if unscaled else ''}m{rows}{build}"
         gemv_args = (y, out, w, norm, rows, hidden, value_dim, hidden, 1e-6) + ((partials, 2, DH) if unscaled else ())
+        gemv_args += (w, 1 << 20) if build.endswith("n") else ()
         gpu.launch(gemv, (hidden // 4,), (128,), gemv_args)
         runs.append((gpu.get(y, np.float32, (rows, hidden)), gpu.get(d_states, np.float32, states.shape)))
     (y_a, states_a), (y_b, states_b) = runs
@@ -480,6 +482,31 @@ def test_greedy_256_tokens_alone_and_batched_match_the_reference(greedy_artifact
         assert batched == _generate(reference, list(range(BATCH)), prompts, 255)
     finally:
         cuda.close()
+
+
+def test_one_row_moe_router_options_give_the_reference_tokens(greedy_artifact):
+    """A lane decoding alone on the MoE model with ``HybridForward.router_prefetch`` (the o / out GEMVs
+    asking L2 for the router) and each ``CudaMoe.router_gemv`` build (the router as an fp32 GEMV), set
+    before the decode graphs are captured: the reference's greedy tokens over 128 steps."""
+    from ninfer.backends.cuda import moe
+    from ninfer.backends.cuda.hybrid_forward import HybridForward
+
+    want = None
+    for build in moe.ROUTER_GEMVS:
+        HybridForward.router_prefetch, moe.CudaMoe.router_gemv = 1 << 20, build
+        try:
+            reference, cuda = _runners(greedy_artifact)
+        finally:
+            HybridForward.router_prefetch, moe.CudaMoe.router_gemv = 0, None
+        try:
+            if cuda.forward.moe is None:
+                pytest.skip("the options are a MoE model's")
+            assert cuda.forward.router_prefetch and cuda.forward.moe.router_gemv == build
+            prompts = {1: _prompt(1, 29, reference.info.vocab_size)}
+            want = want or _generate(reference, [1], prompts, 128)
+            assert _generate(cuda, [1], prompts, 128) == want, build
+        finally:
+            cuda.close()
 
 
 def test_every_decode_fusion_gives_the_same_tokens(greedy_artifact):

@@ -607,19 +607,19 @@ class Forward:
 
     def decode_gemm(self, matrix: str, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int,
                     k: int, stream, norm: rt.DevicePtr | None = None, chain: str = "",
-                    then: rt.DevicePtr | None = None) -> None:
+                    then: rt.DevicePtr | None = None, ask: int | None = None) -> None:
         """A decode GEMM with its fusion (DECODE_FUSIONS): "normed" = rmsnorm(x) * ``norm`` first;
         epilogue "store" y = ., "residual" y += ., "swiglu" y = silu(gate) * up (W is [gate | up]).
         ``chain`` "out" (a residual GEMM): also write the next norm's input into ``xn`` (``norm``: that
         norm's weights) and its partial sums; "in" (a normed GEMM): read them instead of x and ``norm``.
-        ``then``: the next GEMM's weights, whose first ``gemm_prefetch[matrix][rows]`` bytes a
-        tensor-core shape with a ``NEXT`` build asks L2 for at its tail."""
+        ``then``: the next GEMM's weights, whose first ``gemm_prefetch[matrix][rows]`` bytes (``ask``
+        bytes, where given) a GEMM with a ``NEXT`` build asks L2 for at its tail."""
         epilogue, normed = DECODE_FUSIONS[matrix]
         staged = self.staged_shape(matrix, rows)
         name = decode_gemm_name(matrix, epilogue, normed, rows, chain, staged)
         if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
             name = PRELOADED_O_GEMV
-        asked = self.gemm_prefetch.get(matrix, {}).get(rows, 0)
+        asked = self.gemm_prefetch.get(matrix, {}).get(rows, 0) if ask is None else ask
         ahead = min(asked, then.nbytes) // 16 * 16 if then is not None else 0
         if ahead and name + "n" in self.k.entries:
             name += "n"

@@ -40,8 +40,8 @@ from ninfer.backends.cuda import moe
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda.forward import (DECODE_GEMMS, GEMM_PREFETCH, KV_DTYPES, MAX_DECODE_SPLITS, MIN_SPLIT,
                                           PREFILL_ATTENTION, Forward, attention_splits, carve_workspace, check_vocab,
-                                          norm_threads, prefill_attention_grid, sampler_regions, split_length,
-                                          tensor_core_regions)
+                                          norm_threads, prefetch_bytes, prefill_attention_grid, sampler_regions,
+                                          split_length, tensor_core_regions)
 from ninfer.backends.cuda.hybrid_state import DeviceStates, layer_offsets
 from ninfer.backends.lane_slots import LaneSlots
 from ninfer.backends.reference.rope import base_inverse_frequencies, cos_sin_tables
@@ -53,6 +53,8 @@ DELTANET_HEAD_DIMS = (16, 32, 64, 128)
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked delta rule (numba_kernels/deltanet.py CHUNK)
 CONV_GEMVS = {rows: f"gemv_normed_conv_m{rows}" for rows in (1, 2)}  # HybridForward.conv_in_gemv
 HEAD_NORM_GEMVS = ("gemv_residual_headnorm_m1", "gemv_residual_headnorm_m1p4")  # HybridForward.rule_norm_in_gemv
+# The one-row o / out GEMVs' builds asking L2 for the layer's router (HybridForward.router_prefetch).
+ROUTER_PREFETCH_GEMVS = ("gemv_residual_headnorm_m1p4n", "gemv_residual_m1p4n")
 RULE_SPLITS = (2, 4, 8)  # deltanet_rule_s{n}'s builds, where a block keeps whole warps (numba_kernels/deltanet.py)
 MOE_RULE_SPLITS = 2  # HybridForward.rule_splits of a MoE hybrid
 SPLIT_RULE_ROWS = 4  # the most rows a decode step splits its delta rule for (batch 8 measured level or slower)
@@ -226,6 +228,11 @@ class HybridForward(Forward):
         # steps before the wait, during the delta rule or attention: an H100's 35B-A3B batch-1 step
         # 3.01-3.02 -> 2.97-2.98 ms of GPU time (tools/gpu_bench_hybrid.py --preload-o-ablation, two runs).
         self.preload_o = MOE in c.mlp_types
+        # Bytes of a MoE layer's router weights (1 MiB on a 35B-A3B) that a one-row step's o / out GEMV asks
+        # L2 for at its tail (its ``n`` build): the router GEMM's blocks, which cannot start until the
+        # GEMV's leave their SMs, then load from L2. 0: off until timed (tools/gpu_bench_hybrid.py
+        # --router-prefetch-ablation).
+        self.router_prefetch = 0
         self.attention_prefetch = 0.0  # decode_attention's o prefetch: the gated attention kernels have none
         # A dense MLP's GEMMs ask L2 for the next GEMM's first weights (decode_layers) up to 6 rows: the 27B
         # on an H100, GPU ms a step without -> with (tools/gpu_bench_hybrid.py --gemm-prefetch-ablation):
@@ -252,7 +259,8 @@ class HybridForward(Forward):
         dense_only = {self.attention_name, self.rope_name, "attention_combine", self.decode_attention_name}
         names = [n for n in super().kernel_names() if n not in dense_only and n in self.k.entries]
         names += [name for name in CONV_GEMVS.values() if name in self.k.entries]
-        names += [name for name in (*self.unscaled_rule_names.values(), *HEAD_NORM_GEMVS) if name in self.k.entries]
+        names += [name for name in (*self.unscaled_rule_names.values(), *HEAD_NORM_GEMVS, *ROUTER_PREFETCH_GEMVS)
+                  if name in self.k.entries]
         names += ["deltanet_conv", self.rule_name, *self.split_rule_names.values(), self.step_name,
                   *self.prefill_rule_names, *self.chunked_rule_names,
                   self.qk_name, self.gated_attention_name, self.merged_attention_name, "gated_combine"]
@@ -312,13 +320,19 @@ class HybridForward(Forward):
         name = HEAD_NORM_GEMVS[1] if self.preload_o else HEAD_NORM_GEMVS[0]  # as Forward.preload_o
         return self.k[name] if name in self.k.entries else None
 
-    def head_normed_out(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:
-        """x += (``core`` with each head's gated RMSNorm) @ out.T, the norm from ``rule_partials``."""
+    def head_normed_out(self, layer: int, rows: int, kernel: rt.Kernel, stream,
+                        then: rt.DevicePtr | None = None) -> None:
+        """x += (``core`` with each head's gated RMSNorm) @ out.T, the norm from ``rule_partials``; with
+        ``then`` (the layer's router: ``router_prefetch``) the kernel's ``n`` build asks L2 for its first bytes."""
         c, b, w = self.c, self.b, self.w
         n, k = c.hidden_size, c.value_dim
-        kernel.launch((-(-n // kernel.meta["cols"]),), (kernel.meta["threads"],),
-                      (b.x, b.core, w[f"layers.{layer}.out"], b.cos, rows, n, k, n, float(c.rms_norm_eps),
-                       b.rule_partials, self.rule_splits, c.linear_v_head_dim), stream)
+        blocks = -(-n // kernel.meta["cols"])
+        args = (b.x, b.core, w[f"layers.{layer}.out"], b.cos, rows, n, k, n, float(c.rms_norm_eps),
+                b.rule_partials, self.rule_splits, c.linear_v_head_dim)
+        if then is not None and kernel.name + "n" in self.k.entries:
+            kernel = self.k[kernel.name + "n"]
+            args += (then, prefetch_bytes(min(self.router_prefetch, then.nbytes), blocks))
+        kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
 
     def in_proj_conv(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:
         """x -> ``proj`` (z, b, a) and ``mixed`` (the conv's SiLU'd output), the conv tails moved on."""
@@ -516,6 +530,7 @@ class HybridForward(Forward):
         for i in range(c.num_layers):
             p = f"layers.{i}."
             dense = c.mlp_types[i] == DENSE
+            router = w[p + "router"] if self.router_prefetch and rows == 1 and not dense else None
             if c.layer_types[i] == LINEAR:
                 conv_gemv = self.conv_gemv(rows)
                 if conv_gemv:
@@ -526,16 +541,17 @@ class HybridForward(Forward):
                 out_gemv = self.head_norm_gemv(rows)
                 self.deltanet_core(i, rows, True, stream, convolved=bool(conv_gemv), unscaled=bool(out_gemv))
                 if out_gemv:
-                    self.head_normed_out(i, rows, out_gemv, stream)
+                    self.head_normed_out(i, rows, out_gemv, stream, then=router)
                 else:
                     self.decode_gemm("o", b.x, b.core, w[p + "out"], rows, c.hidden_size, c.value_dim, stream,
-                                     then=w[p + "gate_up"] if dense else None)
+                                     then=w[p + "gate_up"] if dense else router,
+                                     ask=self.router_prefetch if router else None)
             else:
                 self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
                                  norm=w[p + "attn_norm"], then=w[p + "o"])
                 self.gated_attend(i, rows, stream, decode=True)
                 self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
-                                 then=w[p + "gate_up"] if dense else None)
+                                 then=w[p + "gate_up"] if dense else router, ask=self.router_prefetch if router else None)
             if dense:
                 self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
                                  stream, norm=w[p + "mlp_norm"], then=w[p + "down"])
