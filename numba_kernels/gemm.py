@@ -364,7 +364,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
 
     def plain(y, x, w, rows, n, k, ldy):  # the undecorated product (prefill tails, the LM head of prefill)
         no_lanes = cuda.local.array(1, int32)
-        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0, x, x, 0)
+        body(y, x, w, x, rows, n, k, ldy, float32(0.0), y, y, int64(0), no_lanes, no_lanes, 0, y, y, 0, 0, y, y, 0)
 
     return plain
 
