@@ -392,8 +392,12 @@ def ablations(args, forward) -> list[tuple]:
         settings = []
         for part in spec.split("+"):
             option, _, name = part.partition("=")
+            if option == "router_prefetch":  # HybridForward's, in MiB: to time it with a build
+                settings.append((forward, option, int(float(name) * (1 << 20))))
+                continue
             if option not in ("routed_gate_up", "combined_down", "router_gemv"):
-                raise SystemExit(f"--moe-builds-ablation: {option} is not routed_gate_up, combined_down or router_gemv")
+                raise SystemExit(f"--moe-builds-ablation: {option} is not routed_gate_up, combined_down, router_gemv "
+                                 "or router_prefetch")
             value = None if name == "off" else name
             if value:
                 forward.k[value]  # loaded now: not during capture
@@ -550,7 +554,7 @@ def main(argv=None) -> int:
                         help="decode again with CudaMoe's one-row builds set: routed_gate_up (a gate/up GEMV "
                              "routing the row itself, no moe_route launch), combined_down (the down GEMV adding "
                              "into the residual stream, no combine launch), router_gemv (the router as an fp32 "
-                             "GEMV); 'off' for None")
+                             "GEMV); 'off' for None; and router_prefetch=MIB (HybridForward's)")
     parser.add_argument("--next-prefetch-ablation", default="", metavar="MIB[,MIB...]",
                         help="decode again with a one-row step's MoE router asking L2 for the first MIB MiB of the "
                              "next layer's first GEMM (CudaMoe.next_prefetch; 0: nothing)")
