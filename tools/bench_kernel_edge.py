@@ -31,7 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PTX = r"""
+from ninfer.commands.runner_timing import replay_ms  # noqa: E402
+
+PTX_TEMPLATE = r"""
 .version 8.0
 .target sm_90
 .address_size 64
@@ -46,17 +48,7 @@ PTX = r"""
     mov.u32 %r0, %tid.x;
     setp.ne.u32 %p, %r0, 0;
     @%p bra DONE;
-    mov.u32 %r1, %ctaid.x;
-    ld.param.u64 %rd0, [p_src];
-    ld.param.u64 %rd1, [p_dst];
-    cvta.to.global.u64 %rd3, %rd0;
-    cvta.to.global.u64 %rd1, %rd1;
-    mul.wide.u32 %rd2, %r1, 4;
-    add.u64 %rd4, %rd1, %rd2;
-    ld.global.u32 %r2, [%rd3];
-    add.u32 %r2, %r2, 1;
-    st.global.u32 [%rd4], %r2;
-DONE:
+{work}DONE:
     ret;
 }
 
@@ -84,17 +76,7 @@ SYNC:
     bar.sync 0;
     setp.ne.u32 %p, %r0, 0;
     @%p bra DONE;
-    mov.u32 %r1, %ctaid.x;
-    ld.param.u64 %rd0, [p_src];
-    ld.param.u64 %rd1, [p_dst];
-    cvta.to.global.u64 %rd3, %rd0;
-    cvta.to.global.u64 %rd1, %rd1;
-    mul.wide.u32 %rd2, %r1, 4;
-    add.u64 %rd4, %rd1, %rd2;
-    ld.global.u32 %r2, [%rd3];
-    add.u32 %r2, %r2, 1;
-    st.global.u32 [%rd4], %r2;
-    ld.param.u64 %rd6, [p_signal];
+{work}    ld.param.u64 %rd6, [p_signal];
     cvta.to.global.u64 %rd6, %rd6;
     red.release.gpu.global.add.u32 [%rd6], 1;
 DONE:
@@ -132,6 +114,19 @@ DONE:
     ret;
 }
 """
+# Thread 0 of block b: dst[b] = src[0] + 1 (both kernels' work).
+WORK = """    mov.u32 %r1, %ctaid.x;
+    ld.param.u64 %rd0, [p_src];
+    ld.param.u64 %rd1, [p_dst];
+    cvta.to.global.u64 %rd3, %rd0;
+    cvta.to.global.u64 %rd1, %rd1;
+    mul.wide.u32 %rd2, %r1, 4;
+    add.u64 %rd4, %rd1, %rd2;
+    ld.global.u32 %r2, [%rd3];
+    add.u32 %r2, %r2, 1;
+    st.global.u32 [%rd4], %r2;
+"""
+PTX = PTX_TEMPLATE.replace("{work}", WORK)
 
 THREADS = 128
 
@@ -171,16 +166,7 @@ def run(device, rt, mode: str, kernels: int, grids: list[int], reps: int, sleep:
             overlap.on = False
 
     graph = rt.Graph.capture(stream, record)
-    start, stop = device.event(timing=True), device.event(timing=True)
-    for _ in range(20):
-        graph.launch(stream)
-    rt.synchronize(stream)
-    rt.check(rt.cu.cuEventRecord(start, stream), "cuEventRecord")
-    for _ in range(reps):
-        graph.launch(stream)
-    rt.check(rt.cu.cuEventRecord(stop, stream), "cuEventRecord")
-    rt.synchronize(stream)
-    ms = rt.check(rt.cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime")
+    ms = replay_ms(graph, device, stream, reps, warmup=20)
     out = np.zeros(grid[-1], np.uint32)
     rt.copy_d2h(out, data[kernels % 2], stream)
     rt.synchronize(stream)
@@ -189,7 +175,7 @@ def run(device, rt, mode: str, kernels: int, grids: list[int], reps: int, sleep:
     graph.destroy()
     for ptr in (*data, counters):
         device.free(ptr)
-    return 1000.0 * ms / (reps * kernels)
+    return 1000.0 * ms / kernels
 
 
 def main() -> None:

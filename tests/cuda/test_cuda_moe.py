@@ -215,35 +215,46 @@ def test_combined_down_is_the_down_gemv_and_combine(gpu, case):
             moe.__dict__.pop(option, None)
 
 
-def test_next_prefetch_changes_no_bit(gpu, case):
-    """``CudaMoe.next_prefetch``: a one-row step whose normalising router asks L2 for the next layer's
-    first weights is bit for bit the step without it (a hint), and the reference's MoE."""
-    name, config, layer, block, moe = case
-    rng = np.random.default_rng(91)
-    H = config.hidden_size
-    x = rng.standard_normal((1, H), dtype=np.float32)
-    resid = rng.standard_normal((1, H), dtype=np.float32)
-    norm_w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
-    d_w, d_normed = gpu.put(norm_w), gpu.empty(H * 4)
-    then = block.device[f"layers.{layer}.experts.gate_up"]  # any weights: they are only asked of L2
-    normed = (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * norm_w).astype(np.float32)
-    want = _reference(config, block.reference, normed)
+class _NormedRow:
+    """One row of a one-row step that adds the MoE of ``rmsnorm(x) * norm_w`` into its residual stream
+    (``CudaMoe.forward`` with ``norm``): the inputs, the reference's MoE (``want``) and ``run(then)``."""
 
-    def run() -> np.ndarray:
-        d_x, d_y = gpu.put(x), gpu.put(resid)
-        moe.forward(d_y, d_x, block.device, layer, 1, gpu.stream, residual=True, norm=(d_w, 1e-6, d_normed),
-                    then=then)
-        got = gpu.get(d_y, np.float32, (1, H))
+    def __init__(self, gpu, config, layer, block, moe, seed):
+        rng = np.random.default_rng(seed)
+        H = config.hidden_size
+        self.gpu, self.layer, self.block, self.moe, self.H = gpu, layer, block, moe, H
+        self.x = rng.standard_normal((1, H), dtype=np.float32)
+        self.resid = rng.standard_normal((1, H), dtype=np.float32)
+        norm_w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+        self.d_w, self.d_normed = gpu.put(norm_w), gpu.empty(H * 4)
+        self.then = block.device[f"layers.{layer}.experts.gate_up"]  # any weights: they are only asked of L2
+        x64 = self.x.astype(np.float64)
+        self.normed = (self.x / np.sqrt(np.mean(x64 ** 2) + 1e-6) * norm_w).astype(np.float32)
+        self.want = _reference(config, block.reference, self.normed)
+
+    def run(self, then) -> np.ndarray:
+        """The residual stream after the step; ``then``: the weights the router asks L2 for, or None."""
+        gpu = self.gpu
+        d_x, d_y = gpu.put(self.x), gpu.put(self.resid)
+        self.moe.forward(d_y, d_x, self.block.device, self.layer, 1, gpu.stream, residual=True,
+                         norm=(self.d_w, 1e-6, self.d_normed), then=then)
+        got = gpu.get(d_y, np.float32, (1, self.H))
         for ptr in (d_x, d_y):
             gpu.device.free(ptr)
         return got
 
+
+def test_next_prefetch_changes_no_bit(gpu, case):
+    """``CudaMoe.next_prefetch``: a one-row step whose normalising router asks L2 for the next layer's
+    first weights is bit for bit the step without it (a hint), and the reference's MoE."""
+    name, config, layer, block, moe = case
+    row = _NormedRow(gpu, config, layer, block, moe, seed=91)
     try:
         moe.next_prefetch = 0
-        plain = run()
+        plain = row.run(row.then)
         moe.next_prefetch = 8 << 20
-        np.testing.assert_array_equal(run(), plain)
-        assert rel_err(plain - resid, want) < DECODE_TOL
+        np.testing.assert_array_equal(row.run(row.then), plain)
+        assert rel_err(plain - row.resid, row.want) < DECODE_TOL
     finally:
         moe.__dict__.pop("next_prefetch", None)
 
@@ -255,28 +266,14 @@ def test_router_gemv_matches_reference(gpu, case):
     from ninfer.backends.cuda.moe import ROUTER_GEMVS
 
     name, config, layer, block, moe = case
-    rng = np.random.default_rng(93)
-    H = config.hidden_size
-    x = rng.standard_normal((1, H), dtype=np.float32)
-    resid = rng.standard_normal((1, H), dtype=np.float32)
-    norm_w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
-    d_w, d_normed = gpu.put(norm_w), gpu.empty(H * 4)
-    then = block.device[f"layers.{layer}.experts.gate_up"]  # any weights: they are only asked of L2
-    normed = (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * norm_w).astype(np.float32)
-    want = _reference(config, block.reference, normed)
+    row = _NormedRow(gpu, config, layer, block, moe, seed=93)
     try:
         for build in ROUTER_GEMVS:
-            for ask in (None, then):
-                moe.router_gemv = build
-                d_x, d_y = gpu.put(x), gpu.put(resid)
-                moe.forward(d_y, d_x, block.device, layer, 1, gpu.stream, residual=True,
-                            norm=(d_w, 1e-6, d_normed), then=ask)
-                got = gpu.get(d_y, np.float32, (1, H))
-                for ptr in (d_x, d_y):
-                    gpu.device.free(ptr)
-                assert rel_err(got - resid, want) < DECODE_TOL, (build, ask is None)
-                assert rel_err(gpu.get(d_normed, np.float32, (1, H)), normed) < DECODE_TOL, build
-                _check_routing(gpu, moe, config, block, normed)
+            moe.router_gemv = build
+            for then in (None, row.then):
+                assert rel_err(row.run(then) - row.resid, row.want) < DECODE_TOL, (build, then is None)
+                assert rel_err(gpu.get(row.d_normed, np.float32, (1, row.H)), row.normed) < DECODE_TOL, build
+                _check_routing(gpu, moe, config, block, row.normed)
     finally:
         moe.__dict__.pop("router_gemv", None)
 
