@@ -209,7 +209,8 @@ def case_rule_norm_gemv(rows: int) -> dict:
             runs.append((y, gpu.get(states, np.float32, ((2 * rows + 1) * slot,))))
         (y_a, states_a), (y_b, states_b) = runs
         ys[build] = y_b
-        result[f"m{rows}{build}"] = {"as_without_n": bool(np.array_equal(y_b, ys[build.rstrip("n")])),"residual_equal": bool(np.array_equal(y_a, y_b)),
+        result[f"m{rows}{build}"] = {"as_without_n": bool(np.array_equal(y_b, ys[build.rstrip("n")])),
+                                     "residual_equal": bool(np.array_equal(y_a, y_b)),
                                      "states_equal": bool(np.array_equal(states_a, states_b)),
                                      "residual_moved": bool((y_b != y0).all()), "finite": bool(np.isfinite(y_b).all()),
                                      "tickets_zero": bool(not gpu.get(tickets, np.int32, (rows * n_v,)).any()),
@@ -466,7 +467,8 @@ def router_gemv(t, routed: str, combined: str) -> dict:
         got = t.run(then)
         result[name] = {"launched": name in t.launches[-1], "picks_identical": bool(np.array_equal(got[2], plain[2])),
                         "pick_weights": rel(got[3], plain[3]), "normed": rel(got[1], plain[1]),
-                        "vs_plain": rel(got[0] - t.resid, plain[0] - t.resid), "vs_reference": rel(got[0] - t.resid, want),
+                        "vs_plain": rel(got[0] - t.resid, plain[0] - t.resid),
+                        "vs_reference": rel(got[0] - t.resid, want),
                         "next_bytes_asked": t.gpu.device.prefetched - before, "then_bytes": then.nbytes}
     moe.router_gemv = None
     return result

@@ -1,6 +1,6 @@
 """What one dependent kernel boundary costs inside a CUDA graph, three ways.
 
-    python3 tools/bench_kernel_edge.py [--kernels 100] [--blocks 16,132,528] [--reps 200]
+    python3 tools/bench_kernel_edge.py [--kernels 100] [--blocks 16,132,528,16/1152/256/512] [--reps 200]
 
 A chain of ``--kernels`` launches is captured into one graph and replayed; each launch's blocks read
 what the launch before wrote (thread 0 of block b: ``dst[b] = src[0] + 1``), so every boundary is a
@@ -17,8 +17,8 @@ chain (``16/1152/256/512``: the 35B-A3B's router, routing gate/up, down and in_p
   block count (acquire), then the block passes a barrier. ``--sleep NS`` backs the polling off.
 
 This is what a persistent-style chain would save over the grid wait at each of a decode step's
-dependent launches (docs/benchmarks.md); it has no place in the product until it pays here. The kernels
-are hand-written PTX, loaded like any module.
+dependent launches: on an H100 the flags lost at every grid size but the smallest (docs/benchmarks.md,
+thirty-seventh session). The kernels are hand-written PTX, loaded like any module.
 """
 
 from __future__ import annotations

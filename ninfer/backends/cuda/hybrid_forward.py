@@ -551,7 +551,8 @@ class HybridForward(Forward):
                                  norm=w[p + "attn_norm"], then=w[p + "o"])
                 self.gated_attend(i, rows, stream, decode=True)
                 self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
-                                 then=w[p + "gate_up"] if dense else router, ask=self.router_prefetch if router else None)
+                                 then=w[p + "gate_up"] if dense else router,
+                                 ask=self.router_prefetch if router else None)
             if dense:
                 self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
                                  stream, norm=w[p + "mlp_norm"], then=w[p + "down"])

@@ -368,7 +368,8 @@ class CudaMoe:
         E, H = self.c.num_experts, self.c.hidden_size
         args = (self.logits, x, router, weight, rows, E, H, E, eps, normed)
         one_row_gemv = rows == 1 and self.router_gemv is not None
-        name = self.router_gemv if one_row_gemv else EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
+        name = EARLY_ROUTER_GEMM if self.early_router else ROUTER_NORMED_DECODE_GEMM
+        name = self.router_gemv if one_row_gemv else name
         blocks = -(-E // self.k[name].meta["cols"])
         ahead = 0
         if then is not None and rows == 1:  # a batch's expert streams would evict the bytes first
