@@ -177,6 +177,48 @@ def test_next_prefetch_takes_the_router_launch():
     assert moe.NEXT_ROUTER_GEMM not in decode_launches(fwd, 2)
 
 
+def test_router_gemv_takes_the_one_row_router_launch():
+    """``CudaMoe.router_gemv``: a one-row step's router is that fp32 GEMV build, a block per ``cols``
+    experts, asking L2 for what the tensor-core ``n`` build would (the next layer's first weights); a
+    two-row step keeps the tensor-core router."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    decode_launches(fwd, 1)
+    mma = [args for kernel, _, args in fwd.k.log if kernel.name == moe.NEXT_ROUTER_GEMM]
+    for build in moe.ROUTER_GEMVS:
+        fwd.moe.router_gemv = build
+        launched = decode_launches(fwd, 1)
+        routers = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == build]
+        assert moe.NEXT_ROUTER_GEMM not in launched and len(routers) == len(mma) == config.num_layers
+        cols = fwd.k[build].meta["cols"]
+        for (grid, args), plain in zip(routers, mma):
+            assert grid == (config.num_experts // cols,) and args[:10] == plain[:10]
+            assert args[10] is plain[10] and 0 < args[11] <= plain[11] and args[11] % 16 == 0
+        assert build not in decode_launches(fwd, 2)
+
+
+def test_router_prefetch_takes_the_one_row_o_gemvs():
+    """``HybridForward.router_prefetch``: a one-row step's DeltaNet out and attention o GEMVs are their
+    ``n`` builds, given the layer's router and the bytes to ask L2 for; off, or at two rows, they are not."""
+    config = CONFIGS["35b-a3b"]
+    fwd = forward(config)
+    plain = decode_launches(fwd, 1)
+    fwd.router_prefetch = 1 << 20
+    launched = decode_launches(fwd, 1)
+    assert launched == [name + "n" if name in ("gemv_residual_headnorm_m1p4", "gemv_residual_m1p4") else name
+                        for name in plain]
+    asked = [(args[-2], args[-1]) for kernel, _, args in fwd.k.log if kernel.name in hf.ROUTER_PREFETCH_GEMVS]
+    routers = [fwd.w[f"layers.{i}.router"] for i in range(config.num_layers)]
+    assert [then for then, _ in asked] == routers
+    assert all(nbytes == min(1 << 20, then.nbytes) // 16 * 16 for then, nbytes in asked)
+    assert not set(hf.ROUTER_PREFETCH_GEMVS) & set(decode_launches(fwd, 2))
+    hf.HybridForward.router_prefetch = 1 << 20  # set on the class, as before graph capture
+    try:
+        assert decode_launches(forward(config), 1) == launched
+    finally:
+        hf.HybridForward.router_prefetch = 0
+
+
 def test_folded_routing_replaces_the_route_launch():
     """With ``CudaMoe.fold_route`` a decode MoE layer routes inside its router GEMM: one
     ``moe_router_route_e256`` a layer (a block per 16 experts, the router's rows, the normalised rows

@@ -199,6 +199,11 @@ class HybridForward(Forward):
     # before the grid wait): the same bits, one launch a layer fewer. ``merged_attention`` keeps the
     # three-launch form.
     roped_attention = True
+    # Bytes of a MoE layer's router weights (1 MiB on a 35B-A3B) that a one-row step's o / out GEMV asks
+    # L2 for at its tail (its ``n`` build): the router GEMM's blocks, which cannot start until the GEMV's
+    # leave their SMs, then load from L2. 0: off until timed (tools/gpu_bench_hybrid.py
+    # --router-prefetch-ablation).
+    router_prefetch = 0
     # The shortest split (keys) of a decode step's gated attention; ``decode_split`` takes MIN_SPLIT-key
     # splits, as many as the grid holds, unless this is longer or ``decode_blocks`` caps the splits.
     # H100, 35B-A3B, GPU ms a step (tools/gpu_bench_hybrid.py --attention-split-ablation): at 512 keys
@@ -228,11 +233,6 @@ class HybridForward(Forward):
         # steps before the wait, during the delta rule or attention: an H100's 35B-A3B batch-1 step
         # 3.01-3.02 -> 2.97-2.98 ms of GPU time (tools/gpu_bench_hybrid.py --preload-o-ablation, two runs).
         self.preload_o = MOE in c.mlp_types
-        # Bytes of a MoE layer's router weights (1 MiB on a 35B-A3B) that a one-row step's o / out GEMV asks
-        # L2 for at its tail (its ``n`` build): the router GEMM's blocks, which cannot start until the
-        # GEMV's leave their SMs, then load from L2. 0: off until timed (tools/gpu_bench_hybrid.py
-        # --router-prefetch-ablation).
-        self.router_prefetch = 0
         self.attention_prefetch = 0.0  # decode_attention's o prefetch: the gated attention kernels have none
         # A dense MLP's GEMMs ask L2 for the next GEMM's first weights (decode_layers) up to 6 rows: the 27B
         # on an H100, GPU ms a step without -> with (tools/gpu_bench_hybrid.py --gemm-prefetch-ablation):
