@@ -620,11 +620,7 @@ class Forward:
         if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
             name = PRELOADED_O_GEMV
         asked = self.gemm_prefetch.get(matrix, {}).get(rows, 0) if ask is None else ask
-        ahead = min(asked, then.nbytes) // 16 * 16 if then is not None else 0
-        if ahead and name + "n" in self.k.entries:
-            name += "n"
-        else:
-            ahead = 0
+        name, ahead = self.next_build(name, then, asked)
         kernel = self.k[name]
         blocks = -(-n // kernel.meta["cols"])
         b, eps = self.b, float(self.c.rms_norm_eps)
@@ -639,6 +635,14 @@ class Forward:
             args = (y, b.xn, w, b.cos, rows, n, k, n, eps, b.norm_part, -(-k // producer.meta["cols"]))
         with self.k.overlapped() if staged else contextlib.nullcontext():
             kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
+
+    def next_build(self, name: str, then: rt.DevicePtr | None, asked: int) -> tuple[str, int]:
+        """``name``'s ``n`` build and the bytes of ``then`` it asks L2 for at its tail (at most ``asked``,
+        whole 16-byte units), where it has one and there is something to ask; else ``name`` and 0."""
+        ahead = min(asked, then.nbytes) // 16 * 16 if then is not None else 0
+        if ahead and name + "n" in self.k.entries:
+            return name + "n", ahead
+        return name, 0
 
     def decode_depths(self) -> tuple[int, ...]:
         """The attention grid depths (splits per row) a decode step is captured at, shallowest first:

@@ -326,12 +326,13 @@ class HybridForward(Forward):
         ``then`` (the layer's router: ``router_prefetch``) the kernel's ``n`` build asks L2 for its first bytes."""
         c, b, w = self.c, self.b, self.w
         n, k = c.hidden_size, c.value_dim
+        name, ahead = self.next_build(kernel.name, then, self.router_prefetch)
+        kernel = self.k[name]
         blocks = -(-n // kernel.meta["cols"])
         args = (b.x, b.core, w[f"layers.{layer}.out"], b.cos, rows, n, k, n, float(c.rms_norm_eps),
                 b.rule_partials, self.rule_splits, c.linear_v_head_dim)
-        if then is not None and kernel.name + "n" in self.k.entries:
-            kernel = self.k[kernel.name + "n"]
-            args += (then, prefetch_bytes(min(self.router_prefetch, then.nbytes), blocks))
+        if ahead:
+            args += (then, prefetch_bytes(ahead, blocks))
         kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
 
     def in_proj_conv(self, layer: int, rows: int, kernel: rt.Kernel, stream) -> None:

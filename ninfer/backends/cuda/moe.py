@@ -196,7 +196,7 @@ class CudaMoe:
     # o / out GEMV's blocks before it, so they load their weights only as that GEMV's blocks leave; the
     # GEMV's 64-128 blocks of 128 threads (48-64 registers) sit beside them and hold the router's weights
     # before the wait. None: the tensor-core GEMM. Off until timed (tools/gpu_bench_hybrid.py
-    # --router-gemv-ablation).
+    # --moe-builds-ablation 'router_gemv=NAME').
     router_gemv: str | None = None
 
     @staticmethod
