@@ -53,7 +53,8 @@ from numba.cuda import libdevice
 
 from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, U64P, bf16_hi, bf16_lo, bf16_to_f32,
                                   grid_dependency_wait, last_to_finish, launch_dependents, load_f32x4, load_i32_l2,
-                                  load_u32x2, load_u64x2, prefetch_share, warp_max, warp_max_i32, warp_min_i32, warp_sum)
+                                  load_u32x2, load_u64x2, prefetch_l2, prefetch_share, warp_max, warp_max_i32,
+                                  warp_min_i32, warp_sum)
 from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
@@ -914,7 +915,7 @@ def make_ranked_picks(experts: int):
     return ranked_picks
 
 
-def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
+def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False):
     """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
     routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
     which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
@@ -931,10 +932,37 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
     streamed its columns, its thread 0 asks L2 for the block's share of the first ``down_bytes`` of its
     chunk's expert's down matrix (``[k_routed, n_routed]`` bf16 each; the shared chunk: ``shared_bytes``
     of the shared expert's), which the down GEMV after this grid reads: they stream over this grid's
-    tail and the down GEMV's start, when DRAM would wait on the plan."""
+    tail and the down GEMV's start, when DRAM would wait on the plan.
+
+    ``SHARED_FIRST`` (name suffix ``f``, before ``n``): the grid's first row of blocks takes the shared
+    chunk and row ``y`` routed chunk ``y - 1``. Blocks start in launch order (x, then y), and only the
+    first few of the grid's ``tiles * (top_k + 1)`` blocks fit beside the kernel before it. With the
+    shared chunk in the last row its early loads come only after the wait; first, its blocks are the ones
+    resident before the wait, so they load their first step there, and ask L2 for the rest of their
+    rows, while the router runs. The same chunks and sums: bit for bit the build without it."""
     OUT = COLS // 2
     weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     ranked_picks = make_ranked_picks(experts)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_of_row(y, top_k):
+        """The chunk of the blocks of grid row ``y``: the shared one (``top_k``) first with SHARED_FIRST."""
+        if not SHARED_FIRST:
+            return y
+        if y == 0:
+            return top_k
+        return y - 1 if y <= top_k else y
+
+    @cuda.jit(device=True, inline=True)
+    def ask_rest_of_rows(w, n, words, tid):
+        """Thread ``c < COLS`` of the block asks L2 for the block's weight row ``c`` (``weight_rows``' row
+        of a matrix of ``n`` gate and ``n`` up rows, found again here: indexing ``row_of`` by thread would
+        put it in local memory) past the first step, which the block has loaded (16 bytes a thread:
+        ``2 * THREADS`` of the row's ``words`` u64 words)."""
+        j = cuda.blockIdx.x * OUT + tid % OUT
+        if tid < COLS and j < n and words > 2 * THREADS:
+            row = int64(j) + (int64(n) if tid >= OUT else int64(0))
+            prefetch_l2(w, row * words + 2 * THREADS, (words - 2 * THREADS) * 8)
 
     @cuda.jit(device=True, inline=True)
     def prefetch_down(down_w, expert, nbytes, matrix_bytes, n):
@@ -948,7 +976,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
              down_experts, down_shared, down_bytes, shared_bytes):
         tid = cuda.threadIdx.x
         lane = tid & 31
-        ci = cuda.blockIdx.y
+        ci = chunk_of_row(cuda.blockIdx.y, top_k)
         shared = ci == top_k
         row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
         raw = cuda.local.array((COLS, 4), uint32)
@@ -958,6 +986,8 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False):
             weight_rows(row_of, n_shared, int64(0))
             load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
             w01, w23 = first_gate_words(shared_gate, k_shared)
+            if SHARED_FIRST:
+                ask_rest_of_rows(w_shared, n_shared, k_shared >> 2, tid)
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         if ci > top_k:
@@ -1128,8 +1158,8 @@ def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = F
     return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
 
 
-def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False) -> str:
-    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'n' if NEXT else ''}"
+def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False) -> str:
+    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'f' if SHARED_FIRST else ''}{'n' if NEXT else ''}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1208,11 +1238,14 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
     KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
         make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
         {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
-# The first shape asking L2 for its chunk's down weights at its tail (CudaMoe.down_prefetch).
-KERNELS[routed_gemv_name(*ROUTED_GEMV_SHAPES[0], NEXT=True)] = (
-    make_routed_gemv(*ROUTED_GEMV_SHAPES[0], NEXT=True), ROUTED_GEMV_SIG + (U32P, U32P, int32, int32),
-    {"threads": ROUTED_GEMV_SHAPES[0][1], "cols": ROUTED_GEMV_SHAPES[0][0] // 2, "pairs": 1,
-     "max_experts": ROUTED_GEMV_SHAPES[0][2], "grid_wait": 1, "next": 1})
+# The first shape with the shared chunk in the grid's first row (SHARED_FIRST), and that shape with and
+# without it asking L2 for its chunk's down weights at its tail (CudaMoe.down_prefetch).
+for _first, _next in ((True, False), (False, True), (True, True)):
+    KERNELS[routed_gemv_name(*ROUTED_GEMV_SHAPES[0], NEXT=_next, SHARED_FIRST=_first)] = (
+        make_routed_gemv(*ROUTED_GEMV_SHAPES[0], NEXT=_next, SHARED_FIRST=_first),
+        ROUTED_GEMV_SIG + ((U32P, U32P, int32, int32) if _next else ()),
+        {"threads": ROUTED_GEMV_SHAPES[0][1], "cols": ROUTED_GEMV_SHAPES[0][0] // 2, "pairs": 1,
+         "max_experts": ROUTED_GEMV_SHAPES[0][2], "grid_wait": 1, **({"next": 1} if _next else {})})
 # The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
 # (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
 COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]

@@ -365,7 +365,7 @@ def case_moe_gemv(rows: int) -> dict:
     """``CudaMoe.gemv_rows``: a decode step of ``rows`` (1 or 2) rows with the expert GEMMs as fp32 GEMVs
     (every shape of numba_kernels/moe.py GEMV_SHAPES for the row count) against the tensor-core grouped
     GEMMs: the same picks and normalised rows, the MoE to fp32 rounding, and both against the reference."""
-    from ninfer.backends.cuda.moe import COMBINED_DOWNS, GEMV_GEMMS, ROUTED_GATE_UPS
+    from ninfer.backends.cuda.moe import COMBINED_DOWNS, GEMV_GEMMS, NEXT_ROUTED_GATE_UPS, ROUTED_GATE_UPS
     from numba_kernels.moe import GEMV_SHAPES, gemv_name
 
     t = moe_layer(rows)
@@ -389,8 +389,10 @@ def case_moe_gemv(rows: int) -> dict:
         moe.gemv_gemms = GEMV_GEMMS
         plain = t.run()
         plan = plan_of(t.gpu, moe)
-        # each build, and the first asking L2 for the chunks' down weights at its tail (CudaMoe.down_prefetch)
-        for routed, down_prefetch in [(name, 0.0) for name in ROUTED_GATE_UPS] + [(ROUTED_GATE_UPS[0], 1.0)]:
+        # each build, and those asking L2 for the chunks' down weights at their tail (CudaMoe.down_prefetch)
+        outputs = {}
+        for routed, down_prefetch in ([(name, 0.0) for name in ROUTED_GATE_UPS]
+                                      + [(name, 1.0) for name in NEXT_ROUTED_GATE_UPS]):
             moe.routed_gate_up, moe.down_prefetch = routed, down_prefetch
             routed += "n" if down_prefetch else ""
             for region in (moe.chunks, moe.n_chunks, moe.pair_row, moe.pair_weight, moe.row_pair, moe.topk_ids,
@@ -400,6 +402,7 @@ def case_moe_gemv(rows: int) -> dict:
             assert routed in t.launches[-1] and not any(n.startswith("moe_route") for n in t.launches[-1])
             shared = moe.c.num_experts_per_tok  # the shared pair's weight: another sum order
             mine = plan_of(t.gpu, moe)
+            outputs[routed] = (got, mine)
             result[routed] = {"vs_plain": rel(got[0] - t.resid, plain[0] - t.resid),
                               "vs_reference": rel(got[0] - t.resid, want),
                               "routing_identical": all(np.array_equal(a, b) for a, b in zip(got[1:], plain[1:])),
@@ -408,6 +411,11 @@ def case_moe_gemv(rows: int) -> dict:
                               "routed_weights_identical": np.array_equal(mine["pair_weight"][:shared],
                                                                          plan["pair_weight"][:shared]),
                               "shared_weight": rel(mine["pair_weight"][shared:], plan["pair_weight"][shared:])}
+        result["shared_first"] = {}  # the f builds against theirs without: the same chunks, other blocks
+        for name in (name for name in outputs if "r256f" in name):
+            (got, mine), (base, base_plan) = outputs[name], outputs[name.replace("r256f", "r256")]
+            result["shared_first"][name] = (all(np.array_equal(a, b) for a, b in zip(got, base))
+                                            and all(np.array_equal(mine[key], base_plan[key]) for key in plan))
         moe.routed_gate_up, moe.down_prefetch = None, 0.0
         for combined in COMBINED_DOWNS:  # the down GEMV adding into the residual stream itself: bit for bit
             moe.combined_down = combined

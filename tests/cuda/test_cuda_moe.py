@@ -161,13 +161,14 @@ def test_routed_gate_up_matches_reference(gpu, case):
     ``moe_route`` launch) writes the picks and the plan the down GEMM and the combine read, from a
     scratch that holds none of them, and the MoE agrees with the reference, for every build."""
     from ninfer.backends.cuda import runtime as rt
-    from ninfer.backends.cuda.moe import ROUTED_GATE_UPS
+    from ninfer.backends.cuda.moe import NEXT_ROUTED_GATE_UPS, ROUTED_GATE_UPS
 
     name, config, layer, block, moe = case
     x = np.random.default_rng(80).standard_normal((1, config.hidden_size), dtype=np.float32)
     want = _reference(config, block.reference, x)
-    try:  # the last: the build that asks L2 for the chunks' down weights (CudaMoe.down_prefetch), a hint
-        for routed, down_prefetch in [(name, 0.0) for name in ROUTED_GATE_UPS] + [(ROUTED_GATE_UPS[0], 1.0)]:
+    try:  # then the builds that ask L2 for the chunks' down weights (CudaMoe.down_prefetch), a hint
+        for routed, down_prefetch in ([(name, 0.0) for name in ROUTED_GATE_UPS]
+                                      + [(name, 1.0) for name in NEXT_ROUTED_GATE_UPS]):
             moe.routed_gate_up, moe.down_prefetch = routed, down_prefetch
             for region in (moe.chunks, moe.n_chunks, moe.pair_row, moe.pair_weight, moe.row_pair, moe.topk_ids,
                            moe.topk_w):

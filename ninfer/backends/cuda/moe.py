@@ -68,8 +68,11 @@ NEXT_ROUTER_GEMM = EARLY_ROUTER_GEMM + "n"
 # The one-row router as an fp32 GEMV of 2 or 4 experts a block (CudaMoe.router_gemv; numba_kernels/gemm.py
 # ROUTER_GEMV_COLS): it normalises, keeps the row and asks L2 for the next layer as NEXT_ROUTER_GEMM does.
 ROUTER_GEMVS = ("gemv_normed_keep_store_m1c2p2n", "gemv_normed_keep_store_m1c4p2n")
-# The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts.
-ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256")
+# The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts;
+# the last with the shared chunk in the grid's first row of blocks (numba_kernels/moe.py SHARED_FIRST).
+ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256", "moe_gate_up_gemv_m1c4x128r256f")
+# Those with an ``n`` build, asking L2 for their chunks' down weights (CudaMoe.down_prefetch).
+NEXT_ROUTED_GATE_UPS = (ROUTED_GATE_UPS[0], ROUTED_GATE_UPS[2])
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
 COMBINED_DOWNS = ("moe_down_combine_gemv_m1c8x32g9", "moe_down_combine_gemv_m1c8x64g9")
 
@@ -173,7 +176,10 @@ class CudaMoe:
     # fewer; None launches the GEMV and ``moe_combine_residual``. Used where ``gemv_rows`` allows one-row
     # GEMVs and ``top_k + 1`` chunks fit the build's groups. Together: an H100's 35B-A3B batch-1 step
     # 3.21-3.22 -> 3.04-3.05 ms of GPU time (-5%; routing alone 3.10, combining alone 3.16;
-    # tools/gpu_bench_hybrid.py --moe-builds-ablation, docs/benchmarks.md).
+    # tools/gpu_bench_hybrid.py --moe-builds-ablation, docs/benchmarks.md). Its ``f`` build (the last of
+    # ROUTED_GATE_UPS) runs the shared chunk in the grid's first row of blocks, the ones that start beside
+    # the router, so the shared expert's weights load while the router runs: off until timed
+    # (--moe-builds-ablation 'routed_gate_up=moe_gate_up_gemv_m1c4x128r256f').
     routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256"
     combined_down: str | None = "moe_down_combine_gemv_m1c8x32g9"
     # The share of each chunk's down matrix that the routed gate/up GEMV (its ``NEXT`` build, the first
@@ -206,7 +212,7 @@ class CudaMoe:
         return [*routes, "moe_topk", "moe_plan", "moe_combine", "moe_combine_residual", ROUTER_DECODE_GEMM,
                 ROUTER_NORMED_DECODE_GEMM, EARLY_ROUTER_GEMM, NEXT_ROUTER_GEMM, *ROUTER_GEMVS, ROUTER_PREFILL_GEMM,
                 *DECODE_GEMMS[:2], *PREFILL_GEMMS[:2], DOWN_COMBINE_GEMM, *(n for p in GEMV_GEMMS.values() for n in p),
-                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in ROUTED_GATE_UPS[:1])]
+                *ROUTED_GATE_UPS, *COMBINED_DOWNS, *(name + "n" for name in NEXT_ROUTED_GATE_UPS)]
 
     @staticmethod
     def scratch_bytes(config: HybridConfig, max_rows: int) -> int:
