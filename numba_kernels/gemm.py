@@ -85,22 +85,34 @@ def keep_normed(kept, x, norm_w, inv, rows, k, tid, threads):
         kept[at] = x[at] * inv[r] * norm_w[kk]
 
 
+def make_weight_row(COLS: int, SWIGLU: bool):
+    """``weight_row(c, n, first_row)``: an fp32 GEMV block's weight row ``c`` of a matrix of n output rows
+    from ``first_row`` (-1: past it); with ``SWIGLU`` the first COLS / 2 are gate rows, the rest the
+    matching up rows, n further on."""
+    OUT = COLS // 2 if SWIGLU else COLS
+
+    @cuda.jit(device=True, inline=True)
+    def weight_row(c, n, first_row):
+        if SWIGLU:
+            j = cuda.blockIdx.x * OUT + c % OUT
+            return first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
+        f = cuda.blockIdx.x * COLS + c
+        return first_row + int64(f) if f < n else int64(-1)
+
+    return weight_row
+
+
 def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     """(weight_rows, load, accumulate): the fp32 GEMVs' block of ``COLS`` weight rows (with ``SWIGLU``
     the first COLS / 2 are gate rows, the rest the matching up rows) and one 16-byte step of them
     against ``M`` activation rows (``make_gemv``, numba_kernels/moe.py ``make_grouped_gemv``)."""
-    OUT = COLS // 2 if SWIGLU else COLS
+    weight_row = make_weight_row(COLS, SWIGLU)
 
     @cuda.jit(device=True, inline=True)
     def weight_rows(row_of, n, first_row):
-        """The block's weight rows of a matrix of n output rows from ``first_row`` (-1: past it)."""
+        """The block's weight rows of a matrix of n output rows from ``first_row`` (``make_weight_row``)."""
         for c in range(COLS):
-            if SWIGLU:
-                j = cuda.blockIdx.x * OUT + c % OUT
-                row_of[c] = first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
-            else:
-                f = cuda.blockIdx.x * COLS + c
-                row_of[c] = first_row + int64(f) if f < n else int64(-1)
+            row_of[c] = weight_row(c, n, first_row)
 
     @cuda.jit(device=True, inline=True)
     def load(w, row_of, words, chunks, j, raw):

@@ -55,7 +55,8 @@ from numba_kernels.common import (F32P, I32P, NEG_BIG, U16P, U32P, U64P, bf16_hi
                                   grid_dependency_wait, last_to_finish, launch_dependents, load_f32x4, load_i32_l2,
                                   load_u32x2, load_u64x2, prefetch_l2, prefetch_share, warp_max, warp_max_i32,
                                   warp_min_i32, warp_sum)
-from numba_kernels.gemm import ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, split3_bf16x2
+from numba_kernels.gemm import (ROUTER_SHAPE, make_gemv_step, make_mma_gemv, make_weight_fragments, make_weight_row,
+                                split3_bf16x2)
 from numba_kernels.mma import mma_bf16_16816, split_bf16x2
 
 MAX_EXPERTS = 1024
@@ -942,6 +943,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     rows, while the router runs. The same chunks and sums: bit for bit the build without it."""
     OUT = COLS // 2
     weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
+    weight_row = make_weight_row(COLS, SWIGLU=True)
     ranked_picks = make_ranked_picks(experts)
 
     @cuda.jit(device=True, inline=True)
@@ -955,14 +957,14 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
 
     @cuda.jit(device=True, inline=True)
     def ask_rest_of_rows(w, n, words, tid):
-        """Thread ``c < COLS`` of the block asks L2 for the block's weight row ``c`` (``weight_rows``' row
-        of a matrix of ``n`` gate and ``n`` up rows, found again here: indexing ``row_of`` by thread would
-        put it in local memory) past the first step, which the block has loaded (16 bytes a thread:
+        """Thread ``c < COLS`` of the block asks L2 for the block's weight row ``c`` of a matrix of ``n``
+        gate and ``n`` up rows (computed again, not read from ``row_of``: indexing that by thread would put
+        it in local memory) past the first step, which the block has loaded (16 bytes a thread:
         ``2 * THREADS`` of the row's ``words`` u64 words)."""
-        j = cuda.blockIdx.x * OUT + tid % OUT
-        if tid < COLS and j < n and words > 2 * THREADS:
-            row = int64(j) + (int64(n) if tid >= OUT else int64(0))
-            prefetch_l2(w, row * words + 2 * THREADS, (words - 2 * THREADS) * 8)
+        if tid < COLS and words > 2 * THREADS:
+            row = weight_row(tid, n, int64(0))
+            if row >= 0:
+                prefetch_l2(w, row * words + 2 * THREADS, (words - 2 * THREADS) * 8)
 
     @cuda.jit(device=True, inline=True)
     def prefetch_down(down_w, expert, nbytes, matrix_bytes, n):
