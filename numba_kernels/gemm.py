@@ -86,17 +86,18 @@ def keep_normed(kept, x, norm_w, inv, rows, k, tid, threads):
 
 
 def make_weight_row(COLS: int, SWIGLU: bool):
-    """``weight_row(c, n, first_row)``: an fp32 GEMV block's weight row ``c`` of a matrix of n output rows
-    from ``first_row`` (-1: past it); with ``SWIGLU`` the first COLS / 2 are gate rows, the rest the
-    matching up rows, n further on."""
+    """``weight_row(c, n, first_row, tile)``: weight row ``c`` of an fp32 GEMV's column tile ``tile`` (a
+    block's ``COLS`` rows; most GEMVs' block ``b`` takes tile ``b``) of a matrix of n output rows from
+    ``first_row`` (-1: past it); with ``SWIGLU`` the first COLS / 2 are gate rows, the rest the matching
+    up rows, n further on."""
     OUT = COLS // 2 if SWIGLU else COLS
 
     @cuda.jit(device=True, inline=True)
-    def weight_row(c, n, first_row):
+    def weight_row(c, n, first_row, tile):
         if SWIGLU:
-            j = cuda.blockIdx.x * OUT + c % OUT
+            j = tile * OUT + c % OUT
             return first_row + int64(j) + (int64(n) if c >= OUT else int64(0)) if j < n else int64(-1)
-        f = cuda.blockIdx.x * COLS + c
+        f = tile * COLS + c
         return first_row + int64(f) if f < n else int64(-1)
 
     return weight_row
@@ -109,10 +110,11 @@ def make_gemv_step(M: int, COLS: int, SWIGLU: bool):
     weight_row = make_weight_row(COLS, SWIGLU)
 
     @cuda.jit(device=True, inline=True)
-    def weight_rows(row_of, n, first_row):
-        """The block's weight rows of a matrix of n output rows from ``first_row`` (``make_weight_row``)."""
+    def weight_rows(row_of, n, first_row, tile):
+        """Column tile ``tile``'s weight rows of a matrix of n output rows from ``first_row``
+        (``make_weight_row``)."""
         for c in range(COLS):
-            row_of[c] = weight_row(c, n, first_row)
+            row_of[c] = weight_row(c, n, first_row, tile)
 
     @cuda.jit(device=True, inline=True)
     def load(w, row_of, words, chunks, j, raw):
@@ -220,7 +222,7 @@ def make_gemv(M, COLS, normed=False, epilogue="store", PRELOAD=1, HEAD_NORM=Fals
             for c in range(COLS):
                 acc[r, c] = float32(0.0)
         row_of = cuda.local.array(COLS, int64)  # weight row of each block column (-1: past the matrix)
-        weight_rows(row_of, n, int64(0))
+        weight_rows(row_of, n, int64(0), cuda.blockIdx.x)
         raw = cuda.local.array((COLS, 4), uint32)
         xr = cuda.local.array((M, 8), float32)
         chunks = k >> 3  # 16-byte chunks: 8 bf16 weights, 8 fp32 activations (two loads)

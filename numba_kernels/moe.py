@@ -769,12 +769,13 @@ def make_combine(residual: bool):
 
 
 def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
-    """(weight_rows, load_step, stream_steps, gemv_chunk): the block of ``COLS`` weight rows of a
-    grouped GEMV and its work on one chunk once the first step of weights is in ``raw`` (``load_step``
-    at step ``t``, the thread's place among the chunk's ``THREADS``). ``stream_steps``: every step
-    against the chunk's activation rows ``x_at`` (element offsets, -1 past the chunk; the next step's
-    weights loaded as soon as a step's are used) into the thread's ``acc``; ``gemv_chunk``: that, the
-    warps' sums in a fixed order, then the epilogue into pair rows ``start ..`` of y."""
+    """(weight_rows, load_step, stream_steps, finish_chunk, gemv_chunk): the ``COLS`` weight rows of a
+    grouped GEMV's column tile and the work on one chunk once the first step of weights is in ``raw``
+    (``load_step`` at step ``t``, the thread's place among the chunk's ``THREADS``). ``stream_steps``:
+    every step against the chunk's activation rows ``x_at`` (element offsets, -1 past the chunk; the next
+    step's weights loaded as soon as a step's are used) into the thread's ``acc``; ``finish_chunk``: the
+    warps' sums of ``acc`` in a fixed order, then column tile ``tile``'s epilogue into pair rows
+    ``start ..`` of y; ``gemv_chunk``: both, for the block's own tile."""
     SWIGLU = kind == "gate_up"
     OUT = COLS // 2 if SWIGLU else COLS
     WARPS = THREADS // 32
@@ -800,12 +801,10 @@ def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
             load_step(w, row_of, words, steps, j + THREADS, raw)  # the registers are free again
 
     @cuda.jit(device=True, inline=True)
-    def gemv_chunk(y, x, w, row_of, raw, x_at, n, k, start, count, pair_weight, ldy):
+    def finish_chunk(acc, y, n, start, count, pair_weight, ldy, tile):
         tid = cuda.threadIdx.x
         red = cuda.shared.array((WARPS, M, COLS), float32)
         warp = tid >> 5
-        acc = cuda.local.array((M, COLS), float32)
-        stream_steps(acc, x, w, row_of, raw, x_at, k, tid)
         for q in range(M):
             for c in range(COLS):
                 red[warp, q, c] = warp_sum(acc[q, c])
@@ -813,7 +812,7 @@ def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
         if tid < M * OUT:
             q = tid // OUT
             c = tid % OUT
-            col = cuda.blockIdx.x * OUT + c
+            col = tile * OUT + c
             if q < count and col < n:
                 total = float32(0.0)
                 for wp in range(WARPS):
@@ -827,7 +826,13 @@ def make_gemv_chunk(kind: str, M: int, COLS: int, THREADS: int):
                 else:
                     y[at] = pair_weight[start + q] * total
 
-    return weight_rows, load_step, stream_steps, gemv_chunk
+    @cuda.jit(device=True, inline=True)
+    def gemv_chunk(y, x, w, row_of, raw, x_at, n, k, start, count, pair_weight, ldy):
+        acc = cuda.local.array((M, COLS), float32)
+        stream_steps(acc, x, w, row_of, raw, x_at, k, cuda.threadIdx.x)
+        finish_chunk(acc, y, n, start, count, pair_weight, ldy, cuda.blockIdx.x)
+
+    return weight_rows, load_step, stream_steps, finish_chunk, gemv_chunk
 
 
 def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: bool = False):
@@ -849,7 +854,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
     assert kind in ("gate_up", "down") and THREADS % 32 == 0 and (COLS % 2 == 0 or not SWIGLU)
     OUT = COLS // 2 if SWIGLU else COLS
     MATRICES = 2 if SWIGLU else 1
-    weight_rows, load_step, _, gemv_chunk = make_gemv_chunk(kind, M, COLS, THREADS)
+    weight_rows, load_step, _, _, gemv_chunk = make_gemv_chunk(kind, M, COLS, THREADS)
 
     def grouped_gemv(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared,
                      k_routed, k_shared, ldy, ldx):
@@ -858,7 +863,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
         raw = cuda.local.array((COLS, 4), uint32)
         guessed = SHARED_EARLY and cuda.blockIdx.y == cuda.gridDim.y - 1
         if guessed:  # the shared expert's chunk in a one-row step: its weights need no routing
-            weight_rows(row_of, n_shared, int64(0))
+            weight_rows(row_of, n_shared, int64(0), cuda.blockIdx.x)
             load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
         launch_dependents()  # programmatic dependent launch: common.py (the routed weights wait for the plan)
         grid_dependency_wait()
@@ -881,7 +886,7 @@ def make_grouped_gemv(kind: str, M: int, COLS: int, THREADS: int, SHARED_EARLY: 
         if cuda.blockIdx.x * OUT >= n:
             return
         if not guessed or expert >= 0:
-            weight_rows(row_of, n, first_row)
+            weight_rows(row_of, n, first_row, cuda.blockIdx.x)
             load_step(w, row_of, k >> 2, k >> 3, tid, raw)
         x_at = cuda.local.array(M, int64)  # each pair's activation row (-1: past the chunk)
         for q in range(M):
@@ -916,7 +921,8 @@ def make_ranked_picks(experts: int):
     return ranked_picks
 
 
-def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False):
+def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False,
+                     ITEMS: int = 1, ASK: bool = False):
     """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
     routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
     which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
@@ -927,7 +933,17 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     writes for one row (the plan, ``row_pair``, the picks; the shared pair's weight ``sigmoid(shared_gate
     . x)`` summed in another order, so to fp32 rounding), read by the down GEMM and the combine after
     this grid. Arguments: ``make_grouped_gemv``'s, then row_pair, topk_ids, topk_w, logits, shared_gate,
-    n_experts, top_k, renormalise; grid ``(tiles, top_k + 1)``.
+    n_experts, top_k, renormalise; grid ``(blocks, top_k + 1)``, ``blocks`` covering the chunks' column
+    tiles ``ITEMS`` a block.
+
+    ``ITEMS`` (name suffix ``i{ITEMS}`` past 1): a block takes ``ITEMS`` adjacent column tiles of its
+    chunk in turn. Every routed block repeats the routing, a warp's thousand-odd instructions: with 2304
+    blocks (the 35B-A3B) that is issue time the loads wait on, and the blocks of later waves route
+    before they load. With ITEMS tiles a block there are ITEMS times fewer routings, and at 3 every block
+    of the 35B-A3B's grid is resident at once (80 registers: six blocks an SM, 792 on 132 SMs, for 774
+    blocks). The same tiles and sums: bit for bit the build without it. ``ASK`` (name suffix ``a``, with
+    ITEMS): once routed, a block asks L2 for the rest of its tiles' rows (as the ``f`` build's shared
+    blocks do before the wait), so DRAM streams them while its threads sum a tile.
 
     ``NEXT`` (last arguments ``down_experts, down_shared, down_bytes, shared_bytes``): once a block has
     streamed its columns, its thread 0 asks L2 for the block's share of the first ``down_bytes`` of its
@@ -937,12 +953,12 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
 
     ``SHARED_FIRST`` (name suffix ``f``, before ``n``): the grid's first row of blocks takes the shared
     chunk and row ``y`` routed chunk ``y - 1``. Blocks start in launch order (x, then y), and only the
-    first few of the grid's ``tiles * (top_k + 1)`` blocks fit beside the kernel before it. With the
-    shared chunk in the last row its early loads come only after the wait; first, its blocks are the ones
-    resident before the wait, so they load their first step there, and ask L2 for the rest of their
-    rows, while the router runs. The same chunks and sums: bit for bit the build without it."""
+    first few of the grid's blocks fit beside the kernel before it. With the shared chunk in the last row
+    its early loads come only after the wait; first, its blocks are the ones resident before the wait, so
+    they load their first step there, and ask L2 for the rest of their rows, while the router runs. The
+    same chunks and sums: bit for bit the build without it."""
     OUT = COLS // 2
-    weight_rows, load_step, _, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
+    weight_rows, load_step, stream_steps, finish_chunk, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     weight_row = make_weight_row(COLS, SWIGLU=True)
     ranked_picks = make_ranked_picks(experts)
 
@@ -956,21 +972,42 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
         return y - 1 if y <= top_k else y
 
     @cuda.jit(device=True, inline=True)
-    def ask_rest_of_rows(w, n, words, tid):
-        """Thread ``c < COLS`` of the block asks L2 for the block's weight row ``c`` of a matrix of ``n``
-        gate and ``n`` up rows (computed again, not read from ``row_of``: indexing that by thread would put
-        it in local memory) past the first step, which the block has loaded (16 bytes a thread:
-        ``2 * THREADS`` of the row's ``words`` u64 words)."""
-        if tid < COLS and words > 2 * THREADS:
-            row = weight_row(tid, n, int64(0))
-            if row >= 0:
-                prefetch_l2(w, row * words + 2 * THREADS, (words - 2 * THREADS) * 8)
+    def ask_rest_of_rows(w, n, words, first_row, first_tile, tid):
+        """Thread ``c < COLS`` of the block asks L2 for weight row ``c`` of each of the block's tiles of a
+        matrix of ``n`` gate and ``n`` up rows from ``first_row`` (computed again, not read from ``row_of``:
+        indexing that by thread would put it in local memory), the first tile's past the first step,
+        which the block has loaded (16 bytes a thread: ``2 * THREADS`` of the row's ``words`` u64 words)."""
+        if tid < COLS:
+            for i in range(ITEMS):
+                skip = 2 * THREADS if i == 0 else 0
+                row = weight_row(tid, n, first_row, first_tile + i)
+                if row >= 0 and words > skip:
+                    prefetch_l2(w, row * words + skip, (words - skip) * 8)
 
     @cuda.jit(device=True, inline=True)
     def prefetch_down(down_w, expert, nbytes, matrix_bytes, n):
-        """The block's share (its column tile's among the chunk's ``n / OUT`` tiles) of the first
+        """The block's share (its place among the chunk's ``n / OUT`` tiles, ITEMS a block) of the first
         ``nbytes`` of ``expert``'s down matrix of ``matrix_bytes``."""
-        prefetch_share(down_w, int64(expert) * matrix_bytes, nbytes, (n + OUT - 1) // OUT, cuda.blockIdx.x)
+        blocks = ((n + OUT - 1) // OUT + ITEMS - 1) // ITEMS
+        prefetch_share(down_w, int64(expert) * matrix_bytes, nbytes, blocks, cuda.blockIdx.x)
+
+    @cuda.jit(device=True, inline=True)
+    def stream_tiles(y, x, w, row_of, raw, n, k, first_row, first_tile, ci, pair_weight, ldy):
+        """The block's tiles of its chunk (the first's first step in ``raw``), each into pair row ``ci`` of y."""
+        tid = cuda.threadIdx.x
+        x_at = cuda.local.array(1, int64)
+        x_at[0] = int64(0)
+        acc = cuda.local.array((1, COLS), float32)
+        for i in range(ITEMS):
+            tile = first_tile + i
+            if tile * OUT < n:
+                if i > 0:
+                    weight_rows(row_of, n, first_row, tile)
+                    load_step(w, row_of, k >> 2, k >> 3, tid, raw)
+                stream_steps(acc, x, w, row_of, raw, x_at, k, tid)
+                finish_chunk(acc, y, n, ci, 1, pair_weight, ldy, tile)
+                if i + 1 < ITEMS:
+                    cuda.syncthreads()  # every thread past this tile's sums before the next writes them
 
     @cuda.jit(device=True, inline=True)
     def body(y, x, w_experts, w_shared, chunks, n_chunks, pair_row, pair_weight, n_routed, n_shared, k_routed,
@@ -980,16 +1017,17 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
         lane = tid & 31
         ci = chunk_of_row(cuda.blockIdx.y, top_k)
         shared = ci == top_k
-        row_of = cuda.local.array(COLS, int64)  # the block's weight rows (-1: past the matrix)
+        first_tile = int32(cuda.blockIdx.x * ITEMS)  # 32-bit index arithmetic, as blockIdx.x's
+        row_of = cuda.local.array(COLS, int64)  # the weight rows of the block's tile (-1: past the matrix)
         raw = cuda.local.array((COLS, 4), uint32)
         w01, w23 = uint32(0), uint32(0)
         expert = int32(0)  # a routed block's pick
         if shared:  # its weights need no routing
-            weight_rows(row_of, n_shared, int64(0))
+            weight_rows(row_of, n_shared, int64(0), first_tile)
             load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
             w01, w23 = first_gate_words(shared_gate, k_shared)
             if SHARED_FIRST:
-                ask_rest_of_rows(w_shared, n_shared, k_shared >> 2, tid)
+                ask_rest_of_rows(w_shared, n_shared, k_shared >> 2, int64(0), first_tile, tid)
         launch_dependents()  # programmatic dependent launch: common.py
         grid_dependency_wait()
         if ci > top_k:
@@ -1007,6 +1045,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
             n = n_shared
             k = k_shared
             w = w_shared
+            first_row = int64(0)
         else:
             picked = cuda.shared.array(1, int32)
             if tid < 32:
@@ -1028,14 +1067,20 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
             n = n_routed
             k = k_routed
             w = w_experts
-            if cuda.blockIdx.x * OUT < n:
-                weight_rows(row_of, n, int64(expert) * 2 * n)
+            first_row = int64(expert) * 2 * n
+            if first_tile * OUT < n:
+                weight_rows(row_of, n, first_row, first_tile)
                 load_step(w, row_of, k >> 2, k >> 3, tid, raw)
-        if cuda.blockIdx.x * OUT >= n:
+                if ASK:
+                    ask_rest_of_rows(w, n, k >> 2, first_row, first_tile, tid)
+        if first_tile * OUT >= n:
             return
-        x_at = cuda.local.array(1, int64)
-        x_at[0] = int64(0)
-        gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
+        if ITEMS == 1:
+            x_at = cuda.local.array(1, int64)
+            x_at[0] = int64(0)
+            gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
+        else:
+            stream_tiles(y, x, w, row_of, raw, n, k, first_row, first_tile, ci, pair_weight, ldy)
         if NEXT and tid == 0:
             if shared:
                 prefetch_down(down_shared, 0, shared_bytes, int64(k_shared) * n_shared * 2, n)
@@ -1069,7 +1114,7 @@ def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int):
     shared pair, as ``moe_combine_residual``) into the residual stream: bit for bit the down GEMV
     and the combine launched apart. Arguments: ``make_grouped`` "down_combine"'s; grid ``(tiles,)``."""
     WARPS = THREADS // 32
-    weight_rows, load_step, stream_steps, _ = make_gemv_chunk("down", 1, COLS, THREADS)
+    weight_rows, load_step, stream_steps, _, _ = make_gemv_chunk("down", 1, COLS, THREADS)
 
     @cuda.jit(device=True, inline=True)
     def stream_and_combine(x, w, row_of, raw, k, live, pair, pair_weight, ldx, residual, row_pair, top_k, n):
@@ -1122,7 +1167,7 @@ def make_combined_down_gemv(COLS: int, THREADS: int, GROUPS: int):
                 k = k_routed
                 w = w_experts
                 first_row = int64(expert) * n_routed
-            weight_rows(row_of, n_routed, first_row)  # n_routed == n_shared == hidden
+            weight_rows(row_of, n_routed, first_row, cuda.blockIdx.x)  # n_routed == n_shared == hidden
             load_step(w, row_of, k >> 2, k >> 3, cuda.threadIdx.x % THREADS, raw)
         stream_and_combine(x, w, row_of, raw, k, live, pair, pair_weight, ldx, residual, row_pair, top_k, n_routed)
 
@@ -1160,8 +1205,11 @@ def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = F
     return f"moe_{kind}_gemv_m{M}c{COLS}x{THREADS}{'s' if shared_early else ''}"
 
 
-def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False) -> str:
-    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{'f' if SHARED_FIRST else ''}{'n' if NEXT else ''}"
+def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False,
+                     ITEMS: int = 1, ASK: bool = False) -> str:
+    items = f"i{ITEMS}" if ITEMS > 1 else ""
+    flags = ("f" if SHARED_FIRST else "") + ("a" if ASK else "") + ("n" if NEXT else "")
+    return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{items}{flags}"
 
 
 @cuda.jit(device=True, inline=True)
@@ -1240,14 +1288,19 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
     KERNELS[routed_gemv_name(_cols, _threads, _experts)] = (
         make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
         {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
-# The first shape with the shared chunk in the grid's first row (SHARED_FIRST), and that shape with and
-# without it asking L2 for its chunk's down weights at its tail (CudaMoe.down_prefetch).
-for _first, _next in ((True, False), (False, True), (True, True)):
-    KERNELS[routed_gemv_name(*ROUTED_GEMV_SHAPES[0], NEXT=_next, SHARED_FIRST=_first)] = (
-        make_routed_gemv(*ROUTED_GEMV_SHAPES[0], NEXT=_next, SHARED_FIRST=_first),
+# The first shape with the shared chunk in the grid's first row (SHARED_FIRST), with several column tiles a
+# block (ITEMS), asking L2 for the rest of its tiles once routed (ASK), with and without asking L2 for its
+# chunk's down weights at its tail (CudaMoe.down_prefetch): (NEXT, SHARED_FIRST, ITEMS, ASK).
+ROUTED_GEMV_VARIANTS = [(False, True, 1, False), (True, False, 1, False), (True, True, 1, False),
+                        (False, True, 2, False), (True, True, 2, False), (False, True, 3, False), (True, True, 3, False),
+                        (False, True, 3, True), (True, True, 3, True)]
+for _next, _first, _items, _ask in ROUTED_GEMV_VARIANTS:
+    _cols, _threads, _experts = ROUTED_GEMV_SHAPES[0]
+    KERNELS[routed_gemv_name(_cols, _threads, _experts, _next, _first, _items, _ask)] = (
+        make_routed_gemv(_cols, _threads, _experts, _next, _first, _items, _ask),
         ROUTED_GEMV_SIG + ((U32P, U32P, int32, int32) if _next else ()),
-        {"threads": ROUTED_GEMV_SHAPES[0][1], "cols": ROUTED_GEMV_SHAPES[0][0] // 2, "pairs": 1,
-         "max_experts": ROUTED_GEMV_SHAPES[0][2], "grid_wait": 1, **({"next": 1} if _next else {})})
+        {"threads": _threads, "cols": _cols // 2 * _items, "pairs": 1, "max_experts": _experts, "grid_wait": 1,
+         **({"next": 1} if _next else {})})
 # The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
 # (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
 COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]
