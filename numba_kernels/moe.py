@@ -1292,8 +1292,7 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
 # block (ITEMS), asking L2 for the rest of its tiles once routed (ASK), with and without asking L2 for its
 # chunk's down weights at its tail (CudaMoe.down_prefetch): (NEXT, SHARED_FIRST, ITEMS, ASK).
 ROUTED_GEMV_VARIANTS = [(False, True, 1, False), (True, False, 1, False), (True, True, 1, False),
-                        (False, True, 2, False), (True, True, 2, False), (False, True, 3, False), (True, True, 3, False),
-                        (False, True, 3, True), (True, True, 3, True)]
+                        (False, True, 3, False), (True, True, 3, False), (False, True, 3, True), (True, True, 3, True)]
 for _next, _first, _items, _ask in ROUTED_GEMV_VARIANTS:
     _cols, _threads, _experts = ROUTED_GEMV_SHAPES[0]
     KERNELS[routed_gemv_name(_cols, _threads, _experts, _next, _first, _items, _ask)] = (

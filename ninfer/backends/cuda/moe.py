@@ -72,8 +72,7 @@ ROUTER_GEMVS = ("gemv_normed_keep_store_m1c2p2n", "gemv_normed_keep_store_m1c4p2
 # ``f``: the shared chunk in the grid's first row of blocks, ``i{N}``: N column tiles a block, ``a``: asking L2
 # for the rest of them once routed (numba_kernels/moe.py SHARED_FIRST, ITEMS, ASK).
 ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256", "moe_gate_up_gemv_m1c4x128r256f",
-                   "moe_gate_up_gemv_m1c4x128r256i2f", "moe_gate_up_gemv_m1c4x128r256i3f",
-                   "moe_gate_up_gemv_m1c4x128r256i3fa")
+                   "moe_gate_up_gemv_m1c4x128r256i3f", "moe_gate_up_gemv_m1c4x128r256i3fa")
 # Those with an ``n`` build, asking L2 for their chunks' down weights (CudaMoe.down_prefetch).
 NEXT_ROUTED_GATE_UPS = (ROUTED_GATE_UPS[0], *ROUTED_GATE_UPS[2:])
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
