@@ -77,7 +77,8 @@ def test_decode_launches_are_preloaded_and_gemms_in_bounds(name):
         else:  # the router normalises x and the combine adds into the residual stream: no norm launch
             combine = fwd.moe.combined_down if rows == 1 else "moe_combine_residual"  # one row: the down GEMV's
             assert combine in launched and not launched & {"rmsnorm", "add_rmsnorm", "moe_combine"}
-            router = moe.NEXT_ROUTER_GEMM if rows == 1 else moe.EARLY_ROUTER_GEMM  # one row: CudaMoe.next_prefetch
+            # one row: CudaMoe.router_gemv, else the tensor-core router asking L2 ahead (CudaMoe.next_prefetch)
+            router = (fwd.moe.router_gemv or moe.NEXT_ROUTER_GEMM) if rows == 1 else moe.EARLY_ROUTER_GEMM
             assert router in launched and moe.ROUTER_DECODE_GEMM not in launched
 
 
@@ -142,7 +143,7 @@ def test_early_router_takes_the_router_gemm_launch():
     that loads its weights before the wait, on the plain build's grid and arguments."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
-    fwd.moe.early_router, fwd.moe.next_prefetch = False, 0
+    fwd.moe.early_router, fwd.moe.next_prefetch, fwd.moe.router_gemv = False, 0, None  # the tensor-core router
     decode_launches(fwd, 1)
     plain = [(grid, args) for kernel, grid, args in fwd.k.log if kernel.name == moe.ROUTER_NORMED_DECODE_GEMM]
     fwd.moe.early_router = True
@@ -161,6 +162,7 @@ def test_next_prefetch_takes_the_router_launch():
 
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
+    fwd.moe.router_gemv = None  # the tensor-core router (CudaMoe.router_gemv's builds ask for the same: below)
     assert fwd.moe.next_prefetch
     launched = decode_launches(fwd, 1)
     fwd.moe.next_prefetch = 0
@@ -183,6 +185,7 @@ def test_router_gemv_takes_the_one_row_router_launch():
     two-row step keeps the tensor-core router."""
     config = CONFIGS["35b-a3b"]
     fwd = forward(config)
+    fwd.moe.router_gemv = None
     decode_launches(fwd, 1)
     mma = [args for kernel, _, args in fwd.k.log if kernel.name == moe.NEXT_ROUTER_GEMM]
     for build in moe.ROUTER_GEMVS:
@@ -300,7 +303,8 @@ def test_one_row_steps_route_in_gate_up_and_combine_in_down():
     for kernel, grid, args in fwd.k.log:
         if kernel.name == routed:
             p = f"layers.{next(layers)}."
-            assert grid == (config.moe_intermediate_size // kernel.meta["cols"], config.num_experts_per_tok + 1)
+            # a block per chunk and ``cols`` columns (the i3 build: three tiles of two)
+            assert grid == (-(-config.moe_intermediate_size // kernel.meta["cols"]), config.num_experts_per_tok + 1)
             assert args[14] is fwd.moe.row_pair and args[17] is fwd.moe.logits and args[19:22] == (
                 config.num_experts, config.num_experts_per_tok, int(config.norm_topk_prob))
             assert args[22] is fwd.w[p + "experts.down"] and args[23] is fwd.w[p + "shared.down"]

@@ -494,14 +494,16 @@ def test_one_row_moe_router_options_give_the_reference_tokens(tmp_path_factory):
     name = "tiny-qwen3.5-moe"
     artifact = _artifact(tmp_path_factory, name, *GREEDY_CONFIGS[name])
     want = None
+    defaults = HybridForward.router_prefetch, moe.CudaMoe.router_gemv
     for build in moe.ROUTER_GEMVS:
         HybridForward.router_prefetch, moe.CudaMoe.router_gemv = 1 << 20, build
         try:
             reference, cuda = _runners(artifact)
+            captured = cuda.forward.router_prefetch, cuda.forward.moe.router_gemv
         finally:
-            HybridForward.router_prefetch, moe.CudaMoe.router_gemv = 0, None
+            HybridForward.router_prefetch, moe.CudaMoe.router_gemv = defaults
         try:
-            assert cuda.forward.router_prefetch and cuda.forward.moe.router_gemv == build
+            assert captured == (1 << 20, build)
             prompts = {1: _prompt(1, 29, reference.info.vocab_size)}
             want = want or _generate(reference, [1], prompts, 128)
             assert _generate(cuda, [1], prompts, 128) == want, build

@@ -116,9 +116,9 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
         h = (x.reshape(rows, -1, head_dim) * inv[..., None]).reshape(rows, k)
         want = h @ to_float32(w).T.astype(np.float64) + y0[:rows]
         extra = (gpu.put(partials), splits, head_dim)
-    elif kernel.meta.get("next"):  # "the next GEMM's weights" asked of L2: a hint that changes nothing
+    if kernel.meta.get("next"):  # "the next GEMM's weights" asked of L2: a hint that changes nothing
         then = gpu.put(np.zeros(4096 + 37 * 16, np.uint8))
-        extra = (*kept, then, then.nbytes)
+        extra = (*extra, then, then.nbytes)
     gpu.launch(kernel.name, (grid,), (kernel.meta["threads"],),
                (y, gpu.put(x_in), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *extra))
     got = gpu.get(y, np.float32, (8, n))

@@ -346,6 +346,7 @@ def test_folded_launches_are_the_separate_ones_bit_for_bit(gpu, case, rows):
             moe.fold_route, moe.fold_combine, moe.decode_gemms, experts = setting
             moe.route_experts, moe.early_router = abs(experts), experts < 0  # negative: the early router too
             moe.gemv_rows = 0  # the tensor-core grouped GEMMs at every row count: the builds under test
+            moe.router_gemv = None  # and the tensor-core router (the fp32 GEMV one sums in another order)
             rt.memset32(d_y, 0, rows_h, gpu.stream)
             args = (d_x, block.device, layer, rows, gpu.stream)
             if moe.k[moe.decode_gemms[1]].meta.get("early"):  # overlapped, as in a decode step, after a kernel

@@ -178,11 +178,12 @@ class CudaMoe:
     # fewer; None launches the GEMV and ``moe_combine_residual``. Used where ``gemv_rows`` allows one-row
     # GEMVs and ``top_k + 1`` chunks fit the build's groups. Together: an H100's 35B-A3B batch-1 step
     # 3.21-3.22 -> 3.04-3.05 ms of GPU time (-5%; routing alone 3.10, combining alone 3.16;
-    # tools/gpu_bench_hybrid.py --moe-builds-ablation, docs/benchmarks.md). Its ``f`` build (the last of
-    # ROUTED_GATE_UPS) runs the shared chunk in the grid's first row of blocks, the ones that start beside
-    # the router, so the shared expert's weights load while the router runs: off until timed
-    # (--moe-builds-ablation 'routed_gate_up=moe_gate_up_gemv_m1c4x128r256f').
-    routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256"
+    # tools/gpu_bench_hybrid.py --moe-builds-ablation, docs/benchmarks.md). The default build takes three
+    # column tiles a block (``i3``: a routing a block, not a tile, and every block of the 35B-A3B resident
+    # at once) and runs the shared chunk in the grid's first row of blocks (``f``: they start beside the
+    # router and load the shared expert's weights while it runs): an H200's 35B-A3B batch-1 step 2.40 ->
+    # 2.34 ms of GPU time (``f`` alone 2.37; ``i3fa``, asking L2 for the tiles too, 2.40).
+    routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256i3f"
     combined_down: str | None = "moe_down_combine_gemv_m1c8x32g9"
     # The share of each chunk's down matrix that the routed gate/up GEMV (its ``NEXT`` build, the first
     # of ROUTED_GATE_UPS + "n") asks L2 for at its tail, so the down GEMV, which waits for the plan,
@@ -203,9 +204,10 @@ class CudaMoe:
     # tensor-core GEMM. That GEMM's 16 blocks of 512 threads (108 registers each) do not fit beside the
     # o / out GEMV's blocks before it, so they load their weights only as that GEMV's blocks leave; the
     # GEMV's 64-128 blocks of 128 threads (48-64 registers) sit beside them and hold the router's weights
-    # before the wait. None: the tensor-core GEMM. Off until timed (tools/gpu_bench_hybrid.py
-    # --moe-builds-ablation 'router_gemv=NAME').
-    router_gemv: str | None = None
+    # before the wait. None: the tensor-core GEMM. An H200's 35B-A3B batch-1 step 2.40 -> 2.36 ms of GPU
+    # time with two experts a block (four: 2.41), 2.34 -> 2.29 beside the ``i3f`` gate/up
+    # (tools/gpu_bench_hybrid.py --moe-builds-ablation 'router_gemv=NAME', docs/benchmarks.md).
+    router_gemv: str | None = "gemv_normed_keep_store_m1c2p2n"
 
     @staticmethod
     def kernel_names() -> list[str]:
