@@ -70,9 +70,12 @@ NEXT_ROUTER_GEMM = EARLY_ROUTER_GEMM + "n"
 ROUTER_GEMVS = ("gemv_normed_keep_store_m1c2p2n", "gemv_normed_keep_store_m1c4p2n")
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts;
 # ``f``: the shared chunk in the grid's first row of blocks, ``i{N}``: N column tiles a block, ``a``: asking L2
-# for the rest of them once routed (numba_kernels/moe.py SHARED_FIRST, ITEMS, ASK).
+# for the rest of them once routed, ``l``: loading each next tile's first step while summing a tile, ``d``:
+# two steps in flight (numba_kernels/moe.py SHARED_FIRST, ITEMS, ASK, LEAD, DEEP).
 ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256", "moe_gate_up_gemv_m1c4x128r256f",
-                   "moe_gate_up_gemv_m1c4x128r256i3f", "moe_gate_up_gemv_m1c4x128r256i3fa")
+                   "moe_gate_up_gemv_m1c4x128r256i3f", "moe_gate_up_gemv_m1c4x128r256i3fa",
+                   "moe_gate_up_gemv_m1c4x128r256i3fl", "moe_gate_up_gemv_m1c4x128r256i4fl",
+                   "moe_gate_up_gemv_m1c4x128r256i3fld", "moe_gate_up_gemv_m1c4x128r256i4fld")
 # Those with an ``n`` build, asking L2 for their chunks' down weights (CudaMoe.down_prefetch).
 NEXT_ROUTED_GATE_UPS = (ROUTED_GATE_UPS[0], *ROUTED_GATE_UPS[2:])
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
