@@ -171,6 +171,8 @@ def build_all(only: list[str] | None = None, manifest_dir: Path = PTX_DIR, jobs:
         if unknown:
             raise SystemExit(f"no such kernels: {', '.join(unknown)}")
         manifest = json.loads((manifest_dir / "manifest.json").read_text())
+        # entries of kernels no longer built go, as a whole build would leave them out
+        manifest["kernels"] = {name: entry for name, entry in manifest["kernels"].items() if name in table}
         table = {name: table[name] for name in only}
     names = sorted(table)
     if jobs > 1 and len(names) > 1:

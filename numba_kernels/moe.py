@@ -922,7 +922,7 @@ def make_ranked_picks(experts: int):
 
 
 def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False,
-                     ITEMS: int = 1, ASK: bool = False, LEAD: bool = False, DEEP: bool = False):
+                     ITEMS: int = 1, LEAD: bool = False):
     """``moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}``: a one-row decode step's gate/up GEMV that
     routes the row itself, so no ``moe_route`` launch precedes it. The one row's plan is fixed but for
     which expert each routed chunk holds: chunk ``c < top_k`` is the pick of ``c``-th lowest expert id
@@ -941,15 +941,10 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     blocks (the 35B-A3B) that is issue time the loads wait on, and the blocks of later waves route
     before they load. With ITEMS tiles a block there are ITEMS times fewer routings, and at 3 every block
     of the 35B-A3B's grid is resident at once (80 registers: six blocks an SM, 792 on 132 SMs, for 774
-    blocks). The same tiles and sums: bit for bit the build without it. ``ASK`` (name suffix ``a``, with
-    ITEMS): once routed, a block asks L2 for the rest of its tiles' rows (as the ``f`` build's shared
-    blocks do before the wait), so DRAM streams them while its threads sum a tile. ``LEAD`` (name
-    suffix ``l``, with ITEMS): a block loads the first step of its next tile as soon as it has used the
-    last step of a tile, so those loads fly while it sums the tile and writes it out (without it they go
-    out only after the tile's block barrier). The same sums: bit for bit the build without it. ``DEEP``
-    (name suffix ``d``, with LEAD): a thread holds two steps of weights in flight, not one (16 registers
-    more: 96, five blocks an SM, so every block resident at four tiles a block), the second loaded with
-    the first, each reloaded as soon as used; the same sums in the same order.
+    blocks). The same tiles and sums: bit for bit the build without it. ``LEAD`` (name suffix ``l``,
+    with ITEMS): a block loads the first step of its next tile as soon as it has used the last step of
+    a tile, so those loads fly while it sums the tile and writes it out (without it they go out only
+    after the tile's block barrier). The same sums: bit for bit the build without it.
 
     ``NEXT`` (last arguments ``down_experts, down_shared, down_bytes, shared_bytes``): once a block has
     streamed its columns, its thread 0 asks L2 for the block's share of the first ``down_bytes`` of its
@@ -964,9 +959,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     they load their first step there, and ask L2 for the rest of their rows, while the router runs. The
     same chunks and sums: bit for bit the build without it."""
     OUT = COLS // 2
-    assert not DEEP or LEAD
     weight_rows, load_step, stream_steps, finish_chunk, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
-    accumulate = make_gemv_step(1, COLS, True)[2]
     weight_row = make_weight_row(COLS, SWIGLU=True)
     ranked_picks = make_ranked_picks(experts)
 
@@ -1000,36 +993,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
         prefetch_share(down_w, int64(expert) * matrix_bytes, nbytes, blocks, cuda.blockIdx.x)
 
     @cuda.jit(device=True, inline=True)
-    def load_first_steps(w, row_of, k, tid, raw, raw2):
-        """The thread's first step of the tile's rows into ``raw``; with DEEP its second into ``raw2``."""
-        load_step(w, row_of, k >> 2, k >> 3, tid, raw)
-        if DEEP:
-            load_step(w, row_of, k >> 2, k >> 3, tid + THREADS, raw2)
-
-    @cuda.jit(device=True, inline=True)
-    def stream_steps_deep(acc, x, w, row_of, raw, raw2, k, t):
-        """``stream_steps`` of the one row (activations from 0) with steps ``t`` and ``t + THREADS`` in
-        flight in ``raw`` and ``raw2``: the same products summed in the same order."""
-        steps = k >> 3
-        words = k >> 2
-        for c in range(COLS):
-            acc[0, c] = float32(0.0)
-        xr = cuda.local.array((1, 8), float32)
-        for j in range(t, steps, 2 * THREADS):
-            for half in range(2):
-                at = j + half * THREADS
-                if at < steps:
-                    xr[0, 0], xr[0, 1], xr[0, 2], xr[0, 3] = load_f32x4(x, 8 * at)
-                    xr[0, 4], xr[0, 5], xr[0, 6], xr[0, 7] = load_f32x4(x, 8 * at + 4)
-                    if half == 0:
-                        accumulate(acc, raw, xr)
-                        load_step(w, row_of, words, steps, at + 2 * THREADS, raw)
-                    else:
-                        accumulate(acc, raw2, xr)
-                        load_step(w, row_of, words, steps, at + 2 * THREADS, raw2)
-
-    @cuda.jit(device=True, inline=True)
-    def stream_tiles(y, x, w, row_of, raw, raw2, n, k, first_row, first_tile, ci, pair_weight, ldy):
+    def stream_tiles(y, x, w, row_of, raw, n, k, first_row, first_tile, ci, pair_weight, ldy):
         """The block's tiles of its chunk (the first's first step in ``raw``), each into pair row ``ci`` of y."""
         tid = cuda.threadIdx.x
         x_at = cuda.local.array(1, int64)
@@ -1041,13 +1005,10 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
                 if i > 0 and not LEAD:
                     weight_rows(row_of, n, first_row, tile)
                     load_step(w, row_of, k >> 2, k >> 3, tid, raw)
-                if DEEP:
-                    stream_steps_deep(acc, x, w, row_of, raw, raw2, k, tid)
-                else:
-                    stream_steps(acc, x, w, row_of, raw, x_at, k, tid)
-                if LEAD and i + 1 < ITEMS:  # raw is free: the next tile's first steps (zeros past n)
+                stream_steps(acc, x, w, row_of, raw, x_at, k, tid)
+                if LEAD and i + 1 < ITEMS:  # raw is free: the next tile's first step (zeros past n)
                     weight_rows(row_of, n, first_row, tile + 1)
-                    load_first_steps(w, row_of, k, tid, raw, raw2)
+                    load_step(w, row_of, k >> 2, k >> 3, tid, raw)
                 finish_chunk(acc, y, n, ci, 1, pair_weight, ldy, tile)
                 if i + 1 < ITEMS:
                     cuda.syncthreads()  # every thread past this tile's sums before the next writes them
@@ -1063,12 +1024,11 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
         first_tile = int32(cuda.blockIdx.x * ITEMS)  # 32-bit index arithmetic, as blockIdx.x's
         row_of = cuda.local.array(COLS, int64)  # the weight rows of the block's tile (-1: past the matrix)
         raw = cuda.local.array((COLS, 4), uint32)
-        raw2 = cuda.local.array((COLS, 4), uint32)  # DEEP: the second step in flight
         w01, w23 = uint32(0), uint32(0)
         expert = int32(0)  # a routed block's pick
         if shared:  # its weights need no routing
             weight_rows(row_of, n_shared, int64(0), first_tile)
-            load_first_steps(w_shared, row_of, k_shared, tid, raw, raw2)
+            load_step(w_shared, row_of, k_shared >> 2, k_shared >> 3, tid, raw)
             w01, w23 = first_gate_words(shared_gate, k_shared)
             if SHARED_FIRST:
                 ask_rest_of_rows(w_shared, n_shared, k_shared >> 2, int64(0), first_tile, tid)
@@ -1114,9 +1074,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
             first_row = int64(expert) * 2 * n
             if first_tile * OUT < n:
                 weight_rows(row_of, n, first_row, first_tile)
-                load_first_steps(w, row_of, k, tid, raw, raw2)
-                if ASK:
-                    ask_rest_of_rows(w, n, k >> 2, first_row, first_tile, tid)
+                load_step(w, row_of, k >> 2, k >> 3, tid, raw)
         if first_tile * OUT >= n:
             return
         if ITEMS == 1:
@@ -1124,7 +1082,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
             x_at[0] = int64(0)
             gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
         else:
-            stream_tiles(y, x, w, row_of, raw, raw2, n, k, first_row, first_tile, ci, pair_weight, ldy)
+            stream_tiles(y, x, w, row_of, raw, n, k, first_row, first_tile, ci, pair_weight, ldy)
         if NEXT and tid == 0:
             if shared:
                 prefetch_down(down_shared, 0, shared_bytes, int64(k_shared) * n_shared * 2, n)
@@ -1250,10 +1208,9 @@ def gemv_name(kind: str, M: int, COLS: int, THREADS: int, shared_early: bool = F
 
 
 def routed_gemv_name(COLS: int, THREADS: int, experts: int, NEXT: bool = False, SHARED_FIRST: bool = False,
-                     ITEMS: int = 1, ASK: bool = False, LEAD: bool = False, DEEP: bool = False) -> str:
+                     ITEMS: int = 1, LEAD: bool = False) -> str:
     items = f"i{ITEMS}" if ITEMS > 1 else ""
-    flags = ("f" if SHARED_FIRST else "") + ("l" if LEAD else "") + ("d" if DEEP else "") + ("a" if ASK else "")
-    flags += "n" if NEXT else ""
+    flags = ("f" if SHARED_FIRST else "") + ("l" if LEAD else "") + ("n" if NEXT else "")
     return f"moe_gate_up_gemv_m1c{COLS}x{THREADS}r{experts}{items}{flags}"
 
 
@@ -1334,19 +1291,17 @@ for _cols, _threads, _experts in ROUTED_GEMV_SHAPES:
         make_routed_gemv(_cols, _threads, _experts), ROUTED_GEMV_SIG,
         {"threads": _threads, "cols": _cols // 2, "pairs": 1, "max_experts": _experts, "grid_wait": 1})
 # The first shape with the shared chunk in the grid's first row (SHARED_FIRST), with several column tiles a
-# block (ITEMS), asking L2 for the rest of its tiles once routed (ASK) or loading each next tile's first
-# step early (LEAD), two steps in flight (DEEP), with and without asking L2 for its chunk's down weights at
-# its tail (CudaMoe.down_prefetch): (NEXT, SHARED_FIRST, ITEMS, ASK, LEAD, DEEP).
-ROUTED_GEMV_VARIANTS = [(_next, True, *_v) for _next in (False, True) for _v in (
-    (1, False, False, False), (3, False, False, False), (3, True, False, False), (3, False, True, False),
-    (4, False, True, False), (3, False, True, True), (4, False, True, True))] + [(True, False, 1, False, False, False)]
-for _next, _first, _items, _ask, _lead, _deep in ROUTED_GEMV_VARIANTS:
+# block (ITEMS), loading each next tile's first step early (LEAD), with and without asking L2 for its
+# chunk's down weights at its tail (CudaMoe.down_prefetch): (NEXT, SHARED_FIRST, ITEMS, LEAD).
+ROUTED_GEMV_VARIANTS = [(_next, True, _items, _lead) for _next in (False, True)
+                        for _items, _lead in ((1, False), (3, False), (3, True))] + [(True, False, 1, False)]
+for _next, _first, _items, _lead in ROUTED_GEMV_VARIANTS:
     _cols, _threads, _experts = ROUTED_GEMV_SHAPES[0]
-    KERNELS[routed_gemv_name(_cols, _threads, _experts, _next, _first, _items, _ask, _lead, _deep)] = (
-        make_routed_gemv(_cols, _threads, _experts, _next, _first, _items, _ask, _lead, _deep),
+    KERNELS[routed_gemv_name(_cols, _threads, _experts, _next, _first, _items, _lead)] = (
+        make_routed_gemv(_cols, _threads, _experts, _next, _first, _items, _lead),
         ROUTED_GEMV_SIG + ((U32P, U32P, int32, int32) if _next else ()),
         {"threads": _threads, "cols": _cols // 2 * _items, "pairs": 1, "max_experts": _experts, "grid_wait": 1,
-         **({"next": 1} if _next else {}), **({"max_registers": 96} if _deep else {})})
+         **({"next": 1} if _next else {})})
 # The one-row down GEMVs with the combine folded in (CudaMoe.gemv_combine): 8 columns x 64 or 32 threads a chunk
 # (32: two blocks an SM, all 256 of a 2048-wide model resident), 9 chunks (top 8, the shared expert) a block.
 COMBINED_DOWN_SHAPES = [(8, 64, 9), (8, 32, 9)]

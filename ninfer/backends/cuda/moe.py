@@ -69,13 +69,10 @@ NEXT_ROUTER_GEMM = EARLY_ROUTER_GEMM + "n"
 # ROUTER_GEMV_COLS): it normalises, keeps the row and asks L2 for the next layer as NEXT_ROUTER_GEMM does.
 ROUTER_GEMVS = ("gemv_normed_keep_store_m1c2p2n", "gemv_normed_keep_store_m1c4p2n")
 # The one-row gate/up GEMVs that route the row themselves (CudaMoe.routed_gate_up), for at most 256 experts;
-# ``f``: the shared chunk in the grid's first row of blocks, ``i{N}``: N column tiles a block, ``a``: asking L2
-# for the rest of them once routed, ``l``: loading each next tile's first step while summing a tile, ``d``:
-# two steps in flight (numba_kernels/moe.py SHARED_FIRST, ITEMS, ASK, LEAD, DEEP).
+# ``f``: the shared chunk in the grid's first row of blocks, ``i{N}``: N column tiles a block, ``l``: loading
+# each next tile's first step while summing a tile (numba_kernels/moe.py SHARED_FIRST, ITEMS, LEAD).
 ROUTED_GATE_UPS = ("moe_gate_up_gemv_m1c4x128r256", "moe_gate_up_gemv_m1c4x64r256", "moe_gate_up_gemv_m1c4x128r256f",
-                   "moe_gate_up_gemv_m1c4x128r256i3f", "moe_gate_up_gemv_m1c4x128r256i3fa",
-                   "moe_gate_up_gemv_m1c4x128r256i3fl", "moe_gate_up_gemv_m1c4x128r256i4fl",
-                   "moe_gate_up_gemv_m1c4x128r256i3fld", "moe_gate_up_gemv_m1c4x128r256i4fld")
+                   "moe_gate_up_gemv_m1c4x128r256i3f", "moe_gate_up_gemv_m1c4x128r256i3fl")
 # Those with an ``n`` build, asking L2 for their chunks' down weights (CudaMoe.down_prefetch).
 NEXT_ROUTED_GATE_UPS = (ROUTED_GATE_UPS[0], *ROUTED_GATE_UPS[2:])
 # The one-row down GEMVs with the combine folded in (CudaMoe.combined_down), for at most 8 experts a token.
@@ -185,8 +182,11 @@ class CudaMoe:
     # column tiles a block (``i3``: a routing a block, not a tile, and every block of the 35B-A3B resident
     # at once) and runs the shared chunk in the grid's first row of blocks (``f``: they start beside the
     # router and load the shared expert's weights while it runs): an H200's 35B-A3B batch-1 step 2.40 ->
-    # 2.34 ms of GPU time (``f`` alone 2.37; ``i3fa``, asking L2 for the tiles too, 2.40).
-    routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256i3f"
+    # 2.34 ms of GPU time (``f`` alone 2.37; asking L2 for the tiles too, 2.40). Its ``l`` build loads a
+    # block's next tile while the block sums a tile: an H100's step 2.76 -> 2.74 and 2.73 -> 2.71 ms in
+    # two calls (two runs each); four tiles a block 2.72-2.75, two steps in flight a thread (96 registers)
+    # 2.73-2.74 at four tiles, 2.83-2.84 at three (docs/benchmarks.md, fortieth session).
+    routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256i3fl"
     combined_down: str | None = "moe_down_combine_gemv_m1c8x32g9"
     # The share of each chunk's down matrix that the routed gate/up GEMV (its ``NEXT`` build, the first
     # of ROUTED_GATE_UPS + "n") asks L2 for at its tail, so the down GEMV, which waits for the plan,
