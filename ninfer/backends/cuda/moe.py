@@ -192,8 +192,10 @@ class CudaMoe:
     # of ROUTED_GATE_UPS + "n") asks L2 for at its tail, so the down GEMV, which waits for the plan,
     # starts on L2; 0: the plain build. H100, 35B-A3B batch 1, GPU ms a step (tools/gpu_bench_hybrid.py
     # --down-prefetch-ablation): 2.97-2.98 -> 2.93-2.94 at 0.5 (three runs), 2.92 at 0.25, 2.98 at 0.75,
-    # 3.01 at 1 (the whole 19 MB of a layer's down weights crowds the gate/up GEMV's own stream).
-    down_prefetch = 0.5
+    # 3.01 at 1 (the whole 19 MB of a layer's down weights crowds the gate/up GEMV's own stream). With the
+    # ``i3fl`` gate/up (fortieth session, another H100, three runs): 0.5 2.72, 0.25 2.69, 0.125 2.70, 0.75
+    # 2.75-2.76, none 2.70.
+    down_prefetch = 0.25
     # Bytes of the next layer's first GEMM's weights (``forward``'s ``then``) that a one-row step's early
     # router asks L2 for once its own weights are in (NEXT_ROUTER_GEMM), a share a block: DRAM idles
     # through the routing, and that GEMM (the 35B-A3B's 50 MB DeltaNet in_proj) then starts on L2. 0: the
