@@ -959,7 +959,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
     they load their first step there, and ask L2 for the rest of their rows, while the router runs. The
     same chunks and sums: bit for bit the build without it."""
     OUT = COLS // 2
-    weight_rows, load_step, stream_steps, finish_chunk, gemv_chunk = make_gemv_chunk("gate_up", 1, COLS, THREADS)
+    weight_rows, load_step, stream_steps, finish_chunk, _ = make_gemv_chunk("gate_up", 1, COLS, THREADS)
     weight_row = make_weight_row(COLS, SWIGLU=True)
     ranked_picks = make_ranked_picks(experts)
 
@@ -1077,12 +1077,7 @@ def make_routed_gemv(COLS: int, THREADS: int, experts: int, NEXT: bool = False, 
                 load_step(w, row_of, k >> 2, k >> 3, tid, raw)
         if first_tile * OUT >= n:
             return
-        if ITEMS == 1:
-            x_at = cuda.local.array(1, int64)
-            x_at[0] = int64(0)
-            gemv_chunk(y, x, w, row_of, raw, x_at, n, k, ci, 1, pair_weight, ldy)
-        else:
-            stream_tiles(y, x, w, row_of, raw, n, k, first_row, first_tile, ci, pair_weight, ldy)
+        stream_tiles(y, x, w, row_of, raw, n, k, first_row, first_tile, ci, pair_weight, ldy)
         if NEXT and tid == 0:
             if shared:
                 prefetch_down(down_shared, 0, shared_bytes, int64(k_shared) * n_shared * 2, n)

@@ -182,10 +182,10 @@ class CudaMoe:
     # column tiles a block (``i3``: a routing a block, not a tile, and every block of the 35B-A3B resident
     # at once) and runs the shared chunk in the grid's first row of blocks (``f``: they start beside the
     # router and load the shared expert's weights while it runs): an H200's 35B-A3B batch-1 step 2.40 ->
-    # 2.34 ms of GPU time (``f`` alone 2.37; asking L2 for the tiles too, 2.40). Its ``l`` build loads a
-    # block's next tile while the block sums a tile: an H100's step 2.76 -> 2.74 and 2.73 -> 2.71 ms in
-    # two calls (two runs each); four tiles a block 2.72-2.75, two steps in flight a thread (96 registers)
-    # 2.73-2.74 at four tiles, 2.83-2.84 at three (docs/benchmarks.md, fortieth session).
+    # 2.34 ms of GPU time with ``i3f`` (``f`` alone 2.37; asking L2 for the tiles too, 2.40). It also loads
+    # a block's next tile while the block sums a tile (``l``): an H100's step 2.76 -> 2.74 and 2.73 ->
+    # 2.71 ms against ``i3f`` in two calls (two runs each); four tiles a block 2.72-2.75, two steps in
+    # flight a thread (96 registers) 2.73-2.74 at four tiles, 2.83-2.84 at three (docs/benchmarks.md).
     routed_gate_up: str | None = "moe_gate_up_gemv_m1c4x128r256i3fl"
     combined_down: str | None = "moe_down_combine_gemv_m1c8x32g9"
     # The share of each chunk's down matrix that the routed gate/up GEMV (its ``NEXT`` build, the first
