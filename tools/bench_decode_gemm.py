@@ -87,6 +87,8 @@ def main(argv=None) -> int:
                     kern = kernels[kname]
                     grid = (-(-cols // kern.meta["cols"]),)
                     extra = {"in": (part, CHAIN_PARTS), "out": (xn, part)}.get(kern.meta.get("chain"), ())
+                    if kern.meta.get("next"):  # a NEXT build asks L2 for nothing here: the kernel alone
+                        extra += (x, 0)
                     candidates[kname] = [lambda wt=wt, kern=kern, grid=grid, extra=extra: kern.launch(
                         grid, (kern.meta["threads"],), (y, x, wt, norm, rows, cols, k, cols, 1e-6, *extra), stream)
                         for wt in weights]
