@@ -160,10 +160,25 @@ def descriptor_low(address, leading_bytes):
     return uint32(((address & 0x3FFFF) >> 4) | ((leading_bytes >> 4) << 16))
 
 
+@intrinsic
+def pack_u64(typingctx, low, high):
+    """The 64-bit word ``{low, high}`` of two 32-bit words, as one ``mov.b64``: ptxas then keeps a
+    descriptor's halves apart (numba types a sum of uint32 as 64-bit, and a 64-bit descriptor sum
+    took a carried add and an OR of the constant high word ahead of every wgmma)."""
+    sig = uint64(uint32, uint32)
+
+    def codegen(context, builder, signature, args):
+        words = [context.cast(builder, v, t, uint32) for v, t in zip(args, signature.args)]
+        return builder.call(ir.InlineAsm(ir.FunctionType(_I64, [_I32, _I32]), "mov.b64 $0, {$1, $2};", "=l,r,r"),
+                            words)
+
+    return sig, codegen
+
+
 @cuda.jit(device=True, inline=True)
 def descriptor_of(low, stride_bytes):
     """The 128-byte-swizzle descriptor of low word ``low`` (``descriptor_low``) and SBO ``stride_bytes``."""
-    return uint64(low) | (uint64(stride_bytes >> 4) << 32) | uint64(SWIZZLE_128B)
+    return pack_u64(uint32(low), uint32((stride_bytes >> 4) | (SWIZZLE_128B >> 32)))
 
 
 @cuda.jit(device=True, inline=True)
