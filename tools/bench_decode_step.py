@@ -20,8 +20,9 @@ before them (``--staged``), decode attention in the prefill path's three launche
 ``decode_attention``'s one, other attention split lengths than ``forward.decode_split`` picks, a grid
 exactly as deep as the step's splits (the runner's graphs come in a few depths,
 ``Forward.decode_depths``; blocks past a row's keys exit at once), and the step without attention at
-all (wrong tokens, right cost of everything else: the difference is attention's share); with
-``--attention NAME`` every variant runs that decode attention kernel, and the default one is timed too.
+all (wrong tokens, right cost of everything else: the difference is attention's share), then the
+default step again; with ``--attention NAME`` every variant runs that decode attention kernel, and the
+default one is timed too.
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ def main(argv=None) -> int:
         measure("fused, no attention, not overlapped")
         runner.forward.overlap = True
         del runner.forward.attend  # the class's method again
+        # The defaults once more, last: on the H100 their first timing in a case read 10-20 us slower than
+        # the same step timed later in the run (docs/benchmarks.md, forty-first session).
+        measure(f"fused (splits of {int(inp.split[0])}), again")
         print(f"b={batch} ctx={context} (roofline {roofline_ms:.3f} ms): "
               + ", ".join(f"{k} {v:.3f} ms ({100 * roofline_ms / v:.1f}%)" for k, v in results.items()), flush=True)
     runner.close()
