@@ -168,9 +168,8 @@ def pack_u64(typingctx, low, high):
     sig = uint64(uint32, uint32)
 
     def codegen(context, builder, signature, args):
-        words = [context.cast(builder, v, t, uint32) for v, t in zip(args, signature.args)]
         return builder.call(ir.InlineAsm(ir.FunctionType(_I64, [_I32, _I32]), "mov.b64 $0, {$1, $2};", "=l,r,r"),
-                            words)
+                            args)
 
     return sig, codegen
 
