@@ -64,8 +64,14 @@ def main(argv=None) -> int:
     kv_bits = (rng.standard_normal(pages * page_elems, dtype=np.float32).view(np.uint32) >> 16)
     rt.copy_h2d(pool, kv_bits.astype(np.uint16), stream)  # bf16 truncations of normals
     width = (H + 2 * KV) * D
+    q_values = rng.standard_normal(N * width, dtype=np.float32)
     qkv = device.alloc(N * width * 4, "qkv")
-    rt.copy_h2d(qkv, rng.standard_normal(N * width, dtype=np.float32), stream)
+    rt.copy_h2d(qkv, q_values, stream)
+    # What the ``_bf16`` kernels read (the cuBLASLt prefill's): the same values rounded to nearest even,
+    # as the fp32 kernels round q for their MMAs.
+    bits = q_values.view(np.uint32)
+    qkv_bf16 = device.alloc(N * width * 2, "qkv_bf16")
+    rt.copy_h2d(qkv_bf16, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16), stream)
     out = device.alloc(N * H * D * 4, "out")
     table = device.alloc(pages * 4, "table")
     rt.copy_h2d(table, rng.permutation(pages).astype(np.int32), stream)
@@ -86,19 +92,23 @@ def main(argv=None) -> int:
     for (name, full), chunk in ((r, int(c)) for r in runs for c in args.chunks.split(",")):
         kernel = kernels[name]
         meta = {**kernel.meta, "persistent": 0} if full else kernel.meta
+        # The bf16 kernels read q in bf16 and write bf16.
+        item, q_in = (2, qkv_bf16) if kernel.meta.get("out") == "bf16" else (4, qkv)
 
-        def body(chunk=chunk, kernel=kernel, meta=meta):
+        def body(chunk=chunk, kernel=kernel, meta=meta, item=item, q_in=q_in):
             for first in range(0, N, chunk):
                 n = min(chunk, N - first)
                 kernel.launch(prefill_attention_grid(meta, H, n, device.sm_count), (kernel.meta["threads"],),
-                              (qkv.at(first * width * 4), pool, page_elems, table, pages,
-                               row_table.at(first * 4), positions.at(first * 4), out.at(first * H * D * 4), n,
+                              (q_in.at(first * width * item), pool, page_elems, table, pages,
+                               row_table.at(first * 4), positions.at(first * 4), out.at(first * H * D * item), n,
                                H, KV, PAGE.bit_length() - 1, scale_log2), stream)
 
         ms = time_ms(device, stream, body, args.reps)
-        got = np.empty(N * H * D, np.float32)
+        got = np.empty(N * H * D, np.float32 if item == 4 else np.uint16)
         rt.copy_d2h(got, out, stream)
         rt.synchronize(stream)
+        if item == 2:
+            got = (got.astype(np.uint32) << 16).view(np.float32)
         first = firsts.setdefault(chunk, got)  # every kernel's output against the first kernel's
         diff = float(np.abs(got - first).max())
         label = f"{name} (full grid)" if full else name
