@@ -111,6 +111,29 @@ def test_cublaslt_prefill_ropes_exactly_its_rows(rows):
         assert kernel.meta["persistent"] == 1 and grid == (min(items, fwd.k.device.sm_count),)
 
 
+@pytest.mark.parametrize("lt", [FakeLt(), None])
+def test_a_prefill_pass_without_outputs_stops_at_the_last_kv_append(lt):
+    """``layers(outputs=False)``: every layer appends its K/V (the rope), the last one nothing after
+    it (attention, o, MLP, final norm); the whole pass launches those once a layer more."""
+    fwd = forward(max_rows=512, lt=lt)
+    counts = {}
+    for outputs in (True, False):
+        fwd.k.log.clear()
+        calls = len(lt.calls) if lt else 0
+        fwd.layers(300, None, outputs=outputs)
+        names = [kernel.name for kernel, _, _ in fwd.k.log]
+        ropes = [name for name in names if name.startswith("rope_kv")]
+        assert len(ropes) == CONFIG.num_layers
+        counts[outputs] = (len(names), (len(lt.calls) - calls) if lt else 0)
+        if not outputs:
+            assert names[-1] == ropes[-1]
+    # The last layer's attention, o, gate_up, (SiLU-mul), down and two norms: fewer launches, and with
+    # cuBLASLt three GEMMs fewer (only qkv's runs).
+    assert counts[False][0] < counts[True][0]
+    if lt:
+        assert counts[True][1] - counts[False][1] == 3
+
+
 def test_prefill_attention_grid():
     """A block per (head, row tile), or for a persistent kernel as many blocks as fit the GPU (each
     then takes items in rounds) but never more than there are items."""

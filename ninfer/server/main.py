@@ -262,8 +262,8 @@ def _log_runner_startup(facts: dict[str, Any] | None) -> None:
                      f"({facts['graph_bytes'] / 2**20:.0f} MiB, {facts['graph_nodes']} nodes each)".lstrip())
     prefill_graph = facts.get("prefill_graph")
     if prefill_graph:
-        parts.append(f"prefill graph of {prefill_graph['rows']} rows ({prefill_graph['nodes']} nodes) "
-                     f"in {prefill_graph['seconds']} s")
+        parts.append(f"prefill graphs of {prefill_graph['rows']} rows ({prefill_graph['nodes']} nodes; "
+                     f"{prefill_graph['kv_only_nodes']} without outputs) in {prefill_graph['seconds']} s")
     tuning = facts.get("prefill_gemm_tuning")
     if tuning and tuning["gemms"]:
         parts.append(f"prefill GEMMs of {tuning['rows']} rows tuned in {tuning['seconds']} s")

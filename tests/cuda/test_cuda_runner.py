@@ -121,11 +121,13 @@ def test_prefill_graph_replays_the_same_pass(artifact, prefill_gemm):
             chunk = PrefillChunk(lane=1, tokens=prompt, start=0, page_table=_table(1), return_logits=True)
             return gpu.prefill(chunk).logits, gpu.read_pages(_table(1)[:10])
 
-        captured = gpu._prefill_graph[0]
+        assert gpu.startup["prefill_graph"]["kv_only_nodes"] > 0
+        captured = dict(gpu._prefill_graphs)  # at startup: with outputs and without
+        assert {outputs for _, outputs, _ in captured} == {True, False}
         want = prefill(False)
         for got, expected in zip(prefill(True), want):
             np.testing.assert_array_equal(got, expected)
-        assert gpu._prefill_graph[0] is captured  # replayed, not captured again
+        assert gpu._prefill_graphs == captured  # replayed, not captured again
         if prefill_gemm == "cublaslt":
             before = gpu.forward.lt.generation
             gpu.tune_prefill_gemms(min_rows=0)  # plans again with more algorithms, picks the fastest
@@ -133,7 +135,29 @@ def test_prefill_graph_replays_the_same_pass(artifact, prefill_gemm):
             want = prefill(False)
             for got, expected in zip(prefill(True), want):
                 np.testing.assert_array_equal(got, expected)
-            assert gpu._prefill_graph[0] is not captured and gpu._prefill_graph[1] == (64, gpu.forward.lt.generation)
+            assert list(gpu._prefill_graphs) == [(64, True, gpu.forward.lt.generation)]  # the stale ones went
+            assert all(graph is not old for graph in gpu._prefill_graphs.values() for old in captured.values())
+    finally:
+        gpu.close()
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_a_prefill_without_outputs_writes_the_same_kv(artifact, graph):
+    """Sub-chunks whose logits nobody reads stop after the last layer's K/V append (``Forward.layers``
+    ``outputs``): a prompt prefilled so, in 64-row sub-chunks, leaves the KV pages of one prefilled
+    with its logits, bit for bit, and the token sampled after a last chunk that way is the logits'
+    argmax."""
+    _, gpu = _runners(artifact, "bf16", prefill_gemm="cublaslt")
+    try:
+        gpu.graph_prefill_rows = 64 if graph else None
+        prompt = np.random.default_rng(3).integers(0, gpu.info.vocab_size, 150).astype(np.int32)
+        full = gpu.prefill(PrefillChunk(lane=1, tokens=prompt, start=0, page_table=_table(1), return_logits=True))
+        gpu.prefill(PrefillChunk(lane=2, tokens=prompt[:128], start=0, page_table=_table(2)))
+        gpu.bind_lane(2, [])
+        last = gpu.prefill(PrefillChunk(lane=2, tokens=prompt[128:], start=128, page_table=_table(2),
+                                        sample=SamplingRow()))
+        np.testing.assert_array_equal(gpu.read_pages(_table(2)[:10]), gpu.read_pages(_table(1)[:10]))
+        assert int(last.tokens[0]) == int(np.argmax(full.logits[-1]))
     finally:
         gpu.close()
 

@@ -25,7 +25,7 @@ FACTS = {"device": "NVIDIA H200", "sync": "blocking", "kv_dtype": "bf16", "prefi
          "kv_auto": {"free_bytes": 100 * GIB, "workspace_without_kv": GIB, "graph_reserve": 64 << 20,
                      "headroom": GIB, "page_bytes": 1 << 20, "pages": 40},
          "graph_capture_s": 1.234, "graph_bytes": 12 << 20, "graph_nodes": 321, "graph_count": 16,
-         "prefill_graph": {"rows": 1024, "nodes": 362, "seconds": 0.071},
+         "prefill_graph": {"rows": 1024, "nodes": 362, "kv_only_nodes": 352, "seconds": 0.071},
          "free_bytes_after_startup": 5 * GIB, "weights_bytes": 16 * GIB, "weights_upload_gb_per_s": 21.5,
          "host_arena_bytes": 8 * GIB}
 
@@ -57,8 +57,8 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
     nursery.cancel_scope.cancel()
     lines = [r.getMessage() for r in caplog.records]
     assert ("CUDA startup: NVIDIA H200; weights 16.00 GiB at 21.5 GB/s; workspace 3.00 GiB incl. 40 KV pages; "
-            "16 decode graphs captured in 1.234 s (12 MiB, 321 nodes each); prefill graph of 1024 rows (362 nodes) "
-            "in 0.071 s; prefill GEMMs of 1024 rows tuned in 0.42 s; 5.00 GiB free") in lines
+            "16 decode graphs captured in 1.234 s (12 MiB, 321 nodes each); prefill graphs of 1024 rows (362 nodes; "
+            "352 without outputs) in 0.071 s; prefill GEMMs of 1024 rows tuned in 0.42 s; 5.00 GiB free") in lines
     assert ("--kv-capacity auto: 640 tokens (40 pages, 0.04 GiB; 100.00 GiB were free after the weights)"
             in lines)
 
@@ -71,7 +71,7 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
                                            "state_slots": None, "state_bytes": None}}
     assert rec["cuda_graph"] == {"enabled": True, "reserve_bytes": 64 << 20, "count": 16, "bytes": 12 << 20,
                                  "nodes_per_graph": 321, "capture_seconds": 1.234,
-                                 "prefill": {"rows": 1024, "nodes": 362, "seconds": 0.071}}
+                                 "prefill": FACTS["prefill_graph"]}
     assert rec["cuda"] == {"device": 0, "name": "NVIDIA H200", "sync": "blocking", "prefill_gemm": "cublaslt-tuned",
                            "prefill_gemm_tuning": TUNING, "weights_upload_gb_per_s": 21.5,
                            "weights_random_fill_s": None}

@@ -488,13 +488,15 @@ class Forward:
         return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
     def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False,
-               bf16: bool = False) -> rt.DevicePtr:
+               bf16: bool = False, attention: bool = True) -> rt.DevicePtr | None:
         """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``
         (or, with ``bf16``, only where the tensor-core prefill kernel runs: from a bf16 ``qkv``, into
-        ``x_bf16`` in bf16); returns where the output went.
+        ``x_bf16`` in bf16); returns where the output went. ``attention`` False (not in decode): the
+        append only, and None.
 
         ``decode``: every row is its own sequence, so one ``decode_attention`` launch does it all;
         else rows of one sequence read each other's keys and the append runs first, alone."""
+        assert attention or not decode, "a decode step reads every row's attention"
         c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         p = f"layers.{i}."
@@ -522,6 +524,8 @@ class Forward:
             rope = k[self.rope_name]
             rope.launch((rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), rope_args,
                         stream)
+        if not attention:
+            return None
         if self.prefill_attention_name and rows > inp.lanes.size:
             return self.prefill_attention(layer_kv, rows, stream, bf16)
         assert not bf16, "the split attention kernels read fp32 q"
@@ -535,8 +539,13 @@ class Forward:
                        (b.attn, b.part_o, b.part_ml, inp.d_positions, H, n_splits, D, inp.d_split), stream)
         return b.attn
 
-    def layers(self, rows: int, stream) -> None:
+    def layers(self, rows: int, stream, outputs: bool = True) -> None:
         """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
+
+        ``outputs`` False: the caller reads no hidden state of these rows (a prefill sub-chunk whose
+        logits nobody reads), so the pass stops once the last layer has appended its K/V: that
+        layer's attention, o projection and MLP and the final norm feed only ``h`` (about 2.5% of a
+        Qwen3-8B prefill pass).
 
         Where cuBLASLt runs the GEMMs (prefill), they read bf16 activations: the norms and SiLU-mul
         then write theirs straight into ``x_bf16`` (rounded as ``to_bf16`` would), one pass instead of
@@ -591,6 +600,9 @@ class Forward:
             p = f"layers.{i}."
             norm(normed, w[p + "attn_norm"], kind)
             matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size, out_bf16=bf16_qkv)
+            if not outputs and i == c.num_layers - 1:
+                self.attend(i, rows, n_splits, stream, bf16=bf16_qkv, attention=False)
+                return
             residual(self.attend(i, rows, n_splits, stream, bf16=bf16_qkv), w[p + "o"], c.q_size)
             norm(normed, w[p + "mlp_norm"], kind)
             # Under cuBLASLt gate and up come out in bf16 (as a bf16 checkpoint's own MLP has them).

@@ -221,8 +221,10 @@ class CudaRunner:
         # The sub-chunk size whose passes replay the prefill graph (None: none do); tools may change it.
         graphed = cuda_graph and self.buffers.rows <= self.PREFILL_GRAPH_MAX_ROWS
         self.graph_prefill_rows = self.buffers.rows if graphed else None
-        self._prefill_graph: tuple[rt.Graph, tuple[int, int]] | None = None  # with its (rows, GEMM generation)
-        self._prefill_warmed: tuple[int, int] | None = None  # the last (rows, generation) run kernel by kernel
+        # Prefill graphs by (rows, outputs, GEMM generation): a pass with hidden states out and one
+        # that stops at the last layer's K/V append (``Forward.layers``).
+        self._prefill_graphs: dict[tuple[int, bool, int], rt.Graph] = {}
+        self._prefill_warmed: set[tuple[int, bool, int]] = set()  # keys run kernel by kernel since
         if prefill_gemm == "cublaslt-tuned":
             self.startup["prefill_gemm_tuning"] = self.tune_prefill_gemms()
         if self.graph_prefill_rows:
@@ -261,64 +263,78 @@ class CudaRunner:
         return {"rows": rows, "seconds": round(time.perf_counter() - start, 3), "gemms": gemms}
 
     def _capture_prefill(self) -> dict[str, Any]:
-        """Capture the prefill graph before any request: two whole sub-chunks of token 0 in lane 0 over
-        the first pages, the first launched kernel by kernel, the second captured and replayed
-        (``_prefill_layers``; like the tuning's pass they write KV pages and a lane that no request
-        holds). Returns its rows, nodes and the seconds both took; nothing where a whole sub-chunk
-        is longer than a sequence may be."""
+        """Capture the prefill graphs before any request: for a sub-chunk in the middle of a prompt
+        (no outputs) and one that ends it (its last row sampled), two whole sub-chunks of token 0 in
+        lane 0 over the first pages each, the first launched kernel by kernel, the second captured and
+        replayed (``_prefill_layers``; like the tuning's pass they write KV pages and a lane that no
+        request holds). Returns the rows, the nodes of each graph and the seconds all took; nothing
+        where a whole sub-chunk is longer than a sequence may be."""
         info, rows = self.info, self.graph_prefill_rows
         if rows > min(info.max_context, info.num_pages * info.page_size):
             return {}
         start = time.perf_counter()
-        for _ in range(2):
-            self._startup_prefill(rows)
+        for sample in (None, SamplingRow()):
+            for _ in range(2):
+                self._startup_prefill(rows, sample)
         rt.synchronize(self.stream)
-        graph = self._prefill_graph[0]
-        return {"rows": rows, "nodes": graph.nodes, "seconds": round(time.perf_counter() - start, 3)}
+        nodes = {outputs: graph.nodes for (_, outputs, _), graph in self._prefill_graphs.items()}
+        return {"rows": rows, "nodes": nodes[True], "kv_only_nodes": nodes[False],
+                "seconds": round(time.perf_counter() - start, 3)}
 
-    def _startup_prefill(self, rows: int) -> None:
+    def _startup_prefill(self, rows: int, sample: SamplingRow | None = None) -> None:
         """The pass that tuning and the graph's capture make: ``rows`` tokens 0 in lane 0 over the first
-        pages (at startup no request holds them)."""
+        pages (at startup no request holds them), its last row sampled with ``sample``."""
         pages = np.arange(-(-rows // self.info.page_size), dtype=np.int32)
-        self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages))
+        self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages, sample=sample))
 
-    def _prefill_layers(self, rows: int, stream) -> None:
-        """One sub-chunk's layers. A sub-chunk of ``graph_prefill_rows`` rows (by default a whole one)
-        replays the prefill graph: the pass's launches recorded once, so the device goes from kernel
-        to kernel without the host launching each (the gaps between kernels halve: 2% of a 1024-row
-        prefill of the Qwen3-8B shape on an H100). The graph keeps the cuBLASLt algorithms it was
-        captured with, so after they change (``LtMatmul.generation``), or the rows do, the first such
-        sub-chunk runs kernel by kernel, which also loads the kernels of any new algorithm (no module
-        may load during a capture), and the next is captured anew."""
+    def _prefill_layers(self, rows: int, stream, outputs: bool = True) -> None:
+        """One sub-chunk's layers (``outputs``: as ``Forward.layers``). A sub-chunk of
+        ``graph_prefill_rows`` rows (by default a whole one) replays a prefill graph: the pass's
+        launches recorded once, so the device goes from kernel to kernel without the host launching
+        each (the gaps between kernels halve: 2% of a 1024-row prefill of the Qwen3-8B shape on an
+        H100). A graph keeps the cuBLASLt algorithms it was captured with, so after they change
+        (``LtMatmul.generation``), or the rows do, the first such sub-chunk runs kernel by kernel,
+        which also loads the kernels of any new algorithm (no module may load during a capture), and
+        the next is captured anew."""
         if rows != self.graph_prefill_rows:
-            self.forward.layers(rows, stream)
+            self.forward.layers(rows, stream, outputs)
             return
-        if self._prefill_graph is None or self._prefill_graph[1] != self._graph_key(rows):
-            if self._prefill_warmed != self._graph_key(rows):
-                self.forward.layers(rows, stream)
-                self._prefill_warmed = self._graph_key(rows)
+        key = self._graph_key(rows, outputs)
+        if key not in self._prefill_graphs:
+            if key not in self._prefill_warmed:
+                self.forward.layers(rows, stream, outputs)
+                self._prefill_warmed = {k for k in self._prefill_warmed if self._current(k)} | {key}
                 return
-            self._drop_prefill_graph()
-            graph = rt.Graph.capture(stream, lambda: self.forward.layers(rows, stream))
-            self._prefill_graph = (graph, self._graph_key(rows))  # read after: a plan made during it counts
-        self._prefill_graph[0].launch(stream)
+            self._drop_prefill_graphs(stale_only=True)
+            graph = rt.Graph.capture(stream, lambda: self.forward.layers(rows, stream, outputs))
+            key = self._graph_key(rows, outputs)  # read after: a plan made during it counts
+            self._prefill_graphs[key] = graph
+        self._prefill_graphs[key].launch(stream)
 
-    def _graph_key(self, rows: int) -> tuple[int, int]:
-        """What a prefill graph depends on: its rows, and the generation of cuBLASLt's algorithms."""
-        return rows, self._lt.generation if self._lt is not None else 0
+    def _graph_key(self, rows: int, outputs: bool) -> tuple[int, bool, int]:
+        """What a prefill graph depends on: its rows, its outputs, and the generation of cuBLASLt's
+        algorithms."""
+        return rows, outputs, self._lt.generation if self._lt is not None else 0
+
+    def _current(self, key: tuple[int, bool, int]) -> bool:
+        """Whether a prefill graph of ``key`` could be replayed now: the rows and algorithms hold."""
+        return key[0] == self.graph_prefill_rows and key[2] == self._graph_key(key[0], key[1])[2]
 
     def forget_prefill_graph(self) -> None:
         """For tools that change the forward's options (its kernels, its GEMM engine) between prefills,
         which the graph does not see: the next whole sub-chunk runs kernel by kernel, loading any new
         kernel, and the one after is captured anew."""
-        self._drop_prefill_graph()
-        self._prefill_warmed = None
+        self._drop_prefill_graphs()
+        self._prefill_warmed = set()
 
-    def _drop_prefill_graph(self) -> None:
-        if getattr(self, "_prefill_graph", None) is not None:
+    def _drop_prefill_graphs(self, stale_only: bool = False) -> None:
+        """Destroy the prefill graphs (``stale_only``: those that could not be replayed now)."""
+        graphs = getattr(self, "_prefill_graphs", {})
+        stale = [key for key in graphs if not (stale_only and self._current(key))]
+        if stale:
             rt.synchronize(self.stream)  # a replay still in flight finishes before its graph goes
-            self._prefill_graph[0].destroy()
-            self._prefill_graph = None
+        for key in stale:
+            graphs.pop(key).destroy()
 
     # -- what a model family changes: its buffers, its forward pass, its start-up figures --------
 
@@ -366,7 +382,10 @@ class CudaRunner:
             self._fill_table(0, table[0])
             inp.upload(stream)
             rt.check(rt.cu.cuEventRecord(self._uploaded, stream), "cuEventRecord")
-            self._prefill_layers(n, stream)
+            # Hidden states leave only as logits: all rows' where asked, else the last row's where
+            # this sub-chunk ends a prompt that samples.
+            outputs = logits is not None or (chunk.sample is not None and first + n == tokens.size)
+            self._prefill_layers(n, stream, outputs)
             if logits is not None:
                 for r in range(0, n, b.logit_rows):
                     m = min(b.logit_rows, n - r)
@@ -593,7 +612,7 @@ class CudaRunner:
             self._lt.close()
         rt.synchronize(self.stream)  # a step still in flight finishes before its graph goes
         self._pending.clear()
-        self._drop_prefill_graph()
+        self._drop_prefill_graphs()
         for by_depth in self.graphs.values():
             for pair in by_depth.values():
                 for graph in pair:
