@@ -544,8 +544,8 @@ class Forward:
 
         ``outputs`` False: the caller reads no hidden state of these rows (a prefill sub-chunk whose
         logits nobody reads), so the pass stops once the last layer has appended its K/V: that
-        layer's attention, o projection and MLP and the final norm feed only ``h`` (about 2.5% of a
-        Qwen3-8B prefill pass).
+        layer's attention, o projection and MLP and the final norm feed only ``h`` (an 8192-token
+        Qwen3-8B prefill in 1024-token chunks takes 2.1% less time on an H100).
 
         Where cuBLASLt runs the GEMMs (prefill), they read bf16 activations: the norms and SiLU-mul
         then write theirs straight into ``x_bf16`` (rounded as ``to_bf16`` would), one pass instead of
