@@ -17,7 +17,8 @@ by whole prefills instead (slow, and a pass varies by about 1%); both launch ker
 graph would be captured again at every switch of algorithm). Chunks of the size timed replay the
 prefill graph where ``ninfer serve``'s whole chunks of that size would (``CudaRunner.graph_prefill_rows``,
 ``PREFILL_GRAPH_MAX_ROWS``); ``--graph-ablation`` times each chunk size with and without one, passes
-alternating.
+alternating; ``--outputs-ablation`` with the sub-chunks in a prompt's middle stopping at the last
+layer's K/V append (as the runner runs them) and with every sub-chunk computing its hidden states.
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
 kernel recorded by CUPTI (torch.profiler), summed by kernel name, and the device's idle time between
 kernels, by the kernel that ended each idle stretch.
@@ -95,6 +96,23 @@ def graph_against_launches(runner, tokens: int, chunk: int, reps: int, pause: fl
 
     with launched(runner):
         return alternating(runner, tokens, chunk, reps, pause, {"graph": rows(chunk), "launches": rows(None)})
+
+
+def kv_only_against_full(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:
+    """Median seconds of a prefill in chunks of ``chunk``: as the runner runs it (the sub-chunks in the
+    prompt's middle stop at the last layer's K/V append, ``Forward.layers``' ``outputs``) and with
+    every sub-chunk's pass computing its hidden states, passes alternating."""
+    layers = runner._prefill_layers
+
+    def full(rows, stream, outputs=True):
+        layers(rows, stream, True)
+
+    try:
+        return alternating(runner, tokens, chunk, reps, pause,
+                           {"kv_only": lambda: vars(runner).pop("_prefill_layers", None),
+                            "full": lambda: setattr(runner, "_prefill_layers", full)})
+    finally:
+        vars(runner).pop("_prefill_layers", None)
 
 
 def tuned_against_first(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
@@ -204,6 +222,8 @@ def main(argv=None) -> int:
                         help="each chunk size also with its GEMM algorithms tuned, alternating with the first picks")
     parser.add_argument("--graph-ablation", action="store_true",
                         help="each chunk size also with whole chunks launched kernel by kernel, alternating with the graph")
+    parser.add_argument("--outputs-ablation", action="store_true",
+                        help="each chunk size also with every sub-chunk computing its hidden states, alternating")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds the GPU idles before each timed prefill, ours and the peer's alike")
     parser.add_argument("--json", type=Path)
@@ -237,6 +257,10 @@ def main(argv=None) -> int:
               f"(attention {100 * r['attention_share']:.0f}%)", flush=True)
         if args.graph_ablation:
             r["graph_ablation"] = ab = graph_against_launches(runner, args.tokens, chunk, args.reps, args.pause)
+            print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
+                  flush=True)
+        if args.outputs_ablation:
+            r["outputs_ablation"] = ab = kv_only_against_full(runner, args.tokens, chunk, args.reps, args.pause)
             print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
                   flush=True)
         if args.tune:
