@@ -231,6 +231,16 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
     if args.prefill:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
         print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
+        if args.prefill_outputs_ablation:  # every sub-chunk's pass to its hidden states, then as the runner runs it
+            layers = runner._prefill_layers
+            for key, full in (("prefill_full_passes", True), ("prefill_again", False)):
+                if full:
+                    runner._prefill_layers = lambda rows, stream, outputs=True: layers(rows, stream, True)
+                else:
+                    del runner._prefill_layers
+                report[key] = r = bench_prefill(runner, args.prefill)
+                print(f"ours prefill, {'every' if full else 'the last'} sub-chunk to its hidden states: "
+                      f"{r['seconds'] * 1e3:.1f} ms = {r['tok_s']:.0f} tok/s", flush=True)
         if args.prefill_graph_ablation:  # every sub-chunk launched kernel by kernel, then the graph again
             for key, rows in (("prefill_launched", None), ("prefill_graph_again", runner.graph_prefill_rows)):
                 runner.graph_prefill_rows = rows
@@ -513,6 +523,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-rows-ablation", default="", metavar="ROWS[,ROWS...]",
                         help="prefill again in sub-chunks of ROWS rows (each below --prefill-rows, whose buffers "
                              "serve them)")
+    parser.add_argument("--prefill-outputs-ablation", action="store_true",
+                        help="prefill again with every sub-chunk computing its hidden states, then as the runner "
+                             "does (only the sub-chunk that samples)")
     parser.add_argument("--prefill-graph-ablation", action="store_true",
                         help="prefill again with every sub-chunk launched kernel by kernel, then with the graph")
     parser.add_argument("--batches", default="1,4,8")
