@@ -224,7 +224,7 @@ class CudaRunner:
         # Prefill graphs by (rows, outputs, GEMM generation): a pass with hidden states out and one
         # that stops at the last layer's K/V append (``Forward.layers``).
         self._prefill_graphs: dict[tuple[int, bool, int], rt.Graph] = {}
-        self._prefill_warmed: set[tuple[int, bool, int]] = set()  # keys run kernel by kernel since
+        self._prefill_warmed: set[tuple[int, bool, int]] = set()  # keys whose pass ran kernel by kernel
         if prefill_gemm == "cublaslt-tuned":
             self.startup["prefill_gemm_tuning"] = self.tune_prefill_gemms()
         if self.graph_prefill_rows:
@@ -322,8 +322,8 @@ class CudaRunner:
 
     def forget_prefill_graph(self) -> None:
         """For tools that change the forward's options (its kernels, its GEMM engine) between prefills,
-        which the graph does not see: the next whole sub-chunk runs kernel by kernel, loading any new
-        kernel, and the one after is captured anew."""
+        which the graphs do not see: the next whole sub-chunk of each kind runs kernel by kernel,
+        loading any new kernel, and the one after is captured anew."""
         self._drop_prefill_graphs()
         self._prefill_warmed = set()
 
