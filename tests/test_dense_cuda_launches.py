@@ -113,8 +113,8 @@ def test_cublaslt_prefill_ropes_exactly_its_rows(rows):
 
 @pytest.mark.parametrize("lt", [FakeLt(), None])
 def test_a_prefill_pass_without_outputs_stops_at_the_last_kv_append(lt):
-    """``layers(outputs=False)``: every layer appends its K/V (the rope), the last one nothing after
-    it (attention, o, MLP, final norm); the whole pass launches those once a layer more."""
+    """``layers(outputs=False)``: every layer appends its K/V (the rope), and the last launches nothing
+    after it (attention, o, MLP, final norm), which a pass with outputs does launch."""
     fwd = forward(max_rows=512, lt=lt)
     counts = {}
     for outputs in (True, False):

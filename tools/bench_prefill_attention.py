@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ninfer.artifact.bf16 import from_float32, to_float32  # noqa: E402
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.forward import prefill_attention_grid  # noqa: E402
 
@@ -69,9 +70,8 @@ def main(argv=None) -> int:
     rt.copy_h2d(qkv, q_values, stream)
     # What the ``_bf16`` kernels read (the cuBLASLt prefill's): the same values rounded to nearest even,
     # as the fp32 kernels round q for their MMAs.
-    bits = q_values.view(np.uint32)
     qkv_bf16 = device.alloc(N * width * 2, "qkv_bf16")
-    rt.copy_h2d(qkv_bf16, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16), stream)
+    rt.copy_h2d(qkv_bf16, from_float32(q_values), stream)
     out = device.alloc(N * H * D * 4, "out")
     table = device.alloc(pages * 4, "table")
     rt.copy_h2d(table, rng.permutation(pages).astype(np.int32), stream)
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         rt.copy_d2h(got, out, stream)
         rt.synchronize(stream)
         if item == 2:
-            got = (got.astype(np.uint32) << 16).view(np.float32)
+            got = to_float32(got)
         first = firsts.setdefault(chunk, got)  # every kernel's output against the first kernel's
         diff = float(np.abs(got - first).max())
         label = f"{name} (full grid)" if full else name
