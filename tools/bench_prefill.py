@@ -98,21 +98,24 @@ def graph_against_launches(runner, tokens: int, chunk: int, reps: int, pause: fl
         return alternating(runner, tokens, chunk, reps, pause, {"graph": rows(chunk), "launches": rows(None)})
 
 
+def every_row_out(runner, on: bool) -> None:
+    """With ``on``, every prefill sub-chunk's pass computes its hidden states, as before the runner
+    stopped the sub-chunks in a prompt's middle at the last layer's K/V append (``Forward.layers``'
+    ``outputs``); off, the runner's own choice again."""
+    vars(runner).pop("_prefill_layers", None)
+    if on:
+        layers = runner._prefill_layers
+        runner._prefill_layers = lambda rows, stream, outputs=True: layers(rows, stream, True)
+
+
 def kv_only_against_full(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:
-    """Median seconds of a prefill in chunks of ``chunk``: as the runner runs it (the sub-chunks in the
-    prompt's middle stop at the last layer's K/V append, ``Forward.layers``' ``outputs``) and with
-    every sub-chunk's pass computing its hidden states, passes alternating."""
-    layers = runner._prefill_layers
-
-    def full(rows, stream, outputs=True):
-        layers(rows, stream, True)
-
+    """Median seconds of a prefill in chunks of ``chunk``: as the runner runs it and with
+    ``every_row_out``, passes alternating."""
     try:
-        return alternating(runner, tokens, chunk, reps, pause,
-                           {"kv_only": lambda: vars(runner).pop("_prefill_layers", None),
-                            "full": lambda: setattr(runner, "_prefill_layers", full)})
+        return alternating(runner, tokens, chunk, reps, pause, {"kv_only": lambda: every_row_out(runner, False),
+                                                                "full": lambda: every_row_out(runner, True)})
     finally:
-        vars(runner).pop("_prefill_layers", None)
+        every_row_out(runner, False)
 
 
 def tuned_against_first(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:

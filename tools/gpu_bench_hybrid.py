@@ -48,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_bench import ablate, copy_bandwidth, profile_decode  # noqa: E402  (this folder is on sys.path)
+from bench_prefill import every_row_out  # noqa: E402
 
 from ninfer.backends.cuda import runtime as rt  # noqa: E402
 from ninfer.backends.cuda.hybrid_forward import SPLIT_RULE_ROWS  # noqa: E402
@@ -232,12 +233,8 @@ def run_ours(args, config: HybridConfig, torch, copy_bw: float) -> dict:
         report["prefill"] = r = bench_prefill(runner, args.prefill)
         print(f"ours prefill {r['tokens']} tokens: {r['seconds']:.2f} s = {r['tok_s']:.0f} tok/s", flush=True)
         if args.prefill_outputs_ablation:  # every sub-chunk's pass to its hidden states, then as the runner runs it
-            layers = runner._prefill_layers
             for key, full in (("prefill_full_passes", True), ("prefill_again", False)):
-                if full:
-                    runner._prefill_layers = lambda rows, stream, outputs=True: layers(rows, stream, True)
-                else:
-                    del runner._prefill_layers
+                every_row_out(runner, full)
                 report[key] = r = bench_prefill(runner, args.prefill)
                 print(f"ours prefill, {'every' if full else 'the last'} sub-chunk to its hidden states: "
                       f"{r['seconds'] * 1e3:.1f} ms = {r['tok_s']:.0f} tok/s", flush=True)

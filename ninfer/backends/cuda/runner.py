@@ -318,7 +318,7 @@ class CudaRunner:
 
     def _current(self, key: tuple[int, bool, int]) -> bool:
         """Whether a prefill graph of ``key`` could be replayed now: the rows and algorithms hold."""
-        return key[0] == self.graph_prefill_rows and key[2] == self._graph_key(key[0], key[1])[2]
+        return key[0] == self.graph_prefill_rows and key == self._graph_key(key[0], key[1])
 
     def forget_prefill_graph(self) -> None:
         """For tools that change the forward's options (its kernels, its GEMM engine) between prefills,
