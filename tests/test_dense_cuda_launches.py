@@ -30,11 +30,13 @@ class FakeLt:
 
     def __init__(self):
         self.calls = []
+        self.rows = []
 
     def matmul(self, y, x, w, rows, n, k, stream, accumulate=False, out_bf16=False):
         assert x.nbytes >= rows * k * 2 and w.nbytes >= n * k * 2
         assert y.nbytes >= rows * n * (2 if out_bf16 else 4)
         self.calls.append((n, k, accumulate, out_bf16))
+        self.rows.append(rows)
 
 
 def forward(max_rows=64, lt=None):
@@ -111,27 +113,47 @@ def test_cublaslt_prefill_ropes_exactly_its_rows(rows):
         assert kernel.meta["persistent"] == 1 and grid == (min(items, fwd.k.device.sm_count),)
 
 
-@pytest.mark.parametrize("lt", [FakeLt(), None])
-def test_a_prefill_pass_without_outputs_stops_at_the_last_kv_append(lt):
-    """``layers(outputs=False)``: every layer appends its K/V (the rope), and the last launches nothing
-    after it (attention, o, MLP, final norm), which a pass with outputs does launch."""
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_a_prefill_pass_runs_its_last_layer_past_the_kv_for_its_outputs_alone(tensor_cores):
+    """``layers(outputs=...)``: every layer appends its K/V (the rope); past the last one's, "none"
+    launches nothing, and "last" (with the tensor-core attention: cuBLASLt GEMMs) attends, projects
+    and normalises only the last row, read from its place in ``qkv`` and the inputs, its residual
+    and hidden state at theirs; the fp32 path runs every row."""
+    lt = FakeLt() if tensor_cores else None
     fwd = forward(max_rows=512, lt=lt)
-    counts = {}
-    for outputs in (True, False):
+    b, rows, c = fwd.b, 300, CONFIG
+    launches = {}
+    for outputs in ("all", "last", "none"):
         fwd.k.log.clear()
-        calls = len(lt.calls) if lt else 0
-        fwd.layers(300, None, outputs=outputs)
-        names = [kernel.name for kernel, _, _ in fwd.k.log]
-        ropes = [name for name in names if name.startswith("rope_kv")]
-        assert len(ropes) == CONFIG.num_layers
-        counts[outputs] = (len(names), (len(lt.calls) - calls) if lt else 0)
-        if not outputs:
-            assert names[-1] == ropes[-1]
-    # The last layer's attention, o, gate_up, (SiLU-mul), down and two norms: fewer launches, and with
-    # cuBLASLt three GEMMs fewer (only qkv's runs).
-    assert counts[False][0] < counts[True][0]
-    if lt:
-        assert counts[True][1] - counts[False][1] == 3
+        if lt:
+            lt.calls.clear()
+            lt.rows.clear()
+        fwd.layers(rows, None, outputs=outputs)
+        log = fwd.k.log
+        ropes = [i for i, (kernel, _, _) in enumerate(log) if kernel.name.startswith("rope_kv")]
+        assert len(ropes) == c.num_layers
+        tail = log[ropes[-1] + 1:]
+        launches[outputs] = (len(log), list(lt.rows) if lt else [])
+        if outputs == "none":
+            assert tail == []
+        elif outputs == "last" and tensor_cores:
+            attention, grid, args = tail[0]
+            assert attention.name == fw.PREFILL_ATTENTION[128] + "_bf16"
+            first = rows - 1
+            assert args[0].addr == b.qkv.addr + first * c.qkv_size * 2 and args[-5] == 1
+            assert args[5].addr == b.inputs.d_row_table.addr + 4 * first
+            assert args[6].addr == b.inputs.d_positions.addr + 4 * first
+            final = tail[-1]
+            assert final[0].name == "rmsnorm" and final[1] == (1,)
+            assert final[2][0].addr == b.h.addr + first * c.hidden_size * 4
+            assert final[2][1].addr == b.x.addr + first * c.hidden_size * 4
+    if tensor_cores:  # o, gate_up and down of the last layer on one row
+        assert launches["last"][1] == launches["all"][1][:-3] + [1, 1, 1]
+        assert launches["none"][1] == launches["all"][1][:-3]
+        assert launches["last"][0] == launches["all"][0]
+    else:
+        assert launches["last"] == launches["all"]
+    assert launches["none"][0] < launches["all"][0]
 
 
 def test_prefill_attention_grid():

@@ -105,7 +105,7 @@ def every_row_out(runner, on: bool) -> None:
     vars(runner).pop("_prefill_layers", None)
     if on:
         layers = runner._prefill_layers
-        runner._prefill_layers = lambda rows, stream, outputs=True: layers(rows, stream, True)
+        runner._prefill_layers = lambda rows, stream, outputs="all": layers(rows, stream, "all")
 
 
 def kv_only_against_full(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:

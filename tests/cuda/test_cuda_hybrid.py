@@ -686,8 +686,8 @@ def test_prefill_graph_replays_the_same_pass(tmp_path_factory, name, kv_dtype):
     _, cuda = _runners(_artifact(tmp_path_factory, name, config, 5), kv_dtype=kv_dtype)
     try:
         assert cuda.graph_prefill_rows == 64 and cuda.startup["prefill_graph"]["nodes"] > 0
-        captured = dict(cuda._prefill_graphs)  # at startup: with outputs and without
-        assert {outputs for _, outputs, _ in captured} == {True, False}
+        captured = dict(cuda._prefill_graphs)  # at startup: the passes that end a prompt and that stop at its K/V
+        assert {outputs for _, outputs, _ in captured} == {"last", "none"}
         prompt = _prompt(1, 150, cuda.info.vocab_size)  # 64 + 64 + 22 rows
 
         def prefill(graph: bool):
@@ -696,9 +696,13 @@ def test_prefill_graph_replays_the_same_pass(tmp_path_factory, name, kv_dtype):
             return cuda.prefill(chunk).logits, cuda.read_pages(_table(1)[:10].tolist()), cuda.read_state(1)
 
         want = prefill(False)
-        for got, expected in zip(prefill(True), want):
-            np.testing.assert_array_equal(got, expected)
-        assert cuda._prefill_graphs == captured  # replayed, not captured again
+        for _ in range(2):  # every row's logits: the first pass captures its graph, the second replays it
+            for got, expected in zip(prefill(True), want):
+                np.testing.assert_array_equal(got, expected)
+            graphs = dict(cuda._prefill_graphs)
+            assert {outputs for _, outputs, _ in graphs} == {"all", "last", "none"}
+            assert all(graphs[key] is graph for key, graph in captured.items())  # replayed, not captured again
+            captured = graphs
         # A prompt whose logits nobody reads stops after the last layer's mixer: the same pages and state.
         cuda.prefill(PrefillChunk(lane=2, tokens=prompt, start=0, page_table=_table(2)))
         np.testing.assert_array_equal(cuda.read_pages(_table(2)[:10].tolist()), want[1])

@@ -190,6 +190,8 @@ HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 LT_WORKSPACE_BYTES = 32 << 20
 PREFILL_GEMMS = ("fp32", "cublaslt", "cublaslt-tuned")  # -tuned: algorithms timed at startup (CudaRunner)
+# ``Forward.layers``' outputs: the rows of a pass whose hidden states are read (as logits) afterwards.
+OUTPUTS = ("all", "last", "none")
 SAMPLE_PARTS, SAMPLE_TOP_K = 64, 20  # the sampler's candidate buffers (manifest meta of "sample")
 SAMPLE_MAX_VOCAB = 262144  # the sampler's slices are held in registers (manifest meta "max_vocab")
 NORM_THREADS = 1024  # one block per row: a decode step's few rows need wide blocks
@@ -488,15 +490,16 @@ class Forward:
         return max(s["decode"], s["prefill"]) if rows <= self.b.inputs.lanes.size else s["prefill"]
 
     def attend(self, i: int, rows: int, n_splits: int, stream, decode: bool = False,
-               bf16: bool = False, attention: bool = True) -> rt.DevicePtr | None:
+               bf16: bool = False, first: int = 0) -> rt.DevicePtr | None:
         """Layer ``i``: rope (+ q/k norm, bias) on ``qkv``, append K/V to the pool, attention into ``attn``
         (or, with ``bf16``, only where the tensor-core prefill kernel runs: from a bf16 ``qkv``, into
-        ``x_bf16`` in bf16); returns where the output went. ``attention`` False (not in decode): the
-        append only, and None.
+        ``x_bf16`` in bf16); returns where the output went. ``first`` (prefill): every row's K/V, the
+        attention of rows ``first``.. only, into the output's first rows (between 0 and ``rows``,
+        where the tensor-core prefill kernel runs); ``rows``: the append only, and None.
 
         ``decode``: every row is its own sequence, so one ``decode_attention`` launch does it all;
         else rows of one sequence read each other's keys and the append runs first, alone."""
-        assert attention or not decode, "a decode step reads every row's attention"
+        assert first == 0 or not decode, "a decode step reads every row's attention"
         c, b, w, k, inp = self.c, self.b, self.w, self.k, self.b.inputs
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         p = f"layers.{i}."
@@ -524,11 +527,12 @@ class Forward:
             rope = k[self.rope_name]
             rope.launch((rows, -(-(H + 2 * KV) // rope.meta["heads_per_block"])), (rope.meta["threads"],), rope_args,
                         stream)
-        if not attention:
+        if first == rows:
             return None
         if self.prefill_attention_name and rows > inp.lanes.size:
-            return self.prefill_attention(layer_kv, rows, stream, bf16)
+            return self.prefill_attention(layer_kv, rows, stream, bf16, first)
         assert not bf16, "the split attention kernels read fp32 q"
+        assert first == 0, "the split attention kernels run every row"
         attention, combine = k[self.attention_name], k["attention_combine"]
         attention.launch(
             (KV, rows, n_splits), (attention.meta["threads"],),
@@ -539,13 +543,14 @@ class Forward:
                        (b.attn, b.part_o, b.part_ml, inp.d_positions, H, n_splits, D, inp.d_split), stream)
         return b.attn
 
-    def layers(self, rows: int, stream, outputs: bool = True) -> None:
+    def layers(self, rows: int, stream, outputs: str = "all") -> None:
         """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
 
-        ``outputs`` False: the caller reads no hidden state of these rows (a prefill sub-chunk whose
-        logits nobody reads), so the pass stops once the last layer has appended its K/V: that
-        layer's attention, o projection and MLP and the final norm feed only ``h`` (an 8192-token
-        Qwen3-8B prefill in 1024-token chunks takes 2.1% less time on an H100).
+        ``outputs``: the rows whose hidden states the caller reads (OUTPUTS). The last layer's
+        attention, o projection and MLP and the final norm feed only ``h``, so past the last layer's
+        K/V append they run for those rows alone: none (a prefill sub-chunk in a prompt's middle: an
+        8192-token Qwen3-8B prefill in 1024-token chunks takes 2.1% less time on an H100), or the last
+        (the sub-chunk that samples; where the tensor-core prefill attention runs, else every row).
 
         Where cuBLASLt runs the GEMMs (prefill), they read bf16 activations: the norms and SiLU-mul
         then write theirs straight into ``x_bf16`` (rounded as ``to_bf16`` would), one pass instead of
@@ -560,39 +565,45 @@ class Forward:
         bf16_qkv = bf16 and self.prefill_attention_name is not None and rows > inp.lanes.size
         normed, act, kind = (b.x_bf16, b.x_bf16, "_bf16") if bf16 else (b.h, b.act, "")
         threads = norm_threads(rows)
+        if outputs not in OUTPUTS:
+            raise ValueError(f"outputs must be one of {', '.join(OUTPUTS)}, got {outputs!r}")
+        # The last layer past its K/V runs for rows ``first``.. only (into the first rows of the
+        # activation buffers; ``x`` and ``h`` are seen from row ``first`` on).
+        first = rows if outputs == "none" else rows - 1 if outputs == "last" and bf16_qkv else 0
+        n, x, h = rows, b.x, b.h  # rows in flight, the residual stream's and the hidden states' first
         pending = False  # whether ``delta`` holds a product the residual stream has not taken yet
         block_norm = k["rmsnorm_block_bf16"]  # a block a row from registers (rows up to its max_hidden)
 
         def norm(out: rt.DevicePtr, weight: rt.DevicePtr, kind: str) -> None:
-            if pending:
-                k["add_rmsnorm" + kind].launch((rows,), (threads,), (b.x, b.delta, out, weight, c.hidden_size, eps),
+            if pending:  # (never past ``first``: the fp32 GEMMs run every row)
+                k["add_rmsnorm" + kind].launch((n,), (threads,), (x, b.delta, out, weight, c.hidden_size, eps),
                                                stream)
             elif kind == "_bf16" and c.hidden_size % 8 == 0 and c.hidden_size <= block_norm.meta["max_hidden"]:
-                block_norm.launch((min(rows, block_norm.meta["blocks"]),), (block_norm.meta["threads"],),
-                                  (out, b.x, weight, rows, c.hidden_size, eps), stream)
+                block_norm.launch((min(n, block_norm.meta["blocks"]),), (block_norm.meta["threads"],),
+                                  (out, x, weight, n, c.hidden_size, eps), stream)
             elif kind == "_bf16" and c.hidden_size % 4 == 0:  # a warp a row keeps more loads in flight
                 rows_norm = k["rmsnorm_rows_bf16"]
-                blocks = min(-(-rows // rows_norm.meta["rows"]), rows_norm.meta["blocks"])
+                blocks = min(-(-n // rows_norm.meta["rows"]), rows_norm.meta["blocks"])
                 rows_norm.launch((blocks,), (rows_norm.meta["threads"],),
-                                 (out, b.x, weight, rows, c.hidden_size, eps), stream)
+                                 (out, x, weight, n, c.hidden_size, eps), stream)
             else:
-                k["rmsnorm" + kind].launch((rows,), (threads,), (out, b.x, weight, c.hidden_size, eps), stream)
+                k["rmsnorm" + kind].launch((n,), (threads,), (out, x, weight, c.hidden_size, eps), stream)
 
-        def matmul(y: rt.DevicePtr, x: rt.DevicePtr, weight: rt.DevicePtr, n: int, width: int,
+        def matmul(y: rt.DevicePtr, a: rt.DevicePtr, weight: rt.DevicePtr, cols: int, width: int,
                    out_bf16: bool = False) -> None:
-            if bf16 and x is b.x_bf16:
-                self.lt.matmul(y, x, weight, rows, n, width, stream, out_bf16=out_bf16)
+            if bf16 and a is b.x_bf16:
+                self.lt.matmul(y, a, weight, n, cols, width, stream, out_bf16=out_bf16)
             else:
-                self.matmul(y, x, weight, rows, n, width, stream)
+                self.matmul(y, a, weight, n, cols, width, stream)
 
-        def residual(x: rt.DevicePtr, weight: rt.DevicePtr, width: int) -> None:
-            """The residual stream takes ``x @ weight.T``: now (cuBLASLt, beta 1) or at the next norm."""
+        def residual(a: rt.DevicePtr, weight: rt.DevicePtr, width: int) -> None:
+            """The residual stream takes ``a @ weight.T``: now (cuBLASLt, beta 1) or at the next norm."""
             nonlocal pending
-            pending = not (bf16 and x is b.x_bf16)
+            pending = not (bf16 and a is b.x_bf16)
             if pending:
-                self.matmul(b.delta, x, weight, rows, c.hidden_size, width, stream)
+                self.matmul(b.delta, a, weight, n, c.hidden_size, width, stream)
             else:
-                self.lt.matmul(b.x, x, weight, rows, c.hidden_size, width, stream, accumulate=True)
+                self.lt.matmul(x, a, weight, n, c.hidden_size, width, stream, accumulate=True)
 
         k["embed"].launch((-(-c.hidden_size // 256), rows), (256,), (b.x, w["embed"], inp.d_tokens, c.hidden_size),
                           stream)
@@ -600,18 +611,21 @@ class Forward:
             p = f"layers.{i}."
             norm(normed, w[p + "attn_norm"], kind)
             matmul(b.qkv, normed, w[p + "qkv"], c.qkv_size, c.hidden_size, out_bf16=bf16_qkv)
-            if not outputs and i == c.num_layers - 1:
-                self.attend(i, rows, n_splits, stream, bf16=bf16_qkv, attention=False)
+            last = i == c.num_layers - 1
+            attention = self.attend(i, rows, n_splits, stream, bf16=bf16_qkv, first=first if last else 0)
+            if last and first == rows:
                 return
-            residual(self.attend(i, rows, n_splits, stream, bf16=bf16_qkv), w[p + "o"], c.q_size)
+            if last and first:
+                n, x, h = rows - first, b.x.at(first * c.hidden_size * 4), b.h.at(first * c.hidden_size * 4)
+            residual(attention, w[p + "o"], c.q_size)
             norm(normed, w[p + "mlp_norm"], kind)
             # Under cuBLASLt gate and up come out in bf16 (as a bf16 checkpoint's own MLP has them).
             matmul(b.gate_up, normed, w[p + "gate_up"], 2 * c.intermediate_size, c.hidden_size, out_bf16=bf16)
             silu = k["silu_mul" + kind]
-            silu.launch((-(-c.intermediate_size // (256 * silu.meta["items"])), rows), (256,),
+            silu.launch((-(-c.intermediate_size // (256 * silu.meta["items"])), n), (256,),
                         (act, b.gate_up, c.intermediate_size), stream)
             residual(act, w[p + "down"], c.intermediate_size)
-        norm(b.h, w["final_norm"], "")
+        norm(h, w["final_norm"], "")
 
     def chains(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows chains its norms (``chain_norm``, ``chains_norms``)."""
@@ -698,19 +712,22 @@ class Forward:
         layer's down GEMM asks L2 for at its tail (``gemm_prefetch``)."""
         return self.lm_head if layer == self.c.num_layers else self.w[f"layers.{layer}.qkv"]
 
-    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False) -> rt.DevicePtr:
-        """Causal attention of ``rows`` prefill rows on the tensor cores, straight into ``attn``, or with
-        ``bf16`` from a bf16 ``qkv`` (as the qkv cuBLASLt GEMM wrote it) as bf16 into ``x_bf16`` (the o
-        projection's cuBLASLt GEMM reads it; no ``to_bf16``). Returns where the output went."""
+    def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False,
+                          first: int = 0) -> rt.DevicePtr:
+        """Causal attention of prefill rows ``first`` .. ``rows`` - 1 on the tensor cores, straight into
+        ``attn``'s first rows, or with ``bf16`` from a bf16 ``qkv`` (as the qkv cuBLASLt GEMM wrote it) as
+        bf16 into ``x_bf16`` (the o projection's cuBLASLt GEMM reads it; no ``to_bf16``). Returns where
+        the output went."""
         b, inp = self.b, self.b.inputs
         kernel = self.k[self.prefill_attention_name + ("_bf16" if bf16 else "")]
         out = b.x_bf16 if bf16 else b.attn
+        qkv = b.qkv.at(first * self.c.qkv_size * (2 if bf16 else 4))
         scale_log2 = float(self.c.head_dim ** -0.5 * np.log2(np.e))  # the kernel's softmax runs in exp2
-        kernel.launch(prefill_attention_grid(kernel.meta, self.c.num_heads, rows, self.k.device.sm_count),
+        kernel.launch(prefill_attention_grid(kernel.meta, self.c.num_heads, rows - first, self.k.device.sm_count),
                       (kernel.meta["threads"],),
-                      (b.qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table,
-                       inp.d_positions, out, rows, self.c.num_heads, self.c.num_kv_heads, self.page_shift,
-                       scale_log2), stream)
+                      (qkv, layer_kv, b.page_elems, inp.d_page_tables, b.max_pages, inp.d_row_table.at(4 * first),
+                       inp.d_positions.at(4 * first), out, rows - first, self.c.num_heads, self.c.num_kv_heads,
+                       self.page_shift, scale_log2), stream)
         return out
 
     def logits(self, first_row: int, rows: int, stream) -> None:

@@ -269,13 +269,13 @@ class HybridForward(Forward):
         names += moe.CudaMoe.kernel_names() if self.moe else []
         return names + (["sigmoid_gate", self.flash_name] if self.flash_name else [])
 
-    def layers(self, rows: int, stream, outputs: bool = True, decode: bool = False) -> None:
+    def layers(self, rows: int, stream, outputs: str = "all", decode: bool = False) -> None:
         """Hidden states of ``rows`` input rows, final norm applied, into ``buffers.h``.
 
         ``decode``: each row is one lane's next token; else the rows are one prefill sequence.
-        ``outputs`` False (a prefill sub-chunk whose logits nobody reads): the pass stops after the
-        last layer's mixer, which still writes its K/V or recurrent state; that layer's MLP and the
-        final norm feed only ``h``."""
+        ``outputs`` (``forward.OUTPUTS``) "none" (a prefill sub-chunk whose logits nobody reads): the
+        pass stops after the last layer's mixer, which still writes its K/V or recurrent state; that
+        layer's MLP and the final norm feed only ``h``. "last" runs every row to the end."""
         c, b, w, k = self.c, self.b, self.w, self.k
         eps = float(c.rms_norm_eps)
         threads = norm_threads(rows)
@@ -292,7 +292,7 @@ class HybridForward(Forward):
                 self.deltanet(i, rows, decode, stream)
             else:
                 self.attention(i, rows, stream)
-            if not outputs and i == c.num_layers - 1:
+            if outputs == "none" and i == c.num_layers - 1:
                 return
             k["add_rmsnorm"].launch((rows,), (threads,), (b.x, b.delta, b.h, w[p + "mlp_norm"], c.hidden_size, eps),
                                     stream)

@@ -221,10 +221,10 @@ class CudaRunner:
         # The sub-chunk size whose passes replay the prefill graph (None: none do); tools may change it.
         graphed = cuda_graph and self.buffers.rows <= self.PREFILL_GRAPH_MAX_ROWS
         self.graph_prefill_rows = self.buffers.rows if graphed else None
-        # Prefill graphs by (rows, outputs, GEMM generation): a pass with hidden states out and one
-        # that stops at the last layer's K/V append (``Forward.layers``).
-        self._prefill_graphs: dict[tuple[int, bool, int], rt.Graph] = {}
-        self._prefill_warmed: set[tuple[int, bool, int]] = set()  # keys whose pass ran kernel by kernel
+        # Prefill graphs by (rows, outputs, GEMM generation): passes whose every row's, last row's or no
+        # row's hidden states leave (``Forward.layers``).
+        self._prefill_graphs: dict[tuple[int, str, int], rt.Graph] = {}
+        self._prefill_warmed: set[tuple[int, str, int]] = set()  # keys whose pass ran kernel by kernel
         if prefill_gemm == "cublaslt-tuned":
             self.startup["prefill_gemm_tuning"] = self.tune_prefill_gemms()
         if self.graph_prefill_rows:
@@ -267,8 +267,9 @@ class CudaRunner:
         (no outputs) and one that ends it (its last row sampled), two whole sub-chunks of token 0 in
         lane 0 over the first pages each, the first launched kernel by kernel, the second captured and
         replayed (``_prefill_layers``; like the tuning's pass they write KV pages and a lane that no
-        request holds). Returns the rows, the nodes of each graph and the seconds all took; nothing
-        where a whole sub-chunk is longer than a sequence may be."""
+        request holds). A pass with every row's logits (tests, parity tools) is captured when first
+        met. Returns the rows, the nodes of each graph and the seconds all took; nothing where a whole
+        sub-chunk is longer than a sequence may be."""
         info, rows = self.info, self.graph_prefill_rows
         if rows > min(info.max_context, info.num_pages * info.page_size):
             return {}
@@ -278,7 +279,7 @@ class CudaRunner:
                 self._startup_prefill(rows, sample)
         rt.synchronize(self.stream)
         nodes = {outputs: graph.nodes for (_, outputs, _), graph in self._prefill_graphs.items()}
-        return {"rows": rows, "nodes": nodes[True], "kv_only_nodes": nodes[False],
+        return {"rows": rows, "nodes": nodes["last"], "kv_only_nodes": nodes["none"],
                 "seconds": round(time.perf_counter() - start, 3)}
 
     def _startup_prefill(self, rows: int, sample: SamplingRow | None = None) -> None:
@@ -287,7 +288,7 @@ class CudaRunner:
         pages = np.arange(-(-rows // self.info.page_size), dtype=np.int32)
         self.prefill(PrefillChunk(lane=0, tokens=np.zeros(rows, np.int32), start=0, page_table=pages, sample=sample))
 
-    def _prefill_layers(self, rows: int, stream, outputs: bool = True) -> None:
+    def _prefill_layers(self, rows: int, stream, outputs: str = "all") -> None:
         """One sub-chunk's layers (``outputs``: as ``Forward.layers``). A sub-chunk of
         ``graph_prefill_rows`` rows (by default a whole one) replays a prefill graph: the pass's
         launches recorded once, so the device goes from kernel to kernel without the host launching
@@ -311,12 +312,12 @@ class CudaRunner:
             self._prefill_graphs[key] = graph
         self._prefill_graphs[key].launch(stream)
 
-    def _graph_key(self, rows: int, outputs: bool) -> tuple[int, bool, int]:
+    def _graph_key(self, rows: int, outputs: str) -> tuple[int, str, int]:
         """What a prefill graph depends on: its rows, its outputs, and the generation of cuBLASLt's
         algorithms."""
         return rows, outputs, self._lt.generation if self._lt is not None else 0
 
-    def _current(self, key: tuple[int, bool, int]) -> bool:
+    def _current(self, key: tuple[int, str, int]) -> bool:
         """Whether a prefill graph of ``key`` could be replayed now: the rows and algorithms hold."""
         return key[0] == self.graph_prefill_rows and key == self._graph_key(key[0], key[1])
 
@@ -384,7 +385,8 @@ class CudaRunner:
             rt.check(rt.cu.cuEventRecord(self._uploaded, stream), "cuEventRecord")
             # Hidden states leave only as logits: all rows' where asked, else the last row's where
             # this sub-chunk ends a prompt that samples.
-            outputs = logits is not None or (chunk.sample is not None and first + n == tokens.size)
+            ends = chunk.sample is not None and first + n == tokens.size
+            outputs = "all" if logits is not None else "last" if ends else "none"
             self._prefill_layers(n, stream, outputs)
             if logits is not None:
                 for r in range(0, n, b.logit_rows):
