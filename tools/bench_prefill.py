@@ -171,7 +171,7 @@ def without_attention(runner):
     forward = runner.forward
     with launched(runner):
         # no launch; the output buffer it would have written
-        forward.prefill_attention = lambda kv, rows, stream, bf16=False: forward.b.x_bf16 if bf16 else forward.b.attn
+        forward.prefill_attention = lambda kv, rows, stream, bf16=False, first=0: forward.b.x_bf16 if bf16 else forward.b.attn
         try:
             yield
         finally:
