@@ -17,8 +17,9 @@ by whole prefills instead (slow, and a pass varies by about 1%); both launch ker
 graph would be captured again at every switch of algorithm). Chunks of the size timed replay the
 prefill graph where ``ninfer serve``'s whole chunks of that size would (``CudaRunner.graph_prefill_rows``,
 ``PREFILL_GRAPH_MAX_ROWS``); ``--graph-ablation`` times each chunk size with and without one, passes
-alternating; ``--outputs-ablation`` with the sub-chunks in a prompt's middle stopping at the last
-layer's K/V append (as the runner runs them) and with every sub-chunk computing its hidden states.
+alternating; ``--outputs-ablation`` as the runner runs the sub-chunks (those in a prompt's middle
+stopping at the last layer's K/V append, the one that samples running its last layer past it for its
+last row alone) and with every sub-chunk computing every row's hidden states.
 ``--profile`` adds where one prefill's device time goes (in chunks of the largest ``--chunks``): every
 kernel recorded by CUPTI (torch.profiler), summed by kernel name, and the device's idle time between
 kernels, by the kernel that ended each idle stretch.
@@ -99,8 +100,8 @@ def graph_against_launches(runner, tokens: int, chunk: int, reps: int, pause: fl
 
 
 def every_row_out(runner, on: bool) -> None:
-    """With ``on``, every prefill sub-chunk's pass computes its hidden states, as before the runner
-    stopped the sub-chunks in a prompt's middle at the last layer's K/V append (``Forward.layers``'
+    """With ``on``, every prefill sub-chunk's pass computes every row's hidden states, as before the
+    runner ran its last layer past the K/V append only for the rows it reads (``Forward.layers``'
     ``outputs``); off, the runner's own choice again."""
     vars(runner).pop("_prefill_layers", None)
     if on:
@@ -108,12 +109,12 @@ def every_row_out(runner, on: bool) -> None:
         runner._prefill_layers = lambda rows, stream, outputs="all": layers(rows, stream, "all")
 
 
-def kv_only_against_full(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:
+def needed_against_every_row(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict[str, float]:
     """Median seconds of a prefill in chunks of ``chunk``: as the runner runs it and with
     ``every_row_out``, passes alternating."""
     try:
-        return alternating(runner, tokens, chunk, reps, pause, {"kv_only": lambda: every_row_out(runner, False),
-                                                                "full": lambda: every_row_out(runner, True)})
+        return alternating(runner, tokens, chunk, reps, pause, {"runner": lambda: every_row_out(runner, False),
+                                                                "every_row": lambda: every_row_out(runner, True)})
     finally:
         every_row_out(runner, False)
 
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-ablation", action="store_true",
                         help="each chunk size also with whole chunks launched kernel by kernel, alternating with the graph")
     parser.add_argument("--outputs-ablation", action="store_true",
-                        help="each chunk size also with every sub-chunk computing its hidden states, alternating")
+                        help="each chunk size also with every sub-chunk computing every row's hidden states, alternating")
     parser.add_argument("--pause", type=float, default=0.5,
                         help="seconds the GPU idles before each timed prefill, ours and the peer's alike")
     parser.add_argument("--json", type=Path)
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
             print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
                   flush=True)
         if args.outputs_ablation:
-            r["outputs_ablation"] = ab = kv_only_against_full(runner, args.tokens, chunk, args.reps, args.pause)
+            r["outputs_ablation"] = ab = needed_against_every_row(runner, args.tokens, chunk, args.reps, args.pause)
             print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
                   flush=True)
         if args.tune:
