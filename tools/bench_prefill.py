@@ -119,6 +119,12 @@ def needed_against_every_row(runner, tokens: int, chunk: int, reps: int, pause: 
         every_row_out(runner, False)
 
 
+def print_alternation(seconds: dict[str, float], tokens: int) -> None:
+    """One line of an alternation's medians (``alternating``): ms and tok/s of each variant."""
+    print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {tokens / s:.0f} tok/s" for name, s in seconds.items()),
+          flush=True)
+
+
 def tuned_against_first(runner, tokens: int, chunk: int, reps: int, pause: float) -> dict:
     """Tune the prefill GEMMs of ``chunk`` rows, then time passes alternately with the heuristic's first
     algorithms and the tuned ones: median seconds of each."""
@@ -261,12 +267,10 @@ def main(argv=None) -> int:
               f"(attention {100 * r['attention_share']:.0f}%)", flush=True)
         if args.graph_ablation:
             r["graph_ablation"] = ab = graph_against_launches(runner, args.tokens, chunk, args.reps, args.pause)
-            print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
-                  flush=True)
+            print_alternation(ab, args.tokens)
         if args.outputs_ablation:
             r["outputs_ablation"] = ab = needed_against_every_row(runner, args.tokens, chunk, args.reps, args.pause)
-            print("    " + ", ".join(f"{name} {s * 1e3:.1f} ms = {args.tokens / s:.0f} tok/s" for name, s in ab.items()),
-                  flush=True)
+            print_alternation(ab, args.tokens)
         if args.tune:
             r["tune"] = ab = tuned_against_first(runner, args.tokens, chunk, args.reps, args.pause)
             print(f"    tuned in {ab['tuning']['seconds']} s, chose "
