@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 from numba.cuda import libdevice
@@ -503,7 +504,7 @@ def make_weight_fragments(T: int, load):
 
 
 def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False, RING: int = 0,
-                  chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False):
+                  chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False, FRAG: bool = False):
     """``chain`` passes the next GEMM's RMSNorm from a residual GEMM to its consumer (batched decode):
     "out" (epilogue "residual"; last arguments ``xn, part``): besides ``y += .`` the block writes
     ``xn = y * norm_w`` (``norm_w``: the next norm's weights) and, per row, the sum of squares of its
@@ -533,8 +534,13 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
 
     ``NEXT`` (last arguments ``next_w, next_bytes``, after ``kept`` with ``keep``): once warp 0 has
     streamed its share, thread 0 asks L2 for the block's share of the first ``next_bytes`` of ``next_w``,
-    the next GEMM's weights, which then stream in over this kernel's tail and the launch gap."""
+    the next GEMM's weights, which then stream in over this kernel's tail and the launch gap.
+
+    ``FRAG`` (the register loop): W is in fragment order (``fragment_order``): a warp's 32-k step of
+    its block's tiles is 512 contiguous bytes a tile half, lane l's 16 bytes at 16 l, so a step reads
+    T kilobytes in whole lines instead of 64 bytes of each of 16 T rows. Full tiles and steps only."""
     assert normed or not keep
+    assert not (FRAG and (RING or early))
     assert not (NEXT and chain)
     assert chain in ("", "in", "out") and not (chain == "in" and normed) and (chain != "out" or epilogue == "residual")
     assert chain != "out" or (T == 1 and W >= 4)  # NORM_OUT: an output a thread, a row's columns a half-warp
@@ -554,6 +560,21 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     OUTS = T * COLS * 8  # (column, row) outputs per block
 
     load_weights = make_weight_fragments(T, load_weights_u64x2)
+
+    @cuda.jit(device=True, inline=True)
+    def load_fragments(w, steps, step, u, wr, lane):
+        """FRAG: the lane's A fragments of 32-k step ``step`` of the block's tiles into ``wr[u]``."""
+        for tt in range(T):
+            for h in range(2):
+                chunk = ((int64(cuda.blockIdx.x) * steps + min(step, steps - 1)) * T + tt) * 2 + h
+                a, b = load_weights_u64x2(w, (chunk * 32 + lane) * 2)
+                if step >= steps:  # past K (the last round of a warp): read in bounds, used as zeros
+                    a = uint64(0)
+                    b = uint64(0)
+                wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
+                wr[u, tt, h, 1] = uint32(a >> uint64(32))
+                wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
+                wr[u, tt, h, 3] = uint32(b >> uint64(32))
 
     @cuda.jit(device=True, inline=True)
     def step_mmas(acc, wr, u, xr, xu):
@@ -703,7 +724,10 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
         launch_dependents()
         grid_dependency_wait()
         for s0 in range(warp, steps, W * U):
-            if not early or s0 != warp:  # the first round's are in flight already
+            if FRAG:
+                for u in range(U):
+                    load_fragments(w, steps, s0 + u * W, u, wr, lane)
+            elif not early or s0 != warp:  # the first round's are in flight already
                 for u in range(U):  # every load of U steps before the first MMA: U * T * 32 bytes a lane in flight
                     load_weights(w, row_at, k, (s0 + u * W) * 32 + 8 * t, u, wr)
             for u in range(U):
@@ -856,11 +880,34 @@ MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 
 
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
-                    RING: int = 0, chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False) -> str:
-    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("n" if NEXT else "")
+                    RING: int = 0, chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False,
+                    FRAG: bool = False) -> str:
+    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("n" if NEXT else "") + ("f" if FRAG else "")
     norm = "normed_" if normed else "normin_" if chain == "in" else ""
     fusion = f"{norm}{'keep_' if keep else ''}{epilogue}{'_normout' if chain == 'out' else ''}"
     return f"mma_gemv_{fusion}_t{T}w{W}u{U}s{TERMS}{ring}"
+
+
+def fragment_order(w: np.ndarray, T: int, swiglu: bool) -> np.ndarray:
+    """W ([rows, K] bf16 bits, row-major) in the order a ``FRAG`` build of T tiles reads it: for each
+    block, each 32-k step, each tile and half, the 32 lanes' 16 bytes (lane 4g + t: row g + 8 half of
+    the tile, k 8t..8t+7 of the step), i.e. [block, step, tile, half, g, t, 8]. Rows past the matrix
+    (a last partial tile; for swiglu, whose tiles pair 8 gate rows with their 8 up rows, past
+    ``rows / 2``) and k past K are zeros, as the row-major loads make them."""
+    rows, k = w.shape
+    cols = rows // 2 if swiglu else rows
+    blocks, steps = -(-cols // (T * (8 if swiglu else 16))), -(-k // 32)
+    padded = np.zeros((rows + 1, steps * 32), w.dtype)  # row ``rows``: the zeros past the matrix
+    padded[:rows, :k] = w
+    block, tile, i = np.meshgrid(np.arange(blocks), np.arange(T), np.arange(16), indexing="ij")
+    if swiglu:
+        j = (block * T + tile) * 8 + (i & 7)
+        row = np.where(j < cols, j + (i >> 3) * cols, rows)
+    else:
+        f = (block * T + tile) * 16 + i
+        row = np.where(f < cols, f, rows)
+    parts = padded.reshape(rows + 1, steps, 4, 8)[row]  # [block, tile, 16 rows, step, t, 8]
+    return np.ascontiguousarray(parts.reshape(blocks, T, 2, 8, steps, 4, 8).transpose(0, 4, 1, 2, 3, 5, 6))
 
 
 def ring_slot_bytes(T: int, normed: bool) -> int:
@@ -909,6 +956,18 @@ for _normed, _epilogue, (_t, _w, _u, _terms, _ring) in NEXT_GEMMS:
         _meta["shared"] = ring_bytes(_normed, _t, _w, _ring)
     KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring, NEXT=True)] = (
         make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring, NEXT=True), MMA_SIG + (U32P, int32), _meta)
+# Batched decode's q/k/v, o / down and gate/up shapes reading their weights in fragment order
+# (``FRAG``, ``fragment_order``): whole 128-byte lines, a warp step's bytes contiguous. Alone at 8 rows
+# on the Qwen3-8B matrices (H100, .devq-style script against the builds above, bit-identical outputs),
+# GB/s: gate/up 2768-2777 -> 3056-3065, q/k/v 2225-2229 -> 2558-2570, down 2616-2622 -> 2881-2890, o
+# 2431-2445 -> 2558-2561. The runner does not use them yet: they need a second, reordered copy of the
+# weights beside the row-major one that cuBLASLt and the one-row GEMVs read.
+FRAG_GEMMS = [(True, "store", (1, 8, 2, 3)), (False, "residual", (1, 16, 4, 3)), (True, "swiglu", (4, 4, 1, 3))]
+for _normed, _epilogue, (_t, _w, _u, _terms) in FRAG_GEMMS:
+    KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, FRAG=True)] = (
+        make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, FRAG=True), MMA_SIG,
+        {"threads": 32 * _w, "cols": _t * (8 if _epilogue == "swiglu" else 16), "epilogue": _epilogue,
+         "normed": int(_normed), "terms": _terms, "max_rows": 8, "grid_wait": 1, "frag": 1, "tiles": _t})
 # The chained norm of batched decode (``make_mma_gemv``'s ``chain``; forward.CHAIN_IN_GEMMS): the
 # residual GEMMs that write the next norm's input (o, down) and the GEMMs that read it (q/k/v, gate/up,
 # LM head). ``tools/bench_decode_gemm.py --rows 8`` on the H200, GB/s, the normed kernel it replaces in

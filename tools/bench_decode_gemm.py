@@ -69,7 +69,8 @@ def main(argv=None) -> int:
         copies = max(1, -(-L2_BYTES // nbytes))
         weights = [device.alloc(nbytes, f"w{i}") for i in range(copies)]
         for wt in weights:
-            rt.memset32(wt, 0x3F803F80, nbytes // 4, stream)  # bf16 1.0 pairs
+            # bf16 1.0 pairs; the fragment-order builds (meta "frag") read these bytes in their order
+            rt.memset32(wt, 0x3F803F80, nbytes // 4, stream)
         for rows in (int(r) for r in args.rows.split(",")):
             results = {}
             gemv = kernels[f"gemv_m{rows}_c4"]

@@ -16,6 +16,7 @@ from ninfer.backends.reference.forward import attention as ref_attention  # noqa
 from ninfer.backends.reference.forward import rms_norm, silu  # noqa: E402
 from ninfer.backends.runner import SamplingRow  # noqa: E402
 from ninfer.backends.sampling import sample_row  # noqa: E402
+from numba_kernels.gemm import fragment_order  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,8 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
     if kernel.meta.get("next"):  # "the next GEMM's weights" asked of L2: a hint that changes nothing
         then = gpu.put(np.zeros(4096 + 37 * 16, np.uint8))
         extra = (*extra, then, then.nbytes)
+    if kernel.meta.get("frag"):  # the weights in the order the build reads them
+        w = fragment_order(w, kernel.meta["tiles"], epilogue == "swiglu")
     gpu.launch(kernel.name, (grid,), (kernel.meta["threads"],),
                (y, gpu.put(x_in), gpu.put(w), gpu.put(norm_w), rows, n, k, n, eps, *extra))
     got = gpu.get(y, np.float32, (8, n))
