@@ -960,7 +960,9 @@ for _normed, _epilogue, (_t, _w, _u, _terms, _ring) in NEXT_GEMMS:
 # (``FRAG``, ``fragment_order``): whole 128-byte lines, a warp step's bytes contiguous. Alone at 8 rows
 # on the Qwen3-8B matrices (H100, .devq-style script against the builds above, bit-identical outputs),
 # GB/s: gate/up 2768-2777 -> 3056-3065, q/k/v 2225-2229 -> 2558-2570, down 2616-2622 -> 2881-2890, o
-# 2431-2445 -> 2558-2561. The runner does not use them yet: they need a second, reordered copy of the
+# 2431-2445 -> 2558-2561. In a batch-8 step (tools/bench_decode_step.py --cases 8x512 --gemms
+# qkv=t1w8u2s3f+gate_up=t4w4u1s3f: the row-major weights read in fragment order, which times the same)
+# 6.054-6.062 -> 5.751 ms. The runner does not use them yet: they need a second, reordered copy of the
 # weights beside the row-major one that cuBLASLt and the one-row GEMVs read.
 FRAG_GEMMS = [(True, "store", (1, 8, 2, 3)), (False, "residual", (1, 16, 4, 3)), (True, "swiglu", (4, 4, 1, 3))]
 for _normed, _epilogue, (_t, _w, _u, _terms) in FRAG_GEMMS:
