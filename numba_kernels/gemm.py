@@ -910,6 +910,43 @@ def fragment_order(w: np.ndarray, T: int, swiglu: bool) -> np.ndarray:
     return np.ascontiguousarray(parts.reshape(blocks, T, 2, 8, steps, 4, 8).transpose(0, 4, 1, 2, 3, 5, 6))
 
 
+@cuda.jit
+def fragment_order_bf16(dst, src, rows, k, T, swiglu, chunks):
+    """``fragment_order`` on the device: thread i writes 16-byte chunk i of the reordered matrix (lane
+    i % 32 of tile half i // 32) from the row-major ``src`` ([rows, k] bf16, k a multiple of 8), zeros
+    past the matrix. ``chunks``: the reordered matrix's 16-byte chunks."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= chunks:
+        return
+    lane = i & 31
+    half = (i >> 5) & 1
+    rest = (i >> 6) // T  # (block, step)
+    tile = (i >> 6) % T
+    steps = (k + 31) >> 5
+    step = rest % steps
+    block = rest // steps
+    r = (lane >> 2) + 8 * half  # the tile's row
+    cols = rows // 2 if swiglu else rows
+    row = int64(-1)
+    if swiglu:
+        j = (block * T + tile) * 8 + (r & 7)
+        if j < cols:
+            row = int64(j) + (r >> 3) * int64(cols)
+    else:
+        f = (block * T + tile) * 16 + r
+        if f < cols:
+            row = int64(f)
+    k0 = step * 32 + 8 * (lane & 3)
+    a = uint64(0)
+    b = uint64(0)
+    if row >= 0 and k0 < k:
+        at = (row * k + k0) >> 2  # in 8-byte words
+        a = src[at]
+        b = src[at + 1]
+    dst[2 * int64(i)] = a
+    dst[2 * int64(i) + 1] = b
+
+
 def ring_slot_bytes(T: int, normed: bool) -> int:
     """One slot of a RING shape's ring: 16 T weight rows and 8 activation rows of 64 k, the norm's 64."""
     return 16 * T * 128 + 8 * 256 + (256 if normed else 0)
@@ -962,9 +999,11 @@ for _normed, _epilogue, (_t, _w, _u, _terms, _ring) in NEXT_GEMMS:
 # GB/s: gate/up 2768-2777 -> 3056-3065, q/k/v 2225-2229 -> 2558-2570, down 2616-2622 -> 2881-2890, o
 # 2431-2445 -> 2558-2561. In a batch-8 step (tools/bench_decode_step.py --cases 8x512 --gemms
 # qkv=t1w8u2s3f+gate_up=t4w4u1s3f: the row-major weights read in fragment order, which times the same)
-# 6.054-6.062 -> 5.751 ms. The runner does not use them yet: they need a second, reordered copy of the
-# weights beside the row-major one that cuBLASLt and the one-row GEMVs read.
+# 6.054-6.062 -> 5.751 ms. They read a second, reordered copy of the weights beside the row-major one
+# that cuBLASLt and the one-row GEMVs read (CudaRunner._fragment_copies, forward.FRAGMENT_ORDER).
 FRAG_GEMMS = [(True, "store", (1, 8, 2, 3)), (False, "residual", (1, 16, 4, 3)), (True, "swiglu", (4, 4, 1, 3))]
+KERNELS["fragment_order_bf16"] = (fragment_order_bf16, (U64P, U64P, int32, int32, int32, int32, int32),
+                                  {"threads": 256})
 for _normed, _epilogue, (_t, _w, _u, _terms) in FRAG_GEMMS:
     KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, FRAG=True)] = (
         make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, FRAG=True), MMA_SIG,

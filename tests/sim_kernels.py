@@ -531,8 +531,32 @@ def case_decode(rows: int) -> dict:
                      "tokens": gpu.get(buffers.out, np.int32, (rows,)),
                      "kv": kv.copy(), "chained": sum("normin" in n or "normout" in n
                                                      for n in gpu.kernels.launches[first:])})
+    # q/k/v and gate/up from the fragment-order copies CudaRunner makes (``fragment_order_bf16``),
+    # checked against numba_kernels.gemm.fragment_order; the FRAG builds load the same fragments.
+    from numba_kernels.gemm import fragment_order
+    from ninfer.backends.cuda.runner import CudaRunner
+
+    owner = SimpleNamespace(config=config, kernels=gpu.kernels, device=gpu.device, stream=None)
+    fragments = CudaRunner._fragment_copies(owner, weights, 8)
+    reordered = CudaRunner._fragment_copies(owner, weights, 2) == {}  # no tensor-core decode GEMMs at 1-2 rows
+    assert sorted(fragments) == sorted(f"layers.{i}.{m}" for i in range(config.num_layers) for m in fw.FRAGMENT_ORDER)
+    for name, copy in fragments.items():
+        shape = device_layout(config)[name][0]
+        want = fragment_order(gpu.get(weights[name], np.uint16, shape), fw.fragment_tiles(name.rsplit(".", 1)[1]),
+                              name.endswith("gate_up"))
+        reordered &= copy.nbytes == want.nbytes and bool(np.array_equal(gpu.get(copy, np.uint16, want.shape), want))
+    ordered = fw.Forward(gpu.kernels, config, weights, buffers, page_size=page_size, kv_dtype="bf16",
+                         fragments=fragments)
+    kv[:] = kv_before
+    first = len(gpu.kernels.launches)
+    ordered.decode(rows, None, depth)
+    frag = {"x": gpu.get(buffers.x, np.float32, (rows, config.hidden_size)),
+            "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
+            "tokens": gpu.get(buffers.out, np.int32, (rows,)), "kv": kv.copy()}
     off, on = runs
-    return {"chains": fw.chains_norms(rows), "chained_launches": [off["chained"], on["chained"]],
+    return {"reordered": reordered, "fragment_launches": sum(n.endswith("s3f") for n in gpu.kernels.launches[first:]),
+            "fragments_exact": all(np.array_equal(frag[key], off[key]) for key in frag),
+            "chains": fw.chains_norms(rows), "chained_launches": [off["chained"], on["chained"]],
             "x": rel(on["x"], off["x"]), "logits": rel(on["logits"], off["logits"]),
             "tokens_equal": bool(np.array_equal(on["tokens"], off["tokens"])),
             "greedy": bool(np.array_equal(off["tokens"], off["logits"].argmax(axis=1))),

@@ -145,9 +145,13 @@ def test_decode_step_with_chained_norms_is_the_unchained_one(rows):
     """A whole ``Forward.decode`` step (two layers, bf16 KV pool holding keys, greedy sampling) with
     ``chain_norm`` on: eight chained GEMVs (o, gate/up and down of both layers, the second layer's
     q/k/v, the LM head; the first q/k/v reads the embedding unchained) and the same hidden states,
-    logits, tokens and KV appends as the unchained step, whose down GEMM at 8 rows is the ring kernel."""
+    logits, tokens and KV appends as the unchained step, whose down GEMM at 8 rows is the ring kernel.
+    With q/k/v and gate/up read from fragment-order copies (``Forward.fragments``, made by
+    ``fragment_order_bf16``) the unchained step is the same bit for bit."""
     result = simulate("decode", rows)
     assert result["chains"] and result["chained_launches"] == [0, 8]
+    # q/k/v and gate/up of both layers read their fragment-order copies: the same step, bit for bit
+    assert result["reordered"] and result["fragment_launches"] == 4 and result["fragments_exact"], result
     assert result["x"] < TOL and result["logits"] < TOL, result
     assert result["tokens_equal"] and result["greedy"]
     assert result["kv_equal"] and result["kv_written"]

@@ -256,6 +256,8 @@ def _log_runner_startup(facts: dict[str, Any] | None) -> None:
         rate = facts.get("weights_upload_gb_per_s")
         parts.append(f"weights {facts['weights_bytes'] / 2**30:.2f} GiB"
                      + (f" at {rate} GB/s" if rate else " made on the device"))
+    if facts.get("fragment_bytes"):
+        parts.append(f"batched decode's copies in fragment order {facts['fragment_bytes'] / 2**30:.2f} GiB")
     parts.append(f"workspace {facts['workspace_bytes'] / 2**30:.2f} GiB incl. {facts['kv_pages']} KV pages")
     if "graph_capture_s" in facts:
         parts.append(f"{facts.get('graph_count', '')} decode graphs captured in {facts['graph_capture_s']} s "
@@ -333,6 +335,8 @@ def _device_memory(facts: dict[str, Any] | None) -> dict[str, Any] | None:
     if facts is None:
         return None
     return {"weights_bytes": facts.get("weights_bytes"),
+            # the second, reordered copies of some matrices that batched decode reads (CudaRunner._fragment_copies)
+            "weights_fragment_order_bytes": facts.get("fragment_bytes"),
             "workspace": {"capacity_bytes": facts["workspace_bytes"], "kv_pages": facts["kv_pages"],
                           "kv_dtype": facts.get("kv_dtype"), "state_slots": facts.get("state_slots"),
                           "state_bytes": facts.get("state_bytes")},

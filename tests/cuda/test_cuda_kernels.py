@@ -141,6 +141,22 @@ def test_decode_gemm_matches_numpy(gpu, name, rows, n, k):
         assert np.isnan(got[rows:]).all()
 
 
+@pytest.mark.parametrize("rows,k,tiles,swiglu", [(2 * 40, 72, 4, True), (37, 64, 1, False), (6144, 4096, 1, False)])
+def test_fragment_order_kernel_is_fragment_order(gpu, rows, k, tiles, swiglu):
+    """``fragment_order_bf16`` (CudaRunner's copies for the FRAG decode GEMMs) writes what
+    ``fragment_order`` computes, partial tiles and steps zero-filled."""
+    from ninfer.backends.cuda.forward import fragment_bytes
+
+    w = from_float32(np.random.default_rng(rows + k).standard_normal((rows, k)))
+    want = fragment_order(w, tiles, swiglu)
+    assert want.nbytes == fragment_bytes(rows, k, tiles, swiglu)
+    out = gpu.empty(want.nbytes)
+    chunks = want.nbytes // 16
+    gpu.launch("fragment_order_bf16", (-(-chunks // 256),), (256,),
+               (out, gpu.put(w), rows, k, tiles, int(swiglu), chunks))
+    assert np.array_equal(gpu.get(out, np.uint16, want.shape), want)
+
+
 @pytest.mark.parametrize("rows,n,k", [(9, 72, 104), (64, 64, 16), (130, 264, 304)])
 def test_cublaslt_bf16_gemm_and_conversion(gpu, rows, n, k):
     from ninfer.backends.cuda.cublaslt import WORKSPACE_BYTES, LtMatmul

@@ -27,6 +27,7 @@ FACTS = {"device": "NVIDIA H200", "sync": "blocking", "kv_dtype": "bf16", "prefi
          "graph_capture_s": 1.234, "graph_bytes": 12 << 20, "graph_nodes": 321, "graph_count": 16,
          "prefill_graph": {"rows": 1024, "nodes": 362, "kv_only_nodes": 352, "seconds": 0.071},
          "free_bytes_after_startup": 5 * GIB, "weights_bytes": 16 * GIB, "weights_upload_gb_per_s": 21.5,
+         "fragment_bytes": 9 * GIB,
          "host_arena_bytes": 8 * GIB}
 
 
@@ -56,7 +57,8 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
                                                        task_status=task_status))
     nursery.cancel_scope.cancel()
     lines = [r.getMessage() for r in caplog.records]
-    assert ("CUDA startup: NVIDIA H200; weights 16.00 GiB at 21.5 GB/s; workspace 3.00 GiB incl. 40 KV pages; "
+    assert ("CUDA startup: NVIDIA H200; weights 16.00 GiB at 21.5 GB/s; batched decode's copies in fragment order "
+            "9.00 GiB; workspace 3.00 GiB incl. 40 KV pages; "
             "16 decode graphs captured in 1.234 s (12 MiB, 321 nodes each); prefill graphs of 1024 rows (362 nodes; "
             "352 without outputs) in 0.071 s; prefill GEMMs of 1024 rows tuned in 0.42 s; 5.00 GiB free") in lines
     assert ("--kv-capacity auto: 640 tokens (40 pages, 0.04 GiB; 100.00 GiB were free after the weights)"
@@ -65,7 +67,8 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
     rec = _server_start(log_path)
     assert rec["backend"] == "cuda"
     assert rec["kv_sizing"] == {"mode": "auto", "capacity_tokens": 640, "pages": 40, "ledger": FACTS["kv_auto"]}
-    assert rec["memory"] == {"weights_bytes": 16 * GIB, "free_bytes_after_startup": 5 * GIB, "vision_workspace": None,
+    assert rec["memory"] == {"weights_bytes": 16 * GIB, "weights_fragment_order_bytes": 9 * GIB,
+                             "free_bytes_after_startup": 5 * GIB, "vision_workspace": None,
                              "host_arena_bytes": 8 * GIB,
                              "workspace": {"capacity_bytes": 3 * GIB, "kv_pages": 40, "kv_dtype": "bf16",
                                            "state_slots": None, "state_bytes": None}}
@@ -110,7 +113,7 @@ async def test_reference_backend_reports_no_device(start_server, tmp_path):
 def test_runner_startup_line_for_random_weights(caplog):
     caplog.set_level(logging.INFO, logger="ninfer")
     facts = {k: v for k, v in FACTS.items()
-             if not k.startswith("graph_") and k not in ("prefill_graph", "weights_upload_gb_per_s")}
+             if not k.startswith("graph_") and k not in ("prefill_graph", "weights_upload_gb_per_s", "fragment_bytes")}
     untuned = {"rows": 1024, "seconds": 0.0, "gemms": {}}  # below TUNE_MIN_ROWS: nothing to say
     main._log_runner_startup(facts | {"weights_random_fill_s": 0.8, "prefill_gemm_tuning": untuned})
     main._log_runner_startup(None)  # the reference backend: nothing

@@ -154,6 +154,26 @@ GEMM_PREFETCH = {"o": {rows: 8 * MIB for rows in range(3, 9)}, "gate_up": {rows:
                  "down": {rows: (16 if rows >= 7 else 8) * MIB for rows in range(3, 9)}}
 # The ring shape (numba_kernels/gemm.py RING_SHAPES) a staged decode GEMM launches (Forward.staged).
 STAGED_SHAPE = "t1w8u1s3r3"
+# The matrices whose batched decode GEMMs read a second copy of their weights in fragment order
+# (numba_kernels/gemm.py ``FRAG`` builds, ``fragment_order``), made at load where a step may run them
+# (CudaRunner): a warp step's weights then come in whole contiguous lines instead of 64 bytes of each
+# of 16 T rows. H100, ms a step at 8 rows and 512 keys (tools/bench_decode_step.py --gemms
+# qkv=t1w8u2s3f+gate_up=t4w4u1s3f): 6.054-6.062 -> 5.751. o and down launch staged ring shapes, which
+# have no such build.
+FRAGMENT_ORDER = ("qkv", "gate_up")
+
+
+def fragment_tiles(matrix: str) -> int:
+    """The tiles a block of ``matrix``'s batched decode GEMM takes (its tensor-core shape's T): the
+    grouping of its fragment-order copy."""
+    return int(_MMA_FROM_3[matrix][1:].split("w")[0])
+
+
+def fragment_bytes(rows: int, k: int, tiles: int, swiglu: bool) -> int:
+    """Bytes of a [rows, k] matrix's fragment-order copy for blocks of ``tiles`` tiles: whole blocks of
+    16 ``tiles`` weight rows (8 gate and 8 up rows a tile for swiglu) by whole 32-k steps."""
+    cols = rows // 2 if swiglu else rows
+    return -(-cols // (tiles * (8 if swiglu else 16))) * -(-k // 32) * tiles * 1024
 
 
 # The chained norm (numba_kernels/gemm.py ``make_mma_gemv``'s ``chain``) of a step whose GEMMs are all
@@ -346,11 +366,15 @@ class Forward:
     """Enqueues the launches of one step; reads inputs and weights only from static addresses."""
 
     def __init__(self, kernels: rt.Kernels, config: DenseConfig, weights: dict[str, rt.DevicePtr],
-                 buffers: StepBuffers, *, page_size: int, kv_dtype: str, lt=None):
+                 buffers: StepBuffers, *, page_size: int, kv_dtype: str, lt=None,
+                 fragments: dict[str, rt.DevicePtr] | None = None):
         self.lt = lt  # cublaslt.LtMatmul for prefill GEMMs on the tensor cores, or None (fp32 tiled kernel)
         self.k = kernels
         self.c = config
         self.w = weights
+        # Fragment-order copies (FRAGMENT_ORDER) by weight name: every layer's, or none.
+        self.fragments = dict(fragments or {})
+        self.fragment_matrices = {name.rsplit(".", 1)[1] for name in self.fragments}
         self.b = buffers
         self.page_size = page_size
         self.page_shift = page_size.bit_length() - 1  # page_size is a power of two (checked by the runner)
@@ -433,6 +457,8 @@ class Forward:
         names += [decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], GEMV_MAX_ROWS, shape=shape)
                   for matrix, shape in self.staged.items()]
         names += [name + "n" for name in names if name + "n" in self.k.entries]  # the NEXT builds
+        names += [decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], m) + "f" for m in range(1, GEMV_MAX_ROWS + 1)
+                  for matrix in self.fragment_matrices if self.reads_fragments(matrix, m)]
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)] + [PRELOADED_O_GEMV]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
@@ -644,6 +670,8 @@ class Forward:
         epilogue, normed = DECODE_FUSIONS[matrix]
         staged = self.staged_shape(matrix, rows)
         name = decode_gemm_name(matrix, epilogue, normed, rows, chain, staged)
+        if self.reads_fragments(matrix, rows, chain):  # ``w``: the copy ``decode_weights`` gave
+            name += "f"
         if self.preload_o and matrix == "o" and name == "gemv_residual_m1":
             name = PRELOADED_O_GEMV
         asked = self.gemm_prefetch.get(matrix, {}).get(rows, 0) if ask is None else ask
@@ -662,6 +690,20 @@ class Forward:
             args = (y, b.xn, w, b.cos, rows, n, k, n, eps, b.norm_part, -(-k // producer.meta["cols"]))
         with self.k.overlapped() if staged else contextlib.nullcontext():
             kernel.launch((blocks,), (kernel.meta["threads"],), args, stream)
+
+    def reads_fragments(self, matrix: str, rows: int, chain: str = "") -> bool:
+        """Whether a decode step of ``rows`` rows runs ``matrix``'s GEMM as a ``FRAG`` build over its
+        fragment-order copy: where there is one and the kernel it would run has such a build."""
+        if matrix not in self.fragment_matrices:
+            return False
+        name = decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], rows, chain, self.staged_shape(matrix, rows))
+        return name + "f" in self.k.entries
+
+    def decode_weights(self, matrix: str, layer: int, rows: int, chain: str = "") -> rt.DevicePtr:
+        """The weights layer ``layer``'s ``matrix`` GEMM streams in a decode step of ``rows`` rows (and
+        what the GEMM before it asks L2 for): its fragment-order copy where ``reads_fragments``."""
+        name = f"layers.{layer}.{matrix}"
+        return self.fragments[name] if self.reads_fragments(matrix, rows, chain) else self.w[name]
 
     def next_build(self, name: str, then: rt.DevicePtr | None, asked: int) -> tuple[str, int]:
         """``name``'s ``n`` build and the bytes of ``then`` it asks L2 for at its tail (at most ``asked``,
@@ -697,21 +739,24 @@ class Forward:
                                (b.x, w["embed"], b.inputs.d_tokens, c.hidden_size), stream)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            self.decode_gemm("qkv", b.qkv, b.x, w[p + "qkv"], rows, c.qkv_size, c.hidden_size, stream,
-                             norm=w[p + "attn_norm"], chain=into if i else "", then=w[p + "o"])  # embedding: no chain
+            chain_qkv = into if i else ""  # the embedding: no chain
+            self.decode_gemm("qkv", b.qkv, b.x, self.decode_weights("qkv", i, rows, chain_qkv), rows, c.qkv_size,
+                             c.hidden_size, stream, norm=w[p + "attn_norm"], chain=chain_qkv, then=w[p + "o"])
             self.attend(i, rows, n_splits, stream, decode=True)
+            gate_up = self.decode_weights("gate_up", i, rows, into)
             self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
-                             norm=w[p + "mlp_norm"], chain=out, then=w[p + "gate_up"])
-            self.decode_gemm("gate_up", b.act, b.x, w[p + "gate_up"], rows, c.intermediate_size, c.hidden_size,
+                             norm=w[p + "mlp_norm"], chain=out, then=gate_up)
+            self.decode_gemm("gate_up", b.act, b.x, gate_up, rows, c.intermediate_size, c.hidden_size,
                              stream, norm=w[p + "mlp_norm"], chain=into, then=w[p + "down"])
             following = w[f"layers.{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
-                             stream, norm=following, chain=out, then=self.first_weights(i + 1))
+                             stream, norm=following, chain=out, then=self.first_weights(i + 1, rows, into))
 
-    def first_weights(self, layer: int) -> rt.DevicePtr:
-        """The weights the first GEMM of ``layer`` streams, or past the last layer the LM head's: what a
-        layer's down GEMM asks L2 for at its tail (``gemm_prefetch``)."""
-        return self.lm_head if layer == self.c.num_layers else self.w[f"layers.{layer}.qkv"]
+    def first_weights(self, layer: int, rows: int = 1, chain: str = "") -> rt.DevicePtr:
+        """The weights the first GEMM of ``layer`` streams in a decode step of ``rows`` rows (``chain``:
+        its norm's), or past the last layer the LM head's: what a layer's down GEMM asks L2 for at its
+        tail (``gemm_prefetch``)."""
+        return self.lm_head if layer == self.c.num_layers else self.decode_weights("qkv", layer, rows, chain)
 
     def prefill_attention(self, layer_kv: rt.DevicePtr, rows: int, stream, bf16: bool = False,
                           first: int = 0) -> rt.DevicePtr:

@@ -568,11 +568,11 @@ class HybridForward(Forward):
             else:
                 self.decode_moe(i, rows, stream)
 
-    def first_weights(self, layer: int) -> rt.DevicePtr:
+    def first_weights(self, layer: int, rows: int = 1, chain: str = "") -> rt.DevicePtr:
         """``Forward.first_weights``, where a DeltaNet layer's first GEMM is its in_proj."""
         if layer < self.c.num_layers and self.c.layer_types[layer] == LINEAR:
             return self.w[f"layers.{layer}.in_proj"]
-        return super().first_weights(layer)
+        return super().first_weights(layer, rows, chain)
 
     def decode_moe(self, layer: int, rows: int, stream) -> None:
         """x += MoE(rmsnorm(x) * mlp_norm): the router GEMM normalises x and leaves the normalised rows

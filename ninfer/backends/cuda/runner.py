@@ -39,8 +39,9 @@ import numpy as np
 from ninfer.artifact.bf16 import from_float32
 from ninfer.backends.cuda import runtime as rt
 from ninfer.backends.cuda import weights as wt
-from ninfer.backends.cuda.forward import (GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS, PREFILL_SPLIT, Forward,
-                                          StepBuffers, check_supported)
+from ninfer.backends.cuda.forward import (DECODE_GEMMS, FRAGMENT_ORDER, GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS,
+                                          PREFILL_SPLIT, Forward, StepBuffers, check_supported, fragment_bytes,
+                                          fragment_tiles)
 from ninfer.backends.cuda import cublaslt
 from ninfer.backends.cuda.host_arena import HostArena
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
@@ -177,6 +178,8 @@ class CudaRunner:
                                       max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
                                       tensor_core_prefill=prefill_gemm != "fp32")
 
+        # Before the KV pool is sized: --kv-capacity auto gives the pool what these copies leave.
+        self.fragments = self._fragment_copies(weights, max_batch)
         kv_sizing = None
         if num_pages == AUTO:  # whatever else the workspace holds comes first; the pool gets the rest
             graphs = 2 * max_batch * (len(GRAPH_DEPTHS) + 1) + 1 if cuda_graph else 0  # sides x depths, prefill
@@ -204,6 +207,7 @@ class CudaRunner:
         self.startup: dict[str, Any] = {"device": device.name, "sync": device.sync, "kv_dtype": kv_dtype,
                                         "prefill_gemm": prefill_gemm, "kv_pages": num_pages,
                                         "workspace_bytes": self.buffers.workspace_bytes}
+        self.startup["fragment_bytes"] = sum(ptr.nbytes for ptr in self.fragments.values())
         self.startup.update(self._startup_details())
         if kv_sizing is not None:
             self.startup["kv_auto"] = kv_sizing
@@ -343,7 +347,33 @@ class CudaRunner:
         return StepBuffers(self.device, self.config, **shape)
 
     def _make_forward(self, weights: Mapping[str, rt.DevicePtr], **options: Any) -> Forward:
-        return Forward(self.kernels, self.config, weights, self.buffers, lt=self._lt, **options)
+        return Forward(self.kernels, self.config, weights, self.buffers, lt=self._lt, fragments=self.fragments,
+                       **options)
+
+    def _fragment_copies(self, weights: Mapping[str, rt.DevicePtr], max_batch: int) -> dict[str, rt.DevicePtr]:
+        """Every layer's FRAGMENT_ORDER matrices in fragment order (``Forward.fragments``), reordered on
+        the device, where a decode step may run them on the tensor cores (3 rows or more): a second copy
+        beside the row-major weights that prefill and the one-row GEMVs read (for the Qwen3-8B shape
+        9.1 GB: q/k/v and gate/up). None where a row is not whole 16-byte chunks."""
+        c = self.config
+        if c.hidden_size % 8 or all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in FRAGMENT_ORDER
+                                    for rows in range(1, max_batch + 1)):
+            return {}
+        kernel = self.kernels["fragment_order_bf16"]
+        copies = {}
+        for i in range(c.num_layers):
+            for matrix in FRAGMENT_ORDER:
+                name = f"layers.{i}.{matrix}"
+                swiglu = matrix == "gate_up"
+                rows = 2 * c.intermediate_size if swiglu else c.qkv_size
+                tiles = fragment_tiles(matrix)
+                copy = self.device.alloc(fragment_bytes(rows, c.hidden_size, tiles, swiglu), f"{name} fragments")
+                chunks = copy.nbytes // 16
+                kernel.launch((-(-chunks // kernel.meta["threads"]),), (kernel.meta["threads"],),
+                              (copy, weights[name], rows, c.hidden_size, tiles, int(swiglu), chunks), self.stream)
+                copies[name] = copy
+        rt.synchronize(self.stream)
+        return copies
 
     def _startup_details(self) -> dict[str, Any]:
         return {}
