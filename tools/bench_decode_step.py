@@ -10,7 +10,8 @@ back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), per-matrix kernel choices
 at the case's row count (``--gemms``; variants must be built into ``ptx/``), at tensor-core rows the
-norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), launches that do not overlap
+norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), every GEMM from the row-major
+weights instead of the fragment-order copies (``Forward.fragments``), launches that do not overlap
 their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
 (tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
 overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
@@ -163,6 +164,11 @@ def main(argv=None) -> int:
             runner.forward.chain_norm = not chained
             measure(f"fused, norms {'not ' if chained else ''}chained")
             runner.forward.chain_norm = chained
+        fragments = runner.forward.fragment_matrices
+        if any(runner.forward.reads_fragments(matrix, batch) for matrix in fragments):
+            runner.forward.fragment_matrices = set()  # every GEMM from the row-major weights
+            measure("fused, row-major weights")
+            runner.forward.fragment_matrices = fragments
         if not runner.forward.overlaps(batch):
             runner.forward.attention_overlap = False
             measure("fused, attention launch not overlapped")
