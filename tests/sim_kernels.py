@@ -536,9 +536,12 @@ def case_decode(rows: int) -> dict:
     from numba_kernels.gemm import fragment_order
     from ninfer.backends.cuda.runner import CudaRunner
 
-    owner = SimpleNamespace(config=config, kernels=gpu.kernels, device=gpu.device, stream=None)
+    free = gpu.device.memory.size - gpu.device.used
+    device = SimpleNamespace(alloc=gpu.device.alloc, free_memory=lambda: free)
+    owner = SimpleNamespace(config=config, kernels=gpu.kernels, device=device, stream=None)
     fragments = CudaRunner._fragment_copies(owner, weights, 8)
     reordered = CudaRunner._fragment_copies(owner, weights, 2) == {}  # no tensor-core decode GEMMs at 1-2 rows
+    reordered &= CudaRunner._fragment_copies(owner, weights, 8, keep_free=free) == {}  # no room left: none
     assert sorted(fragments) == sorted(f"layers.{i}.{m}" for i in range(config.num_layers) for m in fw.FRAGMENT_ORDER)
     for name, copy in fragments.items():
         shape = device_layout(config)[name][0]

@@ -109,7 +109,8 @@ class CudaHybridRunner(CudaRunner):
     def _make_forward(self, weights: Mapping[str, rt.DevicePtr], **options: Any) -> HybridForward:
         return HybridForward(self.kernels, self.config, weights, self.buffers, lt=self._lt, **options)
 
-    def _fragment_copies(self, weights: Mapping[str, rt.DevicePtr], max_batch: int) -> dict[str, rt.DevicePtr]:
+    def _fragment_copies(self, weights: Mapping[str, rt.DevicePtr], max_batch: int,
+                         keep_free: int = 0) -> dict[str, rt.DevicePtr]:
         return {}  # the hybrids' decode GEMMs read the row-major weights (CudaRunner._fragment_copies)
 
     @property

@@ -178,13 +178,16 @@ class CudaRunner:
                                       max_context=max_context, max_rows=max_prefill_rows, kv_dtype=kv_dtype,
                                       tensor_core_prefill=prefill_gemm != "fp32")
 
-        # Before the KV pool is sized: --kv-capacity auto gives the pool what these copies leave.
-        self.fragments = self._fragment_copies(weights, max_batch)
         kv_sizing = None
+        graphs = 2 * max_batch * (len(GRAPH_DEPTHS) + 1) + 1 if cuda_graph else 0  # sides x depths, prefill
+        graph_reserve = graphs * GRAPH_BYTES_ESTIMATE + KV_HEADROOM_BYTES
         if num_pages == AUTO:  # whatever else the workspace holds comes first; the pool gets the rest
-            graphs = 2 * max_batch * (len(GRAPH_DEPTHS) + 1) + 1 if cuda_graph else 0  # sides x depths, prefill
+            # (the fragment-order copies too: they leave at least a GiB for the workspace's other parts)
+            self.fragments = self._fragment_copies(weights, max_batch, keep_free=graph_reserve + (1 << 30))
             num_pages, kv_sizing = auto_kv_pages(device, buffers(1), graphs=graphs)
         self.buffers = buffers(num_pages)
+        if kv_sizing is None:  # a pool of the size asked for is in place: the copies take what is left
+            self.fragments = self._fragment_copies(weights, max_batch, keep_free=graph_reserve)
         self.buffers.init(stream)
         self._lt = None
         if prefill_gemm != "fp32":
@@ -350,24 +353,33 @@ class CudaRunner:
         return Forward(self.kernels, self.config, weights, self.buffers, lt=self._lt, fragments=self.fragments,
                        **options)
 
-    def _fragment_copies(self, weights: Mapping[str, rt.DevicePtr], max_batch: int) -> dict[str, rt.DevicePtr]:
+    def _fragment_copies(self, weights: Mapping[str, rt.DevicePtr], max_batch: int,
+                         keep_free: int = 0) -> dict[str, rt.DevicePtr]:
         """Every layer's FRAGMENT_ORDER matrices in fragment order (``Forward.fragments``), reordered on
         the device, where a decode step may run them on the tensor cores (3 rows or more): a second copy
         beside the row-major weights that prefill and the one-row GEMVs read (for the Qwen3-8B shape
-        9.1 GB: q/k/v and gate/up). None where a row is not whole 16-byte chunks."""
+        9.1 GB: q/k/v and gate/up). None where a row is not whole 16-byte chunks, or where they would
+        leave less than ``keep_free`` bytes free (the batched GEMVs then read the row-major weights)."""
         c = self.config
         if c.hidden_size % 8 or all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in FRAGMENT_ORDER
                                     for rows in range(1, max_batch + 1)):
             return {}
+        shapes = {matrix: (2 * c.intermediate_size if matrix == "gate_up" else c.qkv_size, fragment_tiles(matrix))
+                  for matrix in FRAGMENT_ORDER}
+        sizes = {matrix: fragment_bytes(rows, c.hidden_size, tiles, matrix == "gate_up")
+                 for matrix, (rows, tiles) in shapes.items()}
+        total = c.num_layers * sum(sizes.values())
+        if total > self.device.free_memory() - keep_free:
+            log.warning("batched decode reads the row-major weights: their fragment-order copies (%.2f GiB) "
+                        "do not fit", total / 2**30)
+            return {}
         kernel = self.kernels["fragment_order_bf16"]
         copies = {}
         for i in range(c.num_layers):
-            for matrix in FRAGMENT_ORDER:
+            for matrix, (rows, tiles) in shapes.items():
                 name = f"layers.{i}.{matrix}"
                 swiglu = matrix == "gate_up"
-                rows = 2 * c.intermediate_size if swiglu else c.qkv_size
-                tiles = fragment_tiles(matrix)
-                copy = self.device.alloc(fragment_bytes(rows, c.hidden_size, tiles, swiglu), f"{name} fragments")
+                copy = self.device.alloc(sizes[matrix], f"{name} fragments")
                 chunks = copy.nbytes // 16
                 kernel.launch((-(-chunks // kernel.meta["threads"]),), (kernel.meta["threads"],),
                               (copy, weights[name], rows, c.hidden_size, tiles, int(swiglu), chunks), self.stream)
