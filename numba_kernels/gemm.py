@@ -538,7 +538,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
 
     ``FRAG`` (the register loop): W is in fragment order (``fragment_order``): a warp's 32-k step of
     its block's tiles is 512 contiguous bytes a tile half, lane l's 16 bytes at 16 l, so a step reads
-    T kilobytes in whole lines instead of 64 bytes of each of 16 T rows. Full tiles and steps only."""
+    T kilobytes in whole lines instead of 64 bytes of each of 16 T rows. The reordered copy holds
+    zeros past the matrix's rows and K, so the loads need no bounds of their own."""
     assert normed or not keep
     assert not (FRAG and (RING or early))
     assert not (NEXT and chain)
@@ -882,7 +883,8 @@ MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
                     RING: int = 0, chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False,
                     FRAG: bool = False) -> str:
-    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("n" if NEXT else "") + ("f" if FRAG else "")
+    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("n" if NEXT else "")
+    ring += "f" if FRAG else ""  # the weights in fragment order
     norm = "normed_" if normed else "normin_" if chain == "in" else ""
     fusion = f"{norm}{'keep_' if keep else ''}{epilogue}{'_normout' if chain == 'out' else ''}"
     return f"mma_gemv_{fusion}_t{T}w{W}u{U}s{TERMS}{ring}"
