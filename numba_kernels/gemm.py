@@ -481,6 +481,15 @@ def split3_bf16x2(lo, hi):
     return big, small, pack_bf16x2(lo_rest, hi_rest)
 
 
+@cuda.jit(device=True, inline=True)
+def put_fragment_words(wr, u, tt, h, a, b):
+    """16 loaded bytes (two 64-bit words) as the four 32-bit A-fragment registers ``wr[u, tt, h]``."""
+    wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
+    wr[u, tt, h, 1] = uint32(a >> uint64(32))
+    wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
+    wr[u, tt, h, 3] = uint32(b >> uint64(32))
+
+
 def make_weight_fragments(T: int, load):
     """``(w, row_at, k, kk, u, wr)``: a lane's A fragments of one 32-k step (its 8 k from ``kk``) into
     ``wr[u]``: T tiles of two weight rows at element offsets ``row_at[tt, h]`` (-1: past the matrix,
@@ -492,10 +501,7 @@ def make_weight_fragments(T: int, load):
             for h in range(2):
                 if kk < k and row_at[tt, h] >= 0:
                     a, b = load(w, (row_at[tt, h] + kk) >> 2)
-                    wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
-                    wr[u, tt, h, 1] = uint32(a >> uint64(32))
-                    wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
-                    wr[u, tt, h, 3] = uint32(b >> uint64(32))
+                    put_fragment_words(wr, u, tt, h, a, b)
                 else:
                     for e in range(4):
                         wr[u, tt, h, e] = uint32(0)
@@ -572,10 +578,7 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                 if step >= steps:  # past K (the last round of a warp): read in bounds, used as zeros
                     a = uint64(0)
                     b = uint64(0)
-                wr[u, tt, h, 0] = uint32(a & uint64(0xFFFFFFFF))
-                wr[u, tt, h, 1] = uint32(a >> uint64(32))
-                wr[u, tt, h, 2] = uint32(b & uint64(0xFFFFFFFF))
-                wr[u, tt, h, 3] = uint32(b >> uint64(32))
+                put_fragment_words(wr, u, tt, h, a, b)
 
     @cuda.jit(device=True, inline=True)
     def step_mmas(acc, wr, u, xr, xu):
