@@ -542,12 +542,13 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     streamed its share, thread 0 asks L2 for the block's share of the first ``next_bytes`` of ``next_w``,
     the next GEMM's weights, which then stream in over this kernel's tail and the launch gap.
 
-    ``FRAG`` (the register loop): W is in fragment order (``fragment_order``): a warp's 32-k step of
-    its block's tiles is 512 contiguous bytes a tile half, lane l's 16 bytes at 16 l, so a step reads
-    T kilobytes in whole lines instead of 64 bytes of each of 16 T rows. The reordered copy holds
-    zeros past the matrix's rows and K, so the loads need no bounds of their own."""
+    ``FRAG``: W is in fragment order (``fragment_order``): a warp's 32-k step of its block's tiles is
+    512 contiguous bytes a tile half, lane l's 16 bytes at 16 l, so a step reads T kilobytes in whole
+    lines instead of 64 bytes of each of 16 T rows (a ring slot, two steps, 2 T contiguous kilobytes
+    instead of 16 T lines a row apart). The reordered copy holds zeros past the matrix's rows and K, so
+    the loads need no bounds of their own."""
     assert normed or not keep
-    assert not (FRAG and (RING or early))
+    assert not (FRAG and early)
     assert not (NEXT and chain)
     assert chain in ("", "in", "out") and not (chain == "in" and normed) and (chain != "out" or epilogue == "residual")
     assert chain != "out" or (T == 1 and W >= 4)  # NORM_OUT: an output a thread, a row's columns a half-warp
@@ -616,7 +617,17 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
     def copy_weights(slot_at, w_at, n, k, k0, lane):
         """Start copying the block's weight rows ``[k0, k0 + 64)`` into a slot: row r (tile-major) at
         ``r * 128``, its 16-byte chunk q at ``q ^ (4 * (r & 1))`` (rows 2i and 2i + 1, which one
-        fragment load reads together, on different banks)."""
+        fragment load reads together, on different banks). FRAG: the slot's two steps as they lie in W,
+        2 T chunks of 512 bytes (step, tile, half), zeros past K's last step."""
+        if FRAG:
+            steps = (k + 31) >> 5
+            for c in range(4 * T):
+                step = (k0 >> 5) + c // (2 * T)
+                chunk = (int64(cuda.blockIdx.x) * steps + step) * (2 * T) + c % (2 * T)
+                inside = step < steps
+                src = w_at + uint64((chunk * 32 + lane) * 16) if inside else w_at
+                cp_async16(slot_at + uint32(c * 512 + lane * 16), src, uint32(16) if inside else uint32(0))
+            return
         q = lane & 7
         for c in range(4 * T):
             r = 4 * c + (lane >> 3)
@@ -675,6 +686,8 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
                     for h in range(2):
                         r = 16 * tt + 8 * h + g
                         at = slot_at + uint32(r * 128 + (((4 * j + t) ^ (4 * (r & 1))) << 4))
+                        if FRAG:
+                            at = slot_at + uint32(((j * T + tt) * 2 + h) * 512 + lane * 16)
                         wr[0, tt, h, 0], wr[0, tt, h, 1], wr[0, tt, h, 2], wr[0, tt, h, 3] = lds_u32x4(at)
                 for half in range(2):  # x[g, 32j + 8t + 4 half ..]: chunk 8j + 2t + half
                     at = slot_at + uint32(X_AT + g * 256 + (((8 * j + 2 * t + half) ^ (g & 1)) << 4))
@@ -886,8 +899,8 @@ MMA_SIG = (F32P, F32P, U64P, F32P, int32, int32, int32, int32, float32)
 def mma_kernel_name(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: int, keep: bool = False,
                     RING: int = 0, chain: str = "", hold: bool = False, early: bool = False, NEXT: bool = False,
                     FRAG: bool = False) -> str:
-    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("n" if NEXT else "")
-    ring += "f" if FRAG else ""  # the weights in fragment order
+    ring = (f"r{RING}" if RING else "h" if hold else "e" if early else "") + ("f" if FRAG else "")  # f: fragment order
+    ring += "n" if NEXT else ""
     norm = "normed_" if normed else "normin_" if chain == "in" else ""
     fusion = f"{norm}{'keep_' if keep else ''}{epilogue}{'_normout' if chain == 'out' else ''}"
     return f"mma_gemv_{fusion}_t{T}w{W}u{U}s{TERMS}{ring}"
@@ -1006,14 +1019,23 @@ for _normed, _epilogue, (_t, _w, _u, _terms, _ring) in NEXT_GEMMS:
 # qkv=t1w8u2s3f+gate_up=t4w4u1s3f: the row-major weights read in fragment order, which times the same)
 # 6.054-6.062 -> 5.751 ms. They read a second, reordered copy of the weights beside the row-major one
 # that cuBLASLt and the one-row GEMVs read (CudaRunner._fragment_copies, forward.FRAGMENT_ORDER).
-FRAG_GEMMS = [(True, "store", (1, 8, 2, 3)), (False, "residual", (1, 16, 4, 3)), (True, "swiglu", (4, 4, 1, 3))]
+# The ring shape of o and down (their staged launches at 7 and 8 rows) copies each slot's 2 KB whole.
+# Each but q/k/v's (which asks L2 for nothing) has a NEXT build too, as their row-major shapes do.
+FRAG_GEMMS = [(True, "store", (1, 8, 2, 3, 0), False), (False, "residual", (1, 16, 4, 3, 0), True),
+              (True, "swiglu", (4, 4, 1, 3, 0), True), (False, "residual", (1, 8, 1, 3, 3), True)]
 KERNELS["fragment_order_bf16"] = (fragment_order_bf16, (U64P, U64P, int32, int32, int32, int32, int32),
                                   {"threads": 256})
-for _normed, _epilogue, (_t, _w, _u, _terms) in FRAG_GEMMS:
-    KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, FRAG=True)] = (
-        make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, FRAG=True), MMA_SIG,
-        {"threads": 32 * _w, "cols": _t * (8 if _epilogue == "swiglu" else 16), "epilogue": _epilogue,
-         "normed": int(_normed), "terms": _terms, "max_rows": 8, "grid_wait": 1, "frag": 1, "tiles": _t})
+for _normed, _epilogue, (_t, _w, _u, _terms, _ring), _next in FRAG_GEMMS:
+    for _n in (False, True) if _next else (False,):
+        _meta = {"threads": 32 * _w, "cols": _t * (8 if _epilogue == "swiglu" else 16), "epilogue": _epilogue,
+                 "normed": int(_normed), "terms": _terms, "max_rows": 8, "grid_wait": 1, "frag": 1, "tiles": _t}
+        if _ring:
+            _meta["shared"] = ring_bytes(_normed, _t, _w, _ring)
+        if _n:
+            _meta["next"] = 1
+        KERNELS[mma_kernel_name(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring, NEXT=_n, FRAG=True)] = (
+            make_mma_gemv(_normed, _epilogue, _t, _w, _u, _terms, RING=_ring, NEXT=_n, FRAG=True),
+            MMA_SIG + ((U32P, int32) if _n else ()), _meta)
 # The chained norm of batched decode (``make_mma_gemv``'s ``chain``; forward.CHAIN_IN_GEMMS): the
 # residual GEMMs that write the next norm's input (o, down) and the GEMMs that read it (q/k/v, gate/up,
 # LM head). ``tools/bench_decode_gemm.py --rows 8`` on the H200, GB/s, the normed kernel it replaces in

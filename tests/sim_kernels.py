@@ -112,6 +112,7 @@ def case_gemv(rows: int) -> dict:
             got = gemv(gpu, name, x, bits, norm, y0, n)
             want = h @ w.T + (y0 if epilogue == "residual" else 0)
         result[name] = rel(got, want)
+    result["fragment_order"] = fragment_builds(gpu, rng, rows)
     if rows == 1:  # the fp32 GEMV holding 4 steps before its wait, over 4 steps a thread and a remainder
         from ninfer.backends.cuda.forward import PRELOADED_O_GEMV
 
@@ -123,6 +124,27 @@ def case_gemv(rows: int) -> dict:
         result[PRELOADED_O_GEMV] = {"vs_numpy": rel(held, x @ w.T + y0[:, :n]),
                                     "identical": bool(np.array_equal(held, plain))}
     return result
+
+
+def fragment_builds(gpu, rng, rows: int) -> dict:
+    """Whether each FRAG build (numba_kernels/gemm.py FRAG_GEMMS), fed ``fragment_order``'s copy, gives
+    its row-major build's y bit for bit: k of 3 32-k steps (a ring slot's second step past K), 3 tiles
+    (the last of a t4 block partial)."""
+    from numba_kernels.gemm import FRAG_GEMMS, fragment_order, mma_kernel_name
+
+    k, n = 96, 48
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    y0 = rng.standard_normal((rows, n)).astype(np.float32)
+    identical = {}
+    for normed, epilogue, (t, w, u, terms, ring), _ in FRAG_GEMMS:
+        swiglu = epilogue == "swiglu"
+        bits, _ = bf16_matrix(rng, 2 * n if swiglu else n, k)
+        row_major = gemv(gpu, mma_kernel_name(normed, epilogue, t, w, u, terms, RING=ring), x, bits, norm, y0, n)
+        name = mma_kernel_name(normed, epilogue, t, w, u, terms, RING=ring, FRAG=True)
+        frag = gemv(gpu, name, x, fragment_order(bits, t, swiglu), norm, y0, n)
+        identical[name] = bool(np.array_equal(frag, row_major))
+    return identical
 
 
 def case_conv_gemv(rows: int) -> dict:
@@ -531,7 +553,7 @@ def case_decode(rows: int) -> dict:
                      "tokens": gpu.get(buffers.out, np.int32, (rows,)),
                      "kv": kv.copy(), "chained": sum("normin" in n or "normout" in n
                                                      for n in gpu.kernels.launches[first:])})
-    # q/k/v and gate/up from the fragment-order copies CudaRunner makes (``fragment_order_bf16``),
+    # q/k/v, o, gate/up and down from the fragment-order copies CudaRunner makes (``fragment_order_bf16``),
     # checked against numba_kernels.gemm.fragment_order; the FRAG builds load the same fragments.
     from numba_kernels.gemm import fragment_order
     from ninfer.backends.cuda.runner import CudaRunner
@@ -557,7 +579,9 @@ def case_decode(rows: int) -> dict:
             "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
             "tokens": gpu.get(buffers.out, np.int32, (rows,)), "kv": kv.copy()}
     off, on = runs
-    return {"reordered": reordered, "fragment_launches": sum(n.endswith("s3f") for n in gpu.kernels.launches[first:]),
+    frag_builds = ("s3f", "s3fn", "r3f", "r3fn")  # numba_kernels/gemm.py mma_kernel_name's FRAG suffixes
+    return {"reordered": reordered,
+            "fragment_launches": sum(n.endswith(frag_builds) for n in gpu.kernels.launches[first:]),
             "fragments_exact": all(np.array_equal(frag[key], off[key]) for key in frag),
             "chains": fw.chains_norms(rows), "chained_launches": [off["chained"], on["chained"]],
             "x": rel(on["x"], off["x"]), "logits": rel(on["logits"], off["logits"]),

@@ -56,6 +56,9 @@ def simulate(case: str, rows: int) -> dict:
 def test_tensor_core_gemvs_match_numpy(rows):
     result = simulate("gemv", rows)
     held = result.pop("gemv_residual_m1p4", None)  # one row: the fp32 GEMV holding 4 steps before its wait
+    # the builds reading fragment-order copies: their row-major builds' y, bit for bit
+    fragment_order = result.pop("fragment_order")
+    assert len(fragment_order) == 4 and all(fragment_order.values()), fragment_order
     assert len(result) == 5 and (held is not None) == (rows == 1)
     for name, err in result.items():
         assert err < TOL, (name, err)
@@ -146,12 +149,12 @@ def test_decode_step_with_chained_norms_is_the_unchained_one(rows):
     ``chain_norm`` on: eight chained GEMVs (o, gate/up and down of both layers, the second layer's
     q/k/v, the LM head; the first q/k/v reads the embedding unchained) and the same hidden states,
     logits, tokens and KV appends as the unchained step, whose down GEMM at 8 rows is the ring kernel.
-    With q/k/v and gate/up read from fragment-order copies (``Forward.fragments``, made by
+    With q/k/v, o, gate/up and down read from fragment-order copies (``Forward.fragments``, made by
     ``fragment_order_bf16``) the unchained step is the same bit for bit."""
     result = simulate("decode", rows)
     assert result["chains"] and result["chained_launches"] == [0, 8]
-    # q/k/v and gate/up of both layers read their fragment-order copies: the same step, bit for bit
-    assert result["reordered"] and result["fragment_launches"] == 4 and result["fragments_exact"], result
+    # the four GEMMs of both layers read their fragment-order copies: the same step, bit for bit
+    assert result["reordered"] and result["fragment_launches"] == 8 and result["fragments_exact"], result
     assert result["x"] < TOL and result["logits"] < TOL, result
     assert result["tokens_equal"] and result["greedy"]
     assert result["kv_equal"] and result["kv_written"]

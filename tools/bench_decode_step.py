@@ -168,6 +168,9 @@ def main(argv=None) -> int:
         if any(runner.forward.reads_fragments(matrix, batch) for matrix in fragments):
             runner.forward.fragment_matrices = set()  # every GEMM from the row-major weights
             measure("fused, row-major weights")
+            for matrix in sorted(fragments):  # each matrix's copy left out in turn
+                runner.forward.fragment_matrices = fragments - {matrix}
+                measure(f"fused, {matrix} from its row-major weights")
             runner.forward.fragment_matrices = fragments
         if not runner.forward.overlaps(batch):
             runner.forward.attention_overlap = False

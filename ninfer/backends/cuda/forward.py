@@ -158,9 +158,9 @@ STAGED_SHAPE = "t1w8u1s3r3"
 # (numba_kernels/gemm.py ``FRAG`` builds, ``fragment_order``), made at load where a step may run them
 # (CudaRunner): a warp step's weights then come in whole contiguous lines instead of 64 bytes of each
 # of 16 T rows. H100, ms a step at 8 rows and 512 keys (tools/bench_decode_step.py --gemms
-# qkv=t1w8u2s3f+gate_up=t4w4u1s3f): 6.054-6.062 -> 5.751. o and down launch staged ring shapes, which
-# have no such build.
-FRAGMENT_ORDER = ("qkv", "gate_up")
+# qkv=t1w8u2s3f+gate_up=t4w4u1s3f): 6.054-6.062 -> 5.751. o and down (their staged ring shapes too,
+# whose slots then copy 2 KB whole) TODO measured.
+FRAGMENT_ORDER = ("qkv", "o", "gate_up", "down")
 
 
 def fragment_tiles(matrix: str) -> int:
@@ -493,11 +493,13 @@ class Forward:
             return None
         return self.staged[matrix]
 
-    def next_weights(self, i: int, blocks: int) -> tuple[rt.DevicePtr, int]:
+    def next_weights(self, i: int, rows: int, blocks: int) -> tuple[rt.DevicePtr, int]:
         """(pointer, bytes) of what layer ``i``'s ``decode_attention`` grid of ``blocks`` blocks may ask L2
-        for: the first ``attention_prefetch`` of its o projection's bf16 weights."""
+        for in a step of ``rows`` rows: the first ``attention_prefetch`` of the o projection's bf16
+        weights that step streams."""
         total = self.c.hidden_size * self.c.q_size * 2
-        return self.w[f"layers.{i}.o"], prefetch_bytes(int(total * self.attention_prefetch), blocks)
+        o = self.decode_weights("o", i, rows, "out" if self.chains(rows) else "")
+        return o, prefetch_bytes(int(total * self.attention_prefetch), blocks)
 
     def decode_prefetch(self, keys: int) -> int:
         """What ``decode_attention`` asks L2 for in a step of ``keys`` keys (summed over its rows), as the
@@ -541,7 +543,7 @@ class Forward:
                              (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, layer_kv, b.page_elems,
                               inp.d_page_tables, b.max_pages, inp.d_row_table, inp.d_positions, b.attn, b.part_o,
                               b.part_ml, b.counters, H, KV, self.page_shift, inp.d_split, n_splits, self.scale,
-                              *flags, *self.next_weights(i, KV * rows * n_splits)), stream)
+                              *flags, *self.next_weights(i, rows, KV * rows * n_splits)), stream)
             return b.attn
         rope_args = (b.qkv, bias, q_norm, k_norm, b.cos, b.sin, layer_kv, b.page_elems, inp.d_page_tables,
                      b.max_pages, inp.d_row_table, inp.d_positions, H, KV, D, self.page_size, *flags)
@@ -740,16 +742,17 @@ class Forward:
         for i in range(c.num_layers):
             p = f"layers.{i}."
             chain_qkv = into if i else ""  # the embedding: no chain
-            self.decode_gemm("qkv", b.qkv, b.x, self.decode_weights("qkv", i, rows, chain_qkv), rows, c.qkv_size,
-                             c.hidden_size, stream, norm=w[p + "attn_norm"], chain=chain_qkv, then=w[p + "o"])
+            qkv, o, gate_up, down = (self.decode_weights(matrix, i, rows, chain) for matrix, chain in
+                                     (("qkv", chain_qkv), ("o", out), ("gate_up", into), ("down", out)))
+            self.decode_gemm("qkv", b.qkv, b.x, qkv, rows, c.qkv_size, c.hidden_size, stream,
+                             norm=w[p + "attn_norm"], chain=chain_qkv, then=o)
             self.attend(i, rows, n_splits, stream, decode=True)
-            gate_up = self.decode_weights("gate_up", i, rows, into)
-            self.decode_gemm("o", b.x, b.attn, w[p + "o"], rows, c.hidden_size, c.q_size, stream,
+            self.decode_gemm("o", b.x, b.attn, o, rows, c.hidden_size, c.q_size, stream,
                              norm=w[p + "mlp_norm"], chain=out, then=gate_up)
             self.decode_gemm("gate_up", b.act, b.x, gate_up, rows, c.intermediate_size, c.hidden_size,
-                             stream, norm=w[p + "mlp_norm"], chain=into, then=w[p + "down"])
+                             stream, norm=w[p + "mlp_norm"], chain=into, then=down)
             following = w[f"layers.{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
-            self.decode_gemm("down", b.x, b.act, w[p + "down"], rows, c.hidden_size, c.intermediate_size,
+            self.decode_gemm("down", b.x, b.act, down, rows, c.hidden_size, c.intermediate_size,
                              stream, norm=following, chain=out, then=self.first_weights(i + 1, rows, into))
 
     def first_weights(self, layer: int, rows: int = 1, chain: str = "") -> rt.DevicePtr:

@@ -46,7 +46,7 @@ from ninfer.backends.cuda import cublaslt
 from ninfer.backends.cuda.host_arena import HostArena
 from ninfer.backends.inputs import check_follow, check_lane, check_tokens, decode_inputs, prefill_inputs
 from ninfer.backends.runner import DecodeBatch, PrefillChunk, RunnerInfo, SamplingRow, StepResult
-from ninfer.models.dense import ARCHITECTURES, DenseConfig
+from ninfer.models.dense import ARCHITECTURES, DenseConfig, layer_tensor_names
 
 _MASK64 = (1 << 64) - 1
 log = logging.getLogger("ninfer.cuda")
@@ -358,16 +358,16 @@ class CudaRunner:
         """Every layer's FRAGMENT_ORDER matrices in fragment order (``Forward.fragments``), reordered on
         the device, where a decode step may run them on the tensor cores (3 rows or more): a second copy
         beside the row-major weights that prefill and the one-row GEMVs read (for the Qwen3-8B shape
-        9.1 GB: q/k/v and gate/up). None where a row is not whole 16-byte chunks, or where they would
+        13.7 GB: q/k/v, o, gate/up and down). None where a row is not whole 16-byte chunks, or where they would
         leave less than ``keep_free`` bytes free (the batched GEMVs then read the row-major weights)."""
         c = self.config
-        if c.hidden_size % 8 or all(DECODE_GEMMS[matrix][rows] == "fp32" for matrix in FRAGMENT_ORDER
-                                    for rows in range(1, max_batch + 1)):
+        layer = layer_tensor_names(c, 0)
+        shapes = {matrix: layer[f"layers.0.{matrix}"] + (fragment_tiles(matrix),) for matrix in FRAGMENT_ORDER}
+        if any(k % 8 for _, k, _ in shapes.values()) or all(
+                DECODE_GEMMS[matrix][rows] == "fp32" for matrix in shapes for rows in range(1, max_batch + 1)):
             return {}
-        shapes = {matrix: (2 * c.intermediate_size if matrix == "gate_up" else c.qkv_size, fragment_tiles(matrix))
-                  for matrix in FRAGMENT_ORDER}
-        sizes = {matrix: fragment_bytes(rows, c.hidden_size, tiles, matrix == "gate_up")
-                 for matrix, (rows, tiles) in shapes.items()}
+        sizes = {matrix: fragment_bytes(rows, k, tiles, matrix == "gate_up")
+                 for matrix, (rows, k, tiles) in shapes.items()}
         total = c.num_layers * sum(sizes.values())
         if total > self.device.free_memory() - keep_free:
             log.warning("batched decode reads the row-major weights: their fragment-order copies (%.2f GiB) "
@@ -376,13 +376,13 @@ class CudaRunner:
         kernel = self.kernels["fragment_order_bf16"]
         copies = {}
         for i in range(c.num_layers):
-            for matrix, (rows, tiles) in shapes.items():
+            for matrix, (rows, k, tiles) in shapes.items():
                 name = f"layers.{i}.{matrix}"
                 swiglu = matrix == "gate_up"
                 copy = self.device.alloc(sizes[matrix], f"{name} fragments")
                 chunks = copy.nbytes // 16
                 kernel.launch((-(-chunks // kernel.meta["threads"]),), (kernel.meta["threads"],),
-                              (copy, weights[name], rows, c.hidden_size, tiles, int(swiglu), chunks), self.stream)
+                              (copy, weights[name], rows, k, tiles, int(swiglu), chunks), self.stream)
                 copies[name] = copy
         rt.synchronize(self.stream)
         return copies
