@@ -10,10 +10,11 @@ back-to-back replays: ``unfused`` (separate RMSNorm / SiLU kernels, the plain fp
 (the default: decode GEMMs with the norms, residual adds and SwiGLU folded in, per forward.DECODE_GEMMS),
 every matrix on the fused fp32 GEMV or on one tensor-core shape (``--mma``), per-matrix kernel choices
 at the case's row count (``--gemms``; variants must be built into ``ptx/``), at tensor-core rows the
-norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), every GEMM from the row-major
-weights instead of the fragment-order copies (``Forward.fragments``), launches that do not overlap
-their predecessor (``Forward.overlap`` off: no programmatic dependent launch), where the step's GEMMs do not overlap
-(tensor-core rows) its attention launch not overlapping the q/k/v GEMM either, or every launch
+norms chained from GEMM to GEMM or not (``Forward.chain_norm`` flipped), every GEMM, then each
+matrix's GEMMs in turn, from the row-major weights instead of the fragment-order copies
+(``Forward.fragments``), launches that do not overlap their predecessor (``Forward.overlap`` off: no
+programmatic dependent launch), where the step's GEMMs do not overlap (tensor-core rows) its
+attention launch not overlapping the q/k/v GEMM either, or every launch
 overlapping, the KV prefetch flipped (``Forward.kv_prefetch``), shares of the o projection asked of L2
 by attention with and without the KV prefetch (``--prefetch-o``), what the batched GEMMs ask L2 for
 of the next GEMM's weights (``--gemm-prefetch``), which ring-shaped GEMMs launch to overlap the kernel

@@ -158,8 +158,11 @@ STAGED_SHAPE = "t1w8u1s3r3"
 # (numba_kernels/gemm.py ``FRAG`` builds, ``fragment_order``), made at load where a step may run them
 # (CudaRunner): a warp step's weights then come in whole contiguous lines instead of 64 bytes of each
 # of 16 T rows. H100, ms a step at 8 rows and 512 keys (tools/bench_decode_step.py --gemms
-# qkv=t1w8u2s3f+gate_up=t4w4u1s3f): 6.054-6.062 -> 5.751. o and down (their staged ring shapes too,
-# whose slots then copy 2 KB whole) TODO measured.
+# qkv=t1w8u2s3f+gate_up=t4w4u1s3f): 6.054-6.062 -> 5.751. o and down's staged ring shapes copy a
+# slot's 2 KB whole from theirs. H100, tools/bench_decode_step.py --only row-major, each copy left out
+# in turn (ms, two calls): b8/512 5.747-5.771 with all four, 6.056-6.063 with none; without q/k/v's
+# 5.807-5.827, o's 5.771-5.782, gate/up's 5.986-5.990, down's 5.789-5.806; b4/512 5.595 against
+# 5.893 (o's 5.632, down's 5.647); b8/2048 6.378 against 6.674 (o's 6.397, down's 6.421).
 FRAGMENT_ORDER = ("qkv", "o", "gate_up", "down")
 
 

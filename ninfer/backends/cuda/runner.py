@@ -358,8 +358,9 @@ class CudaRunner:
         """Every layer's FRAGMENT_ORDER matrices in fragment order (``Forward.fragments``), reordered on
         the device, where a decode step may run them on the tensor cores (3 rows or more): a second copy
         beside the row-major weights that prefill and the one-row GEMVs read (for the Qwen3-8B shape
-        13.7 GB: q/k/v, o, gate/up and down). None where a row is not whole 16-byte chunks, or where they would
-        leave less than ``keep_free`` bytes free (the batched GEMVs then read the row-major weights)."""
+        13.9 GB: q/k/v, o, gate/up and down). None where a row is not whole 16-byte chunks, or where
+        they would leave less than ``keep_free`` bytes free (the batched GEMVs then read the row-major
+        weights)."""
         c = self.config
         layer = layer_tensor_names(c, 0)
         shapes = {matrix: layer[f"layers.0.{matrix}"] + (fragment_tiles(matrix),) for matrix in FRAGMENT_ORDER}
