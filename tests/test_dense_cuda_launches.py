@@ -1,7 +1,8 @@
 """The dense CUDA forward's launches, checked on the CPU against ptx/manifest.json (tests/fake_cuda.py).
 
 At the Qwen3-8B shape (2 layers): every kernel of a decode step of 1..8 rows is in ``kernel_names()``
-(modules cannot load during graph capture), each fused decode GEMM stays inside its buffers, and the
+(modules cannot load during graph capture), with and without fragment-order copies of the weights
+(whose FRAG builds, and only those, read them), each fused decode GEMM stays inside its buffers, and the
 step overlaps its launches exactly where its GEMMs are all the fp32 GEMV (else its attention and staged
 ring GEMMs overlap); a cuBLASLt prefill launches
 the chunked rope (a thread per 16 dims of a head) over exactly its rows and the persistent attention
@@ -39,22 +40,30 @@ class FakeLt:
         self.rows.append(rows)
 
 
-def forward(max_rows=64, lt=None):
+def forward(max_rows=64, lt=None, fragments=False):
+    """The Forward of a runner, with the fragment-order copies of ``fw.FRAGMENT_ORDER`` or none."""
     device = FakeDevice()
     buffers = fw.StepBuffers(device, CONFIG, page_size=16, num_pages=64, max_batch=MAX_BATCH, max_context=256,
                              max_rows=max_rows, kv_dtype="bf16", tensor_core_prefill=lt is not None)
+    layout = device_layout(CONFIG)
     weights = {name: device.alloc(int(np.prod(shape)) * (2 if kind == "bf16" else 4), name)
-               for name, (shape, kind) in device_layout(CONFIG).items()}
-    return fw.Forward(FakeKernels(), CONFIG, weights, buffers, page_size=16, kv_dtype="bf16", lt=lt)
+               for name, (shape, kind) in layout.items()}
+    copies = {name: device.alloc(fw.fragment_bytes(*layout[name][0], fw.fragment_tiles(matrix), matrix == "gate_up"),
+                                 name + " fragments")
+              for name in layout for matrix in fw.FRAGMENT_ORDER if fragments and name.endswith("." + matrix)}
+    return fw.Forward(FakeKernels(), CONFIG, weights, buffers, page_size=16, kv_dtype="bf16", lt=lt,
+                      fragments=copies)
 
 
-def test_decode_launches_are_preloaded_in_bounds_and_overlapped_where_they_preload():
+@pytest.mark.parametrize("fragments", [False, True])
+def test_decode_launches_are_preloaded_in_bounds_and_overlapped_where_they_preload(fragments):
     """Every launch overlaps its predecessor where the step's GEMMs are the fp32 GEMV (it preloads);
     with tensor-core GEMMs the attention launches do, and the staged o and down GEMMs (``staged``), in
-    their ring shape, which copies its first slots of weights before the wait."""
-    fwd = forward()
+    their ring shape, which copies its first slots of weights before the wait. With fragment-order
+    copies the tensor-core GEMMs are FRAG builds (``f``), read from the copies."""
+    fwd = forward(fragments=fragments)
     assert fwd.staged == {"o": fw.STAGED_SHAPE, "down": fw.STAGED_SHAPE}
-    ring = fw.decode_gemm_name("o", "residual", False, MAX_BATCH, shape=fw.STAGED_SHAPE) + "n"
+    ring = fw.decode_gemm_name("o", "residual", False, MAX_BATCH, shape=fw.STAGED_SHAPE) + ("fn" if fragments else "n")
     assert fwd.k[ring].meta["shared"] > 0  # a ring: its first slots go out before the wait
     preloaded = set(fwd.kernel_names())
     for staged in (fwd.staged, {}):
@@ -68,6 +77,10 @@ def test_decode_launches_are_preloaded_in_bounds_and_overlapped_where_they_prelo
             for kernel, grid, args in fwd.k.log:
                 if "epilogue" in kernel.meta:
                     check_decode_gemm(kernel, grid, *args)
+                    # a FRAG build reads a copy, every other GEMM the row-major weights
+                    assert bool(kernel.meta.get("frag")) == args[2].label.endswith(" fragments"), kernel.name
+            tensor_core = [name for name in launched if name.startswith("mma_gemv_") and "t4w8u1s3" not in name]
+            assert all(name.endswith(("f", "fn")) == fragments for name in tensor_core), tensor_core
             fp32_only = all(fw.DECODE_GEMMS[matrix][rows] == "fp32" for matrix in fw.DECODE_GEMMS)
             assert launched[0] == "count_tokens" and not fwd.k.overlaps[0]
             assert any(name.startswith("gemv_normed_swiglu_m") for name in launched) == fp32_only

@@ -459,9 +459,9 @@ class Forward:
                   for matrix, (epilogue, normed) in DECODE_FUSIONS.items()]
         names += [decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], GEMV_MAX_ROWS, shape=shape)
                   for matrix, shape in self.staged.items()]
-        names += [name + "n" for name in names if name + "n" in self.k.entries]  # the NEXT builds
         names += [decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], m) + "f" for m in range(1, GEMV_MAX_ROWS + 1)
                   for matrix in self.fragment_matrices if self.reads_fragments(matrix, m)]
+        names += [name + "n" for name in names if name + "n" in self.k.entries]  # the NEXT builds
         return names + [f"gemv_m{m}{GEMV_VARIANT}" for m in range(1, GEMV_MAX_ROWS + 1)] + [PRELOADED_O_GEMV]
 
     def matmul(self, y: rt.DevicePtr, x: rt.DevicePtr, w: rt.DevicePtr, rows: int, n: int, k: int, stream) -> None:
