@@ -684,10 +684,11 @@ def make_mma_gemv(normed: bool, epilogue: str, T: int, W: int, U: int, TERMS: in
             for j in range(2):  # the slot's two 32-k steps: chunk 4j + t of rows g, g + 8 of each tile
                 for tt in range(T):
                     for h in range(2):
-                        r = 16 * tt + 8 * h + g
-                        at = slot_at + uint32(r * 128 + (((4 * j + t) ^ (4 * (r & 1))) << 4))
-                        if FRAG:
+                        if FRAG:  # the slot as copy_weights lays it out: (step, tile, half), lane-major
                             at = slot_at + uint32(((j * T + tt) * 2 + h) * 512 + lane * 16)
+                        else:
+                            r = 16 * tt + 8 * h + g
+                            at = slot_at + uint32(r * 128 + (((4 * j + t) ^ (4 * (r & 1))) << 4))
                         wr[0, tt, h, 0], wr[0, tt, h, 1], wr[0, tt, h, 2], wr[0, tt, h, 3] = lds_u32x4(at)
                 for half in range(2):  # x[g, 32j + 8t + 4 half ..]: chunk 8j + 2t + half
                     at = slot_at + uint32(X_AT + g * 256 + (((8 * j + 2 * t + half) ^ (g & 1)) << 4))

@@ -579,9 +579,8 @@ def case_decode(rows: int) -> dict:
             "logits": gpu.get(buffers.logits, np.float32, (rows, config.vocab_size)),
             "tokens": gpu.get(buffers.out, np.int32, (rows,)), "kv": kv.copy()}
     off, on = runs
-    frag_builds = ("s3f", "s3fn", "r3f", "r3fn")  # numba_kernels/gemm.py mma_kernel_name's FRAG suffixes
     return {"reordered": reordered,
-            "fragment_launches": sum(n.endswith(frag_builds) for n in gpu.kernels.launches[first:]),
+            "fragment_launches": sum(bool(gpu.kernels[n].meta.get("frag")) for n in gpu.kernels.launches[first:]),
             "fragments_exact": all(np.array_equal(frag[key], off[key]) for key in frag),
             "chains": fw.chains_norms(rows), "chained_launches": [off["chained"], on["chained"]],
             "x": rel(on["x"], off["x"]), "logits": rel(on["logits"], off["logits"]),
