@@ -698,11 +698,13 @@ class Forward:
 
     def reads_fragments(self, matrix: str, rows: int, chain: str = "") -> bool:
         """Whether a decode step of ``rows`` rows runs ``matrix``'s GEMM as a ``FRAG`` build over its
-        fragment-order copy: where there is one and the kernel it would run has such a build."""
+        fragment-order copy: where there is one and the kernel it would run has such a build, grouping
+        the copy's tiles as the build does (``fragment_tiles``)."""
         if matrix not in self.fragment_matrices:
             return False
         name = decode_gemm_name(matrix, *DECODE_FUSIONS[matrix], rows, chain, self.staged_shape(matrix, rows))
-        return name + "f" in self.k.entries
+        build = self.k.entries.get(name + "f")
+        return build is not None and build["meta"]["tiles"] == fragment_tiles(matrix)
 
     def decode_weights(self, matrix: str, layer: int, rows: int, chain: str = "") -> rt.DevicePtr:
         """The weights layer ``layer``'s ``matrix`` GEMM streams in a decode step of ``rows`` rows (and
