@@ -58,7 +58,7 @@ from llvmlite import ir
 from numba import cuda, float32, int32, int64, uint32, uint64
 from numba.cuda.extending import intrinsic
 
-from numba_kernels.common import (F32P, I32P, U32P, asm_statement, cp_async16, cp_async_commit, cp_async_wait,
+from numba_kernels.common import (F32P, I32P, U32P, cp_async16, cp_async_commit, cp_async_wait,
                                   global_address, inline_asm, lds_u32x4, shared_address, shared_load_x4, warp_max)
 from numba_kernels.mma import mma_bf16_16816, pack_bf16x2
 

@@ -12,7 +12,6 @@ import logging
 import threading
 
 import httpx
-import pytest
 import trio
 
 from cuda.bindings import driver as cu
