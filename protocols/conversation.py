@@ -132,12 +132,14 @@ class Conversation:
         return [t.to_template() for t in self.tools if t.name in names]
 
     def thinking(self, server_default: bool | None) -> bool | None:
-        """Resolved enable_thinking: the request, else the server flag, else None (template default)."""
+        """Resolved enable_thinking: the request, else the server flag, else None (template default).
+        A request's effort is a request option too: "none" turns thinking off, any other value leaves
+        it to the template that interprets the effort, whatever the server default (--no-thinking)."""
         opts = self.options
         if opts.enable_thinking is not None:
             return opts.enable_thinking
-        if opts.reasoning_effort == "none":
-            return False
+        if opts.reasoning_effort is not None:
+            return False if opts.reasoning_effort == "none" else None
         return server_default
 
     def template_kwargs(self, *, thinking_default: bool | None, preserve_default: bool | None) -> dict[str, Any]:

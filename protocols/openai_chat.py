@@ -144,7 +144,12 @@ def _reject_unsupported(body: dict) -> None:
             raise invalid_type("functions", "an array")
         if functions:
             raise unsupported("functions", "legacy function definitions are not supported; use 'tools'.")
-    if body.get("function_call") not in (None, "none", "auto"):
+    function_call = body.get("function_call")
+    if isinstance(function_call, str) and function_call not in ("none", "auto"):
+        raise invalid_value("function_call", "must be 'none', 'auto' or an object naming a function.")
+    if function_call is not None and not isinstance(function_call, (str, dict)):
+        raise invalid_type("function_call", "a string or an object")
+    if isinstance(function_call, dict):
         raise unsupported("function_call", "a forced legacy function call needs constrained decoding.")
     rp = body.get("repetition_penalty")
     if rp is not None and (not f.is_number(rp) or rp != 1):

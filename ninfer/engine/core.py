@@ -315,7 +315,7 @@ class EngineCore:
         c.replay_restores += len(plan.replays)
         for seq in plan.admitted:
             if not seq.cached_reported:
-                self._on_first_binding(seq, state_from.get(seq.lane))
+                self._on_first_binding(seq, state_from.get(seq.lane), now)
         unit = plan.prompt
         if unit is not None and unit.seq.phase is Phase.RESIDENT:
             self._post_prompt(unit, now)
@@ -333,7 +333,7 @@ class EngineCore:
         self.counters.transfer_bytes[(resource, direction)] += nbytes
         seq.transfers[(resource, direction)] += nbytes
 
-    def _on_first_binding(self, seq: Sequence, state: str | None) -> None:
+    def _on_first_binding(self, seq: Sequence, state: str | None, now: float) -> None:
         c = self.counters
         seq.cached_reported = True
         c.prompt_tokens += seq.prompt_len
@@ -344,7 +344,8 @@ class EngineCore:
                             "reused_tokens": seq.cached, "state": state}
         c.queue.observe(seq.t_admit - seq.t_submit)
         seq.pending_captures = [b for b in seq.pending_captures if b > seq.cached]
-        self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, 0.0))
+        # Published once the step's copies have landed, so it reports the time since admission then.
+        self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, (now - seq.t_admit) * 1000.0))
 
     def _post_prompt(self, unit, now: float) -> None:
         c, seq = self.counters, unit.seq

@@ -175,6 +175,9 @@ class GenerationSession:
             # Anthropic's own wording, which clients such as Claude Code read to start compacting; the
             # maximum is the longest prompt that leaves the one output position a create needs.
             return f"prompt is too long: {e.prompt_tokens} tokens > {e.limit - 1} maximum"
+        if e.prompt_tokens <= e.limit:  # it fits alone, not with the output position a generation needs
+            return (f"The prompt has {e.prompt_tokens} tokens, which leaves no room for an output token "
+                    f"within the context ceiling of {e.limit} tokens.")
         return f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens."
 
     def _reject(self, err: ProtocolError, conv: Conversation) -> None:
@@ -222,9 +225,12 @@ class GenerationSession:
         try:
             async for ev in self.handle:
                 if isinstance(ev, PromptProgress):
+                    # Events reach us a step late or coalesced, never early: the earliest admission
+                    # any of them implies is the closest to the engine's (timings_per_token).
+                    admitted = time.monotonic() - ev.time_ms / 1000.0
                     if self._admitted_at is None:
-                        self._admitted_at = time.monotonic() - ev.time_ms / 1000.0
                         self._cache_n = ev.cache
+                    self._admitted_at = min(admitted, self._admitted_at or admitted)
                     yield Progress(ev)
                 elif isinstance(ev, TokenDelta):
                     now = time.monotonic()

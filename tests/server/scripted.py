@@ -77,6 +77,7 @@ class ScriptedRunner:
         self.gate.set()
         self.fail = False
         self.delay = 0.0  # seconds each decode step takes at least (a slow model)
+        self.prefill_delay = 0.0  # seconds each prefill call takes at least
         # The pipelined protocol (the engine uses it: the inner runner's info says so): a following
         # step is fed the scripted tokens of the one before it, as a GPU step would be.
         self._launched = DecodesAtLaunch(self.info, self.decode)
@@ -94,6 +95,8 @@ class ScriptedRunner:
         return script[pos] if pos < len(script) else sampled
 
     def prefill(self, chunk):
+        if self.prefill_delay:
+            time.sleep(self.prefill_delay)
         result = self._inner.prefill(chunk)
         if chunk.sample is None:
             return result

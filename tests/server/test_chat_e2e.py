@@ -104,6 +104,15 @@ async def test_stream_wire_sequence(start_server):
                    and f is not frames[0]]
         assert visible and all("timings" in f for f in visible)
 
+        # A slow prefill: the snapshots count prompt time from admission, not from when the first
+        # progress event reached the server (it is published once the prefill step has run).
+        start_server.runner.prefill_delay = 0.3
+        start_server.runner.scripts.append(script(tok, "Hmm.", ("</think>",), "\n\nParis.", ("<|im_end|>",)))
+        frames = sse_json((await c.post("/v1/chat/completions", json=body)).text)[:-1]
+        snapshot = next(f["timings"] for f in frames if f["choices"] and f is not frames[0]
+                        and {"content", "reasoning_content"} & set(f["choices"][0]["delta"]))
+        assert snapshot["prompt_ms"] >= 300 and snapshot["prompt_ms"] <= frames[-1]["timings"]["prompt_ms"] + 50
+
 
 async def test_reasoning_content_and_stop_via_scripted_runner(start_server):
     srv = await start_server(scripted=True)

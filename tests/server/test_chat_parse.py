@@ -69,6 +69,8 @@ def test_minimal_request():
         ({"store": True}, "unsupported_parameter", "store"),
         ({"functions": [{"name": "f"}]}, "unsupported_parameter", "functions"),
         ({"function_call": {"name": "f"}}, "unsupported_parameter", "function_call"),
+        ({"function_call": "bogus"}, "invalid_value", "function_call"),
+        ({"function_call": 3}, "invalid_type", "function_call"),
         ({"repetition_penalty": 1.1}, "unsupported_parameter", "repetition_penalty"),
         ({"mm_processor_kwargs": {"a": 1}}, "unsupported_parameter", "mm_processor_kwargs"),
         ({"grammar": "root ::= x"}, "unsupported_parameter", "grammar"),

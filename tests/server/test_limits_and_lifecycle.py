@@ -120,6 +120,19 @@ async def test_context_and_thinking_budget_rejections(start_server):
         assert r.status_code == 200
 
 
+def test_a_prompt_that_fills_the_ceiling_is_told_it_leaves_no_output_room():
+    from types import SimpleNamespace
+
+    from ninfer.engine.errors import ContextLengthExceeded
+    from ninfer.server.generation import GenerationSession
+
+    def message(protocol, prompt_tokens):
+        return GenerationSession._too_long(SimpleNamespace(protocol=protocol), ContextLengthExceeded(prompt_tokens, 256))
+    assert "no room for an output token" in message("openai_chat", 256)
+    assert message("openai_chat", 300) == "The prompt has 300 tokens; the context ceiling is 256 tokens."
+    assert message("anthropic_messages", 256) == "prompt is too long: 256 tokens > 255 maximum"
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_disconnect_cancels_and_frees_pages(start_server, stream):
     srv = await start_server("--no-prefix-reuse", scripted=True)

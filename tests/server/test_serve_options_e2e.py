@@ -28,9 +28,13 @@ async def test_no_thinking_default_and_request_override(start_server):
     async with httpx.AsyncClient(base_url=srv.url) as c:
         off = await ask(c)
         on = await ask(c, enable_thinking=True)
+        effort = await ask(c, reasoning_effort="high")  # an effort asks for thinking: the template's default
+        none = await ask(c, reasoning_effort="none")
     assert off["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     assert on["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0  # the request wins
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]  # the empty think block is rendered
+    assert effort["usage"]["prompt_tokens"] == on["usage"]["prompt_tokens"]
+    assert none["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"]
 
 
 def generated_ids(log) -> list[list[int]]:
