@@ -301,6 +301,11 @@ class Handle:
             self._outcome_read = True
         return item
 
+    def transitions(self) -> tuple:
+        """The pause/restore boundaries recorded so far (events.Transition), for a consumer that ends
+        without the outcome, whose ``Finished`` would carry them. The worker only appends to the list."""
+        return tuple(self._seq.transitions)
+
     def take_outcome(self) -> tuple[list[int], Finished] | None:
         """The outcome the engine already returned but the consumer has not read: the output token
         ids not yet received (none past a ``stop()``) and the ``Finished``; None while the request

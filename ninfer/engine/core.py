@@ -131,12 +131,18 @@ class EngineCore:
         finally:
             self._planned = None
         t2 = time.perf_counter()
+        # The step's Host time by phase (before_run is the worker's event delivery, which it counts
+        # under engine_commit_output itself); every request of the step is exposed to all of it. What
+        # ran before the commits is exposed first: a first output committed now freezes with it.
+        participants = list(plan.decode) + ([plan.prompt.seq] if plan.prompt is not None else [])
+        phases = {"engine_boundary": t1 - t0, "engine_commit_output": t1b - t1, "program_submit": (t2 - t1b) - device}
+        for seq in participants:
+            self._expose(seq, phases, device)
         self._postprocess(plan)
         t3 = time.perf_counter()
-        # The step's Host time by phase (before_run is the worker's event delivery, which it counts
-        # under engine_commit_output itself); every request of the step is exposed to all of it.
-        phases = {"engine_boundary": t1 - t0, "engine_commit_output": t1b - t1,
-                  "program_submit": (t2 - t1b) - device, "program_post": t3 - t2}
+        phases["program_post"] = t3 - t2
+        for seq in participants:
+            self._expose(seq, {"program_post": t3 - t2}, 0.0)
         for phase in ("engine_boundary", "program_submit", "program_post"):
             c.host_work[phase] += phases[phase]
         c.device_wait += device
@@ -144,11 +150,8 @@ class EngineCore:
         self.last_step_seconds = t3 - t0
         self.last_runner_seconds = device
         for seq in plan.decode:
-            self._expose(seq, phases, device)
             seq.decode_host_seconds += (t3 - t0) - device
             seq.decode_device_seconds += device
-        if plan.prompt is not None:
-            self._expose(plan.prompt.seq, phases, device)
         return not plan.empty
 
     def _count_classes(self, host: float, device: float) -> None:

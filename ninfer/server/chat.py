@@ -33,7 +33,7 @@ async def chat_completions(ex: Exchange) -> None:
     cid = oc.completion_id()
     created = int(time.time())
     if req.stream:
-        await session.respond(ex.request, lambda: ex.send_sse(_stream(session, req, cid, created)))
+        await session.respond_stream(ex.request, lambda: ex.send_sse(_stream(session, req, cid, created)))
     else:
         await session.respond(ex.request, lambda: _aggregate(ex, session, req, cid, created))
 

@@ -99,6 +99,7 @@ class GenerationSession:
         self.payload_bytes = payload_bytes  # the raw JSON body the request came from
         self.acquisition_seconds: float | None = None  # preparation entry → capacity ticket held
         self._config: dict = {}  # the resolved request configuration request_start logged
+        self._first: Any = None  # the engine's first event, taken by admitted() before a stream starts
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -219,11 +220,38 @@ class GenerationSession:
 
     # -- events -----------------------------------------------------------------------------------
 
+    async def admitted(self) -> None:
+        """Wait for the engine's first event (the request is admitted), kept for ``events``: a stream
+        starts only then, so a request never admitted gets its 503 request_queue_timeout as a plain
+        error response (spec: Execution behavior), not inside a started 200 stream."""
+        assert self.handle is not None and self._first is None
+        try:
+            self._first = await self.handle.__anext__()
+        except (engine_errors.QueueTimeout, engine_errors.EngineUnavailable) as e:
+            raise self._engine_failure(e) from None
+
+    async def _engine_events(self) -> AsyncIterator[Any]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for ev in self.handle:
+            yield ev
+
+    def _engine_failure(self, e: Exception) -> ProtocolError:
+        """The terminal record of an engine-side end (not admitted in time, or an engine failure),
+        and the error the client gets."""
+        if isinstance(e, engine_errors.QueueTimeout):
+            self._error("queue", str(e))
+            return ProtocolError("request_queue_timeout", f"The request was not admitted in time: {e}.")
+        self._error("generation", str(e))
+        log.error("request %s: engine failure: %s", self.request_id, e)
+        return ProtocolError("engine_unavailable", "The engine failed while generating.")
+
     async def events(self) -> AsyncIterator[Any]:
         assert self.handle is not None and self.decoder is not None
         finished: Finished | None = None
         try:
-            async for ev in self.handle:
+            async for ev in self._engine_events():
                 if isinstance(ev, PromptProgress):
                     # Events reach us a step late or coalesced, never early: the earliest admission
                     # any of them implies is the closest to the engine's (timings_per_token).
@@ -244,13 +272,8 @@ class GenerationSession:
                             yield out
                 elif isinstance(ev, Finished):
                     finished = ev
-        except engine_errors.QueueTimeout as e:
-            self._error("queue", str(e))
-            raise ProtocolError("request_queue_timeout", f"The request was not admitted in time: {e}.") from None
-        except engine_errors.EngineUnavailable as e:
-            self._error("generation", str(e))
-            log.error("request %s: engine failure: %s", self.request_id, e)
-            raise ProtocolError("engine_unavailable", "The engine failed while generating.") from None
+        except (engine_errors.QueueTimeout, engine_errors.EngineUnavailable) as e:
+            raise self._engine_failure(e) from None
         except BaseException as e:
             # Cancellation (client gone) or an internal failure: one terminal record, request_error
             # unless the client left after the engine had returned the outcome.
@@ -297,6 +320,13 @@ class GenerationSession:
             await self.aclose()
             if self._ticket is not None:
                 self._ticket.release()  # the response is written (or abandoned): the capacity slot is free
+
+    async def respond_stream(self, request: Request, send_stream: Callable[[], Awaitable[None]]) -> None:
+        """``respond`` for a streamed response: ``send_stream`` starts it once the request is admitted."""
+        async def work() -> None:
+            await self.admitted()
+            await send_stream()
+        await self.respond(request, work)
 
     async def collect(self, feed: Callable[[Any], object]) -> "Done":
         """Run to the end for an aggregate response: output events go to ``feed``; returns the ``Done``."""
@@ -384,9 +414,7 @@ class GenerationSession:
         rl = self.state.request_log
         if rl is None:
             return
-        for tr in fin.scheduling.transitions:  # pause/restore boundaries, delivered with the outcome
-            rl.write("request_scheduling", request_id=self.request_id, request_seq=self.seq,
-                     transition=attrs.asdict(tr))
+        self._log_transitions(rl, fin.scheduling.transitions)  # pause/restore boundaries, with the outcome
         t = fin.timings
         rl.write(
             "request_done", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
@@ -405,6 +433,11 @@ class GenerationSession:
             generation={"scheduling": attrs.asdict(fin.scheduling)},
         )
 
+    def _log_transitions(self, rl: Any, transitions: tuple) -> None:
+        for tr in transitions:
+            rl.write("request_scheduling", request_id=self.request_id, request_seq=self.seq,
+                     transition=attrs.asdict(tr))
+
     def _error(self, phase: str, message: str) -> None:
         if self._ended:
             return  # a request has exactly one terminal record
@@ -412,6 +445,8 @@ class GenerationSession:
         log.info("request %s ended without outcome: %s", self.request_id, phase)
         rl = self.state.request_log
         if rl is not None:
+            if self.handle is not None:  # a paused request's boundaries so far (no terminal one)
+                self._log_transitions(rl, self.handle.transitions())
             rl.write("request_error", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
                      **self._config, phase=phase, message=message)
 

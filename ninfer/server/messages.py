@@ -27,7 +27,7 @@ async def create(ex: Exchange) -> None:
                         shape={"thinking": req.thinking_mode, "prefill": req.conversation.prefill is not None})
     mid = am.message_id()
     if req.stream:
-        await session.respond(ex.request, lambda: ex.send_sse(_stream(ex, session, req, mid)))
+        await session.respond_stream(ex.request, lambda: ex.send_sse(_stream(ex, session, req, mid)))
     else:
         await session.respond(ex.request, lambda: _aggregate(ex, session, req, mid))
 

@@ -99,7 +99,7 @@ async def create(ex: Exchange) -> None:
                         capture_endpoint=plan.capture_endpoint, params=("input", "max_output_tokens"))
     created = time.time()
     if req.stream:
-        await session.respond(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))
+        await session.respond_stream(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))
     else:
         await session.respond(ex.request, lambda: _aggregate(ex, session, plan, rid, created))
 

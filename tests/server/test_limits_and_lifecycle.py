@@ -61,14 +61,18 @@ async def test_overload_is_429_and_queue_timeout_is_503(start_server):
         assert overloaded.headers["x-request-id"]
         assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "request_queue_timeout"
         assert (await c.get("/health")).status_code == 200  # saturation is not unavailability
-        # A stream has already started when the deadline passes: the error arrives as a frame.
-        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "stream": True})
-        lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
-        assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
-        assert json.loads(lines[-1][6:])["error"]["code"] == "request_queue_timeout"
-        assert "data: [DONE]" not in lines
+        # A stream starts only once admitted: one never admitted gets the same 503, in each family
+        # (Anthropic's is its 504 timeout_error), and no stream failure is counted.
+        for path, status, kind in (("/v1/chat/completions", 503, "server_error"), ("/v1/responses", 503, "server_error"),
+                                   ("/v1/messages", 504, "timeout_error")):
+            body = {"model": MODEL, "stream": True, "max_tokens": 4, "messages": HI}
+            if path == "/v1/responses":
+                body = {"model": MODEL, "stream": True, "input": "Hello there"}
+            r = await c.post(path, json=body)
+            assert (r.status_code, r.json()["error"]["type"]) == (status, kind), (path, r.text)
+            assert r.headers["content-type"].startswith("application/json")
         metrics = (await c.get("/metrics")).text
-        assert "ninfer_response_failures_total 1.0" in metrics
+        assert "ninfer_response_failures_total 0.0" in metrics
         # The 429 entered preparation: a rejected generation attempt (the timeouts are queue_timeout).
         assert 'ninfer_requests_total{outcome="rejected"} 1.0' in metrics
         await busy.aclose()
@@ -291,6 +295,28 @@ async def test_kv_pressure_pause_is_logged_and_output_unchanged(start_server, tm
         assert not [k for k in COMMON_FIELDS + EVENT_FIELDS[r["event"]] if k not in r]
 
 
+async def test_a_paused_request_whose_client_leaves_still_logs_its_pause(start_server, tmp_path):
+    """The request_scheduling records of a paused request come with its request_error too (written
+    when its client leaves, before the Engine's cancelled outcome): the boundaries so far."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--kv-capacity", "256", "--max-concurrency", "2", "--no-prefix-reuse",
+                             "--request-log-jsonl", str(path), scripted=True)
+    start_server.runner.delay = 0.01  # 200 tokens: the first request holds its pages for 2 s or more
+    engine = srv.state.engine
+    async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+        streams = [await open_stream(c), await open_stream(c)]
+        await wait_for(lambda: engine.stats().preemptions_total >= 1)
+        for response, _, _ in streams:
+            await response.aclose()
+        await wait_for(lambda: engine.stats().requests_total.get("cancelled", 0) == 2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    errors = {r["request_id"] for r in records if r["event"] == "request_error"}
+    kinds = [r["transition"]["kind"] for r in records if r["event"] == "request_scheduling" and r["request_id"] in errors]
+    assert len(errors) == 2 and kinds[:2] == ["pause_started", "paused"], kinds
+    for r in records:
+        assert not [k for k in COMMON_FIELDS + EVENT_FIELDS[r["event"]] if k not in r]
+
+
 async def test_disconnect_while_waiting_cancels_and_frees_the_slot(start_server):
     srv = await start_server("--max-concurrency", "1", "--max-pending-requests", "1", scripted=True)
     runner, engine = start_server.runner, srv.state.engine
@@ -298,8 +324,13 @@ async def test_disconnect_while_waiting_cancels_and_frees_the_slot(start_server)
     async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
         # Keep the line iterators referenced: a collected iterator closes its response.
         busy, busy_lines, _ = await open_stream(c)
-        waiting, waiting_lines, _ = await open_stream(c)  # queued behind the busy lane
-        await waiting.aclose()
+        # Queued behind the busy lane: a stream starts only once admitted, so the client gives up
+        # before any response arrives.
+        with trio.CancelScope() as waiting:
+            async with trio.open_nursery() as n:
+                n.start_soon(open_stream, c)
+                await wait_for(lambda: engine.stats().requests_waiting == 1)
+                waiting.cancel()
         await wait_for(lambda: engine.stats().requests_total.get("cancelled", 0) == 1)
         assert engine.stats().requests_waiting == 0
         # Its pending slot is free again: a newcomer queues instead of getting 429.

@@ -50,6 +50,8 @@ async def test_request_done_has_first_output_timing_and_speculative(start_server
                           "host_exposed_seconds", "device_wait_exposed_seconds", "prefill_tokens", "replayed_tokens"}
     assert first["queue_seconds"] == timings["queue"] and first["elapsed_seconds"] == timings["ttft"]
     assert first["prefill_tokens"] == done["result"]["computed_prefill_tokens"]
+    # frozen as the step that made the first token commits it: that step's prefill is in it
+    assert first["device_wait_exposed_seconds"] > 0 and first["host_exposed_seconds"] > 0
     assert "speculative" in timings and timings["speculative"] is None  # no speculative backend in this build
     et = done["engine_timing"]
     assert et["units"] == {"prefill": et["prefill_units"], "control": et["control_units"]}
