@@ -408,9 +408,9 @@ class GenerationSession:
     def _log_done(self, done: Done, stats: Any) -> None:
         fin = done.finished
         u = done.usage
-        log.info("request %s done: %s, prompt %d (cache %d), completion %d, %.1f ms", self.request_id,
-                 fin.reason, u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"],
-                 fin.timings.total * 1000.0)
+        log.info("request %s done: %s, prompt %d (%s), completion %d, %.1f ms", self.request_id, fin.reason,
+                 u["prompt_tokens"], cache_label(u["cached_tokens"], u["prompt_tokens"], fin.prefix_reuse_path),
+                 u["completion_tokens"], fin.timings.total * 1000.0)
         rl = self.state.request_log
         if rl is None:
             return
@@ -449,6 +449,16 @@ class GenerationSession:
                 self._log_transitions(rl, self.handle.transitions())
             rl.write("request_error", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
                      **self._config, phase=phase, message=message)
+
+
+# Readable labels of the JSONL prefix_reuse_path values, for the stderr completion record.
+REUSE_PATH_LABELS = {"root": "no reuse", "checkpoint": "reused checkpoint"}
+
+
+def cache_label(cached: int, prompt: int, path: str) -> str:
+    """The completion record's "cache N (P%, path)" (spec: Execution behavior)."""
+    share = 100.0 * cached / prompt if prompt else 0.0
+    return f"cache {cached} ({share:.0f}%, {REUSE_PATH_LABELS.get(path, path)})"
 
 
 def _is_cancel(e: BaseException) -> bool:

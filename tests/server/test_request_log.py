@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import httpx
@@ -33,6 +34,18 @@ def only(records: list[dict], event: str) -> dict:
     found = [r for r in records if r["event"] == event]
     assert len(found) == 1, (event, len(found))
     return found[0]
+
+
+async def test_the_stderr_completion_record_shows_the_cache_share_and_path(start_server, caplog):
+    caplog.set_level(logging.INFO, logger="ninfer")
+    srv = await start_server()
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        for _ in range(2):  # the second finds the first one's prompt retained
+            r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2})
+    cached, prompt = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["usage"]["prompt_tokens"]
+    done = [rec.getMessage() for rec in caplog.records if " done: " in rec.getMessage()]
+    assert "(cache 0 (0%, no reuse))" in done[0] and cached > 0
+    assert f"(cache {cached} ({100 * cached / prompt:.0f}%, reused checkpoint))" in done[1]
 
 
 async def test_request_done_has_first_output_timing_and_speculative(start_server, tmp_path):
