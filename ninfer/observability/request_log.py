@@ -36,7 +36,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
                       "prompt_tokens", "phase", "message"),
     "request_scheduling": ("request_id", "request_seq", "transition"),
     "throughput": ("interval_seconds", "prefill_tokens", "decode_tokens", "generation_tokens", "scheduler",
-                   "decode_rounds", "decode_row_rounds", "average_size", "context_cache", "host_work"),
+                   "decode_rounds", "decode_row_rounds", "average_size", "scheduling", "context_cache", "host_work"),
 }
 
 

@@ -55,6 +55,8 @@ def record(t: dict) -> dict:
     out["average_size"] = t["average_batch"]  # the spec's name: decode row-rounds / decode rounds
     out["average_batch"] = t["average_batch"]  # the same value under its earlier name
     out["scheduler"] = scheduler
+    # The spec's separate scheduling object (the same counts stay at the top level, as before).
+    out["scheduling"] = {k: t[k] for k in ("preemptions", "snapshot_restores", "replay_restores", "replayed_tokens")}
     out["context_cache"] = t["context_cache"]
     out["host_work"] = {"elapsed_seconds": t["host_work_seconds"], "device_wait_seconds": t["device_wait_seconds"],
                         "per_round_seconds": t["host_seconds_per_round"],

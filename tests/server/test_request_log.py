@@ -127,7 +127,8 @@ async def test_server_start_records_the_sampler_defaults(start_server, tmp_path)
 
 async def test_throughput_uses_the_spec_names(start_server, tmp_path):
     """Spec: JSONL average_size = decode row-rounds / decode rounds; the scheduler snapshot names
-    capture_pending and terminal_pending; host_work names its work-class and detail members."""
+    capture_pending and terminal_pending; the separate scheduling object; host_work names its
+    work-class and detail members."""
     path = tmp_path / "tp.jsonl"
     srv = await start_server("--log-stats-interval-ms", "50", "--request-log-jsonl", str(path), scripted=True)
     start_server.runner.delay = 0.01
@@ -141,6 +142,8 @@ async def test_throughput_uses_the_spec_names(start_server, tmp_path):
         rounds, rows = t["decode_rounds"], t["decode_row_rounds"]
         assert t["average_size"] == (rows / rounds if rounds else None)
         assert {"capture_pending", "terminal_pending"} <= set(t["scheduler"])
+        assert t["scheduling"] == {k: t[k] for k in ("preemptions", "snapshot_restores", "replay_restores",
+                                                      "replayed_tokens")}
         assert {"work_class_seconds", "detail_subset_seconds", "detail_invocations"} <= set(t["host_work"])
     # Stats publication is detail inside the Host phases: counted, and never more than they hold.
     published = sum(t["host_work"]["detail_invocations"]["stats_publication"] for t in tp)
