@@ -391,7 +391,7 @@ def _add_content(turn: _Turn, content: Any, where: str, slots: _Breakpoints) -> 
     if isinstance(content, str):
         if turn.role == "assistant" and turn.calls:
             _assistant_order(where)
-        if content:
+        if content or turn.role == "user":  # an empty user turn stays a turn, as an empty text block does
             turn.parts.append(_Keyed(content, key=where))
         return
     if not isinstance(content, list):
@@ -521,7 +521,7 @@ def _lower(turns: list[_Turn]) -> list[Message]:
             # The leading results of a user turn, in the order of the calls they answer.
             out.extend(answer_calls(pending, t.results, id_field="tool_use_id", missing_where=t.where,
                                     opens_history=all(m.role == "system" for m in out)))
-            if t.parts:
+            if t.parts or not t.results:  # a turn of only tool results is those results
                 out.append(Message("user", tuple(t.parts)))
         else:
             if pending:

@@ -109,11 +109,11 @@ class App:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
-        if request.method == "OPTIONS":
-            await self._preflight(send)
-            return
         handler, family, public, params, allowed = self._match(request)
         ex = Exchange(self, request, send, family, params)
+        if request.method == "OPTIONS":
+            await self._preflight(ex)
+            return
         try:
             if not public:  # before 404 / 405 too: without the key, the route table is not disclosed
                 self._authenticate(request)
@@ -183,12 +183,13 @@ class App:
                 return
         raise ProtocolError("invalid_api_key", "Missing or invalid API key (Authorization: Bearer or x-api-key).")
 
-    async def _preflight(self, send: Send) -> None:
-        # Preflight is never authenticated; without --cors it advertises nothing.
+    async def _preflight(self, ex: Exchange) -> None:
+        # Preflight is never authenticated; without --cors it advertises nothing (a 405 like any
+        # other method a path does not serve). Either way it carries the family's request id.
         if self.cors:
-            await send_response(send, 204, b"", CORS_HEADERS + PREFLIGHT_HEADERS, b"text/plain")
+            await send_response(ex._send, 204, b"", ex.headers() + PREFLIGHT_HEADERS, b"text/plain")
         else:
-            await send_response(send, 405, b"", [], b"text/plain")
+            await ex.send_error(ProtocolError("method_not_allowed", f"OPTIONS is not allowed on {ex.request.path}."))
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -107,6 +107,9 @@ async def test_cors(start_server, cors):
             "Origin": "http://page.example", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type"})
         r = await c.get("/v1/models", headers={"Origin": "http://page.example", "x-api-key": "k"})
+        anthropic_pre = await c.options("/v1/messages")
+    # Each family's request id, as on every other response (no key needed).
+    assert pre.headers["x-request-id"].startswith("req-") and anthropic_pre.headers["request-id"].startswith("req_")
     if cors:
         assert pre.status_code == 204  # preflight needs no key
         assert pre.headers["access-control-allow-origin"] == "*"
@@ -116,6 +119,8 @@ async def test_cors(start_server, cors):
         assert r.headers["access-control-allow-origin"] == "*"
     else:
         assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
+        assert pre.json()["error"]["code"] == "method_not_allowed"
+        assert anthropic_pre.json()["type"] == "error" and anthropic_pre.status_code == 405
         assert "access-control-allow-origin" not in r.headers
 
 

@@ -61,6 +61,11 @@ def test_history_joins_same_role_turns_and_keeps_system_positions():
     assert roles(req) == [("user", "ab"), ("assistant", "c"), ("system", "s"), ("user", "d")]
     fails("invalid_value", "messages", messages=[])
     fails("missing_required_parameter", "messages", messages=None)
+    # An empty user turn stays a turn in every wire form (it ends the history, no prefill follows it).
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    for empty in ("", [], [{"type": "text", "text": ""}]):
+        req = parse(messages=history + [{"role": "user", "content": empty}])
+        assert roles(req) == [("user", "a"), ("assistant", "b"), ("user", "")] and req.conversation.prefill is None
     fails("invalid_value", "messages[0].role", messages=[{"role": "tool", "content": "x"}])
 
 
