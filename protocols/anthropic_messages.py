@@ -427,6 +427,8 @@ def _add_block(turn: _Turn, block: Any, where: str, slots: _Breakpoints) -> None
         sig = block.get("signature")
         if sig is not None and not isinstance(sig, str):
             raise invalid_type(f"{where}.signature", "a string")  # non-semantic transport metadata
+        if block.get("cache_control") is not None:  # no breakpoint on reasoning, but a well-formed marker
+            _ttl(block["cache_control"], f"{where}.cache_control")
         if turn.parts or turn.calls:
             _assistant_order(where)
         turn.reasoning.append(text)

@@ -103,8 +103,11 @@ def stop_strings(body: dict, key: str = "stop", limit: int = 4) -> tuple[str, ..
     if v is None:
         return ()
     items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+    if not isinstance(items, list):
         raise invalid_type(key, "a string or an array of strings")
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise invalid_type(f"{key}[{i}]", "a string")
     if len(items) > limit:
         raise invalid_value(key, f"at most {limit} stop strings are supported, got {len(items)}.")
     if any(s == "" for s in items):

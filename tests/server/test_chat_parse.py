@@ -54,7 +54,7 @@ def test_minimal_request():
         ({"seed": 2**63}, "invalid_value", "seed"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_value", "stop"),
         ({"stop": [""]}, "invalid_value", "stop"),
-        ({"stop": [1]}, "invalid_type", "stop"),
+        ({"stop": [1]}, "invalid_type", "stop[0]"),
         ({"n": 2}, "unsupported_parameter", "n"),
         ({"n": 0}, "invalid_value", "n"),
         ({"modalities": ["text", "audio"]}, "unsupported_parameter", "modalities"),

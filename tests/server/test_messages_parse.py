@@ -96,6 +96,9 @@ def test_thinking_history_and_assistant_order():
     after_call = [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}},
                                                          {"type": "text", "text": "x"}]}]
     fails("invalid_assistant_history", messages=after_call)
+    marked = [*HI, {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "x",
+                                                      "cache_control": {"type": "ephemeral", "ttl": "9h"}}]}, *HI]
+    fails("invalid_value", "messages[1].content[0].cache_control.ttl", messages=marked)
 
 
 def _call(cid: str, name: str = "f") -> dict:
@@ -168,6 +171,7 @@ def test_max_tokens_and_sampling():
     fails("invalid_type", "top_k", top_k="3")
     fails("invalid_value", "stop_sequences", stop_sequences=[""])
     fails("invalid_type", "stop_sequences", stop_sequences="END")  # an array, never a bare string
+    assert "must be a string." in fails("invalid_type", "stop_sequences[1]", stop_sequences=["END", 1]).message
     # Anthropic sets no cap of four (that is Chat's `stop`); a bound still refuses a flood.
     many = [f"END{i}" for i in range(STOP_SEQUENCES_LIMIT)]
     assert parse(stop_sequences=many[:5]).generation.stops == tuple(many[:5])
