@@ -327,7 +327,7 @@ def new_id(prefix: str) -> str:
 
 def normalize_input(raw: Any) -> tuple[dict, ...]:
     """Canonical input Items in client order: validated, with ids preserved or generated."""
-    if raw is None:
+    if raw is None or raw == "":  # an empty string is empty input, as [] is: no Item
         return ()
     if isinstance(raw, str):
         return ({"type": "message", "id": new_id("msg_"), "role": "user", "status": "completed",

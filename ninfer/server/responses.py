@@ -8,6 +8,7 @@ HTTP errors; after it starts they become ``response.failed``.
 
 from __future__ import annotations
 
+import logging
 import time
 import urllib.parse
 from contextlib import aclosing
@@ -24,6 +25,8 @@ from protocols import openai_responses as orp
 from protocols import responses_output as out
 from protocols.conversation import Conversation
 from protocols.errors import ProtocolError, invalid_value, unsupported
+
+log = logging.getLogger("ninfer.server.responses")
 
 SESSION_PREFIX = "resp:"
 
@@ -113,15 +116,23 @@ def _terminal(ex: Exchange, plan: _Plan, rid: str, created: float, asm: out.Outp
     use = out.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"], u["reasoning_tokens"])
     response = out.response_object(rid, plan.req, created, status, asm.output(), use)
     if plan.req.store:
-        _store(ex).put(response, plan.req.items, plan.history, plan.conv.options.preserve_thinking,
-                       plan.session_key)
+        try:
+            _store(ex).put(response, plan.req.items, plan.history, plan.conv.options.preserve_thinking,
+                           plan.session_key)
+        except ProtocolError as e:  # an operational response event: no second JSONL terminal
+            log.warning("response %s (request %s) not stored: %s", rid, ex.request_id, e.code)
+            raise
     return response, events
 
 
 async def _aggregate(ex: Exchange, session: GenerationSession, plan: _Plan, rid: str, created: float) -> None:
     asm = out.OutputAssembler(plan.req.tools)
     done = await session.collect(asm.feed)
-    response, _ = _terminal(ex, plan, rid, created, asm, done)
+    try:
+        response, _ = _terminal(ex, plan, rid, created, asm, done)
+    except ProtocolError:  # after generation: a response failure, as a stream's response.failed is
+        ex.state.metrics.response_failures += 1
+        raise
     await ex.send_json(200, response)
 
 

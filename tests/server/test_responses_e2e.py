@@ -141,11 +141,14 @@ async def test_store_rules_and_endpoints(start_server):
         assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
 
 
-async def test_store_capacity_exceeded(start_server):
+async def test_store_capacity_exceeded(start_server, caplog):
     srv = await start_server("--response-store-max-mib", "0")
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "response_store_capacity_exceeded"
+        # after generation: a response failure, with its operational stderr record
+        assert "ninfer_response_failures_total 1.0" in (await c.get("/metrics")).text
+        assert any("not stored: response_store_capacity_exceeded" in rec.getMessage() for rec in caplog.records)
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1,
                                                 "store": False})
         assert r.status_code == 200
@@ -154,6 +157,7 @@ async def test_store_capacity_exceeded(start_server):
         last_name, last = sse_events(r.text)[-1]
         assert last_name == "response.failed"
         assert last["response"]["error"]["code"] == "response_store_capacity_exceeded"
+        assert "ninfer_response_failures_total 2.0" in (await c.get("/metrics")).text
 
 
 async def test_input_tokens_matches_create(start_server):

@@ -28,6 +28,12 @@ async def test_empty_string_input_needs_a_previous_response(start_server):
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "", "max_output_tokens": 1,
                                                 "previous_response_id": parent["id"]})
         assert r.status_code == 200 and r.json()["previous_response_id"] == parent["id"]
+        # "" is no input at all, as [] and an omitted input are: no empty user turn is added
+        items = (await c.get(f"/v1/responses/{r.json()['id']}/input_items")).json()["data"]
+        counts = [(await c.post("/v1/responses/input_tokens", json={
+            "model": MODEL, "previous_response_id": parent["id"], **extra})).json()["input_tokens"]
+            for extra in ({"input": ""}, {"input": []}, {})]
+        assert items == [] and counts[0] == counts[1] == counts[2]
 
 
 async def test_input_item_ids_may_not_repeat_the_previous_response_chain(start_server):
