@@ -201,12 +201,18 @@ def _check_unsupported(body: dict) -> None:
             raise unsupported("include", f"no optional output data ({include[0]!r}) is available from this server.")
 
 
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+
+
 def _options(body: dict) -> TemplateOptions:
     reasoning = f.opt_object(body, "reasoning") or {}
     effort = reasoning.get("effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise invalid_value("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)}.")
     # reasoning.summary is an output preference; NInfer returns raw reasoning_text and an empty summary.
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) is not None and reasoning[key] not in REASONING_SUMMARIES:
+            raise invalid_value(f"reasoning.{key}", f"must be one of {', '.join(REASONING_SUMMARIES)}.")
     kwargs = f.opt_object(body, "chat_template_kwargs") or {}
     return resolve_thinking_options(None, f.opt_bool(body, "preserve_thinking"), effort, kwargs,
                                     fields={"reasoning_effort": "reasoning.effort"})

@@ -14,7 +14,7 @@ from typing import Sequence
 import attrs
 
 from protocols.conversation import Message, Part
-from protocols.errors import NO_STRICT_TOOLS, ProtocolError, invalid_value, unsupported
+from protocols.errors import NO_STRICT_TOOLS, ProtocolError, invalid_type, invalid_value, unsupported
 from protocols.fields import loads_unpaired_surrogate
 
 
@@ -40,6 +40,9 @@ def arguments(raw: str, where: str) -> dict:
 
 def check_executable(tool: dict, where: str) -> None:
     """Refuse definition flags NInfer cannot honour: each needs constrained decoding or an executor."""
+    for flag in ("strict", "defer_loading"):
+        if tool.get(flag) is not None and not isinstance(tool[flag], bool):
+            raise invalid_type(f"{where}.{flag}", "a boolean")
     if tool.get("strict") is True:
         raise unsupported(f"{where}.strict", NO_STRICT_TOOLS)
     if tool.get("defer_loading") is True:

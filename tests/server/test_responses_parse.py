@@ -76,6 +76,8 @@ def test_every_accepted_create_field_at_its_neutral_value():
     ("metadata", {"k": "v" * 513}, "invalid_value", "metadata.k"),
     ("metadata", {"k": 1}, "invalid_type", "metadata.k"),
     ("reasoning", {"effort": "huge"}, "invalid_value", "reasoning.effort"),
+    ("reasoning", {"summary": 5}, "invalid_value", "reasoning.summary"),
+    ("tools", [{"type": "function", "name": "f", "strict": "yes"}], "invalid_type", "tools[0].strict"),
     ("text", {"format": {"type": "json_schema", "schema": {}}}, "unsupported_parameter", "text.format"),
     ("text", {"format": {"type": "json_object"}}, "unsupported_parameter", "text.format"),
     ("text", {"verbosity": "low"}, "unsupported_parameter", "text.verbosity"),
