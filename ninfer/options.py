@@ -58,6 +58,15 @@ def _text(text: str) -> str:
     return text
 
 
+def _api_key(text: str) -> str:
+    # A header value arrives as latin-1 with its surrounding whitespace stripped: a key outside
+    # visible ASCII, or with spaces at its ends, could never match what a client sends.
+    text = _text(text)
+    if not all(ch == " " or "!" <= ch <= "~" for ch in text) or text != text.strip():
+        raise argparse.ArgumentTypeError("must be visible ASCII characters (spaces only inside)")
+    return text
+
+
 def device_choice(text: str) -> str | int:
     """``cpu`` (the reference backend) or a CUDA device number."""
     if text == "cpu":
@@ -106,7 +115,7 @@ class Option:
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--host", "listen address", "127.0.0.1", metavar="H"),
     Option("--port", "listen port (0 picks a free port)", 8080, int_range(0, 65535), "N"),
-    Option("--api-key", "required bearer or x-api-key value", None, metavar="KEY"),
+    Option("--api-key", "required bearer or x-api-key value", None, _api_key, "KEY"),
     Option("--model-id", "override the public OpenAI model alias", None, metavar="ID",
            default_text="artifact metadata.name, or architecture name"),
     Option("--chat-template", "local Jinja chat template instead of the artifact's", None, metavar="FILE",

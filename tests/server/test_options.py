@@ -32,11 +32,16 @@ def test_defaults_follow_the_spec_table():
     assert parse("--device", "cpu").device == "cpu"
 
 
+def test_an_api_key_with_inner_spaces_is_accepted():
+    assert parse("--api-key", "two words").api_key == "two words"
+
+
 @pytest.mark.parametrize("argv", [
     ["--max-concurrency", "9"], ["--max-concurrency", "0"], ["--top-k", "21"], ["--temperature", "3"],
     ["--top-p", "nan"], ["--port", "70000"], ["--log-level", "loud"], ["--kv-dtype", "fp4"],
     ["--spec", "eagle"], ["--default-thinking-budget", "0"], ["--max-context", "x"],
     ["--device", "gpu"], ["--device", "-1"], ["--device", ""],
+    ["--api-key", ""], ["--api-key", "clé"], ["--api-key", "key "], ["--api-key", "a\tb"],
 ])
 def test_malformed_values_fail_argparse(argv, capsys):
     with pytest.raises(SystemExit):
