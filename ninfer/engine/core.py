@@ -600,7 +600,9 @@ class EngineCore:
             requests_replaying=replaying,
             requests_materializing=self._planned.materializing if self._planned is not None else 0,
             device_kv_used_pages=self.pool.used_count, device_kv_capacity_pages=self.pool.capacity,
-            device_state_used_slots=self.slots.occupied, device_state_capacity_slots=self.slots.capacity,
+            # A dense model has no StateImages: its lanes' slot bookkeeping is no occupancy.
+            device_state_used_slots=self.slots.occupied if self.recurrent else 0,
+            device_state_capacity_slots=self.slots.capacity if self.recurrent else 0,
             host_context_used_bytes=self.host.used,
             host_context_reserved_bytes=self._planned.host_reserved if self._planned is not None else 0,
             host_context_capacity_bytes=self.host.capacity, host_context_peak_bytes=self.host.peak,

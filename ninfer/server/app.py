@@ -7,6 +7,7 @@ metrics, models, chat completions, responses, messages) only see an ``Exchange``
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import secrets
@@ -75,7 +76,12 @@ class Exchange:
 
 
 def _new_request_id(family: str) -> str:
-    return ("req_" if family == "anthropic" else "req-") + secrets.token_hex(12)
+    """Unique, and in this server instance monotonic (spec: Structured request log): a fixed-width
+    counter, then random digits so that ids of different instances do not collide."""
+    return ("req_" if family == "anthropic" else "req-") + f"{next(_REQUEST_COUNTER):010x}" + secrets.token_hex(7)
+
+
+_REQUEST_COUNTER = itertools.count()
 
 
 class App:

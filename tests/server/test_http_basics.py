@@ -16,7 +16,7 @@ async def test_health_models_and_request_ids(start_server):
         assert r1.status_code == 200
         assert r1.json()["data"] == [{"id": "random-tiny-qwen3", "object": "model", "created": srv.state.created,
                                       "owned_by": "ninfer", "max_model_len": 256}]
-        assert r1.headers["x-request-id"] != r2.headers["x-request-id"]
+        assert r1.headers["x-request-id"] < r2.headers["x-request-id"]  # unique, monotonic in this server
         r = await c.get("/v1/models/random-tiny-qwen3")
         assert r.json()["id"] == "random-tiny-qwen3" and r.json()["max_model_len"] == 256
         r = await c.get("/v1/models/other")

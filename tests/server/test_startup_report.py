@@ -79,7 +79,7 @@ async def test_cuda_startup_is_logged_and_recorded(nursery, tiny_artifact, tmp_p
                            "prefill_gemm_tuning": TUNING, "weights_upload_gb_per_s": 21.5,
                            "weights_random_fill_s": None}
     assert rec["context_cost_source"].startswith("compiled transfer, generic prefill (hardware cuda, model Qwen3ForCausalLM-h64")
-    assert rec["context_cache"]["device_state_capacity_slots"] == 4  # C + H, H defaulting to C
+    assert rec["context_cache"]["device_state_capacity_slots"] == 0  # a dense model has no StateImages
 
 
 async def test_cuda_startup_without_graphs(nursery, tiny_artifact, tmp_path):
@@ -104,7 +104,7 @@ async def test_reference_backend_reports_no_device(start_server, tmp_path):
     assert rec["backend"] == "reference"
     assert rec["memory"] is None and rec["cuda_graph"] is None and rec["cuda"] is None
     assert rec["kv_sizing"] == {"mode": "max_context", "capacity_tokens": 256, "pages": 16, "ledger": None}
-    assert rec["context_cache"] == {"device_state_capacity_slots": 5, "device_state_used_slots": 0,
+    assert rec["context_cache"] == {"device_state_capacity_slots": 0, "device_state_used_slots": 0,
                                     "host_context_capacity_bytes": 1 << 20, "host_context_used_bytes": 0,
                                     "host_context_peak_bytes": 0}
     assert rec["context_cost_source"].startswith("generic (hardware reference")
