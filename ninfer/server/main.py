@@ -217,6 +217,9 @@ async def run_server(args: argparse.Namespace, argv: list[str] | None = None, *,
                     nursery.cancel_scope.cancel()  # the server is down: stop the stats loop too
 
                 binds = await nursery.start(serve_then_stop)
+                if engine.max_context < config.max_context:  # a sequence cannot outgrow the KV pool
+                    log.warning("the context ceiling is %d tokens, below --max-context %d: the KV capacity "
+                                "(or the runner) holds no more", engine.max_context, config.max_context)
                 log.info("ready: serving %s on %s (max context %d, concurrency %d) after %.1f s", model_id,
                          binds[0], engine.max_context, config.max_concurrency, time.monotonic() - t0)
                 task_status.started(RunningServer(binds[0], state, app))

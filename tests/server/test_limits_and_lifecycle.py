@@ -407,3 +407,11 @@ async def test_a_rejection_is_logged_with_the_status_its_family_sent(start_serve
     rejected = [json.loads(line) for line in path.read_text().splitlines()]
     rejected = [(r["protocol"], r["status"], r["type"]) for r in rejected if r["event"] == "request_rejected"]
     assert rejected == [("anthropic_messages", 529, "overloaded_error"), ("openai_chat", 429, "server_error")]
+
+
+async def test_a_kv_pool_below_the_max_context_lowers_the_ceiling_with_a_warning(start_server, caplog):
+    caplog.set_level(logging.WARNING, logger="ninfer")
+    srv = await start_server("--kv-capacity", "128")
+    async with httpx.AsyncClient(base_url=srv.url) as c:
+        assert (await c.get("/v1/models")).json()["data"][0]["max_model_len"] == 128
+    assert any("the context ceiling is 128 tokens, below --max-context 256" in r.getMessage() for r in caplog.records)
