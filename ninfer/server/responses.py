@@ -107,29 +107,34 @@ async def create(ex: Exchange) -> None:
         await session.respond(ex.request, lambda: _aggregate(ex, session, plan, rid, created))
 
 
-def _terminal(ex: Exchange, plan: _Plan, rid: str, created: float, asm: out.OutputAssembler,
+def _terminal(plan: _Plan, rid: str, created: float, asm: out.OutputAssembler,
               done: Done) -> tuple[dict, list[dict]]:
-    """The terminal Response (stored when asked) and the closing events of the open Item."""
+    """The terminal Response and the closing events of the open Item."""
     status = out.status_of(done.finish_reason)
     events = asm.finish(status)
     u = done.usage
     use = out.usage(u["prompt_tokens"], u["cached_tokens"], u["completion_tokens"], u["reasoning_tokens"])
-    response = out.response_object(rid, plan.req, created, status, asm.output(), use)
-    if plan.req.store:
-        try:
-            _store(ex).put(response, plan.req.items, plan.history, plan.conv.options.preserve_thinking,
-                           plan.session_key)
-        except ProtocolError as e:  # an operational response event: no second JSONL terminal
-            log.warning("response %s (request %s) not stored: %s", rid, ex.request_id, e.code)
-            raise
-    return response, events
+    return out.response_object(rid, plan.req, created, status, asm.output(), use), events
+
+
+def _keep(ex: Exchange, plan: _Plan, response: dict) -> None:
+    """Store the terminal Response where the request asks (``store``)."""
+    if not plan.req.store:
+        return
+    try:
+        _store(ex).put(response, plan.req.items, plan.history, plan.conv.options.preserve_thinking,
+                       plan.session_key)
+    except ProtocolError as e:  # an operational response event: no second JSONL terminal
+        log.warning("response %s (request %s) not stored: %s", response["id"], ex.request_id, e.code)
+        raise
 
 
 async def _aggregate(ex: Exchange, session: GenerationSession, plan: _Plan, rid: str, created: float) -> None:
     asm = out.OutputAssembler(plan.req.tools)
     done = await session.collect(asm.feed)
+    response, _ = _terminal(plan, rid, created, asm, done)
     try:
-        response, _ = _terminal(ex, plan, rid, created, asm, done)
+        _keep(ex, plan, response)
     except ProtocolError:  # after generation: a response failure, as a stream's response.failed is
         ex.state.metrics.response_failures += 1
         raise
@@ -169,9 +174,10 @@ async def _stream(ex: Exchange, session: GenerationSession, plan: _Plan, rid: st
                     yield frame({"type": "response.failed", "response": failed})
                     continue
                 if isinstance(ev, Done):
-                    response, closing = _terminal(ex, plan, rid, created, asm, ev)
-                    for e in closing:
+                    response, closing = _terminal(plan, rid, created, asm, ev)
+                    for e in closing:  # the open Item closes on the wire before the store can fail
                         yield frame(e)
+                    _keep(ex, plan, response)
                     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}[response["status"]]
                     yield frame({"type": kind, "response": response})
                     continue

@@ -142,7 +142,8 @@ async def test_store_rules_and_endpoints(start_server):
 
 
 async def test_store_capacity_exceeded(start_server, caplog):
-    srv = await start_server("--response-store-max-mib", "0")
+    srv = await start_server("--response-store-max-mib", "0", scripted=True)
+    start_server.runner.scripts.append(thinking_answer(srv.state.prompts.tokenizer))
     async with httpx.AsyncClient(base_url=srv.url) as c:
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "response_store_capacity_exceeded"
@@ -152,10 +153,15 @@ async def test_store_capacity_exceeded(start_server, caplog):
         r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1,
                                                 "store": False})
         assert r.status_code == 200
-        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 1,
+        start_server.runner.scripts.append(thinking_answer(srv.state.prompts.tokenizer))
+        r = await c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 64,
                                                 "stream": True})
-        last_name, last = sse_events(r.text)[-1]
+        events = sse_events(r.text)
+        last_name, last = events[-1]
         assert last_name == "response.failed"
+        # the open Item closed on the wire before the store failed, as the failed Response shows it
+        names = [name for name, _ in events]
+        assert names.count("response.output_item.added") == names.count("response.output_item.done") >= 1
         assert last["response"]["error"]["code"] == "response_store_capacity_exceeded"
         assert "ninfer_response_failures_total 2.0" in (await c.get("/metrics")).text
 
