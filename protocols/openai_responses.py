@@ -498,6 +498,7 @@ class _Group:
     reasoning: list[str] = attrs.Factory(list)
     parts: list[Part] = attrs.Factory(list)
     calls: list[ToolCall] = attrs.Factory(list)
+    named: dict[str, tuple[str | None, str]] = attrs.Factory(dict)  # call_id -> (namespace, name) as sent
     stage: int = 0  # 0 reasoning, 1 message content, 2 function calls: the only representable order
 
 
@@ -566,16 +567,16 @@ def lower_items(items: tuple[dict, ...], first_new: int = 0) -> list[Message]:
 
 
 def _check_asserted_call(item: dict, group: _Group | None, where: str) -> None:
-    """A result that names its call (name, optional namespace) must name the call its call_id answers."""
-    if "name" not in item:
-        return
-    call = next((c for c in group.calls if c.id == item["call_id"]), None) if group is not None else None
-    if call is None:
+    """A result that names its call must name the call its call_id answers, as the call's own
+    namespace/name pair: a name asserts the pair (no namespace: none), a namespace alone the namespace."""
+    pair = group.named.get(item["call_id"]) if group is not None else None
+    if pair is None or ("name" not in item and "namespace" not in item):
         return  # an unknown call_id is reported where results are matched to calls
-    asserted = qualified(item.get("namespace"), item["name"])
-    if asserted != call.name:
-        raise ProtocolError("invalid_tool_history", f"function_call_output {item['call_id']!r} names {asserted!r}, "
-                            f"but that call is {call.name!r}.", f"{where}.name")
+    key = "name" if "name" in item else "namespace"
+    asserted = (item.get("namespace"), item["name"]) if key == "name" else item["namespace"]
+    if asserted != (pair if key == "name" else pair[0]):
+        raise ProtocolError("invalid_tool_history", f"function_call_output {item['call_id']!r} names "
+                            f"{asserted!r}, but that call is {pair!r} (namespace, name).", f"{where}.{key}")
 
 
 def _where(i: int, first_new: int) -> str:
@@ -597,6 +598,7 @@ def _add_to_group(group: _Group, item: dict, where: str) -> None:
     else:
         args = arguments(item["arguments"], f"{where}.arguments")
         group.calls.append(ToolCall(item["call_id"], qualified(item.get("namespace"), item["name"]), args))
+        group.named[item["call_id"]] = (item.get("namespace"), item["name"])
 
 
 def _parts(content: Any) -> tuple[Part, ...]:

@@ -200,6 +200,13 @@ def test_assistant_grouping_and_result_reordering():
     ([_fc("c1"), dict(_out("c1"), name="other")], "invalid_tool_history", "input[2].name"),
     ([_fc("c1", namespace="mcp__weather"), dict(_out("c1"), name="get_weather")], "invalid_tool_history",
      "input[2].name"),
+    # the pair as the call sent it: not the joined identity, not another split, not another namespace
+    ([_fc("c1", namespace="mcp__weather"), dict(_out("c1"), name="mcp__weather__get_weather")],
+     "invalid_tool_history", "input[2].name"),
+    ([_fc("c1", namespace="mcp__weather"), dict(_out("c1"), namespace="mcp", name="weather__get_weather")],
+     "invalid_tool_history", "input[2].name"),
+    ([_fc("c1", namespace="mcp__weather"), dict(_out("c1"), namespace="other")], "invalid_tool_history",
+     "input[2].namespace"),
     ([_fc("c1"), _out("c1", [])], "invalid_value", "input[2].output"),
     # Calls that another Item follows with no result at all: an empty, so partial, result set.
     ([_fc("c1"), {"role": "user", "content": "never mind"}], "invalid_tool_history", "input[2]"),
@@ -221,6 +228,7 @@ def test_item_field_rejections():
           dict(_out("c1"), name="get_weather", namespace="mcp__weather")]
     assert msgs(conv(input=ok))[2][4] == "c1"
     assert parse(input=ok).items[2]["name"] == "get_weather"
+    assert conv(input=[*ok[:2], dict(_out("c1"), namespace="mcp__weather")])  # the namespace alone
     # A history that begins with results is a truncated import.
     c = conv(input=[_out("c0", "old"), {"role": "user", "content": "go"}])
     assert msgs(c)[0] == ("tool", "old", None, (), "c0")
