@@ -60,9 +60,10 @@ class Exchange:
         self.started = True
         await send_response(self._send, status, dumps(obj), self.headers())
 
-    async def send_text(self, status: int, body: bytes, content_type: bytes) -> None:
+    async def send_text(self, status: int, body: bytes, content_type: bytes,
+                        extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.started = True
-        await send_response(self._send, status, body, self.headers(), content_type)
+        await send_response(self._send, status, body, self.headers() + (extra_headers or []), content_type)
 
     async def send_error(self, err: ProtocolError) -> None:
         if self.family == "anthropic":
@@ -193,7 +194,7 @@ class App:
         # Preflight is never authenticated; without --cors it advertises nothing (a 405 like any
         # other method a path does not serve). Either way it carries the family's request id.
         if self.cors:
-            await send_response(ex._send, 204, b"", ex.headers() + PREFLIGHT_HEADERS, b"text/plain")
+            await ex.send_text(204, b"", b"text/plain", PREFLIGHT_HEADERS)
         else:
             await ex.send_error(ProtocolError("method_not_allowed", f"OPTIONS is not allowed on {ex.request.path}."))
 
