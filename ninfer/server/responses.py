@@ -26,7 +26,7 @@ from protocols import responses_output as out
 from protocols.conversation import Conversation
 from protocols.errors import ProtocolError, invalid_value, unsupported
 
-log = logging.getLogger("ninfer.server.responses")
+log = logging.getLogger("ninfer.server")
 
 SESSION_PREFIX = "resp:"
 
