@@ -123,6 +123,7 @@ class EngineCore:
         plan = self._ahead_plan() if self._ahead is not None else self.scheduler.schedule()
         t1 = time.perf_counter()
         self._planned = plan
+        self._publish_admissions(plan)
         if before_run is not None:
             before_run()
         t1b = time.perf_counter()
@@ -153,6 +154,16 @@ class EngineCore:
             seq.decode_host_seconds += (t3 - t0) - device
             seq.decode_device_seconds += device
         return not plan.empty
+
+    def _publish_admissions(self, plan: Plan) -> None:
+        """The initial PromptProgress (processed == cache: the reuse choice admission committed) of
+        each request this step binds for the first time, out before the runner calls: ``before_run``
+        delivers it while the first prefill unit computes, so a stream starts then."""
+        now = self.clock()
+        for seq in plan.admitted:
+            if not seq.admission_published:
+                seq.admission_published = True
+                self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, (now - seq.t_admit) * 1000.0))
 
     def _count_classes(self, host: float, device: float) -> None:
         """A step's work classes: its decode and prefill programs' Device wait as timed, and its Host
@@ -318,7 +329,7 @@ class EngineCore:
         c.replay_restores += len(plan.replays)
         for seq in plan.admitted:
             if not seq.cached_reported:
-                self._on_first_binding(seq, state_from.get(seq.lane), now)
+                self._on_first_binding(seq, state_from.get(seq.lane))
         unit = plan.prompt
         if unit is not None and unit.seq.phase is Phase.RESIDENT:
             self._post_prompt(unit, now)
@@ -336,7 +347,7 @@ class EngineCore:
         self.counters.transfer_bytes[(resource, direction)] += nbytes
         seq.transfers[(resource, direction)] += nbytes
 
-    def _on_first_binding(self, seq: Sequence, state: str | None, now: float) -> None:
+    def _on_first_binding(self, seq: Sequence, state: str | None) -> None:
         c = self.counters
         seq.cached_reported = True
         c.prompt_tokens += seq.prompt_len
@@ -347,8 +358,6 @@ class EngineCore:
                             "reused_tokens": seq.cached, "state": state}
         c.queue.observe(seq.t_admit - seq.t_submit)
         seq.pending_captures = [b for b in seq.pending_captures if b > seq.cached]
-        # Published once the step's copies have landed, so it reports the time since admission then.
-        self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, (now - seq.t_admit) * 1000.0))
 
     def _post_prompt(self, unit, now: float) -> None:
         c, seq = self.counters, unit.seq

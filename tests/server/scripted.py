@@ -78,6 +78,8 @@ class ScriptedRunner:
         self.fail = False
         self.delay = 0.0  # seconds each decode step takes at least (a slow model)
         self.prefill_delay = 0.0  # seconds each prefill call takes at least
+        self.prefill_gate = threading.Event()  # cleared: prefill calls wait until the test sets it
+        self.prefill_gate.set()
         # The pipelined protocol (the engine uses it: the inner runner's info says so): a following
         # step is fed the scripted tokens of the one before it, as a GPU step would be.
         self._launched = DecodesAtLaunch(self.info, self.decode)
@@ -95,6 +97,8 @@ class ScriptedRunner:
         return script[pos] if pos < len(script) else sampled
 
     def prefill(self, chunk):
+        if not self.prefill_gate.wait(timeout=60):
+            raise RuntimeError("scripted runner: the test never reopened the prefill gate")
         if self.prefill_delay:
             time.sleep(self.prefill_delay)
         result = self._inner.prefill(chunk)

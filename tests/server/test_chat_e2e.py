@@ -114,6 +114,31 @@ async def test_stream_wire_sequence(start_server):
         assert snapshot["prompt_ms"] >= 300 and snapshot["prompt_ms"] <= frames[-1]["timings"]["prompt_ms"] + 50
 
 
+async def test_a_stream_starts_with_the_initial_progress_while_the_first_prefill_runs(start_server):
+    """Admission publishes the initial prompt_progress (processed == cache) before the runner's
+    first prefill call: the stream's role chunk and that event arrive while the prefill is held."""
+    srv = await start_server(scripted=True)
+    runner = start_server.runner
+    runner.scripts.append(script(srv.state.prompts.tokenizer, "Hmm.", ("</think>",), "\n\nParis.", ("<|im_end|>",)))
+    body = {"model": MODEL, "messages": HI, "max_tokens": 16, "stream": True, "return_progress": True}
+    runner.prefill_gate.clear()
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            frames = r.aiter_lines()
+            data = []
+            async for line in frames:
+                if line.startswith("data: "):
+                    data.append(json.loads(line[6:]))
+                if len(data) == 2:
+                    break
+            assert data[0]["choices"][0]["delta"]["role"] == "assistant"
+            initial = data[1]["prompt_progress"]
+            assert initial["processed"] == initial["cache"] < initial["total"]
+            runner.prefill_gate.set()
+            rest = [line async for line in frames if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+
+
 async def test_reasoning_content_and_stop_via_scripted_runner(start_server):
     srv = await start_server(scripted=True)
     tok = srv.state.prompts.tokenizer
