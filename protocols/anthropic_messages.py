@@ -82,7 +82,7 @@ class MessagesRequest:
 
 
 def parse_request(body: Any, *, count_only: bool = False) -> MessagesRequest:
-    """Validate a create (or count_tokens) body; ``count_only`` skips output-only requirements."""
+    """Validate a create (or count_tokens) body; ``count_only`` reads no output-only field."""
     try:
         return _parse_request(body, count_only)
     except ProtocolError as err:
@@ -111,7 +111,7 @@ def _parse_request(body: Any, count_only: bool) -> MessagesRequest:
     tools, callable_names = _parse_tools(body, slots)
     system = _parse_system(body.get("system"), slots)
     messages, prefill = _parse_messages(body.get("messages"), slots)
-    mode, budget = _parse_thinking(body, count_only)
+    mode, budget = _parse_thinking(body)
     if prefill is not None and mode in ("enabled", "adaptive"):
         raise invalid_value("thinking", "an assistant prefill cannot start with thinking enabled.")
     thinking = {"disabled": False, "enabled": True, "adaptive": True}.get(mode)  # type: ignore[arg-type]
@@ -141,7 +141,9 @@ def _parse_request(body: Any, count_only: bool) -> MessagesRequest:
     all_messages = slots.apply_request_level(body.get("cache_control"), all_messages)
     conversation = Conversation(tuple(all_messages), tools, callable_names, options, implicit_cache=False,
                                 prefill=prefill)
-    gen = _parse_generation(body, count_only, budget)
+    if count_only:  # output-only sampling and streaming fields do not affect the count (spec): unread
+        return MessagesRequest(model, conversation, GenerationOptions(thinking_budget=budget), False, mode)
+    gen = _parse_generation(body, budget)
     return MessagesRequest(model, conversation, gen, bool(f.opt_bool(body, "stream")), mode)
 
 
@@ -151,9 +153,9 @@ def _parse_request(body: Any, count_only: bool) -> MessagesRequest:
 # layer's own bound.
 STOP_SEQUENCES_LIMIT = MAX_STOPS
 
-def _parse_generation(body: dict, count_only: bool, budget: int | None) -> GenerationOptions:
+def _parse_generation(body: dict, budget: int | None) -> GenerationOptions:
     max_tokens = f.opt_int(body, "max_tokens", 0)
-    if max_tokens == 0 and not count_only:
+    if max_tokens == 0:
         raise invalid_value("max_tokens", "must be positive: a zero-output cache prewarm is not supported.")
     if max_tokens is not None:
         check_thinking_budget(budget, max_tokens)
@@ -178,7 +180,7 @@ def check_thinking_budget(budget: int | None, max_tokens: int, *, default: bool 
         raise invalid_value("thinking.budget_tokens", f"{budget} must be less than {what}.")
 
 
-def _parse_thinking(body: dict, count_only: bool) -> tuple[str | None, int | None]:
+def _parse_thinking(body: dict) -> tuple[str | None, int | None]:
     t = f.opt_object(body, "thinking")
     if t is None:
         return None, None

@@ -164,7 +164,12 @@ def test_max_tokens_and_sampling():
     assert parse().generation.max_tokens is None  # optional: the server default applies
     assert parse(max_tokens=7).generation.max_tokens == 7
     fails("invalid_value", "max_tokens", max_tokens=0)
-    assert parse_request({"model": "m", "messages": HI, "max_tokens": 0}, count_only=True)
+    # Counting reads no output-only field: out-of-range sampling, a zero or negative max_tokens, a
+    # budget past max_tokens and a malformed stream do not fail it.
+    ignored = {"max_tokens": -3, "temperature": 5, "top_k": 99, "stop_sequences": "x", "stream": "yes",
+               "thinking": {"type": "enabled", "budget_tokens": 2048}}
+    counted = parse_request({"model": "m", "messages": HI, **ignored}, count_only=True)
+    assert counted.conversation.options.enable_thinking and counted.thinking_mode == "enabled"
     g = parse(temperature=0.5, top_p=0.9, top_k=5, stop_sequences=["END", "\n\n"]).generation
     assert (g.temperature, g.top_p, g.top_k, g.stops) == (0.5, 0.9, 5, ("END", "\n\n"))
     fails("invalid_value", "temperature", temperature=1.5)
