@@ -141,9 +141,10 @@ class EngineCore:
             self._expose(seq, phases, device)
         self._postprocess(plan)
         t3 = time.perf_counter()
-        phases["program_post"] = t3 - t2
+        post = {"program_post": t3 - t2}
+        phases.update(post)
         for seq in participants:
-            self._expose(seq, {"program_post": t3 - t2}, 0.0)
+            self._expose(seq, post, 0.0)
         for phase in ("engine_boundary", "program_submit", "program_post"):
             c.host_work[phase] += phases[phase]
         c.device_wait += device
@@ -157,12 +158,12 @@ class EngineCore:
 
     def _publish_admissions(self, plan: Plan) -> None:
         """The initial PromptProgress (processed == cache: the reuse choice admission committed) of
-        each request this step binds for the first time, out before the runner calls: ``before_run``
+        each request this step binds for the first time (its first binding is counted only in this
+        step's post-processing, ``cached_reported``), out before the runner calls: ``before_run``
         delivers it while the first prefill unit computes, so a stream starts then."""
         now = self.clock()
         for seq in plan.admitted:
-            if not seq.admission_published:
-                seq.admission_published = True
+            if not seq.cached_reported:
                 self._emit(seq, PromptProgress(seq.prompt_len, seq.cached, seq.cached, (now - seq.t_admit) * 1000.0))
 
     def _count_classes(self, host: float, device: float) -> None:

@@ -52,7 +52,6 @@ class Sequence:
         self.cached = 0  # reused prefix tokens at initial binding
         self.admitted_once = False
         self.cached_reported = False
-        self.admission_published = False  # its initial PromptProgress is out
         self.prompt_high = 0  # furthest prompt position ever computed (beyond it: fresh prefill)
         self.t_prompt_done: float | None = None
         self.transitions: list[Any] = []  # events.Transition records
