@@ -16,7 +16,8 @@ from ninfer.backends.runner import DecodeBatch, ModelRunner, PrefillChunk, Sampl
 from ninfer.engine.config import EngineConfig
 from ninfer.engine.context_cost import ContextCost
 from ninfer.engine.events import (EngineTiming, Finished, FirstOutputTiming, PromptProgress,
-                                  SchedulingCounters, Timings, TokenDelta, Transition, Usage)
+                                  SchedulingCounters, Timings, TokenDelta, Transition, Usage,
+                                  WorkProgress)
 from ninfer.engine.pools import HostBudget, KVPool, StateSlots
 from ninfer.engine.prefix_cache import PrefixCache
 from ninfer.engine.scheduler import Plan, Scheduler
@@ -580,10 +581,10 @@ class EngineCore:
         seq.transitions.append(Transition(
             kind=kind, preemption_index=seq.preemptions, route=route, steady_ns=steady,
             elapsed_ns=steady - int(seq.t_submit * 1e9),
-            global_prefill_tokens=c.prefill_tokens, global_decode_tokens=c.decode_tokens,
-            global_replayed_tokens=c.replayed_tokens,
-            request_prefill_tokens=max(0, seq.prompt_high - seq.cached),
-            request_decode_tokens=seq.decode_rounds, request_replayed_tokens=seq.replayed_tokens))
+            engine_progress=WorkProgress(prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+                                         replayed_tokens=c.replayed_tokens),
+            request_progress=WorkProgress(prefill_tokens=max(0, seq.prompt_high - seq.cached),
+                                          decode_tokens=seq.decode_rounds, replayed_tokens=seq.replayed_tokens)))
 
     # -- stats ----------------------------------------------------------------------------
 

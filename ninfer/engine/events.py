@@ -43,6 +43,15 @@ class Timings:
 
 
 @attrs.frozen(kw_only=True)
+class WorkProgress:
+    """Cumulative completed work, in tokens (one side of a request_scheduling ``progress``)."""
+
+    prefill_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    decode_tokens: int  # tokens committed by decode and control units
+    replayed_tokens: int  # tokens recomputed to restore paused requests
+
+
+@attrs.frozen(kw_only=True)
 class Transition:
     """One pause/restore boundary (spec request_scheduling), in order within a pause cycle:
     pause_started (route still None), paused (its snapshot read, or its pages dropped for replay),
@@ -51,8 +60,8 @@ class Transition:
     committed unit, or a normal finish, after restoring); terminal ends a preempted request.
 
     ``steady_ns`` is taken on the engine worker (compare it across requests, not delivery
-    order); ``elapsed_ns`` starts at submission. Between two boundaries, the global counters minus
-    this request's counters are other requests' completed work.
+    order); ``elapsed_ns`` starts at submission. Between two boundaries, the engine-wide progress
+    minus this request's progress is other requests' completed work.
     """
 
     kind: str
@@ -60,12 +69,8 @@ class Transition:
     route: str | None  # "snapshot", "replay", or None before pause preparation chose one
     steady_ns: int
     elapsed_ns: int
-    global_prefill_tokens: int
-    global_decode_tokens: int
-    global_replayed_tokens: int
-    request_prefill_tokens: int
-    request_decode_tokens: int
-    request_replayed_tokens: int
+    engine_progress: WorkProgress  # every request's work (the spec's "global" counters)
+    request_progress: WorkProgress  # this request's own
 
 
 @attrs.frozen(kw_only=True)

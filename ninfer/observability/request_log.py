@@ -34,7 +34,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "request_error": ("request_id", "request_seq", "protocol", "stream", "shape", "sampling", "max_tokens",
                       "requested_reasoning_effort", "enable_thinking", "preserve_thinking", "thinking_budget",
                       "prompt_tokens", "phase", "message"),
-    "request_scheduling": ("request_id", "request_seq", "transition"),
+    "request_scheduling": ("request_id", "request_seq", "transition", "progress"),
     "throughput": ("interval_seconds", "prefill_tokens", "decode_tokens", "generation_tokens", "scheduler",
                    "decode_rounds", "decode_row_rounds", "average_size", "scheduling", "context_cache", "host_work"),
 }

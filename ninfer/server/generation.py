@@ -430,13 +430,14 @@ class GenerationSession:
                              "prefill": t.prompt, "decode": t.generation, "total": t.total, "speculative": None},
             engine_timing=_engine_timing(fin.engine_timing),
             first_output_timing=None if fin.first_output is None else attrs.asdict(fin.first_output),
-            generation={"scheduling": attrs.asdict(fin.scheduling)},
+            generation={"scheduling": {**attrs.asdict(fin.scheduling),
+                                       "transitions": [_transition_record(tr) for tr in fin.scheduling.transitions]}},
         )
 
     def _log_transitions(self, rl: Any, transitions: tuple) -> None:
         for tr in transitions:
             rl.write("request_scheduling", request_id=self.request_id, request_seq=self.seq,
-                     transition=attrs.asdict(tr))
+                     **_transition_record(tr))
 
     def _error(self, phase: str, message: str) -> None:
         if self._ended:
@@ -477,6 +478,15 @@ def _engine_timing(et: Any) -> dict[str, Any]:
             "units": {"prefill": et.prefill_units, "control": et.control_units},
             # The flat counts of earlier records (before the nesting above), kept for their readers.
             "decode_rounds": et.decode_rounds, "prefill_units": et.prefill_units, "control_units": et.control_units}
+
+
+def _transition_record(tr: Any) -> dict[str, Any]:
+    """A request_scheduling event's members: the boundary, and its ``progress`` — cumulative
+    engine-wide ("global") and request-owned work, whose deltas between two boundaries tell whether
+    other requests advanced meanwhile."""
+    boundary = attrs.asdict(tr, filter=lambda a, _: a.name not in ("engine_progress", "request_progress"))
+    return {"transition": boundary, "progress": {"global": attrs.asdict(tr.engine_progress),
+                                                 "request": attrs.asdict(tr.request_progress)}}
 
 
 def _resolved_sampling(row: Any) -> dict[str, Any]:

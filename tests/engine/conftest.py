@@ -86,7 +86,7 @@ def pause_cycles(f: Finished) -> list[list]:
         assert cycle[0].route is None and route in ("snapshot", "replay")
         assert all(t.route == ("replay" if t.kind == "replay_complete" else route) for t in cycle[1:])
         if kinds[-1] == "recovery_complete":  # at the first fresh unit: at most one decode round on
-            assert cycle[-1].request_decode_tokens - cycle[3].request_decode_tokens <= 1
+            assert cycle[-1].request_progress.decode_tokens - cycle[3].request_progress.decode_tokens <= 1
     last = [t.kind for t in cycles[-1]]
     if f.reason != "cancelled":
         assert last[-1] == "recovery_complete" and ("replay_complete" in last or cycles[-1][1].route == "snapshot")

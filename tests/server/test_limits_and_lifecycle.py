@@ -289,8 +289,16 @@ async def test_kv_pressure_pause_is_logged_and_output_unchanged(start_server, tm
         assert r["choices"][0]["message"] == alone["choices"][0]["message"]
         assert r["usage"]["completion_tokens"] == 200
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    kinds = [r["transition"]["kind"] for r in records if r["event"] == "request_scheduling"]
+    scheduling = [r for r in records if r["event"] == "request_scheduling"]
+    kinds = [r["transition"]["kind"] for r in scheduling]
     assert "paused" in kinds and "restored" in kinds
+    for r in scheduling:  # cumulative work: the engine's includes the request's own
+        engine, own = r["progress"]["global"], r["progress"]["request"]
+        assert set(engine) == set(own) == {"prefill_tokens", "decode_tokens", "replayed_tokens"}
+        assert all(engine[k] >= own[k] for k in engine) and engine["prefill_tokens"] > 0
+    done = [r for r in records if r["event"] == "request_done" and r["generation"]["scheduling"]["preemptions"]]
+    assert done and all(t["progress"]["global"]["decode_tokens"] >= 0 and "kind" in t["transition"]
+                        for r in done for t in r["generation"]["scheduling"]["transitions"])
     for r in records:
         assert not [k for k in COMMON_FIELDS + EVENT_FIELDS[r["event"]] if k not in r]
 
