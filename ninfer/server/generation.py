@@ -95,6 +95,7 @@ class GenerationSession:
         self._ended = False  # its terminal record (request_done or request_error) is written
         self._shape: dict = {}
         self._session: tuple[str | None, bool] = (None, True)
+        self._requested: Any = None  # the thinking options the request named (start())
         self.prepare_seconds: float | None = None
         self.payload_bytes = payload_bytes  # the raw JSON body the request came from
         self.acquisition_seconds: float | None = None  # preparation entry → capacity ticket held
@@ -105,10 +106,13 @@ class GenerationSession:
 
     async def start(self, conv: Conversation, gen: GenerationOptions, *, shape: dict | None = None,
                     session_key: str | None = None, capture_endpoint: bool = True,
-                    params: tuple[str, str] = ("messages", "max_tokens")) -> None:
+                    params: tuple[str, str] = ("messages", "max_tokens"), requested: Any = None) -> None:
         """``params``: the family's names of the prompt and of the output limit, which a rejection
-        for the context or the output capacity names (Responses: ``input``, ``max_output_tokens``)."""
+        for the context or the output capacity names (Responses: ``input``, ``max_output_tokens``).
+        ``requested``: the options the request itself named, where the conversation's carry inherited
+        ones (a Responses child): the JSONL records log the explicit options, null when unspecified."""
         self._params = params
+        self._requested = requested if requested is not None else conv.options
         # The request's shape for the JSONL records: the conversation's counts, then family members.
         self._shape = {"messages": len(conv.messages), "tools": len(conv.tools),
                        "callable_tools": len(conv.callable_tools), "stream": self.stream, **(shape or {})}
@@ -118,9 +122,9 @@ class GenerationSession:
             ticket = state.engine.reserve()
         except engine_errors.Overloaded as e:
             self._reject(ProtocolError("server_overloaded", f"The server is at capacity ({e.capacity} requests); "
-                                       "retry later."), conv)
+                                       "retry later."))
         except engine_errors.EngineUnavailable:
-            self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
+            self._reject(ProtocolError("engine_unavailable", "The engine is not available."))
         # reserve() never waits (a full Engine answers 429 above): Engine FIFO waiting comes after
         # submission, in timings_seconds.queue.
         self.acquisition_seconds = time.monotonic() - self.t0
@@ -131,7 +135,7 @@ class GenerationSession:
             try:
                 prepared = await state.prompts.prepare_async(conv)
             except ProtocolError as err:
-                self._reject(err, conv)
+                self._reject(err)
             self._submit(ticket, conv, gen, prepared)
         except BaseException:
             ticket.release()
@@ -157,13 +161,13 @@ class GenerationSession:
             self.handle = ticket.submit(request)
         except engine_errors.ContextLengthExceeded as e:
             self._reject(ProtocolError("context_length_exceeded", self._too_long(e), self._params[0],
-                                       prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit), conv)
+                                       prompt_tokens=e.prompt_tokens, max_context_tokens=e.limit))
         except engine_errors.ThinkingBudgetCapacityInsufficient as e:
-            self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), self._params[1]), conv)
+            self._reject(ProtocolError("thinking_budget_capacity_insufficient", str(e), self._params[1]))
         except engine_errors.EngineUnavailable:
-            self._reject(ProtocolError("engine_unavailable", "The engine is not available."), conv)
+            self._reject(ProtocolError("engine_unavailable", "The engine is not available."))
         except engine_errors.InvalidPrompt as e:  # any other ValueError is ours: a 500 with its log record
-            self._reject(ProtocolError("invalid_prompt", f"The prepared request is invalid: {e}"), conv)
+            self._reject(ProtocolError("invalid_prompt", f"The prepared request is invalid: {e}"))
         self.prepared = prepared
         self.prepare_seconds = time.monotonic() - self.t0
         tools = conv.callable_tool_defs()
@@ -181,7 +185,7 @@ class GenerationSession:
                     f"within the context ceiling of {e.limit} tokens.")
         return f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens."
 
-    def _reject(self, err: ProtocolError, conv: Conversation) -> None:
+    def _reject(self, err: ProtocolError) -> None:
         # The status and type the client receives: Anthropic's family has its own (529 for 429).
         if self.protocol == "anthropic_messages":
             status, kind = err.anthropic_status(), err.kind.anthropic_type
@@ -190,7 +194,7 @@ class GenerationSession:
         rl = self.state.request_log
         if rl is not None:
             rl.write("request_rejected", request_id=self.request_id, request_seq=self.seq, protocol=self.protocol,
-                     phase="prepare", shape=self._shape, requested_reasoning_effort=conv.options.reasoning_effort,
+                     phase="prepare", shape=self._shape, requested_reasoning_effort=self._requested.reasoning_effort,
                      media_items=0, status=status, type=kind, code=err.code, param=err.param, message=err.message)
         log.info("request %s rejected: %d %s", self.request_id, status, err.code)
         self.state.metrics.rejected += 1  # a generation attempt that entered preparation
@@ -205,8 +209,8 @@ class GenerationSession:
         # request_error repeats this configuration: a request without an outcome still says what it asked for.
         self._config = dict(
             stream=self.stream, shape=self._shape, sampling=_resolved_sampling(self.handle.sampling),
-            max_tokens=request.max_tokens, requested_reasoning_effort=conv.options.reasoning_effort,
-            enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=conv.options.preserve_thinking,
+            max_tokens=request.max_tokens, requested_reasoning_effort=self._requested.reasoning_effort,
+            enable_thinking=request.thinking.starts_in_thinking, preserve_thinking=self._requested.preserve_thinking,
             thinking_budget=request.thinking.budget, prompt_tokens=len(request.prompt),
             stop_strings=len(gen.stops), cache_boundaries=list(request.cache_boundaries))
         prepared = self.prepared

@@ -99,7 +99,8 @@ async def create(ex: Exchange) -> None:
     session = GenerationSession(state, ex.request_id, protocol="openai_responses", stream=req.stream,
                                 payload_bytes=ex.payload_bytes)
     await session.start(plan.conv, req.generation, shape=_shape(plan), session_key=plan.session_key,
-                        capture_endpoint=plan.capture_endpoint, params=("input", "max_output_tokens"))
+                        capture_endpoint=plan.capture_endpoint, params=("input", "max_output_tokens"),
+                        requested=req.options)
     created = time.time()
     if req.stream:
         await session.respond_stream(ex.request, lambda: ex.send_sse(_stream(ex, session, plan, rid, created)))

@@ -293,5 +293,7 @@ async def test_request_start_flags_a_responses_semantic_branch(start_server, tmp
         root = await create(preserve_thinking=True)
         for kw in ({}, {"preserve_thinking": True}, {"preserve_thinking": False}):
             await create(previous_response_id=root, **kw)
-    flags = [r["shape"]["semantic_change"] for r in read_log(path) if r["event"] == "request_start"]
-    assert flags == [False, False, False, True]
+    starts = [r for r in read_log(path) if r["event"] == "request_start"]
+    assert [r["shape"]["semantic_change"] for r in starts] == [False, False, False, True]
+    # The explicit option, null when the request left it to the chain (the child still inherits it).
+    assert [r["preserve_thinking"] for r in starts] == [True, None, True, False]
