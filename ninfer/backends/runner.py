@@ -12,7 +12,7 @@ output token). Backends see token ids, positions, page tables and sampling rows;
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import attrs
 import numpy as np
@@ -43,6 +43,9 @@ class RunnerInfo:
     # launch_decode / finish_decode may keep a second step in flight that follows the first on the
     # device (a dense model; a recurrent one would advance its lanes' state past a finished request)
     pipelined_decode: bool = False
+    # prefill results carry ``device_interval`` (the CUDA backend's timing events; the reference
+    # backend has no device, and its requests report no GPU seconds)
+    times_device: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -79,6 +82,9 @@ class DecodeBatch:
 class StepResult:
     tokens: np.ndarray  # int32 [rows]; empty for a prefill chunk that does not sample
     logits: np.ndarray | None = None  # float32 [rows or chunk tokens, vocab] when asked for
+    # A prefill's stream interval where ``info.times_device``: its ``seconds()`` (float, or None where
+    # it cannot be read) waits for the work to end, which the call itself may not have.
+    device_interval: Any = None
 
 
 class ModelRunner(Protocol):

@@ -237,6 +237,8 @@ class EngineCore:
             device += spent
             if not unit.control:  # a prefill or replay chunk; forced control tokens are control work
                 self._class_device["prefill"] += spent
+                if result.device_interval is not None:
+                    seq.gpu_intervals.append(result.device_interval)
             unit.result = result.tokens
         if plan.decode or plan.launched is not None:
             t = pc()
@@ -561,7 +563,17 @@ class EngineCore:
             generated_token_ids=tuple(output),
             seed=seq.row.seed,
             first_output=seq.first_output,
+            gpu_seconds=self._gpu_seconds(seq),
         )
+
+    def _gpu_seconds(self, seq: Sequence) -> float | None:
+        """Device seconds of the request's prefill and replay stream intervals (waiting for the last
+        to end); None on a backend without device timing, or where one cannot be read."""
+        intervals, seq.gpu_intervals = seq.gpu_intervals, []
+        if not self.runner.info.times_device:
+            return None
+        seconds = [interval.seconds() for interval in intervals]
+        return None if None in seconds else sum(seconds)
 
     def _rebuilt(self, seq: Sequence) -> None:
         """replay_complete once a replay restore has rebuilt the frontier saved at its pause."""

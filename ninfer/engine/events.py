@@ -148,3 +148,6 @@ class Finished:
     generated_token_ids: tuple[int, ...]
     seed: int  # the seed actually used (request, process flag, or fresh random)
     first_output: FirstOutputTiming | None = None  # None when no output token was committed
+    # Device seconds of its prefill/replay stream intervals (request_done work.gpu_seconds); None on
+    # a backend without device timing (the reference backend). Overlaps Host time: not a wall stage.
+    gpu_seconds: float | None = None

@@ -97,6 +97,7 @@ class Sequence:
         self.decode_host_seconds = 0.0  # of host_seconds / device_seconds: the decode rounds'
         self.decode_device_seconds = 0.0
         self.device_seconds = 0.0
+        self.gpu_intervals: list = []  # its prefill and replay units' stream intervals (StepResult)
         self.decode_rounds = 0
         self.prefill_units = 0
         self.control_units = 0

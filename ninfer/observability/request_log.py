@@ -29,7 +29,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "request_rejected": ("request_id", "request_seq", "protocol", "phase", "shape", "requested_reasoning_effort",
                          "media_items", "status", "type", "code", "param", "message"),
     "request_done": ("request_id", "request_seq", "protocol", "result", "timings_seconds", "engine_timing",
-                     "first_output_timing", "generation"),
+                     "first_output_timing", "generation", "work"),
     # The resolved configuration request_start logged, then the terminal message.
     "request_error": ("request_id", "request_seq", "protocol", "stream", "shape", "sampling", "max_tokens",
                       "requested_reasoning_effort", "enable_thinking", "preserve_thinking", "thinking_budget",

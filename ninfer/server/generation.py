@@ -434,6 +434,9 @@ class GenerationSession:
                              "prefill": t.prompt, "decode": t.generation, "total": t.total, "speculative": None},
             engine_timing=_engine_timing(fin.engine_timing),
             first_output_timing=None if fin.first_output is None else attrs.asdict(fin.first_output),
+            # Device time of its prefill/replay stream intervals (null without a device), and its
+            # context copies: evidence beside the wall-time stages, not another stage.
+            work={"gpu_seconds": fin.gpu_seconds, "context_transfers": fin.scheduling.context_transfers},
             generation={"scheduling": {**attrs.asdict(fin.scheduling),
                                        "transitions": [_transition_record(tr) for tr in fin.scheduling.transitions]}},
         )

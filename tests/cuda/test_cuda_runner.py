@@ -325,6 +325,26 @@ def test_pages_copy_and_round_trip(artifact):
         gpu.close()
 
 
+def test_prefill_reports_its_device_interval(artifact):
+    """request_done work.gpu_seconds: every prefill returns its stream interval, readable once the
+    work ends (a chunk that does not sample returns before that); the open intervals stay bounded."""
+    _, gpu = _runners(artifact)
+    try:
+        assert gpu.info.times_device
+        prompt = np.arange(200, dtype=np.int32) % gpu.info.vocab_size
+        first = gpu.prefill(PrefillChunk(lane=0, tokens=prompt[:100], start=0, page_table=_table(0)))
+        last = gpu.prefill(PrefillChunk(lane=0, tokens=prompt[100:], start=100, page_table=_table(0),
+                                        sample=SamplingRow()))
+        assert 0 < first.device_interval.seconds() < 1 and 0 < last.device_interval.seconds() < 1
+        assert first.device_interval.seconds() == first.device_interval.seconds()  # read once, kept
+        unread = [gpu.prefill(PrefillChunk(lane=1, tokens=prompt[:8], start=0, page_table=_table(1))).device_interval
+                  for _ in range(3 * gpu._intervals.limit)]
+        assert len(gpu._intervals._open) <= gpu._intervals.limit
+        assert all(0 < iv.seconds() < 1 for iv in unread)
+    finally:
+        gpu.close()
+
+
 def test_pages_round_trip_through_the_pinned_host_arena(artifact):
     """With a Host arena, snapshots are carved from one pinned allocation: the device copies land in it
     and leave from it, bit-exact against the staging path; a full arena falls back to pageable."""

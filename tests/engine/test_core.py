@@ -6,11 +6,13 @@ The simulated runner derives every token from the KV it reads back through the p
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from ninfer.engine import EngineConfig, SamplingOverrides, ThinkingControl
 from ninfer.engine.events import Finished, PromptProgress, TokenDelta
 from ninfer.engine.sequence import Phase
+from ninfer.engine.simulated import SimulatedRunner
 from ninfer.engine.stats import throughput
 
 from .conftest import CoreDriver, pause_cycles
@@ -347,3 +349,49 @@ def test_fifo_with_a_bounded_bypass():
     assert names[:1 + MAX_BYPASS] == ["a"] + [f"c{i}" for i in range(MAX_BYPASS)]
     assert names[1 + MAX_BYPASS] == "b" and b.bypassed == MAX_BYPASS
     assert all(finished(s).reason == "length" for s in [a, b, *cs])
+
+
+class _Interval:
+    def __init__(self, seconds):
+        self.value, self.read = seconds, 0
+
+    def seconds(self):
+        self.read += 1
+        return self.value
+
+
+class _TimedRunner(SimulatedRunner):
+    """A device-timing runner: each prefill's interval lasts a millisecond a token (None: unreadable)."""
+
+    unreadable = False
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.info = attrs.evolve(self.info, times_device=True)
+        self.intervals = []
+
+    def prefill(self, chunk):
+        interval = _Interval(None if self.unreadable else 1e-3 * len(chunk.tokens))
+        self.intervals.append(interval)
+        return attrs.evolve(super().prefill(chunk), device_interval=interval)
+
+
+@pytest.mark.parametrize("unreadable", [False, True])
+def test_gpu_seconds_add_up_the_request_prefill_intervals(unreadable):
+    """request_done work.gpu_seconds: each prefill unit's device interval, read once at the finish;
+    None where one cannot be read, and on a runner without device timing."""
+    c = cfg(max_concurrency=2, prefill_chunk=16)
+    runner = _TimedRunner(page_size=c.page_size, num_pages=c.kv_pages, max_batch=2, max_context=c.max_context)
+    runner.unreadable = unreadable
+    d = CoreDriver(c, runner=runner)
+    a, b = d.submit(prompt(0, 40), 5), d.submit(prompt(1, 20), 5)  # units of 16, 16, 8 and 16, 4
+    d.run()
+    assert [i.read for i in runner.intervals] == [1] * 5
+    if unreadable:
+        assert finished(a).gpu_seconds is None and finished(b).gpu_seconds is None
+    else:
+        assert finished(a).gpu_seconds == pytest.approx(0.040) and finished(b).gpu_seconds == pytest.approx(0.020)
+    plain = CoreDriver(cfg())
+    s = plain.submit(prompt(0, 40), 5)
+    plain.run()
+    assert finished(s).gpu_seconds is None

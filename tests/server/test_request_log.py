@@ -66,6 +66,9 @@ async def test_request_done_has_first_output_timing_and_speculative(start_server
     # frozen as the step that made the first token commits it: that step's prefill is in it
     assert first["device_wait_exposed_seconds"] > 0 and first["host_exposed_seconds"] > 0
     assert "speculative" in timings and timings["speculative"] is None  # no speculative backend in this build
+    # work: the reference backend has no device to time; the context copies are scheduling's
+    assert done["work"] == {"gpu_seconds": None,
+                            "context_transfers": done["generation"]["scheduling"]["context_transfers"]}
     et = done["engine_timing"]
     assert et["units"] == {"prefill": et["prefill_units"], "control": et["control_units"]}
     assert et["decode"]["rounds"] == et["decode_rounds"] == 3  # four outputs: the first comes from prefill

@@ -38,6 +38,7 @@ import numpy as np
 
 from ninfer.artifact.bf16 import from_float32
 from ninfer.backends.cuda import runtime as rt
+from ninfer.backends.cuda.intervals import StreamIntervals
 from ninfer.backends.cuda import weights as wt
 from ninfer.backends.cuda.forward import (DECODE_GEMMS, FRAGMENT_ORDER, GEMV_MAX_ROWS, GRAPH_DEPTHS, PREFILL_GEMMS,
                                           PREFILL_SPLIT, Forward, StepBuffers, check_supported, fragment_bytes,
@@ -197,7 +198,8 @@ class CudaRunner:
             self.kernels[name]
         self.info = RunnerInfo(page_size=page_size, num_pages=num_pages, max_batch=max_batch,
                                vocab_size=config.vocab_size, max_context=max_context, backend="cuda",
-                               pipelined_decode=self.PIPELINED_DECODE)
+                               pipelined_decode=self.PIPELINED_DECODE, times_device=True)
+        self._intervals = StreamIntervals(device)
         self._outs = [device.pinned(4 * max_batch).view(np.int32) for _ in range(2)]  # a side each
         self._out = self._outs[0]  # a prefill's sampled token
         self._done = [device.event() for _ in range(2)]  # a side's step has finished
@@ -413,6 +415,7 @@ class CudaRunner:
         tokens, positions, table = prefill_inputs(self.info, chunk)
         inp, b, stream = self.buffers.inputs, self.buffers, self.stream
         logits = np.empty((tokens.size, self.info.vocab_size), np.float32) if chunk.return_logits else None
+        interval = self._intervals.begin(stream)  # the call's stream interval (request_done work)
         for first in range(0, tokens.size, b.rows):
             n = min(b.rows, tokens.size - first)
             # The pinned inputs are rewritten only once the device has copied them in (not once the
@@ -445,9 +448,11 @@ class CudaRunner:
             self.forward.logits(n - 1, 1, stream)
             self.forward.sample(1, stream)
             rt.copy_d2h(self._out[:1], b.out, stream)
+        device_interval = self._intervals.end(interval, stream)
+        if chunk.sample is not None:
             rt.synchronize(stream)
             out = self._out[:1].copy()
-        return StepResult(tokens=out, logits=logits)
+        return StepResult(tokens=out, logits=logits, device_interval=device_interval)
 
     @_on_device
     def decode(self, batch: DecodeBatch) -> StepResult:
@@ -657,6 +662,7 @@ class CudaRunner:
             self._lt.close()
         rt.synchronize(self.stream)  # a step still in flight finishes before its graph goes
         self._pending.clear()
+        self._intervals.close()
         self._drop_prefill_graphs()
         for by_depth in self.graphs.values():
             for pair in by_depth.values():
