@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn
 
 import attrs
 import trio
@@ -185,7 +185,13 @@ class GenerationSession:
                     f"within the context ceiling of {e.limit} tokens.")
         return f"The prompt has {e.prompt_tokens} tokens; the context ceiling is {e.limit} tokens."
 
-    def _reject(self, err: ProtocolError) -> None:
+    def reject(self, err: ProtocolError, requested: Any, shape: dict) -> NoReturn:
+        """A preparation failure before ``start`` (a Responses request's stored parent or the history
+        it continues): its request_rejected record, then ``err`` raised."""
+        self._requested, self._shape = requested, {"stream": self.stream, **shape}
+        self._reject(err)
+
+    def _reject(self, err: ProtocolError) -> NoReturn:
         # The status and type the client receives: Anthropic's family has its own (529 for 429).
         if self.protocol == "anthropic_messages":
             status, kind = err.anthropic_status(), err.kind.anthropic_type

@@ -85,20 +85,25 @@ def _plan(ex: Exchange, req: orp.ResponsesRequest, rid: str) -> _Plan:
     return _Plan(req, conv, history, key, capture, branch)
 
 
-def _shape(plan: _Plan) -> dict:
-    """The Responses members of the logged request shape (the session adds the conversation's)."""
-    return {"items": len(plan.req.items), "history_items": len(plan.history), "store": plan.req.store,
-            "previous_response_id": plan.req.previous_response_id is not None, "semantic_change": plan.semantic_change}
+def _shape(req: orp.ResponsesRequest, plan: _Plan | None) -> dict:
+    """The Responses members of the logged request shape (the session adds the conversation's);
+    without a plan (its parent or history refused) the stored chain's are null."""
+    return {"items": len(req.items), "history_items": len(plan.history) if plan else None, "store": req.store,
+            "previous_response_id": req.previous_response_id is not None,
+            "semantic_change": plan.semantic_change if plan else None}
 
 
 async def create(ex: Exchange) -> None:
     state = ex.state
     req = orp.parse_request(await ex.json_body(), state.model_id)
     rid = out.response_id()
-    plan = _plan(ex, req, rid)
     session = GenerationSession(state, ex.request_id, protocol="openai_responses", stream=req.stream,
                                 payload_bytes=ex.payload_bytes)
-    await session.start(plan.conv, req.generation, shape=_shape(plan), session_key=plan.session_key,
+    try:  # preparation: the stored parent and the conversation it continues
+        plan = _plan(ex, req, rid)
+    except ProtocolError as err:
+        session.reject(err, req.options, _shape(req, None))
+    await session.start(plan.conv, req.generation, shape=_shape(req, plan), session_key=plan.session_key,
                         capture_endpoint=plan.capture_endpoint, params=("input", "max_output_tokens"),
                         requested=req.options)
     created = time.time()

@@ -300,3 +300,26 @@ async def test_request_start_flags_a_responses_semantic_branch(start_server, tmp
     assert [r["shape"]["semantic_change"] for r in starts] == [False, False, False, True]
     # The explicit option, null when the request left it to the chain (the child still inherits it).
     assert [r["preserve_thinking"] for r in starts] == [True, None, True, False]
+
+
+async def test_a_responses_parent_that_cannot_be_continued_is_a_rejected_preparation(start_server, tmp_path):
+    """Spec: a preparation failure produces request_rejected without a matching start. Resolving a
+    Responses request's stored parent is preparation: an unknown id, or an input Item the chain
+    already holds, is logged with the status, code and parameter the client gets."""
+    path = tmp_path / "log.jsonl"
+    srv = await start_server("--request-log-jsonl", str(path))
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        missing = await c.post("/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": "resp_x",
+                                                      "reasoning": {"effort": "low"}})
+        root = (await c.post("/v1/responses", json={"model": MODEL, "max_output_tokens": 1, "input": [
+            {"type": "message", "id": "msg_1", "role": "user", "content": "Hi"}]})).json()["id"]
+        again = await c.post("/v1/responses", json={"model": MODEL, "previous_response_id": root, "input": [
+            {"type": "message", "id": "msg_1", "role": "user", "content": "Hi"}]})
+    assert missing.status_code == 404 and again.status_code == 400
+    records = read_log(path)
+    rejected = [r for r in records if r["event"] == "request_rejected"]
+    assert [(r["status"], r["code"], r["param"]) for r in rejected] == [
+        (404, "response_not_found", "previous_response_id"), (400, "invalid_value", "input[0].id")]
+    assert rejected[0]["requested_reasoning_effort"] == "low" and rejected[0]["shape"]["previous_response_id"]
+    assert [r["event"] for r in records if r["event"].startswith("request_")].count("request_start") == 1  # the root's
+    assert {r["request_id"] for r in rejected} == {missing.headers["x-request-id"], again.headers["x-request-id"]}
