@@ -596,7 +596,9 @@ class EngineCore:
             engine_progress=WorkProgress(prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
                                          replayed_tokens=c.replayed_tokens),
             request_progress=WorkProgress(prefill_tokens=max(0, seq.prompt_high - seq.cached),
-                                          decode_tokens=seq.decode_rounds, replayed_tokens=seq.replayed_tokens)))
+                                          # decode/control, as the global counter: forced ids too
+                                          decode_tokens=seq.decode_rounds + seq.forced_total,
+                                          replayed_tokens=seq.replayed_tokens)))
 
     # -- stats ----------------------------------------------------------------------------
 

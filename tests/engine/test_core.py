@@ -284,6 +284,22 @@ def test_thinking_budget_forces_the_close_suffix():
     assert out[8:] == alone(prompt(9, 20) + out[:8], 4)
 
 
+def test_a_paused_requests_progress_counts_its_forced_ids_as_decode_control_work():
+    """request_scheduling progress: the request's decode/control counter is the global counter's
+    share of it, forced close ids included, so at its terminal boundary it holds every output the
+    request committed after the one its prefill sampled."""
+    think = ThinkingControl(starts_in_thinking=True, budget=5, close_ids=(11, 12, 13), end_think_id=13)
+    d = CoreDriver(cfg(max_concurrency=3, kv_capacity=192, max_context=192, prefix_reuse=False))
+    seqs = [d.submit(prompt(i, 60), 40, thinking=think) for i in range(3)]
+    d.run()
+    paused = [finished(s) for s in seqs if finished(s).scheduling.preemptions]
+    assert paused and all(f.scheduling.forced_tokens == 3 for f in map(finished, seqs))
+    for f in paused:
+        terminal = f.scheduling.transitions[-1]
+        assert terminal.request_progress.decode_tokens == f.usage.completion_tokens - 1
+    assert d.core.counters.decode_tokens == sum(finished(s).usage.completion_tokens - 1 for s in seqs)
+
+
 def test_natural_end_of_thinking_cancels_the_budget():
     base = alone(prompt(9, 20), 12)
     think = ThinkingControl(starts_in_thinking=True, budget=5, close_ids=(11, 12), end_think_id=base[2])
