@@ -497,9 +497,9 @@ def _transition_record(tr: Any) -> dict[str, Any]:
     """A request_scheduling event's members: the boundary, and its ``progress`` — cumulative
     engine-wide ("global") and request-owned work, whose deltas between two boundaries tell whether
     other requests advanced meanwhile."""
-    boundary = attrs.asdict(tr, filter=lambda a, _: a.name not in ("engine_progress", "request_progress"))
-    return {"transition": boundary, "progress": {"global": attrs.asdict(tr.engine_progress),
-                                                 "request": attrs.asdict(tr.request_progress)}}
+    boundary = attrs.asdict(tr)
+    progress = {"global": boundary.pop("engine_progress"), "request": boundary.pop("request_progress")}
+    return {"transition": boundary, "progress": progress}
 
 
 def _resolved_sampling(row: Any) -> dict[str, Any]:

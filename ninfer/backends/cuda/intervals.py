@@ -30,7 +30,7 @@ class Interval:
     def seconds(self) -> float | None:
         """Seconds on the device, waiting for the interval's end; None where the context failed."""
         if self.events is not None:
-            self._owner.settle(self, wait=True)
+            self._owner.settle(self)
         return self.value
 
 
@@ -44,7 +44,7 @@ class StreamIntervals:
     def begin(self, stream) -> tuple:
         """Record an interval's start on ``stream``; ``end`` takes the pair this returns."""
         while self._open and (len(self._open) >= self.limit or self._ended(self._open[0])):
-            self.settle(self._open[0], wait=True)
+            self.settle(self._open[0])
         pair = self._spare.pop() if self._spare else (self.device.event(timing=True), self.device.event(timing=True))
         rt.check(cu.cuEventRecord(pair[0], stream), "cuEventRecord")
         return pair
@@ -55,13 +55,12 @@ class StreamIntervals:
         self._open.append(interval)
         return interval
 
-    def settle(self, interval: Interval, wait: bool) -> None:
-        """Read ``interval`` (waiting for its end if ``wait``) and free its events."""
+    def settle(self, interval: Interval) -> None:
+        """Read ``interval`` (waiting for its end) and free its events."""
         start, stop = interval.events
         self.device.make_current()
         try:
-            if wait:
-                rt.wait_event(stop)
+            rt.wait_event(stop)
             interval.value = rt.check(cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3
         except rt.CudaError:
             interval.value = None  # a failed context: the interval cannot be read (the runner reports why)
